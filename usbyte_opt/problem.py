@@ -1,0 +1,150 @@
+"""A profile compiled for planning: flat per-tensor arrays, buffer layouts, schedule building.
+
+Strategies work on tensor indices and element ranges; this module turns those into the
+schedule format and back. No torch import.
+
+Example::
+
+    >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+    >>> prof = Profile("toy", 2.0, 4.0, (TensorSpec("a", (10,), "float32", 1.0, 1.5),
+    ...                                  TensorSpec("b", (5,), "float32", 3.0, 0.0)),
+    ...                CommSpec("analytic", 2, 0.1, 1.0))
+    >>> pb = Problem.from_profile(prof)
+    >>> lay = pb.layout()
+    >>> lay.pos[pb.index["b"]]          # ascending ready: a first, then b
+    (0, 10, 15)
+    >>> lay.tensors_of(0, 8, 12)        # a block across the boundary touches both
+    [0, 1]
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+from .cost import CostModel
+from .formats import Block, Buffer, Profile, Schedule, check_against
+
+
+@dataclass(slots=True)
+class Layout:
+    """Where every tensor lies: ``pos[i] = (buffer, start, end)`` in elements."""
+
+    buffers: tuple[Buffer, ...]
+    members: list[list[int]]
+    """Tensor indices of each buffer, in layout order."""
+    starts: list[list[int]]
+    """Start offset of each member (same shape as ``members``)."""
+    numel: list[int]
+    itemsize: list[int]
+    pos: list[tuple[int, int, int]]
+
+    def tensors_of(self, buffer: int, start: int, end: int) -> list[int]:
+        """Indices of the tensors that the element range ``[start, end)`` touches."""
+        st = self.starts[buffer]
+        lo = bisect_right(st, start) - 1
+        hi = bisect_left(st, end)
+        return self.members[buffer][max(lo, 0):hi]
+
+    def whole(self, i: int) -> Block:
+        b, s, e = self.pos[i]
+        return Block(b, s, e)
+
+
+@dataclass(slots=True)
+class Problem:
+    """The planner's view of a profile: arrays indexed by tensor, and the cost model."""
+
+    profile: Profile
+    cost: CostModel
+    names: list[str]
+    ready: list[float]
+    need: list[float]
+    update: list[float]
+    numel: list[int]
+    itemsize: list[int]
+    dtype: list[str]
+    index: dict[str, int]
+    B: float
+    F: float
+
+    @classmethod
+    def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> "Problem":
+        ts = profile.tensors
+        return cls(
+            profile=profile,
+            cost=cost or CostModel.from_comm(profile.comm),
+            names=[t.name for t in ts],
+            ready=[t.ready_ms for t in ts],
+            need=[t.need_ms for t in ts],
+            update=[t.update_ms for t in ts],
+            numel=[t.numel for t in ts],
+            itemsize=[t.itemsize for t in ts],
+            dtype=[t.dtype for t in ts],
+            index={t.name: i for i, t in enumerate(ts)},
+            B=profile.backward_ms,
+            F=profile.forward_ms,
+        )
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    def nbytes(self, i: int) -> int:
+        return self.numel[i] * self.itemsize[i]
+
+    def ready_order(self) -> list[int]:
+        """Tensor indices by ascending ready time (ties: profile order)."""
+        return sorted(range(self.n), key=lambda i: (self.ready[i], i))
+
+    def need_order(self) -> list[int]:
+        """Tensor indices by ascending need time, i.e. forward order (ties: reverse ready)."""
+        return sorted(range(self.n), key=lambda i: (self.need[i], -self.ready[i], i))
+
+    def default_buffers(self, order: Sequence[int] | None = None) -> tuple[Buffer, ...]:
+        """One buffer per dtype, tensors in ``order`` (default: ascending ready)."""
+        order = self.ready_order() if order is None else order
+        groups: dict[str, list[str]] = {}
+        for i in order:
+            groups.setdefault(self.dtype[i], []).append(self.names[i])
+        return tuple(Buffer(dt, tuple(ns)) for dt, ns in groups.items())
+
+    def layout(self, buffers: Sequence[Buffer] | None = None) -> Layout:
+        buffers = tuple(buffers) if buffers is not None else self.default_buffers()
+        members, starts, numel, itemsize = [], [], [], []
+        pos: list[tuple[int, int, int]] = [(-1, 0, 0)] * self.n
+        for b, buf in enumerate(buffers):
+            idx = [self.index[nm] for nm in buf.tensors]
+            off, st = 0, []
+            for i in idx:
+                st.append(off)
+                pos[i] = (b, off, off + self.numel[i])
+                off += self.numel[i]
+            members.append(idx)
+            starts.append(st)
+            numel.append(off)
+            itemsize.append(self.itemsize[idx[0]])
+        return Layout(buffers, members, starts, numel, itemsize, pos)
+
+    def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
+                 predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
+                 check: bool = True) -> Schedule:
+        """Build (and by default validate) a :class:`Schedule` for this problem."""
+        blocks = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
+        prof = self.profile
+        sched = Schedule(
+            strategy=strategy,
+            profile_name=prof.name,
+            profile_digest=prof.digest(),
+            fingerprint=prof.fingerprint(),
+            world_size=prof.comm.world_size,
+            buffers=layout.buffers,
+            blocks=blocks,
+            predicted=dict(predicted or {}),
+            buffer_numel=tuple(layout.numel),
+            extra=dict(extra or {}),
+        )
+        if check:
+            check_against(sched, prof, f"<{strategy} schedule>")
+        return sched

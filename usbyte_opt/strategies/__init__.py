@@ -1,0 +1,69 @@
+"""Strategy registry: every strategy is ``plan(problem, **options) -> Plan``.
+
+A strategy module registers itself with :func:`register`; :data:`STRATEGIES` maps names to
+:class:`Strategy` entries in the order they are reported. All strategies emit blocks in the
+same language and are scored by the one simulator (:mod:`usbyte_opt.simulate`).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..formats import Block
+from ..problem import Layout, Problem
+
+
+@dataclass(slots=True)
+class Plan:
+    """What a strategy returns: a layout, blocks in issue order, and notes for the report."""
+
+    layout: Layout
+    blocks: list[Block]
+    native_mode: str
+    """"fence" for strategies that wait for every block before the step, else "overlap"."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """Tuned knobs and anything worth reporting (e.g. ``{"partition": 4_000_000}``)."""
+
+
+PlanFn = Callable[..., Plan]
+
+
+@dataclass(frozen=True, slots=True)
+class Strategy:
+    name: str
+    plan: PlanFn
+    native_mode: str
+    summary: str
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+#: Modules that register the built-in strategies, in report order.
+_BUILTIN = ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "best")
+
+
+def register(name: str, native_mode: str, summary: str) -> Callable[[PlanFn], PlanFn]:
+    """Decorator: ``@register("wfbp", "fence", "one block per tensor")``."""
+
+    def deco(fn: PlanFn) -> PlanFn:
+        STRATEGIES[name] = Strategy(name, fn, native_mode, summary)
+        return fn
+
+    return deco
+
+
+def get(name: str) -> Strategy:
+    load_builtin()
+    if name not in STRATEGIES:
+        from ..errors import UsbyteError
+
+        raise UsbyteError(f"strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def load_builtin() -> dict[str, Strategy]:
+    for mod in _BUILTIN:
+        importlib.import_module(f"{__name__}.{mod}")
+    return STRATEGIES
