@@ -1,0 +1,46 @@
+"""The one output helper of the CLI: rich on a terminal, plain text when piped.
+
+Domain code never prints; commands render through these functions. Errors go to stderr on
+one line; ``--json`` output goes to stdout alone (:func:`emit_json`).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+out = Console(highlight=False, soft_wrap=True)
+err = Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def error(message: str) -> None:
+    """One line on stderr: ``error: <message>``."""
+    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+
+
+def warn(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
+
+
+def info(message: str) -> None:
+    err.print(message, markup=False)
+
+
+def emit_json(data: Any) -> None:
+    """Write ``data`` as JSON to stdout and nothing else."""
+    sys.stdout.write(json.dumps(data, indent=1, sort_keys=False) + "\n")
+    sys.stdout.flush()
+
+
+def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_from: int = 1,
+          caption: str | None = None) -> None:
+    t = Table(title=title, caption=caption, title_justify="left")
+    for i, c in enumerate(columns):
+        t.add_column(c, justify="right" if i >= justify_right_from else "left")
+    for r in rows:
+        t.add_row(*[str(x) for x in r])
+    out.print(t)
