@@ -6,7 +6,7 @@ gradient is final after the backward time of layers l..L-1.
 
 Example::
 
-    >>> p = chain_profile([1000, 4000, 2000], forward_ms=3.0, backward_ms=6.0)
+    >>> p = chain_profile([1000, 4000, 2000], forward_ms=3.0, backward_ms=6.0, compute=[1, 1, 1])
     >>> [(t.name, t.ready_ms, t.need_ms) for t in p.tensors]
     [('layer0.weight', 6.0, 0.0), ('layer1.weight', 4.0, 1.0), ('layer2.weight', 2.0, 2.0)]
 """
