@@ -1,0 +1,440 @@
+"""US-Byte: unequal-sized tensor blocks in two phases, with a priority search and a tuned unit.
+
+Gao, Hu, Mashhadi, Jin, Xiao, Wu, "US-Byte: An Efficient Communication Framework for
+Scheduling Unequal-sized Tensor Blocks in Distributed Deep Learning", IEEE TPDS 35(1), 2024.
+The method, as DESIGN.md §3 states it (the paper's Algorithms 1–3):
+
+* **Units.** Tensor l holds ``m_l = ceil(M_l / S_p)`` units of ``S_p`` elements; a block of k
+  units costs ``alpha + beta * S_p * k`` (the last unit of a tensor at its true size).
+* **Phase 1** (Algorithm 1, during backward), event-driven over the ready times: while the
+  channel is free before the next gradient becomes ready (gap ``g``), take the ready tensor
+  with units left and the highest phase-1 priority and send
+
+  - 1 unit if ``g < alpha``;
+  - ``ceil((g - alpha) / (beta * S_p))`` units if ``g`` is shorter than sending all it has left;
+  - everything it has left otherwise.
+
+  If it is the tensor of the previous block, that block grows instead (one alpha per block).
+  With nothing ready the channel idles until the next gradient.
+* **Phase 2** (Algorithm 2, after backward): each tensor's remaining units as *one* block, in
+  forward order (input side first), the order the paper proves optimal for this phase.
+* **Priority search** (Algorithm 3): start from forward order (ByteScheduler's). For l from the
+  tensor ready first: find when l's first phase-1 block would finish if it carried all of l,
+  find the tensor k whose ready window contains that instant, move l ahead of the tensors
+  ready after it up to k, re-simulate, keep the move only if the iteration time drops, and
+  continue after k.
+* **S_p** is tuned by search (the paper tunes it with Bayesian optimisation on measured step
+  times; here see :func:`plan`).
+
+Two defects of the authors' released planner are *not* reproduced (DESIGN.md §3): their phase-2
+timing charges whole units and corrects the last unit of the wrong tensor, and extending a block
+overwrites its unit count, so units of a gradient vanish. Here every block carries true sizes,
+every element is sent exactly once (phase 1 sends a tensor's units from its first element
+upward, phase 2 sends the contiguous rest), and every candidate plan is timed by the same model
+as :mod:`usbyte_opt.fastsim` (and the returned plan's ``info["iteration_ms"]`` equals the
+simulator's). On the extension rule: adding k units to the previous block costs
+``beta * S_p * k`` and no alpha, so the block grows by ``ceil(g / (beta * S_p))`` units; that is
+what the three-case rule yields applied again on the shrinking gap, and what the authors' code
+computes by measuring the gap from the block's start.
+
+US-Byte never fuses tensors: every block lies inside one tensor. Overlap mode.
+
+Example::
+
+    >>> from usbyte_opt.synthetic import chain_profile
+    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.fastsim import evaluate
+    >>> pb = Problem.from_profile(chain_profile([2_000_000, 500_000, 3_000_000], alpha_ms=0.5,
+    ...                                         algbw_gbs=1.0, forward_ms=10, backward_ms=20))
+    >>> p = plan(pb)
+    >>> round(p.info["iteration_ms"], 6) == round(evaluate(pb, p.layout, p.blocks), 6)
+    True
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from bisect import bisect_left
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from ..fastsim import tails
+from ..formats import Block
+from ..problem import Layout, Problem
+from . import Plan, register
+
+#: The paper's default unit: 1e6 elements (ByteScheduler's default partition).
+DEFAULT_UNIT = 1_000_000
+
+
+@dataclass(slots=True)
+class Phase1Block:
+    """A phase-1 block: units ``[u0, u1)`` of ``tensor``, on the channel ``[start, finish)``."""
+
+    tensor: int
+    u0: int
+    u1: int
+    start: float
+    finish: float
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One simulated US-Byte plan for a unit size and a phase-1 priority."""
+
+    unit: int
+    iteration_ms: float
+    phase1: list[Phase1Block]
+    sent: list[int]
+    """Units each tensor sent in phase 1."""
+    first_start: list[float]
+    """Start of each tensor's first phase-1 block (``nan`` if it has none)."""
+    priority: list[int] = field(default_factory=list)
+    """Phase-1 priority, highest first (tensor indices)."""
+    snaps: list[tuple] = field(default_factory=list, repr=False)
+    """Phase-1 state when each tensor (ready order) became ready, for resuming."""
+
+
+class USByte:
+    """The US-Byte model of one problem: phase 1, phase 2, timing and the priority search.
+
+    Knobs users tune are arguments of :func:`plan`; this class holds per-tensor tables only.
+
+    Example::
+
+        >>> from usbyte_opt.synthetic import chain_profile
+        >>> pb = Problem.from_profile(chain_profile([4, 4], alpha_ms=1.0, algbw_gbs=1e-5,
+        ...                                         forward_ms=2, backward_ms=40))
+        >>> # 16 bytes at 1e-5 GB/s: beta = 0.1 ms/byte, 0.4 ms/element, a unit of 2 costs 0.8
+        >>> m = USByte(pb)
+        >>> out = m.simulate(2, m.forward_priority())
+        >>> [(b.tensor, b.u0, b.u1, b.start, b.finish) for b in out.phase1]
+        [(1, 0, 2, 20.0, 22.6)]
+    """
+
+    def __init__(self, problem: Problem):
+        self.problem = problem
+        self.layout: Layout = problem.layout()
+        n = problem.n
+        cost = problem.cost
+        self.alpha = cost.alpha_ms
+        beta = cost.beta_ms_per_byte
+        self.numel = list(problem.numel)
+        self.beta_el = [beta * problem.itemsize[i] for i in range(n)]   # ms per element
+        self.ready = list(problem.ready)
+        self.tail = tails(problem)
+        self.total_beta_ms = sum(b * x for b, x in zip(self.beta_el, self.numel))
+        self.order = problem.ready_order()
+        self.ready_sorted = [self.ready[i] for i in self.order]
+        self.pos = [0] * n
+        for p, i in enumerate(self.order):
+            self.pos[i] = p
+        self.need_order = problem.need_order()
+        self.B, self.F = problem.B, problem.F
+        # no plan beats the compute time, nor sends a tensor faster than in one block after it
+        # is ready (and then the forward still needs its tail)
+        self.floor = max([self.B + self.F] + [
+            self.ready[i] + cost(problem.nbytes(i)) + self.tail[i] for i in range(n)])
+        self._units: dict[int, list[int]] = {}
+
+    def forward_priority(self) -> list[int]:
+        """ByteScheduler's priority: forward order, input side first."""
+        return list(self.need_order)
+
+    # ----------------------------------------------------------------------------------------
+    # Algorithms 1 and 2: one plan for a unit size and a priority
+    # ----------------------------------------------------------------------------------------
+
+    def simulate(self, unit: int, priority: Sequence[int], bound: float = math.inf,
+                 resume: tuple[Outcome, int] | None = None, record: bool = True) -> Outcome | None:
+        """Run phase 1 and phase 2 for ``unit`` (S_p) and ``priority`` (highest first).
+
+        Args:
+            unit: S_p, elements per unit.
+            priority: phase-1 priority, tensor indices, highest first.
+            bound: give up (return ``None``) as soon as the plan provably takes at least this
+                long: a block's finish plus its tail, or the channel time plus the transfer
+                time of what is left plus one alpha per unfinished tensor, is a lower bound.
+            resume: ``(outcome, e)``: an earlier outcome for the same unit whose priority
+                orders every pair of tensors alike while only ``order[:e]`` are ready; the run
+                continues from its state when ``order[e]`` became ready instead of from 0.
+            record: keep those states in the outcome (what ``resume`` needs).
+        """
+        n = len(self.numel)
+        rank = [0] * n
+        for r, i in enumerate(priority):
+            rank[i] = r
+        alpha, numel, beta_el, ready, tail = self.alpha, self.numel, self.beta_el, self.ready, self.tail
+        order = self.order
+        S = unit
+        m = self._units.get(S)
+        if m is None:
+            m = self._units[S] = [-(-x // S) for x in numel]
+        sent = [0] * n
+        first = [math.nan] * n
+        last: Phase1Block | None = None
+        if resume is None:
+            e0 = 0
+            t = 0.0                       # the channel is free from t on
+            blocks: list[Phase1Block] = []
+            rest_ms = self.total_beta_ms  # transfer time (no alpha) of what is not yet sent
+            unfinished = n                # tensors with elements not yet sent
+            worst = self.B + self.F       # max of finish + tail over the closed blocks
+            snaps: list[tuple] = []
+            heap: list[tuple[int, int]] = []
+        else:
+            prev, e0 = resume
+            t, nb, lu1, lfin, rest_ms, unfinished, worst = prev.snaps[e0]
+            blocks = prev.phase1[:nb]
+            if nb:
+                # earlier blocks are final; the last one may have grown since: copy it back
+                lb = blocks[-1]
+                last = blocks[-1] = Phase1Block(lb.tensor, lb.u0, lu1, lb.start, lfin)
+            for b in blocks:
+                sent[b.tensor] = b.u1
+                if first[b.tensor] != first[b.tensor]:
+                    first[b.tensor] = b.start
+            snaps = prev.snaps[:e0]
+            heap = [(rank[x], x) for x in order[:e0] if sent[x] < m[x]]
+            heapq.heapify(heap)
+        pruning = bound < math.inf
+        for e in range(e0, n):
+            i = order[e]
+            r = ready[i]
+            if record:
+                snaps.append((t, len(blocks), last.u1 if last else 0,
+                              last.finish if last else 0.0, rest_ms, unfinished, worst))
+            if pruning and (worst >= bound or t + rest_ms + alpha * (unfinished - 1) >= bound or (
+                    last is not None and last.finish + tail[last.tensor] >= bound)):
+                return None
+            while t < r and heap:
+                j = heap[0][1]
+                g = r - t
+                left = m[j] - sent[j]
+                if last is not None and last.tensor == j:
+                    # extend the previous block: no second alpha, so fill the gap with units
+                    k = math.ceil(g / (beta_el[j] * S))
+                    if k > left:
+                        k = left
+                    el0 = min(last.u1 * S, numel[j])
+                    sent[j] += k
+                    last.u1 = sent[j]
+                    el1 = min(sent[j] * S, numel[j])
+                    rest_ms -= beta_el[j] * (el1 - el0)
+                    last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
+                    t = last.finish
+                else:
+                    rest = numel[j] - sent[j] * S
+                    if g < alpha:
+                        k = 1
+                    elif g < alpha + beta_el[j] * rest:
+                        k = math.ceil((g - alpha) / (beta_el[j] * S))
+                        if k > left:
+                            k = left
+                    else:
+                        k = left
+                    if last is not None:
+                        v = last.finish + tail[last.tensor]
+                        if v > worst:
+                            worst = v
+                    u0 = sent[j]
+                    sent[j] += k
+                    el = min(sent[j] * S, numel[j]) - u0 * S
+                    rest_ms -= beta_el[j] * el
+                    last = Phase1Block(j, u0, sent[j], t, t + alpha + beta_el[j] * el)
+                    blocks.append(last)
+                    if first[j] != first[j]:      # nan: this is j's first phase-1 block
+                        first[j] = t
+                    t = last.finish
+                if sent[j] == m[j]:
+                    heapq.heappop(heap)
+                    unfinished -= 1
+            if t < r:
+                t = r
+            heapq.heappush(heap, (rank[i], i))
+        if last is not None:
+            v = last.finish + tail[last.tensor]
+            if v > worst:
+                worst = v
+        T = self._finish(worst, sent, S, t)
+        return Outcome(unit, T, blocks, sent, first, list(priority), snaps)
+
+    def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
+        """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
+
+        Same closed form as :func:`usbyte_opt.fastsim.score`: ``T = max(B + F, last finish,
+        max over blocks of finish + (update + F - need))``; ``worst`` already covers phase 1.
+        """
+        tail, ready, alpha, beta_el, numel = self.tail, self.ready, self.alpha, self.beta_el, self.numel
+        for i in self.need_order:
+            rest = numel[i] - sent[i] * S
+            if rest > 0:
+                r = ready[i]
+                t = (r if r > t else t) + alpha + beta_el[i] * rest
+                v = t + tail[i]
+                if v > worst:
+                    worst = v
+        return worst if worst > t else t
+
+    # ----------------------------------------------------------------------------------------
+    # Algorithm 3: the priority search
+    # ----------------------------------------------------------------------------------------
+
+    def search_priority(self, unit: int, start: Outcome | None = None) -> tuple[Outcome, int]:
+        """Algorithm 3 from forward order; returns the best outcome and the moves kept."""
+        cur = start if start is not None else self.simulate(unit, self.forward_priority())
+        order, ready_sorted, alpha = self.order, self.ready_sorted, self.alpha
+        n = len(order)
+        moves = 0
+        p = 0
+        floor = self.floor + 1e-9
+        while p < n - 1 and cur.iteration_ms > floor:
+            l = order[p]
+            fs = cur.first_start[l]
+            if fs != fs:                  # l sends nothing in phase 1
+                p += 1
+                continue
+            tau = fs + alpha + self.beta_el[l] * self.numel[l]
+            pk = bisect_left(ready_sorted, tau) - 1   # last tensor ready strictly before tau
+            if pk <= p:
+                p += 1
+                continue
+            prio = cur.priority
+            rank = {x: r for r, x in enumerate(prio)}
+            target = min(rank[x] for x in order[p + 1:pk + 1])
+            if rank[l] < target:          # l already goes ahead of all of them
+                p += 1
+                continue
+            rl = rank[l]
+            new = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
+            # The run is unchanged until l and a tensor it overtakes are both ready.
+            e0 = max(p, min(self.pos[x] for x in prio[target:rl])) + 1
+            if e0 >= n:                   # phase 1 unchanged, and phase 2 ignores priority
+                p += 1
+                continue
+            cand = self.simulate(unit, new, bound=cur.iteration_ms - 1e-9, resume=(cur, e0),
+                                 record=False)
+            if cand is not None and cand.iteration_ms < cur.iteration_ms - 1e-9:
+                # run it again keeping its states, so later candidates can resume from it
+                cur = self.simulate(unit, new, resume=(cur, e0))
+                moves += 1
+                p = pk + 1                # the paper continues from k - 1
+            else:
+                p += 1
+        return cur, moves
+
+    # ----------------------------------------------------------------------------------------
+    # Blocks
+    # ----------------------------------------------------------------------------------------
+
+    def blocks(self, out: Outcome) -> list[Block]:
+        """The plan's blocks in issue order: phase 1, then phase 2 in forward order."""
+        lay, S, numel = self.layout, out.unit, self.numel
+        res = []
+        for b in out.phase1:
+            buf, s, _ = lay.pos[b.tensor]
+            res.append(Block(buf, s + b.u0 * S, s + min(b.u1 * S, numel[b.tensor])))
+        for i in self.need_order:
+            buf, s, e = lay.pos[i]
+            if out.sent[i] * S < numel[i]:
+                res.append(Block(buf, s + out.sent[i] * S, e))
+        return res
+
+
+def unit_candidates(numel: Sequence[int], lo_ratio: float = 2.0 ** -14) -> list[int]:
+    """Log grid (factor 2) of unit sizes from the largest tensor down to ``largest * lo_ratio``.
+
+    A unit larger than the largest tensor changes nothing (every tensor is one unit).
+
+    Example::
+
+        >>> unit_candidates([1000, 64], lo_ratio=1 / 8)
+        [1000, 500, 250, 125]
+    """
+    hi = max(numel)
+    out = []
+    s = float(hi)
+    while s >= max(1.0, hi * lo_ratio) - 1e-9:
+        v = max(1, int(round(s)))
+        if not out or v != out[-1]:
+            out.append(v)
+        s /= 2
+    return out
+
+
+@register("usbyte", "overlap",
+          "US-Byte: unequal blocks in two phases, priority search, tuned unit (Gao et al.)")
+def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = True,
+         finalists: int = 2) -> Plan:
+    """US-Byte's plan for ``problem``.
+
+    The unit ``S_p`` is tuned on the simulator unless ``unit`` is given. The paper used
+    Bayesian optimisation over measured step times; with an exact, millisecond model a
+    deterministic search does better for the same budget: a factor-2 log grid from the
+    largest tensor down to 2^-14 of it (plus the paper's default 1e6 when in range), each point
+    scored with forward-order priority; a hill climb at factors 2^±1/2 and 2^±1/4 around the
+    best; then the priority search (Algorithm 3) on the ``finalists`` best units, and the best
+    resulting plan wins. The objective is piecewise constant and not unimodal in S_p, so a
+    pure golden-section search would stall on plateaus; the grid sees the whole range first.
+
+    Args:
+        problem: the compiled profile.
+        unit: fix S_p (elements) instead of searching.
+        search_priority: run Algorithm 3 (off: forward-order priority, i.e. phases 1–2 only).
+        finalists: how many of the best grid units get the priority search.
+
+    Returns:
+        An overlap-mode :class:`Plan`; ``info`` holds ``unit``, ``phase1_blocks``,
+        ``priority_moves`` and the predicted ``iteration_ms``.
+
+    Example::
+
+        >>> from usbyte_opt.synthetic import chain_profile
+        >>> pb = Problem.from_profile(chain_profile([3000, 1000], alpha_ms=0.01, algbw_gbs=0.01))
+        >>> p = plan(pb, unit=1000)
+        >>> [(k.start, k.end) for k in p.blocks]    # layer1 whole in phase 1, layer0 in phase 2
+        [(0, 1000), (1000, 4000)]
+    """
+    if unit is not None and unit < 1:
+        raise ValueError(f"unit: expected S_p >= 1 element, got {unit}")
+    model = USByte(problem)
+    prio0 = model.forward_priority()
+    if unit is not None:
+        units = [unit]
+    else:
+        units = unit_candidates(model.numel)
+        if units[-1] <= DEFAULT_UNIT <= units[0] and DEFAULT_UNIT not in units:
+            units.append(DEFAULT_UNIT)
+    scored: dict[int, Outcome] = {}
+
+    def run(s: int) -> float:
+        if s not in scored:
+            scored[s] = model.simulate(s, prio0)
+        return scored[s].iteration_ms
+
+    for s in units:
+        run(s)
+    if unit is None:
+        # hill climb around the best grid point on a finer log scale
+        best = min(scored, key=lambda s: (scored[s].iteration_ms, -s))
+        for f in (2 ** 0.5, 2 ** 0.25):
+            for s in (int(round(best * f)), int(round(best / f))):
+                if 1 <= s <= units[0]:
+                    run(s)
+            best = min(scored, key=lambda s: (scored[s].iteration_ms, -s))
+    ranked = sorted(scored, key=lambda s: (scored[s].iteration_ms, -s))
+    best_out, best_moves = scored[ranked[0]], 0
+    if search_priority:
+        for s in ranked[:max(1, finalists)]:
+            out, moves = model.search_priority(s, scored[s])
+            if out.iteration_ms < best_out.iteration_ms - 1e-9:
+                best_out, best_moves = out, moves
+    blocks = model.blocks(best_out)
+    return Plan(model.layout, blocks, "overlap", {
+        "unit": best_out.unit,
+        "phase1_blocks": len(best_out.phase1),
+        "priority_moves": best_moves,
+        "units_tried": len(scored),
+        "iteration_ms": best_out.iteration_ms,
+    })
