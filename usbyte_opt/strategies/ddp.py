@@ -10,10 +10,10 @@ gradients actually became ready):
   the bucket holding the first gradients can go out early; ``bucket_cap_mb`` defaults to 25);
 * a tensor is always added whole, and the bucket closes as soon as its size *reaches* the
   limit (``size >= limit``), so a bucket can exceed its cap by up to one tensor;
-* DDP all-reduces buckets strictly in bucket order. Closed buckets come in the order they
-  closed; the buckets still open at the end (at most one per dtype, which torch leaves in
-  hash-map order) are put in the order they complete, so every bucket is issued in the order
-  its last gradient becomes ready.
+* DDP all-reduces buckets strictly in bucket order: the buckets that closed, in the order they
+  closed, then the buckets still open at the end (at most one per dtype). Torch appends those in
+  hash-map order and, for rebuilt buckets, does not sort; here they follow the order in which
+  their last gradient becomes ready. With one dtype this is exactly torch's order.
 
 Fence mode: DDP's optimizer step waits for every bucket (DESIGN.md §2).
 
@@ -65,7 +65,7 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
     # Per buffer (= per dtype): [start element, end element, bytes, index into limits,
     # ready position of the last tensor added].
     open_: dict[int, list[int]] = {}
-    buckets: list[tuple[int, Block]] = []    # (ready position of last tensor, block)
+    buckets: list[tuple[int, Block]] = []    # closed: (ready position of last tensor, block)
     for pos, i in enumerate(problem.ready_order()):
         b, s, e = layout.pos[i]
         cur = open_.get(b)
@@ -81,10 +81,8 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
             buckets.append((pos, Block(b, cur[0], cur[1])))
             # the next bucket of this dtype uses the next limit (the last one repeats)
             open_[b] = [e, e, 0, min(cur[3] + 1, len(limits) - 1), pos]
-    for b, cur in open_.items():
-        if cur[1] > cur[0]:
-            buckets.append((cur[4], Block(b, cur[0], cur[1])))
-    buckets.sort(key=lambda pb: pb[0])
-    blocks = [blk for _, blk in buckets]
+    leftovers = sorted(((cur[4], Block(b, cur[0], cur[1])) for b, cur in open_.items()
+                        if cur[1] > cur[0]), key=lambda x: x[0])
+    blocks = [blk for _, blk in buckets] + [blk for _, blk in leftovers]
     return Plan(layout, blocks, "fence", {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
                                           "first_bucket_mb": first_bucket_mb})

@@ -229,7 +229,8 @@ class USByte:
                     if g < alpha:
                         k = 1
                     elif g < alpha + beta_el[j] * rest:
-                        k = math.ceil((g - alpha) / (beta_el[j] * S))
+                        # at g == alpha exactly this is 0; a block carries at least one unit
+                        k = max(1, math.ceil((g - alpha) / (beta_el[j] * S)))
                         if k > left:
                             k = left
                     else:
