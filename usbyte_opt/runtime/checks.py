@@ -1,0 +1,234 @@
+"""Start-up checks of the runtime (DESIGN.md §5), run before any training collective.
+
+1. :func:`resolve_schedule`: the schedule from the argument, else ``USBYTE_SCHEDULE``, else
+   the default plan (with a warning).
+2. :func:`check_model`: the model's trainable tensors match the schedule; the error names the
+   first tensor that differs (name, dtype, shape) and says expected vs got.
+3. :func:`agree`: every rank all-gathers one fixed-size record (schedule digest, or the error
+   its own checks raised) *before any other collective*, so that a rank whose checks failed
+   still takes part, and every rank raises the same clear error instead of hanging.
+4. :func:`broadcast_from_rank0`: parameters (and buffers) copied from rank 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError, MismatchError, UsbyteError
+from ..formats import Schedule, fingerprint, load_schedule
+from .default_plan import default_schedule
+
+#: Environment variable that names the schedule file (set by ``usbyte-opt launch``).
+SCHEDULE_ENV = "USBYTE_SCHEDULE"
+
+#: Bytes of the record every rank all-gathers at start-up (digest plus a truncated error).
+RECORD_BYTES = 512
+
+
+class UsbyteWarning(UserWarning):
+    """Something works but not as planned: no schedule, a schedule made for another world size."""
+
+
+def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch.nn.Module,
+                     world_size: int, warn: bool = True) -> tuple[Schedule, str]:
+    """The schedule to run and where it came from (a path, ``"<object>"`` or ``"<default>"``).
+
+    Raises:
+        FormatError: the file is missing or malformed (names the file and field).
+    """
+    if isinstance(schedule, Schedule):
+        return schedule, "<object>"
+    if schedule is None:
+        schedule = os.environ.get(SCHEDULE_ENV) or None
+    if schedule is not None:
+        return load_schedule(schedule), str(Path(schedule))
+    if warn:
+        warnings.warn(f"no schedule given (argument or ${SCHEDULE_ENV}): using a default "
+                      "DDP-like plan of 1 MiB + 25 MiB buckets; run `usbyte-opt optimize` for a "
+                      "planned one", UsbyteWarning, stacklevel=3)
+    return default_schedule(model, world_size), "<default>"
+
+
+def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...], str]],
+                source: str) -> None:
+    """Raise :class:`MismatchError` unless ``tensors`` (name, shape, dtype) are the schedule's.
+
+    Names are checked first (a tensor of the model missing from the schedule, then one of the
+    schedule missing from the model), then dtypes, then shapes: per tensor when the schedule
+    records ``shapes`` (an extra field the default plan writes), else per buffer by element
+    count, and finally the fingerprint itself.
+
+    Example::
+
+        >>> import torch
+        >>> from usbyte_opt.runtime.default_plan import model_tensors
+        >>> s = default_schedule(torch.nn.Linear(3, 2))
+        >>> check_model(s, model_tensors(torch.nn.Linear(3, 2)), "s.json")   # matches
+        >>> check_model(s, model_tensors(torch.nn.Linear(4, 2)), "s.json")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.MismatchError: s.json: tensor 'weight': expected shape [2, 3] (schedule), got [2, 4] (model)
+    """
+    model = {n: (tuple(s), d) for n, s, d in tensors}
+    where: dict[str, tuple[int, int]] = {}
+    for b, buf in enumerate(schedule.buffers):
+        for j, n in enumerate(buf.tensors):
+            where[n] = (b, j)
+    for n in model:
+        if n not in where:
+            raise MismatchError(f"{source}: tensor {n!r}: the model trains it, the schedule does "
+                                f"not list it (schedule fingerprint {schedule.fingerprint}; model "
+                                f"{_fp(tensors)})")
+    for n, (b, j) in where.items():
+        if n not in model:
+            raise MismatchError(f"{source}: buffers[{b}].tensors[{j}]: tensor {n!r} is not a "
+                                "trainable parameter of the model (frozen, renamed or absent)")
+    for b, buf in enumerate(schedule.buffers):
+        for n in buf.tensors:
+            if model[n][1] != buf.dtype:
+                raise MismatchError(f"{source}: tensor {n!r}: expected dtype {buf.dtype} "
+                                    f"(schedule buffers[{b}]), got {model[n][1]} (model)")
+    shapes = schedule.extra.get("shapes")
+    if isinstance(shapes, dict):
+        for buf in schedule.buffers:
+            for n in buf.tensors:
+                want = shapes.get(n)
+                if want is not None and list(want) != list(model[n][0]):
+                    raise MismatchError(f"{source}: tensor {n!r}: expected shape {list(want)} "
+                                        f"(schedule), got {list(model[n][0])} (model)")
+    if schedule.buffer_numel:
+        for b, buf in enumerate(schedule.buffers):
+            got = sum(_numel(model[n][0]) for n in buf.tensors)
+            if got != schedule.buffer_numel[b]:
+                first = buf.tensors[0]
+                raise MismatchError(f"{source}: buffers[{b}]: expected {schedule.buffer_numel[b]} "
+                                    f"elements (schedule), got {got} (model): a tensor shape "
+                                    f"differs in this buffer (first tensor {first!r}); the schedule "
+                                    "records no per-tensor shapes to name it")
+    fp = _fp(tensors)
+    if fp != schedule.fingerprint:
+        raise MismatchError(f"{source}: fingerprint: expected {schedule.fingerprint} (schedule), got "
+                            f"{fp} (model): names and dtypes agree, so a tensor shape differs")
+
+
+def _fp(tensors: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
+    return fingerprint(tensors)
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for s in shape:
+        n *= int(s)
+    return n
+
+
+def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> None:
+    """``work.wait()`` that turns a timeout or a lost peer into one-line :class:`DistributedError`."""
+    try:
+        if timeout is None:
+            work.wait()
+        else:
+            work.wait(timeout)
+    except RuntimeError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise DistributedError(f"rank {rank}: {what} failed: {first} (a peer crashed, timed out "
+                               "or issued different collectives)") from e
+
+
+def agree(group: dist.ProcessGroup | None, digest: str | None, error: BaseException | None,
+          device: torch.device, timeout: timedelta | None) -> None:
+    """All-gather each rank's schedule digest (or start-up error) and raise on every rank alike.
+
+    Call it before any other collective. A rank whose own checks failed passes its error here
+    instead of raising at once, so the other ranks are not left waiting in a collective.
+
+    Raises:
+        The rank's own error (if it had one); else :class:`DistributedError` naming the first
+        rank that failed, or the first rank whose schedule digest differs from rank 0's.
+    """
+    rank, ws = dist.get_rank(group), dist.get_world_size(group)
+    msg = "" if error is None else str(error)
+    rec = json.dumps({"d": digest or "", "e": msg[:RECORD_BYTES - 64]}).encode()[:RECORD_BYTES]
+    mine = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
+    mine[: len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
+    mine = mine.to(device)
+    out = [torch.empty_like(mine) for _ in range(ws)]
+    wait(dist.all_gather(out, mine, group=group, async_op=True), "start-up check (all-gather of "
+         "schedule digests)", rank, timeout)
+    recs = []
+    for r, t in enumerate(out):
+        raw = bytes(t.cpu().tolist()).rstrip(b"\0")
+        try:
+            recs.append(json.loads(raw.decode()))
+        except ValueError:
+            recs.append({"d": "", "e": "unreadable start-up record"})
+    if error is not None:
+        raise error
+    for r, rec_r in enumerate(recs):
+        if rec_r["e"]:
+            raise DistributedError(f"rank {rank}: rank {r} failed its start-up check: {rec_r['e']}")
+    for r, rec_r in enumerate(recs):
+        if rec_r["d"] != recs[0]["d"]:
+            raise DistributedError(f"rank {rank}: the schedule differs across ranks: rank 0 has "
+                                   f"digest {recs[0]['d']}, rank {r} has {rec_r['d']}; give every "
+                                   f"rank the same file (${SCHEDULE_ENV} / usbyte-opt launch)")
+
+
+def check_world_size(schedule: Schedule, world_size: int, rank: int) -> None:
+    """Warn (rank 0 only) when the schedule was planned for another world size: the order stays
+    valid, only the predicted timing does not carry over."""
+    if schedule.world_size != world_size and rank == 0:
+        warnings.warn(f"schedule was planned for world size {schedule.world_size}, running with "
+                      f"{world_size}: the block order stays valid but its timing was predicted "
+                      "for the other size; re-plan with `usbyte-opt optimize` for best results",
+                      UsbyteWarning, stacklevel=3)
+
+
+def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
+                         timeout: timedelta | None, what: str = "parameters",
+                         chunk_bytes: int = 64 << 20) -> None:
+    """Overwrite ``tensors`` with rank 0's values, in flat chunks of one dtype (few collectives).
+
+    Example::
+
+        >>> import torch, torch.distributed as dist, tempfile, os
+        >>> path = os.path.join(tempfile.mkdtemp(), "store")
+        >>> dist.init_process_group("gloo", store=dist.FileStore(path, 1), rank=0, world_size=1)
+        >>> t = torch.ones(3)
+        >>> broadcast_from_rank0([t], None, None)
+        >>> dist.destroy_process_group()
+    """
+    ws = dist.get_world_size(group)
+    if ws == 1 or not tensors:
+        return
+    rank = dist.get_rank(group)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.dtype, t.device), []).append(t)
+    for ts in groups.values():
+        chunk: list[torch.Tensor] = []
+        size = 0
+        for t in ts + [None]:  # type: ignore[list-item]
+            if t is not None:
+                chunk.append(t)
+                size += t.numel() * t.element_size()
+            if chunk and (t is None or size >= chunk_bytes):
+                with torch.no_grad():
+                    flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                    wait(dist.broadcast(flat, src, group=group, async_op=True),
+                         f"broadcast of {what} from rank 0", rank, timeout)
+                    if rank != 0:
+                        off = 0
+                        for c in chunk:
+                            c.copy_(flat[off: off + c.numel()].view_as(c))
+                            off += c.numel()
+                chunk, size = [], 0

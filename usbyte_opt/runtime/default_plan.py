@@ -1,0 +1,188 @@
+"""A plan for a model without a profile: a synthetic profile and DDP-like buckets.
+
+:class:`~usbyte_opt.runtime.DistributedOptimizer` falls back to :func:`default_schedule` when it
+is given no schedule (with a warning): whole tensors fused into buckets in reverse registration
+order, the first bucket 1 MiB and the others 25 MiB, as PyTorch DDP does. Tests and examples
+use :func:`profile_from_model` to get a :class:`~usbyte_opt.problem.Problem` for the model and
+cut their own blocks from it.
+
+What a model's schedule covers (the fingerprint): the parameters of
+``model.named_parameters()`` that require grad. Tied (shared) parameters appear once, under
+their first name, because ``named_parameters()`` deduplicates; frozen parameters
+(``requires_grad=False``) are not trainable, get no gradient and are not in the schedule.
+
+Example::
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    >>> [(n, s, d) for n, s, d in model_tensors(model)][:2]
+    [('0.weight', (3, 4), 'float32'), ('0.bias', (3,), 'float32')]
+    >>> sched = default_schedule(model, world_size=2)
+    >>> sched.buffers[0].tensors       # ready order: the output layer's gradients come first
+    ('1.bias', '1.weight', '0.bias', '0.weight')
+    >>> [(k.start, k.end) for k in sched.blocks]   # all 29 elements fit one 1 MiB bucket
+    [(0, 29)]
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+
+from ..formats import DTYPE_SIZES, Block, CommSpec, Profile, Schedule, TensorSpec
+from ..problem import Layout, Problem
+
+#: PyTorch DDP's bucket sizes: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and
+#: ``bucket_cap_mb=25``.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_CAP_BYTES = 25 << 20
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The schedule format's name of a torch dtype (``torch.float32`` -> ``"float32"``)."""
+    return str(dtype).removeprefix("torch.")
+
+
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """``(name, parameter)`` of every trainable tensor, in registration order, tied ones once."""
+    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+
+
+def model_tensors(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """``(name, shape, dtype)`` of the model's trainable tensors: what the fingerprint covers."""
+    return [(n, tuple(p.shape), dtype_name(p.dtype)) for n, p in trainable_parameters(model)]
+
+
+def profile_from_model(model: torch.nn.Module, world_size: int = 1, name: str = "model",
+                       alpha_ms: float = 0.05, algbw_gbs: float = 5.0) -> Profile:
+    """A synthetic profile of ``model``: 1 ms of compute per tensor in each direction.
+
+    Forward is assumed to use tensors in registration order (``need_ms = i``) and backward to
+    finish their gradients in reverse order (``ready_ms = n - 1 - i``). The communication
+    figures are placeholders; a measured profile (``usbyte-opt profile``) replaces all of this.
+
+    Args:
+        model: the module whose trainable parameters become the profile's tensors.
+        world_size: recorded in ``comm.world_size`` (and so in schedules made from it).
+        name: the profile's name.
+        alpha_ms, algbw_gbs: the cost model of the synthetic process group.
+
+    Returns:
+        A :class:`~usbyte_opt.formats.Profile` whose fingerprint matches the model's.
+
+    Example::
+
+        >>> import torch
+        >>> p = profile_from_model(torch.nn.Linear(2, 2), world_size=4)
+        >>> [(t.name, t.ready_ms, t.need_ms) for t in p.tensors], p.comm.world_size
+        ([('weight', 1.0, 0.0), ('bias', 0.0, 1.0)], 4)
+    """
+    specs = model_tensors(model)
+    if not specs:
+        from ..errors import UsbyteError
+
+        raise UsbyteError(f"model {type(model).__name__}: expected at least one parameter with "
+                          "requires_grad=True, got none")
+    for n, _, dt in specs:
+        if dt not in DTYPE_SIZES:
+            from ..errors import UsbyteError
+
+            raise UsbyteError(f"parameter {n!r}: dtype {dt} cannot be all-reduced by usbyte-opt; "
+                              f"expected one of {', '.join(DTYPE_SIZES)}")
+    n = len(specs)
+    tensors = tuple(TensorSpec(nm, shape, dt, ready_ms=float(n - 1 - i), need_ms=float(i))
+                    for i, (nm, shape, dt) in enumerate(specs))
+    return Profile(name, float(n), float(n), tensors,
+                   CommSpec("analytic", int(world_size), alpha_ms, algbw_gbs),
+                   {"source": "usbyte_opt.runtime.default_plan"})
+
+
+def bucket_blocks(problem: Problem, layout: Layout, order: Sequence[int] | None = None,
+                  first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                  bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> list[Block]:
+    """Whole tensors fused into buckets, DDP's way: walk tensors in ``order`` (default: ready
+    order) per buffer, close a bucket once it holds at least the cap (the first bucket of the
+    model 1 MiB, then 25 MiB). Buckets are issued in the order their last tensor gets ready.
+
+    ``layout`` must place the tensors of each buffer in ``order`` (it does when both are the
+    default), so that a bucket is one contiguous range.
+    """
+    order = problem.ready_order() if order is None else list(order)
+    open_: dict[int, list[int]] = {}
+    closed: list[tuple[float, int, Block]] = []
+    cap = first_bucket_bytes
+
+    def close(b: int) -> None:
+        members = open_.pop(b)
+        s = min(layout.pos[i][1] for i in members)
+        e = max(layout.pos[i][2] for i in members)
+        last = max(problem.ready[i] for i in members)
+        closed.append((last, len(closed), Block(b, s, e)))
+
+    for i in order:
+        b = layout.pos[i][0]
+        open_.setdefault(b, []).append(i)
+        if sum(problem.nbytes(j) for j in open_[b]) >= cap:
+            close(b)
+            cap = bucket_cap_bytes
+    for b in list(open_):
+        close(b)
+    closed.sort()
+    return [k for _, _, k in closed]
+
+
+def default_schedule(model: torch.nn.Module, world_size: int = 1,
+                     first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+                     bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> Schedule:
+    """DDP-like schedule for ``model``: buckets of whole tensors in reverse registration order.
+
+    Args:
+        model: the module to plan for (its trainable parameters).
+        world_size: recorded in the schedule.
+        first_bucket_bytes, bucket_cap_bytes: bucket caps (DDP's defaults: 1 MiB, 25 MiB).
+
+    Returns:
+        A validated :class:`~usbyte_opt.formats.Schedule` with strategy ``"default"``.
+
+    Example::
+
+        >>> import torch
+        >>> m = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(3)])
+        >>> [(k.start, k.end) for k in default_schedule(m).blocks]  # 1 MiB each: one per bucket
+        [(0, 262144), (262144, 524288), (524288, 786432)]
+    """
+    problem = Problem.from_profile(profile_from_model(model, world_size))
+    layout = problem.layout()
+    blocks = bucket_blocks(problem, layout, first_bucket_bytes=first_bucket_bytes,
+                           bucket_cap_bytes=bucket_cap_bytes)
+    return make_schedule(problem, layout, blocks, "default")
+
+
+def make_schedule(problem: Problem, layout: Layout, blocks: Iterable[Block], strategy: str) -> Schedule:
+    """``problem.schedule(...)`` plus an extra ``shapes`` field ``{name: shape}``, which lets
+    the runtime name the exact tensor whose shape differs from the model's."""
+    shapes = {t.name: list(t.shape) for t in problem.profile.tensors}
+    return problem.schedule(strategy, layout, blocks, extra={"shapes": shapes})
+
+
+def split_blocks(problem: Problem, layout: Layout, pieces: int,
+                 order: Iterable[int] | None = None) -> list[Block]:
+    """Every tensor cut into ``pieces`` near-equal blocks (fewer for small tensors), issued
+    tensor by tensor in ``order`` (default: ready order). A helper for tests and experiments.
+
+    Example::
+
+        >>> import torch
+        >>> pb = Problem.from_profile(profile_from_model(torch.nn.Linear(3, 2)))
+        >>> [(k.start, k.end) for k in split_blocks(pb, pb.layout(), 2)]
+        [(0, 1), (1, 2), (2, 5), (5, 8)]
+    """
+    order = problem.ready_order() if order is None else list(order)
+    out: list[Block] = []
+    for i in order:
+        b, s, e = layout.pos[i]
+        k = max(1, min(pieces, e - s))
+        cuts = [s + (e - s) * j // k for j in range(k + 1)]
+        out.extend(Block(b, lo, hi) for lo, hi in zip(cuts, cuts[1:]) if hi > lo)
+    return out
