@@ -43,7 +43,8 @@ def chain_profile(numels: Sequence[int], forward_ms: float = 10.0, backward_ms: 
 
 
 def random_profile(rng: random.Random, n: int, comm_ratio: float = 1.0, alpha_ms: float = 0.2,
-                   dtypes: Sequence[str] = ("float32",), name: str = "random") -> Profile:
+                   dtypes: Sequence[str] = ("float32",), name: str = "random",
+                   shuffle_need: float = 0.25) -> Profile:
     """A random but plausible profile: ``n`` tensors, sizes log-uniform 1e2..1e7 elements,
     random compute per layer, communication time about ``comm_ratio`` x compute, and
     random (not chain-shaped) ready/need orders in a quarter of the cases."""
@@ -57,7 +58,7 @@ def random_profile(rng: random.Random, n: int, comm_ratio: float = 1.0, alpha_ms
     p = chain_profile(numels, F, B, alpha_ms, algbw, compute=comp, name=name,
                       update_ms=[rng.choice([0.0, 0.0, rng.uniform(0, 0.3)]) for _ in range(n)])
     ts = list(p.tensors)
-    if rng.random() < 0.25:  # shuffle need times: branches, tied weights, odd models
+    if rng.random() < shuffle_need:  # shuffle need times: branches, tied weights, odd models
         needs = [t.need_ms for t in ts]
         rng.shuffle(needs)
         ts = [TensorSpec(t.name, t.shape, t.dtype, t.ready_ms, nd, t.update_ms)

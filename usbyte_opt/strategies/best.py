@@ -70,7 +70,7 @@ CHEAP_SEEDS = ("wfbp", "ddp", "mgwfbp")
 
 
 def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: float,
-              fuse_cap: float) -> list[Block]:
+              fuse_cap: float, fresh: bool = False) -> list[Block]:
     """Jackson's rule with a cut threshold and neighbour fusion; ``cut_min``/``fuse_cap`` in bytes.
 
     Each tensor is sent from its first element upward, so what is left of it is always a
@@ -97,6 +97,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     t = 0.0
     blocks: list[Block] = []
     left = n
+    t_prev = -1.0
     while left:
         while ptr < n and ready[rel[ptr]] <= t:
             i = rel[ptr]
@@ -108,6 +109,8 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             t = ready[rel[ptr]]
             continue
         p = heap[0][2]
+        fresh_from = t_prev if fresh and ready[p] > t_prev else -1.0
+        t_prev = t
         rem = end[p] - lo[p]
         amount = rem
         if cut_min < math.inf:
@@ -134,7 +137,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             cur = p
             while b_lo == start[cur] and prev_of[cur] >= 0:
                 j = prev_of[cur]
-                if lo[j] >= end[j] or ready[j] > t:
+                if lo[j] >= end[j] or ready[j] > t or ready[j] <= fresh_from:
                     break
                 add = (end[j] - lo[j]) * isz[j]
                 if nbytes + add > fuse_cap:
@@ -161,6 +164,72 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         blocks.append(Block(pos[p][0], b_lo, b_hi))
         t += alpha + nbytes * beta
     return blocks
+
+
+def two_phase(problem: Problem, layout: Layout, tail: Sequence[float],
+              n_boundaries: int = 24, window: int = 256) -> list[list[Block]]:
+    """Bucketed schedules in two phases, each optimal by dynamic programming for its part.
+
+    Tensors in ready order ``0..N-1`` (so fused runs of one dtype are contiguous in the default
+    layout). Phase 1 sends ``[0, x)`` in ready order, fused into runs; phase 2 sends ``[x, N)``
+    in *reverse* ready order (input side first), fused into runs. Once the first phase-2 block
+    (which holds the last-ready tensor) starts, every gradient is final, so phase 2's
+    contribution is ``start + D_x(N)`` with
+
+        D_x(y) = min_z  c(z, y) + max(Q(z, y), D_x(z)),   D_x(x) = 0,
+
+    where block ``[z, y)`` goes first and ``Q`` is its largest tail. Phase 1 minimises the
+    channel's finish time: ``f(j) = min_i max(f(i), ready_{j-1}) + c(i, j)``. Returns one
+    schedule per tried boundary ``x`` (the boundaries around where phase 1 meets the end of
+    backward, plus a spread); the caller scores them with the simulator.
+    """
+    order = problem.ready_order()
+    N = len(order)
+    pos = layout.pos
+    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    R = np.array([problem.ready[i] for i in order])
+    Q = np.array([tail[i] for i in order])
+    w = np.array([problem.nbytes(i) * beta for i in order])
+    P = np.concatenate([[0.0], np.cumsum(w)])
+    buf = [pos[i][0] for i in order]
+    run_lo = [0] * N  # first index of the single-buffer run that ends at j
+    for j in range(1, N):
+        run_lo[j] = run_lo[j - 1] if buf[j] == buf[j - 1] else j
+    f = np.zeros(N + 1)
+    arg = [0] * (N + 1)
+    for j in range(1, N + 1):
+        lo = max(run_lo[j - 1], j - window)
+        cand = np.maximum(f[lo:j], R[j - 1]) + alpha + (P[j] - P[lo:j])
+        k = int(np.argmin(cand))
+        f[j], arg[j] = cand[k], lo + k
+
+    def runs_to_blocks(runs: list[tuple[int, int]]) -> list[Block]:
+        return [Block(buf[i], pos[order[i]][1], pos[order[j - 1]][2]) for i, j in runs]
+
+    x0 = int(np.searchsorted(f, R[-1], side="right")) - 1
+    xs = set(int(v) for v in np.linspace(0, N - 1, max(n_boundaries // 2, 2)))
+    xs.update(range(max(0, x0 - n_boundaries // 4), min(N - 1, x0 + n_boundaries // 4) + 1))
+    out = []
+    for x in sorted(xs):
+        D = np.zeros(N + 1)
+        darg = [0] * (N + 1)
+        for y in range(x + 1, N + 1):
+            lo = max(x, run_lo[y - 1], y - window)
+            qz = np.maximum.accumulate(Q[lo:y][::-1])[::-1]
+            cand = alpha + (P[y] - P[lo:y]) + np.maximum(qz, D[lo:y])
+            k = int(np.argmin(cand))
+            D[y], darg[y] = cand[k], lo + k
+        runs1, j = [], x
+        while j > 0:
+            runs1.append((arg[j], j))
+            j = arg[j]
+        runs1.reverse()
+        runs2, y = [], N
+        while y > x:
+            runs2.append((darg[y], y))
+            y = darg[y]
+        out.append(runs_to_blocks(runs1) + runs_to_blocks(runs2))
+    return out
 
 
 class _Scorer:
@@ -288,6 +357,11 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         for fuse in FUSE_GRID:
             add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
                 construct(problem, layout, tail, cut * u0, fuse * u0))
+    for fuse in FUSE_GRID[1:] + (math.inf,):
+        add(f"construct(fresh,fuse={fuse:g})", layout,
+            construct(problem, layout, tail, math.inf, fuse * u0, fresh=True))
+    for i, blocks in enumerate(two_phase(problem, layout, tail)):
+        add(f"two-phase#{i}", layout, blocks)
     if seeds is None:
         seeds = [STRATEGIES[s].plan(problem) for s in CHEAP_SEEDS if s in STRATEGIES]
     for s in seeds:
