@@ -1,0 +1,133 @@
+"""``usbyte-opt profile MODEL``: measure per-tensor timing and all-reduce cost, write a profile.
+
+Runs on every rank under torchrun (RANK/WORLD_SIZE set; multi-node works the same way), or
+starts ``--nproc-per-node`` ranks on this host itself. Rank 0 shows progress and writes
+``profiles/<name>.json`` (atomically); the domain work is :func:`usbyte_opt.profiler.profile_model`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from enum import Enum
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import console
+from ..errors import UsbyteError
+
+
+class Device(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class Optim(str, Enum):
+    sgd = "sgd"
+    adam = "adam"
+    adamw = "adamw"
+
+
+def profile(
+    model: str = typer.Argument(..., help="Built-in name (mlp, cnn, transformer, resnet50, bert-base, "
+                                "gpt2, ...; torchvision:NAME) or package.module:factory returning "
+                                "(model, inputs, loss_fn) for factory(batch_size)."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Per-rank batch size "
+                                             "[default: the model's own]."),
+    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Start this many ranks "
+                                                 "on this host (ignored under torchrun)."),
+    warmup: int = typer.Option(3, "--warmup", help="Untimed iterations before timing."),
+    repeats: int = typer.Option(10, "--repeats", help="Timed iterations; medians are kept."),
+    device: Optional[Device] = typer.Option(None, "--device", help="cpu or cuda [default: cuda if available]."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file [default: profiles/<name>.json]."),
+    name: Optional[str] = typer.Option(None, "--name", help="Profile name [default: from MODEL]."),
+    optimizer: Optim = typer.Option(Optim.sgd, "--optimizer", help="Optimizer whose step gives update_ms "
+                                    "(sgd = SGD with momentum)."),
+    comm_min_kb: float = typer.Option(4.0, "--comm-min-kb", help="Smallest all-reduce of the sweep (KiB)."),
+    comm_max_mb: float = typer.Option(64.0, "--comm-max-mb", help="Largest all-reduce of the sweep (MiB)."),
+    comm_points: int = typer.Option(12, "--comm-points", help="Sizes in the sweep (log-spaced)."),
+    comm_repeats: int = typer.Option(5, "--comm-repeats", help="Timed all-reduces per size."),
+    alpha_ms: Optional[float] = typer.Option(None, "--alpha-ms", help="World size 1 only: analytic "
+                                             "latency [default 1.3]."),
+    algbw_gbs: Optional[float] = typer.Option(None, "--algbw-gbs", help="World size 1 only: analytic "
+                                              "bandwidth in GB/s [default 1.79: 8 workers, 25 Gbit/s]."),
+    timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
+) -> None:
+    """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
+    if nproc_per_node is not None and "RANK" not in os.environ:
+        from ..models import resolve
+        from ..profiler.run import launch
+
+        resolve(model)  # a bad spec fails here, once, before any rank starts
+        argv = ["profile", model, "--warmup", str(warmup), "--repeats", str(repeats),
+                "--optimizer", optimizer.value, "--comm-min-kb", repr(comm_min_kb),
+                "--comm-max-mb", repr(comm_max_mb), "--comm-points", str(comm_points),
+                "--comm-repeats", str(comm_repeats), "--timeout-s", repr(timeout_s)]
+        for flag, value in (("--batch-size", batch_size), ("--device", device and device.value),
+                            ("--output", output), ("--name", name), ("--alpha-ms", alpha_ms),
+                            ("--algbw-gbs", algbw_gbs)):
+            if value is not None:
+                argv += [flag, str(value)]
+        code, message = launch(nproc_per_node, argv)
+        if code:
+            if message:
+                console.error(message)
+            raise typer.Exit(code)
+        return
+
+    import torch.distributed as dist
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from ..formats import save_profile
+    from ..models import model_name
+    from ..profiler import comm as comm_mod
+    from ..profiler.run import init_from_env, profile_model, resolve_device
+
+    if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
+        raise UsbyteError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "
+                          f"and {comm_max_mb} MiB")
+    dev = resolve_device(device.value if device else None)
+    owns_group = init_from_env(dev, timeout_s)
+    try:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        sizes = comm_mod.default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)), comm_points)
+        bar = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=console.err, transient=True, disable=rank != 0)
+        tasks: dict[str, int] = {}
+
+        def progress(phase: str, done: int, total: int) -> None:
+            if phase not in tasks:
+                tasks[phase] = bar.add_task(phase, total=total)
+            bar.update(tasks[phase], completed=done)
+
+        with bar, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup, repeats=repeats,
+                                 optimizer=optimizer.value, comm_sizes=sizes, comm_repeats=comm_repeats,
+                                 alpha_ms=alpha_ms, algbw_gbs=algbw_gbs, progress=progress)
+        if rank != 0:
+            return
+        for w in caught:
+            if w.category.__name__ == "ProfileWarning":
+                console.warn(str(w.message))
+        path = save_profile(prof, output or Path("profiles") / f"{name or model_name(model)}.json")
+        total = sum(t.nbytes for t in prof.tensors)
+        c = prof.comm
+        console.table(f"profile {prof.name} → {path}", ["", "value"], [
+            ["tensors", f"{len(prof.tensors)} ({total / 1e6:.1f} MB)"],
+            ["forward / backward", f"{prof.forward_ms:.2f} / {prof.backward_ms:.2f} ms"],
+            ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({optimizer.value})"],
+            ["world", f"{prof.meta['world_size']} rank(s) on {prof.meta['hosts']} host(s), "
+                      f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
+            ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+                           + (f" ({len(c.samples)} sizes)" if c.samples else "")],
+        ], justify_right_from=2)
+    finally:
+        if owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def register(app: typer.Typer) -> None:
+    app.command("profile")(profile)

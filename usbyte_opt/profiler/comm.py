@@ -1,0 +1,175 @@
+"""All-reduce cost of the real process group: a sweep over message sizes and a fitted line.
+
+Each size is all-reduced ``warmup`` times untimed and ``repeats`` times timed (three times as
+many below 1 MiB, where a sample costs next to nothing and scheduler noise is largest);
+before each timed call the ranks meet at a barrier. Ranks leave a barrier at slightly
+different moments, and the first one out times its wait for the others as part of the
+collective; the last one out sees only the collective itself, from "everybody has joined"
+to "done", which is what the iteration model's ``c(b)`` is (waiting for a late rank is
+modelled by the ready times, the maximum over ranks). So a sample's time is the
+**minimum over ranks**, and each size keeps the median of its samples. ``alpha_ms`` and ``algbw_gbs``
+are fitted to those medians with :func:`usbyte_opt.cost.fit_samples` (scipy least squares on
+relative residuals). The medians go to ``comm.samples``; every raw sample stays in
+``meta.comm_sweep``.
+
+At world size 1 there is nothing to measure: :func:`analytic_comm` gives the settings of a
+realistic cluster instead (8 workers on a 25 Gbit/s Ethernet ring with alpha = 1.3 ms, the
+US-Byte authors' own 8-worker fit), which the caller reports as a warning.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..cost import fit_samples, retarget
+from ..errors import UsbyteError
+from ..formats import CommSpec
+from .timing import median
+
+Progress = Callable[[str, int, int], None]
+
+#: The analytic cluster used at world size 1 and by the shipped profiles: a ring of 8
+#: workers on 25 Gbit/s Ethernet with the hop latency that gives alpha = 1.3 ms.
+ANALYTIC_WORLD_SIZE = 8
+ANALYTIC_BANDWIDTH_GBPS = 25.0
+ANALYTIC_ALPHA_MS = 1.3
+
+#: Sizes below SMALL_BYTES get SMALL_REPEAT_FACTOR times the repeats.
+SMALL_BYTES = 1 << 20
+SMALL_REPEAT_FACTOR = 3
+
+
+def default_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, points: int = 12) -> list[int]:
+    """``points`` log-spaced message sizes from ``min_bytes`` to ``max_bytes``, each a
+    multiple of 4 bytes (one float32), without duplicates.
+
+    Example::
+
+        >>> default_sizes(4096, 4 << 20, 4)
+        [4096, 41284, 416128, 4194304]
+    """
+    if min_bytes < 4 or max_bytes < min_bytes:
+        raise UsbyteError(f"all-reduce sweep: expected 4 <= min bytes <= max bytes, got "
+                          f"{min_bytes} and {max_bytes}")
+    if points < 2:
+        raise UsbyteError(f"--comm-points: expected an integer >= 2 (a line needs two sizes), got {points}")
+    out: list[int] = []
+    for k in range(points):
+        b = min_bytes * (max_bytes / min_bytes) ** (k / (points - 1))
+        b = max(4, int(round(b / 4)) * 4)
+        if not out or b > out[-1]:
+            out.append(b)
+    return out
+
+
+def analytic_comm(alpha_ms: float | None = None, algbw_gbs: float | None = None,
+                  world_size: int = ANALYTIC_WORLD_SIZE) -> CommSpec:
+    """Comm settings of the reference cluster (ring formula of :func:`usbyte_opt.cost.retarget`),
+    with ``alpha_ms`` / ``algbw_gbs`` overriding the derived values.
+
+    Example::
+
+        >>> c = analytic_comm()
+        >>> c.backend, c.world_size, round(c.alpha_ms, 6), round(c.algbw_gbs, 4)
+        ('analytic', 8, 1.3, 1.7857)
+    """
+    hop_us = ANALYTIC_ALPHA_MS * 1000.0 / (2 * (world_size - 1))
+    c = retarget(CommSpec("analytic", 2, 1.0, 1.0), world_size=world_size,
+                 bandwidth_gbps=ANALYTIC_BANDWIDTH_GBPS, latency_us=hop_us)
+    if alpha_ms is not None:
+        if not alpha_ms >= 0:
+            raise UsbyteError(f"--alpha-ms: expected a number >= 0, got {alpha_ms}")
+        c = CommSpec(c.backend, c.world_size, float(alpha_ms), c.algbw_gbs)
+    if algbw_gbs is not None:
+        if not algbw_gbs > 0:
+            raise UsbyteError(f"--algbw-gbs: expected a number > 0, got {algbw_gbs}")
+        c = CommSpec(c.backend, c.world_size, c.alpha_ms, float(algbw_gbs))
+    return c
+
+
+@dataclass(slots=True)
+class Sweep:
+    """Result of :func:`sweep_allreduce`: sizes, raw samples (slowest rank) and medians."""
+
+    sizes: list[int]
+    raw_ms: list[list[float]] = field(default_factory=list)
+    medians_ms: list[float] = field(default_factory=list)
+
+    def samples(self) -> list[tuple[int, float]]:
+        return [(b, m) for b, m in zip(self.sizes, self.medians_ms)]
+
+
+def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
+                    device: torch.device | str = "cpu", group: Any = None,
+                    progress: Progress | None = None) -> Sweep:
+    """Time ``dist.all_reduce`` of float32 tensors of each size on ``group`` (a collective:
+    every rank calls it with the same arguments).
+
+    On CUDA the time comes from events around the call on the current stream (the NCCL
+    stream waits on it, and the call makes the current stream wait for NCCL); on CPU from
+    ``perf_counter`` around the blocking call.
+    """
+    if repeats < 1:
+        raise UsbyteError(f"--comm-repeats: expected an integer >= 1, got {repeats}")
+    device = torch.device(device)
+    cuda = device.type == "cuda"
+    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
+    sweep = Sweep(list(sizes))
+    total = len(sizes)
+    counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
+    for k, b in enumerate(sizes):
+        x = buf.narrow(0, 0, b // 4)
+        for _ in range(warmup):
+            dist.all_reduce(x, group=group)
+        times = []
+        for _ in range(counts[k]):
+            if cuda:
+                torch.cuda.synchronize(device)
+            dist.barrier(group=group)
+            if cuda:
+                torch.cuda.synchronize(device)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                dist.all_reduce(x, group=group)
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end))
+            else:
+                t = time.perf_counter()
+                dist.all_reduce(x, group=group)
+                times.append((time.perf_counter() - t) * 1e3)
+        sweep.raw_ms.append(times)
+        if progress:
+            progress("all-reduce", k + 1, total)
+    # The last-arriving rank's time for every sample: one MIN all-reduce of all of them.
+    flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
+    flat = flat.to(device) if cuda else flat
+    dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
+    flat = flat.cpu().tolist()
+    ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+    sweep.raw_ms = [flat[e - c:e] for e, c in zip(ends, counts)]
+    sweep.medians_ms = [max(median(ts), 1e-6) for ts in sweep.raw_ms]
+    return sweep
+
+
+def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dict[str, Any]]:
+    """Fit ``alpha``/``algbw`` to the sweep's medians; return the CommSpec and a ``meta`` record
+    (sizes, raw samples, the fit and its largest relative error over the medians)."""
+    samples = sweep.samples()
+    alpha, algbw = fit_samples(samples)
+    rel = [abs(alpha + b / (algbw * 1e6) - ms) / ms for b, ms in samples]
+    record = {
+        "method": "barrier before each call; last-arriving (minimum) rank per sample; median per size; "
+                  "usbyte_opt.cost.fit_samples on the medians",
+        "sizes_bytes": sweep.sizes,
+        "raw_ms": [[round(t, 6) for t in ts] for ts in sweep.raw_ms],
+        "fit": {"alpha_ms": alpha, "algbw_gbs": algbw,
+                "max_rel_error": max(rel) if rel else math.nan},
+    }
+    return CommSpec(backend, world_size, alpha, algbw, tuple((int(b), float(m)) for b, m in samples)), record

@@ -1,0 +1,370 @@
+"""Orchestration of a profile: build the model, time it on every rank, sweep all-reduce,
+aggregate across ranks, return a :class:`usbyte_opt.formats.Profile`. Also the process-group
+set-up used by the CLI and the launcher behind ``--nproc-per-node``.
+
+Cross-rank aggregation: each rank reduces its own repeats to medians; the profile takes,
+for every number (forward, backward, each tensor's ready/need/update), the **maximum over
+ranks** of those medians. An all-reduce can start only when the slowest rank has produced
+the gradient, and the next forward on every rank waits for the slowest block, so the
+slowest rank is the one the schedule has to fit. Medians first keep one noisy repeat from
+setting the maximum. Each rank's own forward/backward medians are kept in ``meta.per_rank``.
+
+Because every rank receives every rank's numbers (``all_gather_object``), every rank returns
+the same profile; only the caller decides who writes it (the CLI: rank 0).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+from ..errors import DistributedError, UsbyteError
+from ..formats import DTYPE_SIZES, Profile, TensorSpec
+from ..models import Factory, build, model_name
+from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
+from .timing import IterationTimer, Progress, summarize
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class ProfileWarning(UserWarning):
+    """Something the user should know about a profile (e.g. analytic comm at world size 1)."""
+
+
+def make_optimizer(name: str, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer whose step is timed: ``sgd`` (momentum 0.9), ``adam`` or ``adamw``,
+    with PyTorch's default implementation choice (``foreach`` on GPU, a loop on CPU).
+
+    Example::
+
+        >>> make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))]).__class__.__name__
+        'AdamW'
+    """
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=1e-4)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=1e-4)
+    raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {name!r}")
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    """``None`` picks CUDA when available; ``cuda`` becomes ``cuda:LOCAL_RANK`` under torchrun."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsbyteError("--device cuda: expected a CUDA device, but torch.cuda.is_available() is False "
+                              "(use --device cpu)")
+        if device.index is None:
+            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    elif device.type != "cpu":
+        raise UsbyteError(f"--device: expected cpu or cuda, got {device.type!r}")
+    return device
+
+
+def _agree(error: str | None, group: Any) -> None:
+    """Raise on every rank if any rank failed, so that no rank waits forever in a collective."""
+    errors = [None] * dist.get_world_size(group)
+    dist.all_gather_object(errors, error, group=group)
+    failed = [(r, e) for r, e in enumerate(errors) if e]
+    if failed:
+        r, e = failed[0]
+        raise UsbyteError(e if error else f"rank {r}: {e}")
+
+
+def _r(x: float) -> float:
+    return round(float(x), 6)  # ns resolution: keeps distinct ready times distinct
+
+
+def profile_model(model: str | Factory, batch_size: int | None = None, *, name: str | None = None,
+                  device: str | torch.device | None = None, warmup: int = 3, repeats: int = 10,
+                  optimizer: str = "sgd", comm_sizes: Sequence[int] | None = None,
+                  comm_repeats: int = 5, alpha_ms: float | None = None, algbw_gbs: float | None = None,
+                  group: Any = None, progress: Progress | None = None) -> Profile:
+    """Profile ``model`` on this rank and, when a process group is initialised, on all ranks.
+
+    Every rank of ``group`` must call this with the same arguments (it runs collectives).
+    Without a process group (or at world size 1) the communication settings are analytic
+    (:func:`usbyte_opt.profiler.comm.analytic_comm`, overridable with ``alpha_ms`` /
+    ``algbw_gbs``) and a :class:`ProfileWarning` is issued. Nothing is printed or written.
+
+    Args:
+        model: a built-in name, ``package.module:factory`` or a factory callable
+            (see :mod:`usbyte_opt.models` for the protocol).
+        batch_size: per-rank batch size; ``None`` takes the model's default.
+        name: the profile's name; default from the model spec.
+        device: ``"cpu"`` or ``"cuda"``; default CUDA when available.
+        warmup: untimed iterations after the discovery pass.
+        repeats: timed iterations (medians are taken over them).
+        optimizer: ``sgd`` (momentum), ``adam`` or ``adamw``: whose step gives ``update_ms``.
+        comm_sizes: all-reduce sizes in bytes; default 12 log-spaced from 4 KiB to 64 MiB.
+        comm_repeats: timed all-reduces per size.
+        alpha_ms, algbw_gbs: analytic settings at world size 1 (ignored when measured).
+        group: process group; default the world.
+        progress: ``progress(phase, done, total)`` after each step, for a progress bar.
+
+    Returns:
+        The profile, identical on every rank.
+
+    Example::
+
+        >>> import warnings
+        >>> with warnings.catch_warnings():
+        ...     warnings.simplefilter("ignore")
+        ...     p = profile_model("mlp", batch_size=4, warmup=1, repeats=2)
+        >>> len(p.tensors), p.comm.backend, p.meta["world_size"]
+        (8, 'analytic', 1)
+        >>> all(0 <= t.ready_ms <= p.backward_ms and 0 <= t.need_ms <= p.forward_ms for t in p.tensors)
+        True
+
+    Under ``torchrun`` (or inside any initialised process group) call it on every rank::
+
+        >>> dist.init_process_group("gloo")                # doctest: +SKIP
+        >>> p = profile_model("cnn", batch_size=16)        # doctest: +SKIP
+        >>> if dist.get_rank() == 0: save_profile(p, "profiles/cnn.json")  # doctest: +SKIP
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    world = dist.get_world_size(group) if distributed else 1
+    dev = resolve_device(device)
+    label = model if isinstance(model, str) else model_name(model)
+    if optimizer not in OPTIMIZERS:
+        raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {optimizer!r}")
+
+    # 1. Build (every rank agrees that it worked before the first timed collective).
+    error = None
+    try:
+        net, inputs, loss_fn = build(model, batch_size, dev)
+    except UsbyteError as e:
+        error = str(e)
+    if world > 1:
+        _agree(error, group)
+    elif error:
+        raise UsbyteError(error)
+    batch = batch_size if batch_size is not None else _batch_of(inputs)
+
+    # 2. Time forward/backward/step with hooks.
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        dist.barrier(group=group)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    opt = make_optimizer(optimizer, [p for p in net.parameters() if p.requires_grad])
+    timer = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync if world > 1 else None, label=label)
+    timings = timer.run(warmup, repeats, progress)
+    s = summarize(timings)
+
+    # 3. Every rank's medians to every rank; the slowest rank sets each number.
+    mine = {"F": s.forward_ms, "B": s.backward_ms, "step": s.step_ms, "ready": s.ready_ms,
+            "need": s.need_ms, "update": s.update_ms, "spread": s.spread, "host": socket.gethostname(),
+            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+    if world > 1:
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine, group=group)
+    else:
+        every = [mine]
+    F = max(r["F"] for r in every)
+    B = max(r["B"] for r in every)
+    ready = [max(v) for v in zip(*(r["ready"] for r in every))]
+    need = [max(v) for v in zip(*(r["need"] for r in every))]
+    update = [max(v) for v in zip(*(r["update"] for r in every))]
+
+    # 4. Communication.
+    notes: list[str] = []
+    if world > 1:
+        backend = str(dist.get_backend(group))
+        sizes = list(comm_sizes) if comm_sizes else default_sizes()
+        sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress)
+        comm, comm_record = fit_comm(sweep, backend if backend in ("nccl", "gloo", "mpi", "ucc") else "gloo", world)
+    else:
+        backend = "none"
+        comm = analytic_comm(alpha_ms, algbw_gbs)
+        comm_record = {"method": "analytic: world size 1 has no all-reduce to measure; ring of "
+                                 f"{comm.world_size} workers, 25 Gbit/s, alpha {comm.alpha_ms:g} ms "
+                                 "unless --alpha-ms/--algbw-gbs were given"}
+        msg = (f"world size 1: no all-reduce to measure; using analytic settings for "
+               f"{comm.world_size} workers (alpha {comm.alpha_ms:.3g} ms, algbw "
+               f"{comm.algbw_gbs:.3g} GB/s); run under torchrun or with --nproc-per-node to measure")
+        notes.append(msg)
+        warnings.warn(msg, ProfileWarning, stacklevel=2)
+    if timings.fallback_passes:
+        msg = (f"{timings.fallback_passes} of {repeats} timed passes called modules in a different "
+               "order than the first; need_ms of those passes fell back to owner pre-hooks")
+        notes.append(msg)
+        warnings.warn(msg, ProfileWarning, stacklevel=2)
+
+    # 5. The profile.
+    tensors = []
+    for i, n in enumerate(timings.names):
+        dt = timings.dtypes[i]
+        if dt not in DTYPE_SIZES:
+            raise UsbyteError(f"model {label!r}: trainable tensor {n!r} has dtype {dt}; expected one of "
+                              + "|".join(DTYPE_SIZES))
+        tensors.append(TensorSpec(n, timings.shapes[i], dt, _r(min(ready[i], B)), _r(min(need[i], F)),
+                                  _r(update[i])))
+    dtypes = sorted(set(timings.dtypes))
+    meta = {
+        "source": "usbyte-opt profile",
+        "usbyte_opt": __version__,
+        "model": label,
+        "created": every[0]["created"],
+        "device": dev.type,
+        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()),
+        "backend": backend,
+        "torch": torch.__version__,
+        "world_size": world,
+        "hosts": len({r["host"] for r in every}),
+        "batch_size": batch,
+        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "optimizer": optimizer,
+        "warmup": warmup,
+        "repeats": repeats,
+        "threads": torch.get_num_threads(),
+        "timing": "CUDA events recorded in hooks" if dev.type == "cuda" else "perf_counter in hooks",
+        "aggregation": "median over repeats per rank, then max over ranks",
+        "ready_method": "post-accumulate-grad hook (last accumulation counts)",
+        "need_method": "forward pre-hooks of owning modules; first use located by a TorchFunctionMode "
+                       "discovery pass (last hook before first use)",
+        "update_method": "optimizer step timed whole, apportioned by element count",
+        "no_grad_tensors": timings.no_grad,
+        "no_grad_policy": "ready_ms = backward_ms (zero-filled at the end of backward)",
+        "unused_in_forward": timings.unused,
+        "unused_policy": "need_ms = forward_ms",
+        "functional_use_tensors": timings.functional,
+        "spread": every[0]["spread"] if world == 1 else {"rank0": every[0]["spread"]},
+        "per_rank": [{"forward_ms": _r(r["F"]), "backward_ms": _r(r["B"]), "step_ms": _r(r["step"])}
+                     for r in every],
+        "step_ms": _r(max(r["step"] for r in every)),
+        "comm_sweep": comm_record,
+    }
+    if notes:
+        meta["warnings"] = notes
+    return Profile(name or model_name(model), _r(F), _r(B), tuple(tensors), comm, meta)
+
+
+def _batch_of(inputs: Sequence[Any]) -> int | None:
+    for x in inputs:
+        if isinstance(x, torch.Tensor) and x.dim() > 0:
+            return int(x.shape[0])
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# Process group and launcher (used by the CLI)
+# --------------------------------------------------------------------------------------------
+
+
+def init_from_env(device: torch.device, timeout_s: float = 600.0) -> bool:
+    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) when it is set and no group exists yet; return whether it
+    did (the caller then destroys it). NCCL on CUDA, gloo on CPU."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or dist.is_initialized():
+        return False
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    try:
+        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
+        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s), **kwargs)
+    except Exception as e:
+        raise DistributedError(f"cannot join the process group ({backend}, rank {os.environ['RANK']} of "
+                               f"{os.environ['WORLD_SIZE']}): {type(e).__name__}: {str(e).splitlines()[0]}") from None
+    return True
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(nproc: int, argv: Sequence[str], module: str = "usbyte_opt",
+           poll_s: float = 0.05) -> tuple[int, str]:
+    """Run ``python -m <module> <argv>`` as ``nproc`` ranks on this host, as torchrun would
+    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set; OMP_NUM_THREADS split between the
+    ranks unless set), and wait for them.
+
+    Rank 0 keeps the terminal (its progress bars and messages show); the others' output is
+    kept aside. When a rank fails the others are stopped at once, so nothing waits on a
+    collective that will never come. Returns ``(exit code, message)``: the message is the
+    failing rank's stderr when rank 0 itself did not fail (rank 0 has printed its own error).
+    """
+    if nproc < 1:
+        raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
+               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
+    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
+    procs: list[subprocess.Popen] = []
+    logs: list[Any] = []
+    try:
+        for r in range(nproc):
+            log = None if r == 0 else tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", module, *argv],
+                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                stdout=None if r == 0 else subprocess.DEVNULL, stderr=log))
+        codes: list[int | None] = [None] * nproc
+        culprits: list[int] = []  # ranks that failed on their own, before any was stopped
+        while any(c is None for c in codes):
+            for r, p in enumerate(procs):
+                if codes[r] is None:
+                    codes[r] = p.poll()
+            culprits = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if culprits:
+                _stop(procs)
+                codes = [p.wait() for p in procs]
+                break
+            time.sleep(poll_s)
+    except BaseException:
+        _stop(procs)
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    if not culprits:
+        return 0, ""
+    first = culprits[0]
+    code = codes[first]
+    code = code if code and code > 0 else 1
+    if 0 in culprits or (codes[0] or 0) > 0:
+        return code, ""  # rank 0 failed on its own and has printed its error
+    log = logs[first]
+    log.seek(0)
+    lines = [ln for ln in log.read().splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ln.startswith("error:")]
+    shown = errs[-1] if errs else (lines[-1] if lines else f"exited with code {codes[first]}")
+    return code, f"rank {first}: {shown.removeprefix('error: ')}"
+
+
+def _stop(procs: Sequence[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + 5.0
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+__all__ = ["OPTIMIZERS", "ProfileWarning", "init_from_env", "launch", "make_optimizer",
+           "profile_model", "resolve_device"]

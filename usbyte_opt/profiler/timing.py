@@ -1,0 +1,440 @@
+"""Per-tensor timing of one training iteration: when each gradient is final, when each
+parameter is first used, how long forward, backward and the optimizer step take.
+
+Method (DESIGN.md §2, §6):
+
+- ``ready_ms``: a post-accumulate-grad hook on every trainable tensor stamps the clock; the
+  offset from the start of backward is its ready time. The hook fires once the gradient has
+  been accumulated into ``p.grad``; a tied tensor (one Parameter used twice) has one
+  ``AccumulateGrad`` node, so the stamp is taken when all its uses have been summed. The
+  hook overwrites the stamp, so were it ever to fire twice (re-entrant checkpointing), the
+  last accumulation is the one that counts.
+- ``need_ms``: forward pre-hooks on every module that directly owns a trainable tensor
+  (``module._parameters``) stamp the clock. One untimed discovery pass runs the forward under
+  a :class:`torch.overrides.TorchFunctionMode` that sees every torch call, and records for
+  each tensor which hook call came last before its first use; timed passes read that
+  stamp. For a leaf module this is its own pre-hook. It also covers a parameter that a
+  parent (non-leaf) module uses in its own ``forward`` after running children (anchored to
+  the last child's hook, closer than the parent's own), and a parameter used through a
+  functional call by a module other than its owner, such as ``nn.MultiheadAttention``'s
+  ``out_proj.weight``. A tensor used before any hook has fired gets 0 (start of forward).
+  Should a timed pass make a different number of hook calls than the discovery pass
+  (data-dependent control flow), that pass falls back to the first pre-hook of the
+  tensor's owner.
+- Parameters that get no gradient (unused, or only in a branch the loss does not reach) get
+  ``ready_ms = backward_ms``: the runtime zero-fills them at the end of backward so that every
+  rank issues the same collectives. Parameters never touched in forward get
+  ``need_ms = forward_ms`` (nothing waits for them). Both lists are returned.
+- ``update_ms``: the optimizer step is timed as a whole and apportioned to the tensors that
+  had a gradient by element count. See :func:`apportion_update` for why.
+- Clocks: on CPU ``time.perf_counter`` (the hooks run on the thread that calls backward);
+  on CUDA one ``torch.cuda.Event`` per stamp, recorded in the hooks on the current stream with
+  no host synchronisation, and read after the iteration. Before each iteration the ranks
+  synchronise (device, then a barrier), so that a rank waiting for another does not count
+  the wait as compute.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..errors import UsbyteError
+from ..models import check_loss
+
+Progress = Callable[[str, int, int], None]
+
+
+# --------------------------------------------------------------------------------------------
+# Clocks
+# --------------------------------------------------------------------------------------------
+
+
+class CpuClock:
+    """Stamps are ``perf_counter`` seconds; cheap enough to take in every hook."""
+
+    def start_iteration(self) -> None:
+        pass
+
+    def stamp(self) -> float:
+        return time.perf_counter()
+
+    def finish(self) -> None:
+        pass
+
+    def ms(self, a: float, b: float) -> float:
+        return (b - a) * 1e3
+
+
+class CudaClock:
+    """Stamps are CUDA events from a pool reused every iteration; read after ``finish``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool: list[torch.cuda.Event] = []
+        self.used = 0
+
+    def start_iteration(self) -> None:
+        self.used = 0
+
+    def stamp(self) -> torch.cuda.Event:
+        if self.used == len(self.pool):
+            self.pool.append(torch.cuda.Event(enable_timing=True))
+        ev = self.pool[self.used]
+        self.used += 1
+        ev.record()  # on the current stream: autograd sets it to the stream of the op
+        return ev
+
+    def finish(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def ms(self, a: torch.cuda.Event, b: torch.cuda.Event) -> float:
+        return a.elapsed_time(b)
+
+
+def make_clock(device: torch.device):
+    return CudaClock(device) if device.type == "cuda" else CpuClock()
+
+
+# --------------------------------------------------------------------------------------------
+# Results
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Timings:
+    """Raw per-repeat measurements of one rank (milliseconds)."""
+
+    names: list[str]
+    """Trainable tensors, ``model.named_parameters()`` order (tied tensors once)."""
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    numels: list[int]
+    forward_ms: list[float] = field(default_factory=list)
+    backward_ms: list[float] = field(default_factory=list)
+    step_ms: list[float] = field(default_factory=list)
+    ready_ms: list[list[float]] = field(default_factory=list)
+    """``[repeat][tensor]``; NaN where the tensor got no gradient."""
+    need_ms: list[list[float]] = field(default_factory=list)
+    """``[repeat][tensor]``; NaN where the tensor was not used in forward."""
+    no_grad: list[str] = field(default_factory=list)
+    unused: list[str] = field(default_factory=list)
+    functional: list[str] = field(default_factory=list)
+    """Tensors first used outside their owner's ``forward`` (anchored to another hook)."""
+    fallback_passes: int = 0
+    """Timed passes whose hook calls differed from discovery (owner pre-hook used)."""
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of the finite values of ``xs`` (NaN when there are none).
+
+    Example::
+
+        >>> median([3.0, 1.0, float("nan"), 2.0])
+        2.0
+    """
+    v = sorted(x for x in xs if not math.isnan(x))
+    if not v:
+        return math.nan
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+def quantile(xs: Sequence[float], q: float) -> float:
+    """Linear-interpolated quantile ``q`` in [0, 1] of the finite values of ``xs``.
+
+    Example::
+
+        >>> quantile([1.0, 2.0, 3.0, 4.0, 5.0], 0.9)
+        4.6
+    """
+    v = sorted(x for x in xs if not math.isnan(x))
+    if not v:
+        return math.nan
+    pos = q * (len(v) - 1)
+    lo = int(math.floor(pos))
+    hi = min(lo + 1, len(v) - 1)
+    return round(v[lo] + (v[hi] - v[lo]) * (pos - lo), 12)
+
+
+def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[bool]) -> list[float]:
+    """Split one optimizer step's time over tensors by element count.
+
+    Why not time a single-parameter step per tensor: with the ``foreach`` (multi-tensor)
+    kernels that PyTorch uses on GPU, and even with the per-tensor loop on CPU, each
+    ``step()`` call carries a fixed overhead (Python, state lookup, kernel launches); summing
+    one step per tensor overstated the measured full step by 1.3-3x on the built-in
+    models (``benchmarks/profiler_overhead.py`` prints both). Apportioning keeps
+    ``sum(update_ms)`` equal to the measured step, which is what the fence-mode baselines
+    charge, while an element-wise optimizer's cost does grow with the element count.
+    Tensors without a gradient are skipped by the optimizer and get 0.
+
+    Example::
+
+        >>> apportion_update(3.0, [100, 200, 50], [True, True, False])
+        [1.0, 2.0, 0.0]
+    """
+    total = sum(n for n, g in zip(numels, has_grad) if g)
+    if total == 0:
+        return [0.0] * len(numels)
+    return [step_ms * n / total if g else 0.0 for n, g in zip(numels, has_grad)]
+
+
+# --------------------------------------------------------------------------------------------
+# Hooks
+# --------------------------------------------------------------------------------------------
+
+
+class _FirstUse(TorchFunctionMode):
+    """Sees every torch call during the discovery pass; records each tensor's first use as
+    the index of the hook call made just before it."""
+
+    def __init__(self, ids: dict[int, int], calls: list, first: list[int | None]):
+        super().__init__()
+        self.ids, self.calls, self.first = ids, calls, first
+
+    def _scan(self, obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, torch.Tensor):
+            i = self.ids.get(id(obj))
+            if i is not None and self.first[i] is None:
+                self.first[i] = len(self.calls) - 1
+        elif depth < 2 and isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._scan(o, depth + 1)
+        elif depth < 2 and isinstance(obj, dict):
+            for o in obj.values():
+                self._scan(o, depth + 1)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self._scan(args)
+        self._scan(kwargs)
+        return func(*args, **kwargs)
+
+
+class IterationTimer:
+    """Times training iterations of ``model`` with per-tensor hooks.
+
+    Args:
+        model: the model, already on ``device`` and in training mode.
+        inputs: positional arguments of ``model``.
+        loss_fn: maps the output to a scalar loss.
+        optimizer: stepped after each backward (its time is ``step_ms``).
+        device: where the model runs; CUDA uses events, anything else ``perf_counter``.
+        sync: called before each iteration to line the ranks up (e.g. a barrier).
+        hooks: ``False`` runs the same loop without any hook (the overhead baseline).
+        label: the model's name, for error messages.
+
+    Example::
+
+        >>> from usbyte_opt.models import build
+        >>> model, inputs, loss_fn = build("mlp", batch_size=2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+        >>> t = IterationTimer(model, inputs, loss_fn, opt).run(warmup=1, repeats=2)
+        >>> len(t.ready_ms), len(t.names), t.names[0]
+        (2, 8, '0.weight')
+        >>> all(0 <= r <= b for rs, b in zip(t.ready_ms, t.backward_ms) for r in rs)
+        True
+    """
+
+    def __init__(self, model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
+                 optimizer: torch.optim.Optimizer | None, device: torch.device | str = "cpu",
+                 sync: Callable[[], None] | None = None, hooks: bool = True, label: str = "model"):
+        self.model, self.inputs, self.loss_fn, self.optimizer = model, tuple(inputs), loss_fn, optimizer
+        self.device = torch.device(device)
+        self.clock = make_clock(self.device)
+        self.sync = sync
+        self.hooks_on = hooks
+        self.label = label
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.index = {id(p): i for i, p in enumerate(self.params)}
+        self.timings = Timings([n for n, _ in named], [tuple(p.shape) for p in self.params],
+                               [str(p.dtype).removeprefix("torch.") for p in self.params],
+                               [p.numel() for p in self.params])
+        # Modules that own trainable tensors directly, and which tensors each owns.
+        self.owners: list[tuple[nn.Module, list[int]]] = []
+        for m in model.modules():
+            own = [self.index[id(p)] for p in m._parameters.values() if p is not None and id(p) in self.index]
+            if own:
+                self.owners.append((m, own))
+        self.owner_of: list[list[int]] = [[] for _ in self.params]  # tensor -> owner indices
+        for k, (_, own) in enumerate(self.owners):
+            for i in own:
+                self.owner_of[i].append(k)
+        self.calls: list[tuple[int, Any]] = []      # (owner index, stamp) per pre-hook call
+        self.ready: list[Any] = [None] * len(self.params)
+        self.anchor: list[int | None] = [None] * len(self.params)
+        self._handles: list[Any] = []
+
+    # -- hooks ---------------------------------------------------------------------------------
+
+    def _install(self) -> None:
+        calls, clock, ready = self.calls, self.clock, self.ready
+        for k, (m, _) in enumerate(self.owners):
+            def pre(_mod, _args, k=k):
+                calls.append((k, clock.stamp()))
+            self._handles.append(m.register_forward_pre_hook(pre))
+        for i, p in enumerate(self.params):
+            def post(_p, i=i):
+                ready[i] = clock.stamp()  # overwrite: the last accumulation counts
+            self._handles.append(p.register_post_accumulate_grad_hook(post))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- one iteration ------------------------------------------------------------------------
+
+    def _iteration(self, discover: bool = False) -> tuple:
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.model.zero_grad(set_to_none=True)
+        if self.sync is not None:
+            self.sync()
+        self.calls.clear()
+        self.ready[:] = [None] * len(self.params)
+        clock = self.clock
+        clock.start_iteration()
+        t0 = clock.stamp()
+        if discover:
+            with _FirstUse(self.index, self.calls, self.anchor):
+                loss = check_loss(self.label, self.loss_fn(self.model(*self.inputs)))
+        else:
+            loss = self.loss_fn(self.model(*self.inputs))
+        t1 = clock.stamp()
+        loss.backward()
+        t2 = clock.stamp()
+        if self.optimizer is not None:
+            self.optimizer.step()
+        t3 = clock.stamp()
+        clock.finish()
+        return t0, t1, t2, t3
+
+    def _record(self, stamps: tuple, n_discovered: int) -> None:
+        t0, t1, t2, t3 = stamps
+        ms, tm = self.clock.ms, self.timings
+        F, B = ms(t0, t1), ms(t1, t2)
+        tm.forward_ms.append(F)
+        tm.backward_ms.append(B)
+        tm.step_ms.append(ms(t2, t3))
+        tm.ready_ms.append([ms(t1, r) if r is not None else math.nan for r in self.ready])
+        need = [math.nan] * len(self.params)
+        if self.hooks_on:
+            same = len(self.calls) == n_discovered
+            if not same:
+                tm.fallback_passes += 1
+                first_call: dict[int, Any] = {}
+                for k, st in self.calls:
+                    first_call.setdefault(k, st)
+            for i, a in enumerate(self.anchor):
+                if same:
+                    if a is None:
+                        continue  # not used in forward
+                    need[i] = 0.0 if a < 0 else ms(t0, self.calls[a][1])
+                else:
+                    sts = [first_call[k] for k in self.owner_of[i] if k in first_call]
+                    if sts:
+                        need[i] = min(ms(t0, s) for s in sts)
+        tm.need_ms.append(need)
+
+    def run(self, warmup: int = 3, repeats: int = 10, progress: Progress | None = None) -> Timings:
+        """Discovery pass, ``warmup`` untimed iterations, then ``repeats`` timed ones."""
+        if repeats < 1:
+            raise UsbyteError(f"--repeats: expected an integer >= 1, got {repeats}")
+        if warmup < 0:
+            raise UsbyteError(f"--warmup: expected an integer >= 0, got {warmup}")
+        total = 1 + warmup + repeats
+        try:
+            if self.hooks_on:
+                self._install()
+            self._iteration(discover=True)
+            n_discovered = len(self.calls)
+            got_grad = [p.grad is not None for p in self.params]
+            tm = self.timings
+            tm.no_grad = [n for n, g in zip(tm.names, got_grad) if not g]
+            tm.unused = [n for n, a in zip(tm.names, self.anchor) if a is None] if self.hooks_on else []
+            if self.hooks_on:
+                # First use before any pre-hook of the tensor's own module(s) fired.
+                first_own = {}
+                for idx, (k, _) in enumerate(self.calls):
+                    for i in self.owners[k][1]:
+                        first_own.setdefault(i, idx)
+                tm.functional = [tm.names[i] for i, a in enumerate(self.anchor)
+                                 if a is not None and (i not in first_own or a < first_own[i])]
+            if progress:
+                progress("compute", 1, total)
+            for w in range(warmup):
+                self._iteration()
+                if progress:
+                    progress("compute", 2 + w, total)
+            for r in range(repeats):
+                self._record(self._iteration(), n_discovered)
+                if progress:
+                    progress("compute", 2 + warmup + r, total)
+        finally:
+            self.remove()
+        return self.timings
+
+
+@dataclass(slots=True)
+class Summary:
+    """Per-rank medians over repeats, plus the spread kept in ``meta``."""
+
+    forward_ms: float
+    backward_ms: float
+    step_ms: float
+    ready_ms: list[float]
+    need_ms: list[float]
+    update_ms: list[float]
+    spread: dict[str, Any]
+
+
+def summarize(t: Timings) -> Summary:
+    """Medians of one rank's repeats; tensors with no gradient / no use get B / F.
+
+    Example::
+
+        >>> t = Timings(["a", "b"], [(2,), (3,)], ["float32"] * 2, [2, 3],
+        ...             forward_ms=[1.0, 3.0, 2.0], backward_ms=[4.0, 4.0, 5.0], step_ms=[1.0] * 3,
+        ...             ready_ms=[[1.0, math.nan]] * 3, need_ms=[[0.0, 0.5]] * 3, no_grad=["b"])
+        >>> s = summarize(t)
+        >>> s.forward_ms, s.backward_ms, s.ready_ms, s.update_ms
+        (2.0, 4.0, [1.0, 4.0], [1.0, 0.0])
+    """
+    F, B, step = median(t.forward_ms), median(t.backward_ms), median(t.step_ms)
+    cols = list(zip(*t.ready_ms)) if t.ready_ms else [() for _ in t.names]
+    ncols = list(zip(*t.need_ms)) if t.need_ms else [() for _ in t.names]
+    ready = []
+    for c in cols:
+        m = median(c)
+        ready.append(B if math.isnan(m) else min(max(m, 0.0), B))
+    need = []
+    for c in ncols:
+        m = median(c)
+        need.append(F if math.isnan(m) else min(max(m, 0.0), F))
+    has_grad = [not all(math.isnan(x) for x in c) for c in cols]
+    update = apportion_update(step, t.numels, has_grad)
+
+    def iqr(c: Sequence[float]) -> float:
+        return quantile(c, 0.75) - quantile(c, 0.25) if any(not math.isnan(x) for x in c) else 0.0
+
+    r_iqr = [iqr(c) for c in cols]
+    n_iqr = [iqr(c) for c in ncols]
+    spread = {
+        "forward_ms": {"p10": quantile(t.forward_ms, 0.1), "p50": F, "p90": quantile(t.forward_ms, 0.9)},
+        "backward_ms": {"p10": quantile(t.backward_ms, 0.1), "p50": B, "p90": quantile(t.backward_ms, 0.9)},
+        "step_ms": {"p10": quantile(t.step_ms, 0.1), "p50": step, "p90": quantile(t.step_ms, 0.9)},
+        "ready_iqr_ms": {"median": median(r_iqr), "max": max(r_iqr, default=0.0)},
+        "need_iqr_ms": {"median": median(n_iqr), "max": max(n_iqr, default=0.0)},
+        "repeats": len(t.forward_ms),
+    }
+    return Summary(F, B, step, ready, need, update, spread)
