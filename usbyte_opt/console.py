@@ -13,8 +13,10 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# Piped output keeps whole tables (rich would fold them to 80 columns).
+out = Console(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 160)
+err = Console(stderr=True, highlight=False, soft_wrap=True,
+              width=None if sys.stderr.isatty() else 160)
 
 
 def error(message: str) -> None:

@@ -296,7 +296,7 @@ class _Reader:
             ok = v <= hi
         if not ok:
             if lo is not None and hi is not None:
-                want = f"a number in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+                want = f"a number in {'(' if lo_open else '['}{lo:.10g}, {hi:.10g}]"
             elif lo is not None:
                 want = f"a number {'>' if lo_open else '>='} {lo:g}"
             else:

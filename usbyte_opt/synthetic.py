@@ -35,7 +35,7 @@ def chain_profile(numels: Sequence[int], forward_ms: float = 10.0, backward_ms: 
     for l in range(L):
         ready = min(sum(bw[l:]), backward_ms)
         tensors.append(TensorSpec(f"layer{l}.weight", (int(numels[l]),), dtype,
-                                  round(ready, 9), round(min(need, forward_ms), 9),
+                                  min(round(ready, 9), backward_ms), min(round(need, 9), forward_ms),
                                   float(update_ms[l]) if update_ms is not None else 0.0))
         need += fw[l]
     return Profile(name, forward_ms, backward_ms, tuple(tensors),

@@ -1,0 +1,34 @@
+"""Options and helpers shared by several subcommands."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from ..formats import Profile, load_profile, write_json
+from ..planner import retargeted
+from ..simulate import Timeline, chrome_trace
+
+WorldSize = typer.Option(None, "--world-size", "-n", min=2,
+                         help="Retarget to this many ranks (ring all-reduce model).")
+BandwidthGbps = typer.Option(None, "--bandwidth-gbps", min=0.0,
+                             help="Retarget to this per-link bandwidth, Gbit/s.")
+LatencyUs = typer.Option(None, "--latency-us", min=0.0,
+                         help="Retarget to this latency per ring step, µs.")
+Trace = typer.Option(None, "--trace", dir_okay=False,
+                     help="Write a Chrome/Perfetto trace of the predicted timeline here.")
+Json = typer.Option(False, "--json", help="Print only JSON on stdout.")
+
+
+def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],
+                    latency_us: Optional[float]) -> tuple[Profile, Profile]:
+    """``(original, retargeted)`` profile from a file."""
+    original = load_profile(path)
+    return original, retargeted(original, world_size, bandwidth_gbps, latency_us)
+
+
+def write_trace(path: Path, timeline: Timeline, label: str) -> Path:
+    return write_json(os.fspath(path), chrome_trace(timeline, label))

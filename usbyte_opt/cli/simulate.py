@@ -1,0 +1,80 @@
+"""``usbyte-opt simulate``: score a schedule on a profile (any cluster) and trace it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from .. import console
+from ..bounds import lower_bound
+from ..formats import load_schedule
+from ..problem import Problem
+from ..simulate import simulate as run_simulation
+from . import common
+
+
+def simulate(
+    profile: Path = typer.Argument(..., dir_okay=False, help="Profile JSON."),
+    schedule: Path = typer.Argument(..., dir_okay=False, help="Schedule JSON."),
+    fence: bool = typer.Option(False, "--fence",
+                               help="Wait for every block before the optimizer step (DDP-style) "
+                               "instead of gating each tensor in the next forward."),
+    world_size: Optional[int] = common.WorldSize,
+    bandwidth_gbps: Optional[float] = common.BandwidthGbps,
+    latency_us: Optional[float] = common.LatencyUs,
+    trace: Optional[Path] = common.Trace,
+    as_json: bool = common.Json,
+) -> None:
+    """Predict the iteration time of SCHEDULE on PROFILE, optionally on another cluster
+    (--world-size, --bandwidth-gbps, --latency-us), and write its timeline as a trace."""
+    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    sched = load_schedule(schedule)
+    problem = Problem.from_profile(prof)
+    tl = run_simulation(problem, sched, mode="fence" if fence else "overlap", source=str(schedule))
+    lb = lower_bound(problem)
+    if sched.profile_name != original.name:
+        console.warn(f"{schedule}: made for profile {sched.profile_name!r}, simulated on "
+                     f"{original.name!r} (same tensors)")
+    if trace is not None:
+        common.write_trace(trace, tl, f"{original.name} / {sched.strategy} ({tl.mode}, predicted)")
+    waits = sorted(tl.forward, key=lambda g: -g.wait_ms)[:5]
+    if as_json:
+        console.emit_json({
+            "profile": original.name,
+            "strategy": sched.strategy,
+            "mode": tl.mode,
+            "iteration_ms": tl.iteration_ms,
+            "compute_ms": tl.compute_ms,
+            "exposed_ms": tl.exposed_ms,
+            "comm_busy_ms": tl.comm_busy_ms,
+            "lower_bound_ms": lb,
+            "blocks": len(tl.blocks),
+            "schedule_predicted_ms": sched.predicted.get("iteration_ms"),
+            "world_size": prof.comm.world_size,
+            "trace": str(trace) if trace else None,
+        })
+        return
+    c = prof.comm
+    rows = [
+        ["iteration", f"{tl.iteration_ms:.3f} ms"],
+        ["compute (F + B)", f"{tl.compute_ms:.3f} ms"],
+        ["exposed communication", f"{tl.exposed_ms:.3f} ms"],
+        ["channel busy", f"{tl.comm_busy_ms:.3f} ms in {len(tl.blocks)} blocks"],
+        ["lower bound", f"{lb:.3f} ms (gap {100 * (tl.iteration_ms - lb) / lb:.2f}%)"],
+        ["cluster", f"{c.world_size} ranks, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"],
+    ]
+    if "iteration_ms" in sched.predicted:
+        rows.append(["schedule's own prediction", f"{sched.predicted['iteration_ms']:.3f} ms"])
+    if tl.mode == "overlap" and waits and waits[0].wait_ms > 0:
+        rows.append(["longest forward waits",
+                     ", ".join(f"{g.name} {g.wait_ms:.2f} ms" for g in waits if g.wait_ms > 0)])
+    console.table(f"{sched.strategy} schedule on {original.name} ({tl.mode} mode)",
+                  ["", "value"], rows)
+    if trace:
+        console.info(f"wrote {trace}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(simulate)
