@@ -41,7 +41,8 @@ def spans(blocks):
 
 # A three-layer chain: "out" is ready first and needed last.
 #   out: 1 MB, ready 2, need 3 | mid: 2 MB, ready 4, need 1 | in: 1 MB, ready 6, need 0
-#   B = 6, F = 4, alpha = 1 ms. Layout (ready order): out [0, 250k), mid [250k, 750k), in [750k, 1M).
+#   B = 6, F = 4, alpha = 1 ms.
+#   Layout (ready order): out [0, 250k), mid [250k, 750k), in [750k, 1M).
 THREE = [("in", MB, 6, 0), ("mid", 2 * MB, 4, 1), ("out", MB, 2, 3)]
 
 

@@ -84,8 +84,8 @@ def partition_tensor(numel: int, rows: int, partition: int) -> list[int]:
 
         >>> partition_tensor(10, 10, 3)     # ceil(10/3) = 4 pieces of 2, 2, 3, 3 rows
         [2, 2, 3, 3]
-        >>> partition_tensor(64 * 9, 64, 4)  # 144 pieces wanted, only 64 rows: one row each
-        [9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9, 9]
+        >>> partition_tensor(6 * 9, 6, 4)    # 14 pieces wanted, only 6 rows: one row each
+        [9, 9, 9, 9, 9, 9]
     """
     if numel <= partition:
         return [numel]
@@ -130,7 +130,8 @@ class _Parts:
 
 def replay(parts: _Parts, credit: float) -> list[int]:
     """Issue order (indices into ``parts``) of ByteScheduler's credit loop on one channel."""
-    ready, key, size, cost, by_ready = parts.ready, parts.key, parts.size, parts.cost, parts.by_ready
+    ready, key, size, cost = parts.ready, parts.key, parts.size, parts.cost
+    by_ready = parts.by_ready
     n = len(by_ready)
     heap: list[tuple[int, int]] = []
     outstanding: deque[tuple[float, int]] = deque()   # (finish, elements), FIFO = finish order
