@@ -1,0 +1,18 @@
+"""Small builders shared by the planner tests."""
+
+from __future__ import annotations
+
+from usbyte_opt.formats import CommSpec, Profile, TensorSpec
+
+MB_F32 = 250_000  # float32 elements in 1 MB (1 ms at 1 GB/s)
+
+
+def three_layer(update_out: float = 0.5) -> Profile:
+    """F = 4, B = 6; 1 MB tensors out/mid/inp ready at 2/4/6, needed at 3/1.5/0;
+    alpha 1 ms, 1 GB/s (1 MB costs 1 ms on the wire)."""
+    return Profile(
+        "three", forward_ms=4.0, backward_ms=6.0,
+        tensors=(TensorSpec("out", (MB_F32,), "float32", 2.0, 3.0, update_out),
+                 TensorSpec("mid", (MB_F32,), "float32", 4.0, 1.5),
+                 TensorSpec("inp", (500, 500), "float32", 6.0, 0.0)),
+        comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0))

@@ -1,0 +1,147 @@
+"""Profile and schedule files: round trips, validation errors that name file and field,
+atomic writes, JSON Schemas."""
+
+import json
+import os
+
+import pytest
+
+from usbyte_opt.errors import FormatError, MismatchError
+from usbyte_opt.formats import (check_against, fingerprint, load_profile, load_schedule,
+                                profile_schema, save_profile, save_schedule, schedule_schema,
+                                write_json)
+from usbyte_opt.formats import Block
+from usbyte_opt.problem import Problem
+
+from helpers import MB_F32, three_layer
+
+
+@pytest.fixture
+def files(tmp_path):
+    prof = three_layer()
+    pb = Problem.from_profile(prof)
+    lay = pb.layout()
+    sched = pb.schedule("hand", lay, [Block(0, 0, MB_F32), Block(0, MB_F32, 3 * MB_F32)],
+                        {"iteration_ms": 1.0})
+    pp, sp = tmp_path / "p.json", tmp_path / "s.json"
+    save_profile(prof, pp)
+    save_schedule(sched, sp)
+    return prof, sched, pp, sp
+
+
+def test_round_trip(files):
+    prof, sched, pp, sp = files
+    assert load_profile(pp) == prof
+    back = load_schedule(sp)
+    assert back.blocks == sched.blocks and back.buffers == sched.buffers
+    assert back.fingerprint == prof.fingerprint() and back.profile_digest == prof.digest()
+    assert back.digest() == sched.digest()
+
+
+def test_unknown_fields_survive_a_round_trip(files, tmp_path):
+    _, _, _, sp = files
+    d = json.loads(sp.read_text())
+    d["note"] = {"kept": True}
+    sp.write_text(json.dumps(d))
+    save_schedule(load_schedule(sp), tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["note"] == {"kept": True}
+
+
+def mutate(path, fn):
+    d = json.loads(path.read_text())
+    fn(d)
+    path.write_text(json.dumps(d))
+
+
+@pytest.mark.parametrize("fn, field, expected", [
+    (lambda d: d["tensors"][1].update(ready_ms=-1), "tensors[1].ready_ms", "a number in [0, 6]"),
+    (lambda d: d["tensors"][0].update(need_ms=9), "tensors[0].need_ms", "a number in [0, 4]"),
+    (lambda d: d["tensors"][0].update(ready_ms="1"), "tensors[0].ready_ms", "a number"),
+    (lambda d: d["tensors"][2].update(name="out"), "tensors[2].name", "a unique name"),
+    (lambda d: d["tensors"][0].update(shape=[0]), "tensors[0].shape", "integers >= 1"),
+    (lambda d: d["tensors"][0].update(dtype="int8"), "tensors[0].dtype", "one of"),
+    (lambda d: d.pop("backward_ms"), "backward_ms", "field is missing"),
+    (lambda d: d.update(forward_ms=0), "forward_ms", "a number > 0"),
+    (lambda d: d["comm"].update(algbw_gbs=0), "comm.algbw_gbs", "a number > 0"),
+    (lambda d: d["comm"].update(world_size=1.5), "comm.world_size", "an integer >= 1"),
+    (lambda d: d.update(tensors={}), "tensors", "an array"),
+    (lambda d: d.update(version=2), "version", "1"),
+    (lambda d: d.update(format="usbyte-schedule"), "format", "usbyte-profile"),
+])
+def test_profile_errors_name_file_field_and_expectation(files, fn, field, expected):
+    _, _, pp, _ = files
+    mutate(pp, fn)
+    with pytest.raises(FormatError) as e:
+        load_profile(pp)
+    msg = str(e.value)
+    assert msg.startswith(f"{pp}: {field}: expected") and expected in msg
+    assert "\n" not in msg
+
+
+@pytest.mark.parametrize("fn, field, expected", [
+    (lambda d: d["blocks"].pop(), "buffers[0]", "covering all 750000"),
+    (lambda d: d["blocks"][1].update(start=10), "blocks[1]", "overlaps"),
+    (lambda d: d["blocks"][1].update(start=MB_F32 + 5), "blocks[1]", "uncovered"),
+    (lambda d: d["blocks"][0].update(end=0), "blocks[0].end", "an offset > start"),
+    (lambda d: d["blocks"][0].update(buffer=3), "blocks[0].buffer", "a buffer index < 1"),
+    (lambda d: d["blocks"][1].update(end=10 ** 9), "blocks[1].end", "<= the buffer's numel"),
+    (lambda d: d["buffers"][0]["tensors"].append("out"), "buffers[0].tensors[3]", "listed once"),
+    (lambda d: d.pop("fingerprint"), "fingerprint", "missing"),
+])
+def test_schedule_errors(files, fn, field, expected):
+    _, _, _, sp = files
+    mutate(sp, fn)
+    with pytest.raises(FormatError) as e:
+        load_schedule(sp)
+    assert str(e.value).startswith(f"{sp}: {field}: expected") and expected in str(e.value)
+
+
+def test_truncated_and_missing_files(tmp_path, files):
+    _, _, pp, _ = files
+    cut = tmp_path / "cut.json"
+    cut.write_text(pp.read_text()[:120])
+    with pytest.raises(FormatError, match=r"cut.json: line \d+ column \d+: expected valid JSON"):
+        load_profile(cut)
+    with pytest.raises(FormatError, match="expected an existing file"):
+        load_profile(tmp_path / "nope.json")
+
+
+def test_schedule_against_other_profile(files):
+    prof, sched, _, _ = files
+    from usbyte_opt.formats import Profile, TensorSpec
+
+    renamed = Profile(prof.name, prof.forward_ms, prof.backward_ms,
+                      (prof.tensors[0], prof.tensors[1],
+                       TensorSpec("inp", (250_000,), "float32", 6.0, 0.0)), prof.comm)
+    with pytest.raises(MismatchError, match="fingerprint"):
+        check_against(sched, renamed)
+    fewer = Profile(prof.name, prof.forward_ms, prof.backward_ms, prof.tensors[:2], prof.comm)
+    with pytest.raises(MismatchError, match="'inp' is not in profile"):
+        check_against(sched, fewer)
+
+
+def test_fingerprint_ignores_order_but_not_shapes():
+    a = fingerprint([("x", (2, 3), "float32"), ("y", (4,), "float16")])
+    assert a == fingerprint([("y", [4], "float16"), ("x", [2, 3], "float32")])
+    assert a != fingerprint([("x", (3, 2), "float32"), ("y", (4,), "float16")])
+
+
+def test_atomic_write_leaves_old_file_on_failure(tmp_path):
+    p = tmp_path / "x.json"
+    write_json(p, {"a": 1})
+    with pytest.raises(TypeError):
+        write_json(p, {"a": object()})
+    assert json.loads(p.read_text()) == {"a": 1}
+    assert os.listdir(tmp_path) == ["x.json"]
+
+
+def test_schemas_accept_written_files(files):
+    jsonschema = pytest.importorskip("jsonschema")
+    _, _, pp, sp = files
+    jsonschema.validate(json.loads(pp.read_text()), profile_schema())
+    jsonschema.validate(json.loads(sp.read_text()), schedule_schema())
+
+
+def test_schemas_are_json():
+    for s in (profile_schema(), schedule_schema()):
+        assert json.loads(json.dumps(s))["type"] == "object"

@@ -1,0 +1,118 @@
+"""The simulator against hand-computed timelines (DESIGN.md §2), both modes, and the trace."""
+
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from usbyte_opt.errors import MismatchError
+from usbyte_opt.fastsim import evaluate
+from usbyte_opt.formats import Block
+from usbyte_opt.problem import Problem
+from usbyte_opt.simulate import chrome_trace, simulate, simulate_blocks
+from usbyte_opt.synthetic import random_profile
+
+from helpers import MB_F32, three_layer
+
+
+def setup():
+    pb = Problem.from_profile(three_layer())
+    lay = pb.layout()
+    assert [pb.names[i] for i in lay.members[0]] == ["out", "mid", "inp"]
+    return pb, lay
+
+
+def test_fused_and_split_blocks_overlap_mode():
+    pb, lay = setup()
+    # out+mid fused (2 MB), then inp in two halves.
+    blocks = [Block(0, 0, 2 * MB_F32), Block(0, 2 * MB_F32, 2 * MB_F32 + MB_F32 // 2),
+              Block(0, 2 * MB_F32 + MB_F32 // 2, 3 * MB_F32)]
+    tl = simulate_blocks(pb, lay, blocks)
+    # k0: ready max(2, 4) = 4, 1 + 2 ms -> [4, 7]; k1: ready 6, waits for k0 -> [7, 8.5];
+    # k2 -> [8.5, 10].
+    assert [(b.ready_ms, b.start_ms, b.finish_ms) for b in tl.blocks] == [
+        (4.0, 4.0, 7.0), (6.0, 7.0, 8.5), (6.0, 8.5, 10.0)]
+    assert tl.blocks[0].tensors == ("out", "mid") and tl.blocks[0].nbytes == 2_000_000
+    # avail: inp 10, mid 7, out 7 + 0.5 update = 7.5. Forward: inp at max(6 + 0, 10) = 10,
+    # mid at max(10 + 1.5, 7) = 11.5, out at max(11.5 + 1.5, 7.5) = 13, ends 13 + 4 - 3 = 14.
+    assert [(g.name, g.reach_ms, g.wait_ms) for g in tl.forward] == [
+        ("inp", 10.0, 4.0), ("mid", 11.5, 0.0), ("out", 13.0, 0.0)]
+    assert tl.iteration_ms == 14.0
+    assert tl.exposed_ms == 4.0
+    assert tl.comm_busy_ms == 6.0
+
+
+def test_fused_and_split_blocks_fence_mode():
+    pb, lay = setup()
+    blocks = [Block(0, 0, 2 * MB_F32), Block(0, 2 * MB_F32, 3 * MB_F32)]
+    # [4, 7], then inp [7, 9]; fence: max(6, 9) + 0.5 update + 4 forward.
+    assert simulate_blocks(pb, lay, blocks, mode="fence").iteration_ms == 13.5
+
+
+def test_issue_order_is_static_a_ready_block_waits_its_turn():
+    pb, lay = setup()
+    half = 2 * MB_F32 + MB_F32 // 2
+    blocks = [Block(0, 2 * MB_F32, half), Block(0, half, 3 * MB_F32), Block(0, 0, 2 * MB_F32)]
+    tl = simulate_blocks(pb, lay, blocks)
+    # inp halves first: [6, 7.5], [7.5, 9]; out+mid was ready at 4 but waits: [9, 12].
+    assert [(b.start_ms, b.finish_ms) for b in tl.blocks] == [(6.0, 7.5), (7.5, 9.0), (9.0, 12.0)]
+    # inp at max(6, 9) = 9; mid at max(10.5, 12) = 12; out at max(13.5, 12.5) = 13.5; end 14.5.
+    assert tl.iteration_ms == 14.5
+    assert simulate_blocks(pb, lay, blocks, mode="fence").iteration_ms == 16.5
+
+
+def test_finish_of_last_block_can_set_the_iteration_time():
+    pb, lay = setup()
+    # Send out last, after inp and mid: its block ends after the forward has ended.
+    blocks = [Block(0, 2 * MB_F32, 3 * MB_F32), Block(0, MB_F32, 2 * MB_F32), Block(0, 0, MB_F32)]
+    tl = simulate_blocks(pb, lay, blocks)
+    # inp [6, 8], mid [8, 10], out [10, 12] (+0.5 update -> 12.5). Forward: inp 8, mid
+    # max(9.5, 10) = 10, out max(11.5, 12.5) = 12.5, ends 13.5.
+    assert tl.forward_end_ms == 13.5 and tl.iteration_ms == 13.5
+
+
+def test_uncovered_tensor_is_an_error():
+    pb, lay = setup()
+    with pytest.raises(MismatchError, match="inp"):
+        simulate_blocks(pb, lay, [Block(0, 0, 2 * MB_F32)])
+
+
+def test_simulate_checks_the_schedule_against_the_profile():
+    pb, lay = setup()
+    sched = pb.schedule("hand", lay, [Block(0, 0, 3 * MB_F32)])
+    assert simulate(three_layer(), sched).iteration_ms == pytest.approx(6 + 1 + 3 + 4)
+    other = random_profile(random.Random(0), 3)
+    with pytest.raises(MismatchError, match="not in profile"):
+        simulate(other, sched)
+
+
+def test_chrome_trace_has_compute_and_channel_tracks():
+    pb, lay = setup()
+    tl = simulate_blocks(pb, lay, [Block(0, 0, 2 * MB_F32), Block(0, 2 * MB_F32, 3 * MB_F32)])
+    doc = chrome_trace(tl)
+    xs = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    comm = [e for e in xs if e["tid"] == 2]
+    assert [(e["ts"], e["dur"]) for e in comm] == [(4000.0, 3000.0), (7000.0, 2000.0)]
+    waits = [e for e in xs if e["name"].startswith("wait")]
+    assert [(e["name"], e["ts"], e["dur"]) for e in waits] == [("wait inp", 6000.0, 3000.0)]
+    fwd = [e for e in xs if e["name"] == "forward"]
+    assert sum(e["dur"] for e in fwd) == pytest.approx(4000.0)
+    assert max(e["ts"] + e["dur"] for e in xs) == pytest.approx(tl.iteration_ms * 1000)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 25), cuts=st.integers(0, 30))
+def test_fast_scorer_equals_simulator(seed, n, cuts):
+    rng = random.Random(seed)
+    pb = Problem.from_profile(random_profile(rng, n, dtypes=("float32", "bfloat16")))
+    lay = pb.layout()
+    blocks = []
+    for b, total in enumerate(lay.numel):
+        pts = sorted({0, total, *(rng.randrange(1, total) for _ in range(min(cuts, total - 1)))})
+        blocks += [Block(b, s, e) for s, e in zip(pts, pts[1:])]
+    rng.shuffle(blocks)
+    for mode in ("overlap", "fence"):
+        full = simulate_blocks(pb, lay, blocks, mode).iteration_ms
+        assert evaluate(pb, lay, blocks, mode) == pytest.approx(full, rel=1e-12, abs=1e-9)
+    assert simulate_blocks(pb, lay, blocks, "overlap").iteration_ms <= \
+        simulate_blocks(pb, lay, blocks, "fence").iteration_ms + 1e-9
