@@ -70,7 +70,7 @@ class Report:
         predicted = {
             "iteration_ms": r.overlap_ms,
             "lower_bound_ms": lb,
-            "gap": (r.overlap_ms - lb) / lb if lb > 0 else 0.0,
+            "gap": max(0.0, (r.overlap_ms - lb) / lb) if lb > 0 else 0.0,
             "compute_ms": self.compute_ms,
             "native_mode": r.native_mode,
             "native_ms": r.iteration_ms,

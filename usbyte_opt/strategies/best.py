@@ -383,7 +383,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         "origin": origin,
         "start_ms": candidates[0][0],
         "lower_bound_ms": lb,
-        "gap": (T - lb) / lb if lb > 0 else 0.0,
+        "gap": max(0.0, (T - lb) / lb) if lb > 0 else 0.0,
         "candidates": len(candidates),
         "solve_s": time.perf_counter() - t0,
     })
