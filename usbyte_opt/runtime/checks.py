@@ -39,13 +39,13 @@ class UsbyteWarning(UserWarning):
 
 def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch.nn.Module,
                      world_size: int, warn: bool = True) -> tuple[Schedule, str]:
-    """The schedule to run and where it came from (a path, ``"<object>"`` or ``"<default>"``).
+    """The schedule to run and where it came from (its path, or ``"<STRATEGY schedule>"``).
 
     Raises:
         FormatError: the file is missing or malformed (names the file and field).
     """
     if isinstance(schedule, Schedule):
-        return schedule, "<object>"
+        return schedule, f"<{schedule.strategy} schedule>"
     if schedule is None:
         schedule = os.environ.get(SCHEDULE_ENV) or None
     if schedule is not None:
@@ -54,7 +54,7 @@ def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch
         warnings.warn(f"no schedule given (argument or ${SCHEDULE_ENV}): using a default "
                       "DDP-like plan of 1 MiB + 25 MiB buckets; run `usbyte-opt optimize` for a "
                       "planned one", UsbyteWarning, stacklevel=3)
-    return default_schedule(model, world_size), "<default>"
+    return default_schedule(model, world_size), "<default schedule>"
 
 
 def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...], str]],
@@ -91,19 +91,20 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
         if n not in model:
             raise MismatchError(f"{source}: buffers[{b}].tensors[{j}]: tensor {n!r} is not a "
                                 "trainable parameter of the model (frozen, renamed or absent)")
-    for b, buf in enumerate(schedule.buffers):
-        for n in buf.tensors:
-            if model[n][1] != buf.dtype:
-                raise MismatchError(f"{source}: tensor {n!r}: expected dtype {buf.dtype} "
-                                    f"(schedule buffers[{b}]), got {model[n][1]} (model)")
+    # Tensors in the model's registration order: "first" as the user reads the model.
+    for n, shape, dt in tensors:
+        b = where[n][0]
+        if dt != schedule.buffers[b].dtype:
+            raise MismatchError(f"{source}: tensor {n!r}: expected dtype "
+                                f"{schedule.buffers[b].dtype} (schedule buffers[{b}]), got {dt} "
+                                "(model)")
     shapes = schedule.extra.get("shapes")
     if isinstance(shapes, dict):
-        for buf in schedule.buffers:
-            for n in buf.tensors:
-                want = shapes.get(n)
-                if want is not None and list(want) != list(model[n][0]):
-                    raise MismatchError(f"{source}: tensor {n!r}: expected shape {list(want)} "
-                                        f"(schedule), got {list(model[n][0])} (model)")
+        for n, shape, _ in tensors:
+            want = shapes.get(n)
+            if want is not None and list(want) != list(shape):
+                raise MismatchError(f"{source}: tensor {n!r}: expected shape {list(want)} "
+                                    f"(schedule), got {list(shape)} (model)")
     if schedule.buffer_numel:
         for b, buf in enumerate(schedule.buffers):
             got = sum(_numel(model[n][0]) for n in buf.tensors)

@@ -112,8 +112,8 @@ def run_local(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
         A :class:`RankResult` per rank, in rank order.
 
     Raises:
-        DistributedError: the deadline passed (the processes were killed), or a rank died
-            without reporting.
+        DistributedError: the deadline passed (the processes were killed). A rank that died
+            without reporting gets a result with ``error_type == "exit"``.
     """
     import multiprocessing as mp
 
@@ -137,8 +137,9 @@ def run_local(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] =
         for r, p in enumerate(procs):
             path = os.path.join(out, f"{r}.pkl")
             if not os.path.exists(path):
-                raise DistributedError(f"local run of {getattr(fn, '__name__', fn)}: rank {r} "
-                                       f"exited with code {p.exitcode} without a result")
+                results.append(RankResult(r, None, "exit", f"rank {r} exited with code "
+                                          f"{p.exitcode} without a result"))
+                continue
             with open(path, "rb") as f:
                 results.append(pickle.load(f))
         return results

@@ -26,8 +26,10 @@ Choices, with reasons:
   the same group dicts. The hyperparameters in force at ``step()`` are put back into the groups
   for the call. The optimizer must update each parameter independently of the others (SGD,
   Adam, AdamW, RMSprop, Adagrad, ... do).
-* Unused parameters. Each ``step()`` all-reduces a small usage count per tensor, issued before
-  the remaining blocks; it is read only for tensors this rank gave no gradient. A tensor no
+* Unused parameters. Each ``step()`` all-reduces a small usage count per tensor, issued after
+  the last block (how many blocks went out during backward may differ between ranks when one
+  did not use a tensor; what is issued after them never does); it is read only for tensors
+  this rank gave no gradient. A tensor no
   rank gave a gradient is not updated (DDP with ``find_unused_parameters=True`` leaves its
   ``grad`` untouched, and after ``zero_grad()``'s default ``set_to_none`` the optimizer skips
   it), unless its gradient was zeroed with ``zero_grad(set_to_none=False)``, in which case it
@@ -367,8 +369,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         ``set_to_none=True`` (the default) additionally records that the tensors have no
         gradient, so a tensor that then gets none on any rank is not updated (as the
-        optimizer skips ``grad is None`` under DDP). Tensors with a pending update are zeroed
-        right after it.
+        optimizer skips ``grad is None`` under DDP); with ``False`` a tensor that had a
+        gradient keeps a zero one and is stepped with it. Tensors with a pending update are
+        zeroed right after it.
         """
         if self._bw_started and not self._comm_waited:
             self._finish_comm(wait=True)  # do not zero a buffer that is being all-reduced
@@ -386,7 +389,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     now.append(g.views[t])
             if now:
                 torch._foreach_zero_(now)
-        self._has_grad = [not set_to_none] * self._n
+        if set_to_none:  # set_to_none=False keeps "no gradient" where there was none, as torch
+            self._has_grad = [False] * self._n
 
     def synchronize(self) -> None:
         """Finish all communication and updates: call before eval, checkpoints, the end.
@@ -496,17 +500,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._begin_backward()
             self._bw_started = True
             g = self._grads
-            if self._find_unused:
-                used = torch.tensor([1 if c else 0 for c in self._count], dtype=torch.int32)
-                self._usage = used.to(self._chan.comm_device)
-                self._usage_work = self._chan.all_reduce(self._usage)
-                self._global_used = None
             stale = [g.views[t] for t in range(self._n) if not self._count[t] and self._has_grad[t]]
             if stale:  # a tensor with no gradient this step contributes zeros
                 torch._foreach_zero_(stale)
             while self._next < self._m:
                 self._issue(self._next)
                 self._next += 1
+            # After the blocks: ranks may differ in how many blocks went out during backward
+            # (a tensor one rank did not use), never in what follows them.
+            if self._find_unused:
+                used = torch.tensor([1 if c else 0 for c in self._count], dtype=torch.int32)
+                self._usage = used.to(self._chan.comm_device)
+                self._usage_work = self._chan.all_reduce(self._usage)
+                self._global_used = None
             self._comm_issued = True
         if wait and not self._comm_waited:
             for k in range(self._m):
