@@ -73,6 +73,10 @@ EDGE_MODULE = textwrap.dedent('''
             raise RuntimeError("no such dataset on this host")
         return factory(batch_size)
 
+    def broken_forward(batch_size):
+        model, _, loss_fn = factory(batch_size)
+        return model, (torch.zeros(batch_size, 32),), loss_fn   # float ids: embedding raises
+
     not_callable = 3
 ''')
 
@@ -246,6 +250,7 @@ def test_update_ms_sums_to_the_step_and_follows_numel():
     ("edgemodels:not_callable", "not callable"),
     ("edgemodels:returns_model_only", "expected factory(batch_size: int) -> (model"),
     ("edgemodels:vector_loss", "must return a scalar tensor, got a tensor of shape (2, 32)"),
+    ("edgemodels:broken_forward", "the first training iteration raised RuntimeError: "),
 ])
 def test_bad_model_specs_are_one_line_errors(spec, expected, edge_dir, monkeypatch, capsys, tmp_path):
     from usbyte_opt.cli.main import main

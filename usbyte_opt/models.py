@@ -263,7 +263,7 @@ BUILTIN: dict[str, BuiltinModel] = {
 
 #: Default batch sizes of the real architectures (per rank); anything else defaults to 32.
 DEFAULT_BATCH = {"bert-base": 32, "bert-large": 8, "gpt2": 4, "gpt2-medium": 2,
-                 "vgg16": 64, "resnet50": 64, "resnet152": 64, "densenet201": 64}
+                 "resnet50": 64, "resnet152": 32, "vgg16": 32, "densenet201": 32}
 
 
 def builtin_names() -> list[str]:

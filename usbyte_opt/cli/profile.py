@@ -16,7 +16,7 @@ from typing import Optional
 import typer
 
 from .. import console
-from ..errors import UsbyteError
+from ..errors import DistributedError, UsbyteError
 
 
 class Device(str, Enum):
@@ -35,14 +35,14 @@ def profile(
                                 "gpt2, ...; torchvision:NAME) or package.module:factory returning "
                                 "(model, inputs, loss_fn) for factory(batch_size)."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Per-rank batch size "
-                                             "[default: the model's own]."),
+                                             "(default: the model's own)."),
     nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Start this many ranks "
                                                  "on this host (ignored under torchrun)."),
     warmup: int = typer.Option(3, "--warmup", help="Untimed iterations before timing."),
     repeats: int = typer.Option(10, "--repeats", help="Timed iterations; medians are kept."),
-    device: Optional[Device] = typer.Option(None, "--device", help="cpu or cuda [default: cuda if available]."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file [default: profiles/<name>.json]."),
-    name: Optional[str] = typer.Option(None, "--name", help="Profile name [default: from MODEL]."),
+    device: Optional[Device] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file (default: profiles/NAME.json)."),
+    name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: from MODEL)."),
     optimizer: Optim = typer.Option(Optim.sgd, "--optimizer", help="Optimizer whose step gives update_ms "
                                     "(sgd = SGD with momentum)."),
     comm_min_kb: float = typer.Option(4.0, "--comm-min-kb", help="Smallest all-reduce of the sweep (KiB)."),
@@ -50,9 +50,9 @@ def profile(
     comm_points: int = typer.Option(12, "--comm-points", help="Sizes in the sweep (log-spaced)."),
     comm_repeats: int = typer.Option(5, "--comm-repeats", help="Timed all-reduces per size."),
     alpha_ms: Optional[float] = typer.Option(None, "--alpha-ms", help="World size 1 only: analytic "
-                                             "latency [default 1.3]."),
+                                             "latency (default 1.3)."),
     algbw_gbs: Optional[float] = typer.Option(None, "--algbw-gbs", help="World size 1 only: analytic "
-                                              "bandwidth in GB/s [default 1.79: 8 workers, 25 Gbit/s]."),
+                                              "bandwidth in GB/s (default 1.79: 8 workers, 25 Gbit/s)."),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
@@ -104,9 +104,16 @@ def profile(
 
         with bar, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup, repeats=repeats,
-                                 optimizer=optimizer.value, comm_sizes=sizes, comm_repeats=comm_repeats,
-                                 alpha_ms=alpha_ms, algbw_gbs=algbw_gbs, progress=progress)
+            try:
+                prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup,
+                                     repeats=repeats, optimizer=optimizer.value, comm_sizes=sizes,
+                                     comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
+                                     progress=progress)
+            except dist.DistError as e:
+                # A rank died or timed out: every survivor lands here, so say it once, plainly.
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise DistributedError(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); "
+                                       "another rank probably stopped or timed out") from e
         if rank != 0:
             return
         for w in caught:

@@ -356,7 +356,16 @@ class IterationTimer:
         try:
             if self.hooks_on:
                 self._install()
-            self._iteration(discover=True)
+            try:
+                self._iteration(discover=self.hooks_on)
+            except UsbyteError:
+                raise
+            except Exception as e:
+                if type(e).__module__.startswith("torch.distributed"):
+                    raise
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise UsbyteError(f"model {self.label!r}: the first training iteration raised "
+                                  f"{type(e).__name__}: {first} (--debug shows the traceback)") from e
             n_discovered = len(self.calls)
             got_grad = [p.grad is not None for p in self.params]
             tm = self.timings

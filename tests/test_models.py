@@ -1,0 +1,145 @@
+"""The model registry: built-ins, real architectures by name, the factory protocol's errors."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+from usbyte_opt.errors import UsbyteError
+from usbyte_opt.models import (BUILTIN, RandomTargetLoss, build, builtin_names, model_name,
+                               parameter_count, resolve)
+
+
+def has(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None and bool(importlib.import_module(module))
+    except Exception:
+        return False
+
+
+@pytest.mark.parametrize("name, params, tensors", [
+    ("mlp", 10_512_394, 8), ("cnn", 9_542_954, 15), ("transformer", 4_224_512, 52)])
+def test_builtins_build_train_and_have_known_sizes(name, params, tensors):
+    model, inputs, loss_fn = build(name, batch_size=2)
+    assert model.training
+    assert parameter_count(model) == params
+    assert len([p for p in model.parameters() if p.requires_grad]) == tensors
+    loss = loss_fn(model(*inputs))
+    assert loss.dim() == 0 and loss.requires_grad
+    loss.backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_builtins_are_deterministic():
+    a, _, _ = build("cnn", 1)
+    b, _, _ = build("cnn", 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+
+
+def test_transformer_ties_its_output_projection():
+    model, _, _ = build("transformer", 1)
+    assert model.head.weight is model.tok.weight
+    assert "head.weight" not in dict(model.named_parameters())
+
+
+def test_random_target_loss_moves_targets_to_the_output_device():
+    loss = RandomTargetLoss(5, (3,), pick=lambda o: o["logits"])
+    assert loss({"logits": torch.zeros(3, 5)}).item() == pytest.approx(torch.log(torch.tensor(5.0)).item())
+
+
+def test_default_batch_and_explicit_batch():
+    _, inputs, _ = build("mlp")
+    assert inputs[0].shape[0] == BUILTIN["mlp"].default_batch
+    _, inputs, _ = build("mlp", 3)
+    assert inputs[0].shape[0] == 3
+
+
+def test_a_factory_callable_and_a_lone_tensor_input_are_accepted():
+    def factory(batch_size):
+        return torch.nn.Linear(4, 2), torch.randn(batch_size, 4), lambda out: out.sum()
+
+    model, inputs, _ = build(factory, 5)
+    assert isinstance(inputs, tuple) and inputs[0].shape == (5, 4)
+    assert model_name(factory) == "factory"
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("", "expected a name or package.module:factory"),
+    ("resnet-50", "unknown model 'resnet-50'"),
+    (":factory", "expected package.module:factory"),
+    ("math:nope", "module 'math' has no attribute 'nope'"),
+    ("math:pi", "'pi' is a float, not callable"),
+    ("transformers:bert-huge", "unknown transformers model 'bert-huge'"),
+])
+def test_bad_specs_raise_one_line_errors(spec, message):
+    with pytest.raises(UsbyteError) as e:
+        resolve(spec)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("result, message", [
+    (lambda: torch.nn.Linear(2, 2), "got a Linear"),
+    (lambda: (torch.nn.Linear(2, 2), (torch.zeros(1, 2),)), "got a tuple of length 2"),
+    (lambda: ("model", (), lambda o: o), "but model is a str"),
+    (lambda: (torch.nn.Linear(2, 2), 3, lambda o: o), "but inputs is a int"),
+    (lambda: (torch.nn.Linear(2, 2), (), "loss"), "but loss_fn is a str"),
+    (lambda: (torch.nn.Linear(2, 2).requires_grad_(False), (), lambda o: o), "no trainable parameters"),
+])
+def test_factories_returning_the_wrong_thing_name_the_protocol(result, message):
+    def factory(batch_size):
+        return result()
+
+    with pytest.raises(UsbyteError) as e:
+        build(factory, 1)
+    assert message in str(e.value)
+
+
+def test_a_factory_that_raises_is_reported_with_its_error():
+    def factory(batch_size):
+        raise FileNotFoundError("weights.pt")
+
+    with pytest.raises(UsbyteError, match=r"factory\(2\) raised FileNotFoundError: weights.pt"):
+        build(factory, 2)
+
+
+def test_batch_size_must_be_positive():
+    with pytest.raises(UsbyteError, match="--batch-size"):
+        build("mlp", 0)
+
+
+def test_builtin_names_lists_small_and_transformers_models():
+    names = builtin_names()
+    assert {"mlp", "cnn", "transformer", "bert-base", "gpt2"} <= set(names)
+
+
+@pytest.mark.skipif(not has("transformers"), reason="transformers not installed")
+@pytest.mark.parametrize("name, tensors, params, first", [
+    ("bert-base", 206, 110_106_428, ("bert.embeddings.word_embeddings.weight", (30522, 768))),
+    ("gpt2", 148, 124_439_808, ("transformer.wte.weight", (50257, 768))),
+])
+def test_transformers_models_have_the_real_shapes(name, tensors, params, first):
+    from usbyte_opt.models import transformers_factory
+
+    model, inputs, loss_fn = transformers_factory(name, seq_len=8)(1)
+    named = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    assert len(named) == tensors and named[0] == first
+    assert parameter_count(model) == params
+    assert loss_fn(model(*inputs)).dim() == 0
+
+
+@pytest.mark.skipif(not has("torchvision"), reason="torchvision not importable beside this torch")
+@pytest.mark.parametrize("name, tensors, params", [
+    ("resnet50", 161, 25_557_032), ("vgg16", 32, 138_357_544), ("densenet201", 604, 20_013_928)])
+def test_torchvision_models_have_the_real_shapes(name, tensors, params):
+    model, inputs, loss_fn = build(f"torchvision:{name}", 1)
+    assert len(list(model.parameters())) == tensors and parameter_count(model) == params
+    assert loss_fn(model(*inputs)).dim() == 0
+
+
+def test_torchvision_missing_is_a_clear_error():
+    if has("torchvision"):
+        pytest.skip("torchvision is importable here")
+    with pytest.raises(UsbyteError, match="needs torchvision"):
+        resolve("torchvision:resnet50")
