@@ -109,11 +109,10 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
         for b, buf in enumerate(schedule.buffers):
             got = sum(_numel(model[n][0]) for n in buf.tensors)
             if got != schedule.buffer_numel[b]:
-                first = buf.tensors[0]
                 raise MismatchError(f"{source}: buffers[{b}]: expected {schedule.buffer_numel[b]} "
-                                    f"elements (schedule), got {got} (model): a tensor shape "
-                                    f"differs in this buffer (first tensor {first!r}); the schedule "
-                                    "records no per-tensor shapes to name it")
+                                    f"elements (schedule), got {got} (model): a shape of one of its "
+                                    f"{len(buf.tensors)} {buf.dtype} tensors differs (the schedule "
+                                    "records no per-tensor shapes to name it)")
     fp = _fp(tensors)
     if fp != schedule.fingerprint:
         raise MismatchError(f"{source}: fingerprint: expected {schedule.fingerprint} (schedule), got "

@@ -20,8 +20,8 @@ Example::
     >>> sched = default_schedule(model, world_size=2)
     >>> sched.buffers[0].tensors       # ready order: the output layer's gradients come first
     ('1.bias', '1.weight', '0.bias', '0.weight')
-    >>> [(k.start, k.end) for k in sched.blocks]   # all 29 elements fit one 1 MiB bucket
-    [(0, 29)]
+    >>> [(k.start, k.end) for k in sched.blocks]   # all 23 elements fit one 1 MiB bucket
+    [(0, 23)]
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
 
         >>> import torch
         >>> m = torch.nn.Sequential(*[torch.nn.Linear(512, 512, bias=False) for _ in range(3)])
-        >>> [(k.start, k.end) for k in default_schedule(m).blocks]  # 1 MiB each: one per bucket
-        [(0, 262144), (262144, 524288), (524288, 786432)]
+        >>> [(k.start, k.end) for k in default_schedule(m).blocks]  # 1 MiB, then up to 25 MiB
+        [(0, 262144), (262144, 786432)]
     """
     problem = Problem.from_profile(profile_from_model(model, world_size))
     layout = problem.layout()

@@ -265,16 +265,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._root_owned = owned.pop(id(self._model), [])
         self._root_owned_set = set(self._root_owned)
         for key, ts in owned.items():
-            self._handles.append(mods[key].register_forward_pre_hook(self._module_hook(ts)))
-        self._handles.append(self._model.register_forward_pre_hook(self._root_pre_hook,
+            self._handles.append(mods[key].register_forward_pre_hook(_Hook(self._module_hook(ts))))
+        self._handles.append(self._model.register_forward_pre_hook(_Hook(self._root_pre_hook),
                                                                    prepend=True))
-        self._handles.append(self._model.register_forward_hook(self._root_post_hook))
+        self._handles.append(self._model.register_forward_hook(_Hook(self._root_post_hook)))
         # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
         # only: a checkpoint may be written by rank 0 alone.
-        self._handles.append(self._model.register_state_dict_pre_hook(
-            lambda *a, **k: self._settle()))
+        self._handles.append(self._model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
         self._handles.append(self._model.register_load_state_dict_pre_hook(
-            lambda *a, **k: self._settle()))
+            _Hook(self._settle_hook)))
 
     # ------------------------------------------------------------------------------------
     # Optimizer interface
@@ -402,6 +401,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """
         if self._bw_started and not self._comm_waited:
             self._finish_comm(wait=True)
+        self._settle()
+
+    def _settle_hook(self, *args: Any, **kwargs: Any) -> None:
         self._settle()
 
     def _settle(self) -> None:
@@ -707,6 +709,32 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for flat in self._grads.flats:
                 torch._amp_foreach_non_finite_check_and_unscale_([flat], dummy, inv)
         return False
+
+
+class _Detached:
+    """A hook that does nothing: what copies and pickles of the model carry instead of ours."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Hook:
+    """A module hook of the runtime. ``copy.deepcopy(model)`` and ``torch.save(model)`` give
+    a model without the runtime (a :class:`_Detached` hook), not a second optimizer."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Detached:
+        return _Detached()
+
+    def __reduce__(self) -> tuple:
+        return (_Detached, ())
 
 
 class _no_autocast:
