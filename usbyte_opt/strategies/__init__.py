@@ -64,6 +64,12 @@ def get(name: str) -> Strategy:
 
 
 def load_builtin() -> dict[str, Strategy]:
+    """Import the built-in strategies; returns the registry in report order (built-ins first,
+    in :data:`_BUILTIN` order, whatever order the modules were imported in)."""
     for mod in _BUILTIN:
         importlib.import_module(f"{__name__}.{mod}")
+    ordered = {n: STRATEGIES[n] for n in _BUILTIN}
+    ordered.update((n, s) for n, s in STRATEGIES.items() if n not in ordered)
+    STRATEGIES.clear()
+    STRATEGIES.update(ordered)
     return STRATEGIES
