@@ -167,7 +167,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
 
 
 def two_phase(problem: Problem, layout: Layout, tail: Sequence[float],
-              n_boundaries: int = 24, window: int = 256) -> list[list[Block]]:
+              n_boundaries: int = 24, window: int = 2048) -> list[list[Block]]:
     """Bucketed schedules in two phases, each optimal by dynamic programming for its part.
 
     Tensors in ready order ``0..N-1`` (so fused runs of one dtype are contiguous in the default
