@@ -274,8 +274,52 @@ def _splits(problem: Problem, layout: Layout, k: Block) -> list[tuple[Block, Blo
     return [(Block(k.buffer, k.start, c), Block(k.buffer, c, k.end)) for c in sorted(cuts)]
 
 
+def _critical(sc: "_Scorer", layout: Layout, blocks: list[Block], S: np.ndarray,
+              cur: float, eps: float = 1e-9) -> tuple[list[Block], np.ndarray, float] | None:
+    """Moves aimed at the block that sets T (the largest ``finish + tail``).
+
+    *Hoist*: issue it before one of the blocks that hold the channel when it becomes ready.
+    *Preempt*: cut such an earlier, smaller-tail block at the moment the critical block
+    becomes ready and send the rest after it — Jackson's preemption, paid with one alpha.
+    Returns the best improving move, or ``None``.
+    """
+    R, C, Q = S[:, 0], S[:, 1], S[:, 2]
+    cum = np.cumsum(C)
+    fin = cum + np.maximum.accumulate(R - (cum - C))
+    start = fin - C
+    c = int(np.argmax(fin + Q))
+    if fin[c] + Q[c] < cur - eps:
+        return None  # T is set by the compute floor or the last finish, not by a tail
+    # Blocks before c still on the wire when c became ready, latest first.
+    busy = [k for k in range(c - 1, -1, -1) if fin[k] > R[c]][:16]
+    best: tuple[list[Block], np.ndarray, float] | None = None
+    for k in busy:
+        order = blocks[:k] + [blocks[c]] + blocks[k:c] + blocks[c + 1:]
+        S2 = np.concatenate([S[:k], S[c:c + 1], S[k:c], S[c + 1:]])
+        v = sc.score(S2)
+        if v < cur - eps and (best is None or v < best[2]):
+            best = (order, S2, v)
+        a = blocks[k]
+        if Q[k] >= Q[c] or start[k] >= R[c]:
+            continue
+        per_el = sc.beta * layout.itemsize[a.buffer]
+        cut = a.start + int((R[c] - start[k] - sc.alpha) / per_el) if per_el > 0 else a.start
+        if not a.start < cut < a.end:
+            continue
+        k1, k2 = Block(a.buffer, a.start, cut), Block(a.buffer, cut, a.end)
+        order = blocks[:k] + [k1] + blocks[k + 1:c + 1] + [k2] + blocks[c + 1:]
+        S2 = np.concatenate([S[:k], np.array([sc.stat(k1)]), S[k + 1:c + 1],
+                             np.array([sc.stat(k2)]), S[c + 1:]])
+        v = sc.score(S2)
+        if v < cur - eps and (best is None or v < best[2]):
+            best = (order, S2, v)
+    return best
+
+
 def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: float) -> list[Block]:
-    """First-improvement local search (merge / split / swap of consecutive blocks)."""
+    """Local search: moves on the critical block (:func:`_critical`), then a first-improvement
+    sweep of merge / swap / split over consecutive blocks; repeated to a fixed point or the
+    deadline."""
     sc = _Scorer(problem, layout)
     blocks = list(blocks)
     S = sc.arrays(blocks)
@@ -284,6 +328,12 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
+        while time.perf_counter() < deadline:
+            move = _critical(sc, layout, blocks, S, cur)
+            if move is None:
+                break
+            blocks, S, cur = move
+            improved = True
         k = 0
         while k < len(blocks) and time.perf_counter() < deadline:
             a = blocks[k]
