@@ -24,7 +24,7 @@ cut costs more than it saves. So ``best``:
    ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs), which is the
    channel recurrence unrolled.
 4. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
-   :mod:`usbyte_opt.exact` on a unit grid with pulp and keeps it when better.
+   :mod:`usbyte_opt.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
 
 It reports the lower bound of :mod:`usbyte_opt.bounds` and its gap in ``Plan.info``.
 
@@ -379,7 +379,7 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
 @register("best", "overlap", "ours: alpha-aware Jackson rule with fusion + local search, "
           "seeded by every other strategy")
 def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: float = 0.6,
-         exact_max_tensors: int = 8) -> Plan:
+         exact_max_tensors: int = 6) -> Plan:
     """Plan with fusion, partition and order chosen together (see module docstring).
 
     Args:
@@ -419,7 +419,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     if problem.n <= exact_max_tensors:
         from ..exact import solve_exact
 
-        res = solve_exact(problem, layout, units_per_tensor=2, time_limit_s=5.0)
+        res = solve_exact(problem, layout, units_per_tensor=1, time_limit_s=2.0)
         if res is not None:
             add("exact-milp", layout, res.blocks)
     candidates.sort(key=lambda c: c[0])
