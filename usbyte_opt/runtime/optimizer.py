@@ -46,8 +46,10 @@ Choices, with reasons:
   iteration's gradient blocks) and installed at the start of the next forward or at
   ``synchronize()``. So every forward starts from rank 0's buffers, as with DDP; after
   ``synchronize()`` every rank holds rank 0's buffers.
-* Forwards under ``torch.no_grad()`` / ``model.eval()`` run the same pre-hooks: a forward after
-  ``step()`` always sees updated parameters, with or without ``synchronize()``.
+* Forwards under ``torch.no_grad()`` / ``model.eval()`` apply every pending update when they
+  start (inference code paths such as ``nn.TransformerEncoderLayer``'s fast path read weights
+  without running the owning modules' forward): a forward after ``step()`` always sees updated
+  parameters, with or without ``synchronize()``.
 * Gradient accumulation: a tensor is ready after its ``backward_passes_per_step``-th gradient
   of the step (Horovod's rule); gradients are summed over the passes and averaged over ranks,
   as with DDP's ``no_sync()``.
@@ -76,6 +78,7 @@ from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
                      resolve_schedule)
 from .comm import Channel
 from .default_plan import model_tensors, trainable_parameters
+from . import trace as _trace
 
 ScheduleArg = Schedule | str | os.PathLike | None
 
@@ -198,6 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._nblocks0 = [len(ks) for ks in g.tensor_blocks]
 
         # Per-iteration state (current backward) -----------------------------------------
+        self._zeros = [0] * n
         self._count = [0] * n           # gradients received this step
         self._rem = self._rem0.copy()   # tensors of each block not ready yet
         self._next = 0                  # next block to issue
@@ -235,6 +239,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._handles: list[Any] = []
         self._install_hooks()
+        self._trace = _trace.attach(self, model)  # USBYTE_TRACE set: a Recorder, else None
 
     # ------------------------------------------------------------------------------------
     # Set-up
@@ -329,6 +334,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._trace is not None:
+            self._trace.step()
         self._finish_comm(wait=False)
         skip = False
         found_inf = getattr(self, "found_inf", None)
@@ -352,8 +359,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         else:
             self._wait_all_blocks()
         # Reset the backward state for the next step.
-        self._count = [0] * n
-        self._rem = self._rem0.copy()
+        self._count[:] = self._zeros   # in place: the hooks hold these lists
+        self._rem[:] = self._rem0
         self._next = 0
         self._bw_started = False
         self._comm_issued = False
@@ -389,7 +396,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if now:
                 torch._foreach_zero_(now)
         if set_to_none:  # set_to_none=False keeps "no gradient" where there was none, as torch
-            self._has_grad = [False] * self._n
+            self._has_grad[:] = [False] * self._n
 
     def synchronize(self) -> None:
         """Finish all communication and updates: call before eval, checkpoints, the end.
@@ -440,32 +447,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------
 
     def _grad_hook(self, t: int) -> Callable[[torch.Tensor], None]:
+        # Runs once per tensor per backward: the lists are bound once, here.
+        count, has_grad, flushed = self._count, self._has_grad, self._flushed_flag
+        view, k, name = self._grads.views[t], self._k, self._grads.names[t]
+
         def hook(p: torch.Tensor) -> None:
             if not self._bw_started:
                 self._begin_backward()
             if self._comm_issued:
-                raise UsbyteError(f"parameter {self._grads.names[t]!r} got a gradient after this "
-                                  "step's all-reduce was issued (by synchronize() or by reading "
+                raise UsbyteError(f"parameter {name!r} got a gradient after this step's "
+                                  "all-reduce was issued (by synchronize() or by reading "
                                   "param_groups); call step() before the next backward()")
-            if self._flushed_flag[t]:
-                raise UsbyteError(f"parameter {self._grads.names[t]!r} was used in forward before "
-                                  "its pending update was applied (it was used outside the "
-                                  "forward of the modules that own it); call opt.synchronize() "
-                                  "before such a forward")
-            c = self._count[t] + 1
-            self._count[t] = c
-            self._grads.relink(t)
-            self._has_grad[t] = True
+            if flushed[t]:
+                raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
+                                  "update was applied (it was used outside the forward of the "
+                                  "modules that own it); call opt.synchronize() before such a "
+                                  "forward")
+            c = count[t] + 1
+            count[t] = c
+            if p.grad is not view:
+                self._grads.relink(t)
+            has_grad[t] = True
             if self._learning and not self._seen[t] and t not in self._root_owned_set:
                 self._seen[t] = True
                 self._root_extra.append(t)
             if self._chan.cuda:
                 self._streams[t] = torch.cuda.current_stream(self._chan.device)
-            if c == self._k:
+            if c == k:
                 self._mark_ready(t)
-            elif c > self._k:
-                raise UsbyteError(f"parameter {self._grads.names[t]!r} got gradient {c} of "
-                                  f"backward_passes_per_step={self._k} in one step, after its "
+            elif c > k:
+                raise UsbyteError(f"parameter {name!r} got gradient {c} of "
+                                  f"backward_passes_per_step={k} in one step, after its "
                                   "all-reduce started; pass the number of backward() calls per "
                                   "step() as backward_passes_per_step")
         return hook
@@ -483,9 +495,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rem = self._rem
         for k in self._grads.tensor_blocks[t]:
             rem[k] -= 1
-        while self._next < self._m and rem[self._next] == 0:
-            self._issue(self._next)
-            self._next += 1
+        nxt, m = self._next, self._m
+        while nxt < m and rem[nxt] == 0:
+            self._issue(nxt)
+            nxt += 1
+        self._next = nxt
 
     def _issue(self, k: int) -> None:
         streams: tuple = ()
@@ -493,6 +507,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             streams = tuple({s for s in (self._streams[t] for t in self._grads.block_tensors[k])
                              if s is not None})
         self._works[k] = self._chan.all_reduce_block(self._grads.block_views[k], streams)
+        if self._trace is not None:
+            self._trace.issue(k, self._works[k])
 
     def _finish_comm(self, wait: bool) -> None:
         """Issue what is left of this step (usage map, then the remaining blocks in order);
@@ -552,6 +568,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._flushed_flag[t] = False
             self._flushed.clear()
         if self._pending_n:
+            if not (module.training and torch.is_grad_enabled()):
+                # Inference code paths may read weights without running their modules'
+                # forward (nn.TransformerEncoderLayer's fast path does), and nothing is gained
+                # by overlapping them: apply every pending update now.
+                self._flush_pending()
+                return
             need = [t for t in self._root_owned if self._pending[t]]
             need += [t for t in self._root_extra if self._pending[t]]
             if need:
@@ -595,6 +617,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _update_now(self, need: Iterable[int]) -> None:
         """Wait for the blocks of ``need``, then update them together with every other pending
         tensor whose blocks have finished already (one optimizer call instead of several)."""
+        tr = self._trace
+        t0 = tr.now() if tr is not None else 0.0
         for t in need:
             for k in self._grads.tensor_blocks[t]:
                 if not self._complete[k]:
@@ -609,7 +633,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._complete_block(k)
             self._done_ptr += 1
         ready, self._ready_list = self._ready_list, []
+        t1 = tr.now() if tr is not None else 0.0
         self._apply([t for t in ready if self._pending[t]])
+        if tr is not None:
+            tr.gate(need, t0, t1)
 
     def _flush_pending(self) -> list[int]:
         """Apply every pending update (waits for all blocks of the previous step); returns

@@ -1,0 +1,152 @@
+"""The NCCL path on one GPU (world size 1): streams, bf16 autocast, GradScaler.
+
+Skipped without CUDA. With one rank the all-reduce is an identity, so the reference is the
+plain optimizer; what is tested is that the stream handling (stream waits instead of host
+waits, gradients finished on side streams, lazy updates queued on the forward's stream) gives
+exactly the plain optimizer's parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from usbyte_opt.problem import Problem
+from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
+from usbyte_opt.runtime.default_plan import make_schedule
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+STEPS = 10
+
+
+@pytest.fixture
+def nccl(tmp_path):
+    assert not dist.is_initialized()
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
+                            world_size=1, device_id=torch.device("cuda", 0))
+    yield
+    dist.destroy_process_group()
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+                         nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(), nn.Flatten(),
+                         nn.Linear(16 * 8 * 8, 64), nn.ReLU(), nn.Linear(64, 10)).cuda()
+
+
+def schedule(m: nn.Module):
+    pb = Problem.from_profile(profile_from_model(m))
+    lay = pb.layout()
+    return make_schedule(pb, lay, split_blocks(pb, lay, 3, pb.need_order()), "split")
+
+
+def batch(step: int):
+    g = torch.Generator(device="cuda").manual_seed(step)
+    return (torch.randn(8, 3, 8, 8, device="cuda", generator=g),
+            torch.randint(0, 10, (8,), device="cuda", generator=g))
+
+
+def assert_same(a: nn.Module, b: nn.Module, tol: float = 0.0) -> None:
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert (p - q).abs().max().item() <= tol, n
+
+
+def test_matches_plain_optimizer(nccl):
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    opt = DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, weight_decay=0.1), m,
+                               schedule=schedule(m))
+    for step in range(STEPS):
+        x, y = batch(step)
+        nn.functional.cross_entropy(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()
+    opt.synchronize()
+    assert_same(ref, m)
+
+
+def test_side_stream_training(nccl):
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), m,
+                               schedule=schedule(m))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    for step in range(STEPS):
+        x, y = batch(step)
+        nn.functional.cross_entropy(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        side.wait_stream(torch.cuda.current_stream())   # the batch was made on the default one
+        with torch.cuda.stream(side):
+            nn.functional.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()
+    with torch.cuda.stream(side):
+        opt.synchronize()
+    torch.cuda.current_stream().wait_stream(side)
+    assert_same(ref, m)
+
+
+def test_bf16_autocast(nccl):
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), m, schedule=schedule(m))
+    for step in range(STEPS):
+        x, y = batch(step)
+        for net, o in ((ref, o_ref), (m, opt)):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            loss.backward(); o.step(); o.zero_grad()
+    opt.synchronize()
+    assert_same(ref, m)
+
+
+def test_grad_scaler_fp16(nccl):
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), m, schedule=schedule(m))
+    s_ref = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    s_usb = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    for step in range(STEPS):
+        x, y = batch(step)
+        if step == 4:
+            x = x * float("inf")
+        for net, o, sc in ((ref, o_ref, s_ref), (m, opt, s_usb)):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            sc.scale(loss).backward()
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    opt.synchronize()
+    assert s_ref.get_scale() == s_usb.get_scale()
+    assert_same(ref, m)
+
+
+def test_grad_scaler_unscale_then_clip(nccl):
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05), m, schedule=schedule(m))
+    s_ref = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    s_usb = torch.amp.GradScaler("cuda", init_scale=2.0 ** 10)
+    for step in range(STEPS):
+        x, y = batch(step)
+        for net, o, sc in ((ref, o_ref, s_ref), (m, opt, s_usb)):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            sc.scale(loss).backward()
+            sc.unscale_(o)          # reads param_groups: completes the all-reduce first
+            nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    opt.synchronize()
+    assert_same(ref, m)
