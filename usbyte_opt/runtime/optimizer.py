@@ -78,7 +78,6 @@ from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
                      resolve_schedule)
 from .comm import Channel
 from .default_plan import model_tensors, trainable_parameters
-from . import trace as _trace
 
 ScheduleArg = Schedule | str | os.PathLike | None
 
@@ -239,7 +238,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._handles: list[Any] = []
         self._install_hooks()
-        self._trace = _trace.attach(self, model)  # USBYTE_TRACE set: a Recorder, else None
+        # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
+        # only then, so the runtime does not depend on it.
+        self._trace = None
+        if os.environ.get("USBYTE_TRACE"):
+            from .trace import attach
+
+            self._trace = attach(self, model)
 
     # ------------------------------------------------------------------------------------
     # Set-up
