@@ -148,6 +148,24 @@ class Mixed(nn.Module):
         return self.c(F.relu(self.b(h)).float())
 
 
+class TinyGPT(nn.Module):
+    """nn.TransformerEncoderLayer blocks (MultiheadAttention reads ``out_proj.weight`` without
+    calling ``out_proj``; eval under no_grad may take the fused fast path), tied embeddings and
+    a root-owned position table."""
+
+    def __init__(self, vocab: int = 40, dim: int = 16, seq: int = 8):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, dim)
+        self.pos = nn.Parameter(torch.randn(seq, dim) * 0.1)
+        layer = nn.TransformerEncoderLayer(dim, 2, 32, dropout=0.0, batch_first=True)
+        self.blocks = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        return self.head(self.blocks(self.tok(idx) + self.pos[: idx.shape[1]]))
+
+
 # --------------------------------------------------------------------------------------------
 # Data, schedules, optimizers
 # --------------------------------------------------------------------------------------------
@@ -404,6 +422,30 @@ def case_eval_no_grad(rank: int, ws: int) -> dict:
     return {"diff": max(worst, max_diff(ref, mod))}
 
 
+def case_transformer_eval(rank: int, ws: int) -> dict:
+    """Transformer training with an eval forward under no_grad after every step()."""
+    ref, mod = twins(TinyGPT)
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    o_usb = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), mod,
+                                 schedule=sched_two_phase(mod))
+    probe = torch.randint(0, 40, (3, 8), generator=torch.Generator().manual_seed(5))
+    worst = 0.0
+    for step in range(STEPS):
+        g = torch.Generator().manual_seed(100 * rank + step)
+        idx, tgt = torch.randint(0, 40, (4, 8), generator=g), torch.randint(0, 40, (4, 8), generator=g)
+        for net, o in ((ddp, o_ref), (mod, o_usb)):
+            F.cross_entropy(net(idx).reshape(-1, 40), tgt.reshape(-1)).backward()
+            o.step()
+            o.zero_grad()
+        ddp.eval(); mod.eval()
+        with torch.no_grad():
+            worst = max(worst, (ddp(probe) - mod(probe)).abs().max().item())
+        ddp.train(); mod.train()
+    o_usb.synchronize()
+    return {"diff": max(worst, max_diff(ref, mod))}
+
+
 def case_checkpoint(rank: int, ws: int) -> dict:
     """Save at step 10 (model, optimizer, LR scheduler), then (a) keep training, (b) load into
     a fresh model and a new DistributedOptimizer, (c) load back into the live one; all three
@@ -597,6 +639,7 @@ CASES.update({
     "batchnorm": case_batchnorm,
     "accumulation": case_accumulation,
     "eval_no_grad": case_eval_no_grad,
+    "transformer_eval": case_transformer_eval,
     "checkpoint": case_checkpoint,
     "lr_scheduler_on_wrapper": lambda r, w: case_lr_scheduler(r, w, on_inner=False),
     "lr_scheduler_on_inner": lambda r, w: case_lr_scheduler(r, w, on_inner=True),

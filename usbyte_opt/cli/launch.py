@@ -17,6 +17,10 @@ import typer
 from .. import console
 from ..errors import UsbyteError
 
+#: ``usbyte_opt.runtime.checks.SCHEDULE_ENV``, spelled out so that validating a schedule does
+#: not import torch.
+SCHEDULE_ENV = "USBYTE_SCHEDULE"
+
 USAGE = ("usbyte-opt launch --schedule SCHEDULE [torchrun options] SCRIPT [SCRIPT ARGS]\n\n"
          "Validate SCHEDULE, then start SCRIPT under torchrun with USBYTE_SCHEDULE set, so that\n"
          "DistributedOptimizer(optimizer, model) in the script applies it.\n\n"
@@ -44,6 +48,16 @@ def _parser() -> Any:
     return parser
 
 
+def _schedule_arg(argv: list[str]) -> str | None:
+    """The value of the first ``--schedule`` option (torchrun's parser checks the rest)."""
+    for i, tok in enumerate(argv):
+        if tok.startswith("--schedule="):
+            return tok.split("=", 1)[1]
+        if tok == "--schedule" and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
 def _world_size(nnodes: str, nproc: str) -> int | None:
     """The world size torchrun will start, when the options fix it."""
     lo, _, hi = str(nnodes).partition(":")
@@ -61,8 +75,10 @@ def launch(ctx: typer.Context) -> None:
             console.out.print(_parser().format_help(), markup=False, highlight=False)
         raise typer.Exit(0 if argv else 2)
     from ..formats import load_schedule
-    from ..runtime.checks import SCHEDULE_ENV
 
+    early = _schedule_arg(argv)
+    if early is not None:  # a bad file fails here, before torch is imported
+        load_schedule(early)
     args = _parser().parse_args(argv)
     sched = load_schedule(args.schedule)
     ws = _world_size(args.nnodes, args.nproc_per_node)
