@@ -17,7 +17,7 @@ from .. import __version__, console
 from ..errors import UsbyteError
 
 #: Subcommand modules under ``usbyte_opt.cli``, in ``--help`` order.
-COMMANDS = ("profile", "optimize", "simulate", "launch", "schema")
+COMMANDS = ("profile", "optimize", "simulate", "launch", "bench", "demo", "schema")
 
 app = typer.Typer(
     name="usbyte-opt",

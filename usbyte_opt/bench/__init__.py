@@ -1,0 +1,282 @@
+"""Real training side by side with DDP, measured against predicted (``usbyte-opt bench``).
+
+:func:`run_bench` profiles a model on real ranks (or takes a profile), plans every strategy,
+trains the same model with PyTorch DDP and with the runtime under each schedule, and returns
+the measured iteration times beside the simulator's predictions. It writes into
+``out_dir``: ``result.json`` (the ``--json`` document), ``report.md``, ``plot.png`` (with
+matplotlib), ``profile.json``, ``schedules/<strategy>.json``, ``traces/`` (measured, and
+predicted beside measured) and ``logs/rank<r>.log``.
+
+Where the ranks run:
+
+* ``bandwidth`` given: in the lab (:mod:`usbyte_opt.lab`), one network namespace per rank,
+  links shaped with tbf — root only;
+* otherwise on this machine's loopback (gloo, or NCCL with CUDA);
+* under torchrun (``RANK`` set), on the ranks torchrun started: every rank calls
+  :func:`run_bench`, rank 0 gets the result, the others ``None``.
+
+Modules: :mod:`.worker` (what each rank runs), :mod:`.train` (timed training loops),
+:mod:`.launch` (starting the ranks), :mod:`.report` (statistics, Markdown, traces),
+:mod:`.plot` (the PNG), :mod:`.models` (models sized for the lab).
+
+Example::
+
+    >>> cfg = BenchConfig(model="cnn", iterations=4, strategies=("ddp", "best"))
+    >>> cfg.job(Path("out"))["strategies"]
+    ['ddp', 'best', 'no-comm']
+    >>> result = run_bench(cfg)                         # doctest: +SKIP
+    >>> [(r["strategy"], round(r["measured_ms"])) for r in result["runs"]]   # doctest: +SKIP
+    [('ddp', 231), ('best', 187), ('no-comm', 160)]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from ..errors import UsbyteError
+from .worker import REFERENCE, TORCH_DDP
+
+#: What ``--strategies`` defaults to.
+DEFAULT_STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
+
+
+@dataclass(kw_only=True, slots=True)
+class BenchConfig:
+    """Everything one benchmark run needs."""
+
+    model: str
+    """Built-in name, ``lab-cnn``/``lab-transformer`` or ``package.module:factory``."""
+    nproc: int = 2
+    """Ranks to start on this machine."""
+    bandwidth: str | None = None
+    """Link rate of the lab (``200mbit``); ``None``: the ordinary network."""
+    iterations: int = 20
+    """Timed steady-state iterations per strategy."""
+    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    """``ddp`` is PyTorch DDP itself; the others run on the runtime with their schedule."""
+    reference: bool = True
+    """Also time training without communication (the compute the prediction assumes)."""
+    profile: str | None = None
+    """Use this profile instead of profiling."""
+    batch_size: int | None = None
+    out_dir: Path | None = None
+    """Default ``bench-results/<name>-<network>``."""
+    rounds: int = 2
+    """Turns each strategy takes (interleaved, so noise hits all alike)."""
+    warmup: int = 2
+    """Untimed iterations at the start of each turn."""
+    device: str | None = None
+    optimizer: str = "sgd"
+    trace: bool = True
+    """Record measured timelines (``USBYTE_TRACE``) of the runtime's strategies."""
+    plot: bool = True
+    profile_warmup: int = 3
+    profile_repeats: int = 10
+    comm_points: int = 10
+    comm_repeats: int = 5
+    time_budget_s: float = 0.6
+    """Local-search seconds of ``best``."""
+    timeout_s: float = 1800.0
+    """Hard limit of the ranks' run; past it they are killed."""
+    threads: int | None = None
+    """Torch threads per rank (default: cores / ranks)."""
+    name: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def spec(self) -> tuple[str, int | None]:
+        """The model spec the ranks build, and the default batch size of a lab model."""
+        from .models import LAB_MODELS
+
+        if self.model in LAB_MODELS:
+            return LAB_MODELS[self.model]
+        return self.model, None
+
+    def strategy_list(self) -> list[str]:
+        from ..strategies import load_builtin
+
+        registry = load_builtin()
+        out: list[str] = []
+        for s in self.strategies:
+            if s not in registry:
+                raise UsbyteError(f"--strategies: {s!r}: expected names among {', '.join(registry)}")
+            if s not in out:
+                out.append(s)
+        if not out:
+            raise UsbyteError("--strategies: expected at least one strategy")
+        if self.reference:
+            out.append(REFERENCE)
+        return out
+
+    def job(self, out_dir: Path) -> dict[str, Any]:
+        """The job file every rank reads."""
+        spec, lab_batch = self.spec()
+        if self.iterations < 1:
+            raise UsbyteError(f"--iterations: expected an integer >= 1, got {self.iterations}")
+        return {
+            "model": spec,
+            "name": self.name or _model_label(self.model),
+            "batch_size": self.batch_size if self.batch_size is not None else lab_batch,
+            "strategies": self.strategy_list(),
+            "iterations": self.iterations,
+            "rounds": self.rounds,
+            "warmup": self.warmup,
+            "first_warmup": 3,
+            "profile": str(Path(self.profile).resolve()) if self.profile else None,
+            "out_dir": str(out_dir.resolve()),
+            "device": self.device,
+            "optimizer": self.optimizer,
+            "threads": self.threads or max(1, (os.cpu_count() or 1) // self.nproc),
+            "profile_warmup": self.profile_warmup,
+            "profile_repeats": self.profile_repeats,
+            "comm_points": self.comm_points,
+            "comm_repeats": self.comm_repeats,
+            "comm_sizes": None,
+            "time_budget_s": self.time_budget_s,
+            "trace": self.trace,
+            "pg_timeout_s": max(300.0, self.timeout_s),
+            **self.extra,
+        }
+
+
+def _model_label(model: str) -> str:
+    from ..models import model_name
+
+    return model_name(model)
+
+
+def network_info(cfg: BenchConfig, lab: Any = None) -> dict[str, Any]:
+    """How the ranks were connected, for the report."""
+    if lab is not None:
+        from ..lab import format_rate
+
+        s = lab.shaping
+        return {"kind": "lab", "rate_bps": s.rate_bps, "short": format_rate(s.rate_bps) + " lab",
+                "tbf": {"rate_bps": s.rate_bps, "burst_bytes": s.burst_bytes, "latency_ms": s.latency_ms},
+                "description": f"lab at {format_rate(s.rate_bps)} ({lab.describe()})"}
+    if "RANK" in os.environ:
+        return {"kind": "torchrun", "short": "torchrun", "description": "the ranks torchrun started"}
+    return {"kind": "loopback", "short": "loopback", "description": "this machine's loopback"}
+
+
+def default_out_dir(cfg: BenchConfig) -> Path:
+    tag = cfg.bandwidth.replace("/", "") if cfg.bandwidth else "loopback"
+    return Path("bench-results") / f"{cfg.name or _model_label(cfg.model)}-{tag}"
+
+
+def _comm_sizes(job: dict[str, Any]) -> list[int]:
+    """Sweep sizes from 4 KiB to the model's whole gradient (at least 1 MiB): a slow link
+    makes 64 MiB samples cost seconds each, and no block is ever larger than all gradients."""
+    from ..models import build, parameter_count
+    from ..profiler.comm import default_sizes
+
+    model, _, _ = build(job["model"], job["batch_size"], "cpu")
+    total = 4 * parameter_count(model)
+    del model
+    return default_sizes(4 << 10, max(1 << 20, total), job["comm_points"])
+
+
+def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
+    """Run the benchmark of ``cfg``; return the result document (``None`` on ranks > 0 under
+    torchrun). Writes the files listed in the module docstring; raises
+    :class:`~usbyte_opt.errors.UsbyteError` (one line) on any failure."""
+    from ..formats import write_json
+    from ..models import resolve
+    from . import report
+    from .launch import launch_ranks
+    from .worker import run_rank
+
+    t0 = time.perf_counter()
+    out = cfg.out_dir or default_out_dir(cfg)
+    if cfg.nproc < 2 and "RANK" not in os.environ:
+        raise UsbyteError(f"--nproc-per-node {cfg.nproc}: expected at least 2 ranks (a single rank "
+                          "has no all-reduce to schedule)")
+    job = cfg.job(out)
+    resolve(job["model"])  # a bad spec fails here, once, before any rank starts
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if cfg.bandwidth and torchrun:
+        raise UsbyteError("--bandwidth starts its own ranks in the lab: run `usbyte-opt bench` "
+                          "without torchrun")
+    for sub in ("traces", "schedules", "logs"):
+        shutil.rmtree(out / sub, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
+    if job["profile"] is None and not job.get("comm_sizes"):
+        job["comm_sizes"] = _comm_sizes(job)
+    job_path = write_json(out / "job.json", job)
+    lab = None
+    if torchrun:
+        raw = run_rank(job)
+        if raw is None:
+            return None
+    else:
+        from ..lab import Lab
+
+        ctx = Lab(cfg.nproc, cfg.bandwidth) if cfg.bandwidth else contextlib.nullcontext()
+        with ctx as lab:
+            if lab is not None and progress:
+                progress(f"lab: {lab.describe()}")
+            launch_ranks(job_path, cfg.nproc, out / "logs", lab, cfg.timeout_s, progress)
+        raw = report.load_json(out / "raw.json")
+    network = network_info(cfg, lab)
+    result = report.summarize(raw, network, out)
+    result["wall_s"] = round(time.perf_counter() - t0, 3)
+    # Side-by-side traces: the prediction beside what every rank recorded.
+    compare_docs = _compare_traces(raw, result, out)
+    result["traces"] = {s: str(p) for s, (p, _) in compare_docs.items()}
+    notes = []
+    png = None
+    if cfg.plot:
+        from .plot import plot
+
+        runtime = [r for r in result["runs"] if r.get("trace") and r["strategy"] in compare_docs]
+        pick = min(runtime, key=lambda r: r["measured_ms"])["strategy"] if runtime else None
+        png = plot(result, out / "plot.png", compare_docs[pick][1] if pick else None, pick or "")
+        if png is None:
+            notes.append("No plot: matplotlib is not installed (`pip install 'usbyte-opt[plot]'`).")
+    result["plot"] = str(png) if png else None
+    result["report"] = str(out / "report.md")
+    result["notes"] = notes
+    md = report.markdown(result, notes)
+    tmp = out / "report.md.tmp"
+    tmp.write_text(md)
+    tmp.replace(out / "report.md")
+    write_json(out / "result.json", result)
+    return result
+
+
+def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> dict[str, tuple[Path, Any]]:
+    from ..formats import load_profile, load_schedule, write_json
+    from ..simulate import chrome_trace, simulate
+    from .report import compare_trace, load_json
+
+    docs: dict[str, tuple[Path, Any]] = {}
+    medians = {r["strategy"]: r["measured_ms"] for r in result["runs"]}
+    prof = None
+    for s, path in raw["schedules"].items():
+        try:
+            prof = prof or load_profile(raw["profile"])
+            sched = load_schedule(path)
+            mode = "fence" if s == TORCH_DDP else "overlap"
+            predicted = chrome_trace(simulate(prof, sched, mode=mode), f"{s} (predicted)")
+            measured = []
+            mpath = raw["traces"].get(s)
+            if mpath:
+                from ..runtime.trace import path_for_rank
+
+                for r in range(raw["world_size"]):
+                    p = Path(path_for_rank(mpath, r))
+                    if p.exists():
+                        measured.append(load_json(p))
+            doc = compare_trace(predicted, measured, medians.get(s, 0.0))
+            docs[s] = (write_json(out / "traces" / f"{s}.compare.json", doc), doc)
+        except (OSError, ValueError, KeyError, UsbyteError):
+            continue  # a missing trace costs the picture, not the result
+    return docs
+
+
+__all__ = ["BenchConfig", "DEFAULT_STRATEGIES", "network_info", "run_bench"]

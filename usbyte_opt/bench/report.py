@@ -1,0 +1,238 @@
+"""From the ranks' raw timings to the benchmark's result: statistics, errors, speedups, the
+Markdown report and the side-by-side traces. Pure Python (no torch).
+
+Definitions, per strategy:
+
+* ``measured_ms``: the median of the steady-state iteration times (each the mean over ranks
+  of one iteration, forward start to forward start); ``p10_ms``/``p90_ms`` their spread.
+* ``predicted_ms``: the simulator (DESIGN.md §2) on the profile: overlap mode for the
+  runtime's strategies, fence mode for PyTorch DDP; for ``no-comm`` forward + backward +
+  optimizer step.
+* ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
+* ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
+  same with predictions).
+
+Example::
+
+    >>> stats([10.0, 12.0, 11.0, 30.0, 11.0])
+    {'median_ms': 11.0, 'p10_ms': 10.4, 'p90_ms': 22.8, 'mean_ms': 14.8}
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Sequence
+
+from ..profiler.timing import median, quantile
+
+#: Largest parameter difference from the reference that still counts as "same training"
+#: (fp32; the runtime and DDP agree bitwise in practice).
+PARAM_TOLERANCE = 1e-4
+
+RUNNERS = {"ddp": "torch DDP", "no-comm": "no communication"}
+
+
+def stats(durations: Sequence[float]) -> dict[str, float]:
+    """Median, p10, p90 and mean of ``durations`` (ms)."""
+    if not durations:
+        return {"median_ms": math.nan, "p10_ms": math.nan, "p90_ms": math.nan, "mean_ms": math.nan}
+    return {"median_ms": round(median(durations), 6), "p10_ms": round(quantile(durations, 0.1), 6),
+            "p90_ms": round(quantile(durations, 0.9), 6),
+            "mean_ms": round(sum(durations) / len(durations), 6)}
+
+
+def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> dict[str, Any]:
+    """The result document (what ``--json`` prints) from the rank-0 ``raw`` record."""
+    predicted = raw["planned"]["predicted"]
+    runs = []
+    ddp = raw["runs"].get("ddp")
+    ddp_ms = stats(ddp["durations_ms"])["median_ms"] if ddp else None
+    ddp_pred = predicted["ddp"]["ms"] if "ddp" in predicted else None
+    for s, run in raw["runs"].items():
+        st = stats(run["durations_ms"])
+        p = predicted[s]
+        m = st["median_ms"]
+        row = {
+            "strategy": s,
+            "runner": RUNNERS.get(s, "usbyte-opt runtime"),
+            "measured_ms": m,
+            "p10_ms": st["p10_ms"],
+            "p90_ms": st["p90_ms"],
+            "spread": round((st["p90_ms"] - st["p10_ms"]) / m, 6) if m else None,
+            "iterations": len(run["durations_ms"]),
+            "predicted_ms": round(p["ms"], 6),
+            "predicted_mode": p["mode"],
+            "error": round((m - p["ms"]) / m, 6) if m else None,
+            "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != "no-comm" else None,
+            "predicted_speedup_vs_ddp": (round(ddp_pred / p["ms"], 6)
+                                         if ddp_pred and s != "no-comm" else None),
+            "blocks": p["blocks"],
+            "final_loss": run["final_loss"],
+            "max_param_diff": run["max_param_diff"],
+            "schedule": raw["schedules"].get(s),
+            "trace": raw["traces"].get(s),
+        }
+        runs.append(row)
+    checked = [r["max_param_diff"] for r in runs if r["max_param_diff"] is not None]
+    return {
+        "model": raw["job"]["model"],
+        "name": raw["profile_name"],
+        "world_size": raw["world_size"],
+        "network": network,
+        "device": raw["device"],
+        "backend": raw["backend"],
+        "threads_per_rank": raw["threads"],
+        "batch_size": raw["batch_size"],
+        "torch": raw["torch"],
+        "profile": raw["profile"],
+        "forward_ms": raw["forward_ms"],
+        "backward_ms": raw["backward_ms"],
+        "update_ms": raw["planned"]["update_ms"],
+        "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs")},
+        "gradient_bytes": raw["gradient_bytes"],
+        "allreduce_all_ms": raw["comm"]["alpha_ms"] + raw["gradient_bytes"] / (raw["comm"]["algbw_gbs"] * 1e6),
+        "lower_bound_ms": raw["planned"]["lower_bound_ms"],
+        "iterations": raw["job"]["iterations"],
+        "rounds": raw["job"]["rounds"],
+        "reference": raw["reference"],
+        "correct": all(d <= PARAM_TOLERANCE for d in checked) if checked else None,
+        "param_tolerance": PARAM_TOLERANCE,
+        "runs": runs,
+        "phases_s": raw["phases_s"],
+        "out_dir": str(out_dir),
+    }
+
+
+def _f(x: Any, fmt: str = ".1f", suffix: str = "") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "—"
+    return f"{x:{fmt}}{suffix}"
+
+
+def table_rows(result: dict[str, Any]) -> list[list[str]]:
+    """The report's table, one row per strategy (shared by Markdown and the terminal)."""
+    rows = []
+    for r in result["runs"]:
+        rows.append([r["strategy"], r["runner"], _f(r["measured_ms"]),
+                     f"{_f(r['p10_ms'])}–{_f(r['p90_ms'])}", _f(r["predicted_ms"]),
+                     r["predicted_mode"], _f(None if r["error"] is None else 100 * r["error"], "+.1f", "%"),
+                     _f(r["speedup_vs_ddp"], ".2f", "x"), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
+                     str(r["blocks"]), _f(r["max_param_diff"], ".1e")])
+    return rows
+
+
+COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "predicted ms", "mode", "error",
+           "speedup vs DDP", "predicted speedup", "blocks", "max |Δparam|"]
+
+
+def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
+    """The Markdown report of one benchmark run."""
+    net = result["network"]
+    c = result["comm"]
+    lines = [
+        f"# usbyte-opt bench: {result['name']} on {result['world_size']} ranks, {net['description']}",
+        "",
+        f"- model `{result['model']}`, batch {result['batch_size']} per rank, "
+        f"{result['gradient_bytes'] / 1e6:.2f} MB of gradients; {result['device']} / "
+        f"{result['backend']}, {result['threads_per_rank']} thread(s) per rank, torch {result['torch']}",
+        f"- profile `{result['profile']}`: forward {result['forward_ms']:.1f} ms, backward "
+        f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; all-reduce "
+        f"alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s ({c['backend']}): "
+        f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms",
+        f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
+        "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
+        f"- predicted: the simulator on the profile (overlap mode for the runtime, fence for DDP); "
+        f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured",
+        "",
+        "| " + " | ".join(COLUMNS) + " |",
+        "|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 2)) + "|",
+    ]
+    for row in table_rows(result):
+        lines.append("| " + " | ".join(row) + " |")
+    lines.append("")
+    if result["correct"] is not None:
+        verdict = "the same" if result["correct"] else "NOT the same"
+        lines.append(f"Training: every run ends with {verdict} parameters as `{result['reference']}` "
+                     f"(largest difference within {result['param_tolerance']:g}).")
+    ref = next((r for r in result["runs"] if r["strategy"] == "no-comm"), None)
+    if ref is not None:
+        lines.append(f"Compute alone (`no-comm`: every rank trains without communication, side by side): "
+                     f"measured {ref['measured_ms']:.1f} ms against {ref['predicted_ms']:.1f} ms profiled.")
+    for n in notes:
+        lines.append(n)
+    lines.append("")
+    traced = [r["strategy"] for r in result["runs"] if r.get("trace")]
+    if traced:
+        lines.append("Traces, predicted and measured side by side (open in ui.perfetto.dev): "
+                     + ", ".join(f"`traces/{s}.compare.json`" for s in traced) + ".")
+        lines.append("")
+    ph = result["phases_s"]
+    lines.append(f"Wall time: profile {ph['profile']:.0f} s, plan {ph['plan']:.0f} s, training "
+                 f"{ph['train']:.0f} s.")
+    lines.append("")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------
+# Side-by-side traces
+# --------------------------------------------------------------------------------------------
+
+
+def pick_iteration(begins: Sequence[float], ends: Sequence[float], median_ms: float) -> int | None:
+    """Index of a steady-state iteration: followed by the next forward within 1.5 medians
+    (not the last of a turn) and as close to the median as possible.
+
+    Example::
+
+        >>> us = [0, 98_000, 205_000, 900_000, 1_001_000]     # forward starts, µs
+        >>> pick_iteration(us, [t + 40_000 for t in us], 100.0)   # 98, 107, 695, 101 ms
+        3
+    """
+    best, best_gap = None, math.inf
+    for i in range(len(begins) - 1):
+        if i >= len(ends):
+            break
+        d = (begins[i + 1] - begins[i]) / 1e3
+        if 0.5 * median_ms <= d <= 1.5 * median_ms and abs(d - median_ms) < best_gap:
+            best, best_gap = i, abs(d - median_ms)
+    return best
+
+
+def compare_trace(predicted: dict[str, Any], measured: Sequence[dict[str, Any]],
+                  median_ms: float) -> dict[str, Any]:
+    """One Chrome trace with the predicted timeline (pid 0) and the measured one of each rank,
+    shifted so that a steady-state iteration's backward starts at 0, as in the prediction."""
+    ev = []
+    for e in predicted["traceEvents"]:
+        e = dict(e, pid=0)
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            e["args"] = {"name": "predicted (simulator)"}
+        ev.append(e)
+    rank0 = measured[0]["otherData"] if measured else None
+    if rank0:
+        i = pick_iteration(rank0["forward_begin_us"], rank0["forward_end_us"], median_ms)
+        if i is not None:
+            origin = rank0["forward_end_us"][i]
+            lo = rank0["forward_begin_us"][i]
+            nxt = rank0["forward_begin_us"][i + 1]
+            hi = nxt + (nxt - lo)
+            for doc in measured:
+                for e in doc["traceEvents"]:
+                    if e.get("ph") == "M":
+                        ev.append(e)
+                    elif lo <= e["ts"] <= hi:
+                        ev.append(dict(e, ts=e["ts"] - origin))
+    return {"traceEvents": ev, "displayTimeUnit": "ms",
+            "otherData": {"note": "pid 0: predicted; pid r+1: rank r measured; time 0 = start of "
+                                  "backward of one steady-state iteration"}}
+
+
+def load_json(path: str | Path) -> Any:
+    with open(path) as f:
+        return json.load(f)
+
+
+__all__ = ["COLUMNS", "PARAM_TOLERANCE", "compare_trace", "markdown", "pick_iteration", "stats",
+           "summarize", "table_rows"]

@@ -1,0 +1,175 @@
+"""Real training, timed: PyTorch DDP, the runtime with a schedule, or no communication at all.
+
+Runs inside an initialised process group, on every rank. Each :class:`Trainee` owns a fresh
+copy of the model (the factory seeds it, so every trainee starts from the same weights), its
+own optimizer and the same sequence of rank-dependent batches, so after the same number of
+steps every trainee must hold the same parameters (the runtime's guarantee; DDP is the
+reference).
+
+Timing (:func:`interleave`): an iteration is the time from the start of one forward to the
+start of the next, which is what a training loop pays per step in steady state (a forward
+that waits for its parameters' all-reduce counts; so does DDP's wait at the end of backward).
+Trainees take turns in rounds, so that a slow spell of the shared machine hits every trainee
+alike: each turn runs ``warmup`` untimed iterations, then ``k`` timed ones, then one more
+whose only purpose is to end the last timed one, then drains (the runtime's ``synchronize``)
+and meets the other ranks at a barrier.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..formats import Schedule
+from ..models import build
+from ..profiler.run import make_optimizer
+
+#: Distinct batches each trainee cycles through (rank-dependent, same for every trainee).
+BATCHES = 4
+
+
+def make_batches(inputs: Sequence[Any], rank: int, count: int = BATCHES) -> list[tuple]:
+    """``count`` batches shaped like ``inputs``, different on every rank and reproducible:
+    floating tensors get normal noise, integer tensors (token ids) uniform ids below the
+    largest id of the factory's own inputs, anything else is passed as is.
+
+    Example::
+
+        >>> b = make_batches((torch.zeros(2, 3), torch.tensor([[1, 5]]), "x"), rank=1, count=2)
+        >>> len(b), b[0][0].shape, int(b[1][1].max()) <= 5, b[0][2]
+        (2, torch.Size([2, 3]), True, 'x')
+    """
+    out = []
+    for j in range(count):
+        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
+        batch = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                batch.append(torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device))
+            elif isinstance(x, torch.Tensor) and x.dtype in (torch.int64, torch.int32):
+                hi = int(x.max()) + 1 if x.numel() else 1
+                batch.append(torch.randint(hi, x.shape, generator=g, dtype=x.dtype).to(x.device))
+            else:
+                batch.append(x)
+        out.append(tuple(batch))
+    return out
+
+
+class Trainee:
+    """One way of training the model: ``"ddp"`` (torch DDP, default buckets), ``"runtime"``
+    (DistributedOptimizer with ``schedule``) or ``"local"`` (no communication: the compute
+    reference).
+
+    Args:
+        name: the strategy name it reports under.
+        kind: ``ddp``, ``runtime`` or ``local``.
+        spec: the model spec (built-in name, ``module:factory`` or a factory).
+        batch_size: per-rank batch size.
+        device: the training device.
+        optimizer: ``sgd``, ``adam`` or ``adamw`` (:func:`usbyte_opt.profiler.make_optimizer`).
+        schedule: the schedule (``runtime`` only).
+        rank: this rank (selects its batches).
+    """
+
+    def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
+                 device: torch.device, optimizer: str, schedule: Schedule | None = None,
+                 rank: int = 0):
+        self.name, self.kind = name, kind
+        model, inputs, self.loss_fn = build(spec, batch_size, device)
+        self.batches = make_batches(inputs, rank)
+        self.plain = model
+        params = [p for p in model.parameters() if p.requires_grad]
+        if kind == "ddp":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = DDP(model, device_ids=ids)
+            self.opt = make_optimizer(optimizer, params)
+        elif kind == "runtime":
+            from ..runtime import DistributedOptimizer
+
+            self.model = model
+            self.opt = DistributedOptimizer(make_optimizer(optimizer, params), model,
+                                            schedule=schedule)
+        elif kind == "local":
+            self.model = model
+            self.opt = make_optimizer(optimizer, params)
+        else:
+            raise ValueError(f"kind: expected ddp, runtime or local, got {kind!r}")
+        self.steps = 0
+        self.losses: list[float] = []
+        self.durations_ms: list[float] = []
+
+    def iteration(self) -> None:
+        x = self.batches[self.steps % len(self.batches)]
+        loss = self.loss_fn(self.model(*x))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad()
+        self.losses.append(float(loss.detach()))
+        self.steps += 1
+
+    def drain(self) -> None:
+        """Finish pending communication and updates (the runtime's lazy updates)."""
+        if self.kind == "runtime":
+            self.opt.synchronize()
+
+    def parameters(self) -> torch.Tensor:
+        """Every trainable parameter, flattened (after :meth:`drain`)."""
+        return torch.cat([p.detach().reshape(-1).float().cpu()
+                          for p in self.plain.parameters() if p.requires_grad])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
+    """One turn of ``t``: untimed warm-up, ``timed`` timed iterations, drain, barrier."""
+    for _ in range(warmup):
+        t.iteration()
+    stamps = []
+    for _ in range(timed + 1):
+        _sync(device)
+        stamps.append(time.perf_counter())
+        t.iteration()
+    t.drain()
+    _sync(device)
+    t.durations_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    dist.barrier()
+
+
+def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup: int,
+               device: torch.device, first_warmup: int = 3,
+               progress: Callable[[str], None] | None = None) -> None:
+    """Time ``iterations`` steady-state iterations of every trainee, in ``rounds`` turns each.
+
+    Every trainee first runs ``first_warmup`` iterations once (DDP rebuilds its buckets after
+    the first, the runtime learns its hooks' order in it); then, round after round, each takes
+    a turn of ``warmup`` untimed and ``ceil(iterations / rounds)`` timed iterations (fewer in
+    the last round, so the total is ``iterations``).
+    """
+    for t in trainees:
+        for _ in range(first_warmup):
+            t.iteration()
+        t.drain()
+        dist.barrier()
+    rounds = max(1, min(rounds, iterations))
+    per = -(-iterations // rounds)
+    left = iterations
+    for r in range(rounds):
+        k = min(per, left)
+        left -= k
+        if k <= 0:
+            break
+        for t in trainees:
+            if progress:
+                progress(f"round {r + 1}/{rounds}: {t.name}")
+            turn(t, warmup, k, device)
+
+
+__all__ = ["BATCHES", "Trainee", "interleave", "make_batches", "turn"]

@@ -1,0 +1,260 @@
+"""What every rank of ``usbyte-opt bench`` runs: profile, plan, train each strategy, report.
+
+Started by :func:`usbyte_opt.bench.launch.launch_ranks` as ``python -m usbyte_opt.bench.worker
+JOB.json`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment), or called directly with
+:func:`run_rank` by ``usbyte-opt bench`` under torchrun. Every rank:
+
+1. joins the process group (gloo on CPU, NCCL on CUDA);
+2. profiles the model on it — the all-reduce sweep runs on this very group, so in the lab
+   ``alpha``/``algbw`` are those of the shaped link — or loads ``--profile``;
+3. rank 0 plans every strategy (:func:`usbyte_opt.planner.compare`, so ``best`` is seeded
+   with all of them) and broadcasts the schedules;
+4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
+5. compares each trainee's final parameters with the reference (DDP) and sends its timings
+   to rank 0, which writes ``raw.json`` in the output folder.
+
+Rank 0 prints progress as ``@@ <text>`` lines on stderr (the launcher shows them); a failure
+is one ``error: <message>`` line and exit code 1.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Callable
+
+#: Strategies run by PyTorch itself rather than by the runtime.
+TORCH_DDP = "ddp"
+#: The compute-only reference run (no communication).
+REFERENCE = "no-comm"
+
+
+def _say(rank: int) -> Callable[[str], None]:
+    def say(text: str) -> None:
+        if rank == 0:
+            sys.stderr.write(f"@@ {text}\n")
+            sys.stderr.flush()
+    return say
+
+
+def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
+    """Plan every registered strategy on ``profile``; return the schedules and predictions
+    of ``strategies`` (``no-comm``: forward + backward + optimizer step)."""
+    from ..planner import compare
+
+    report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
+    out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
+                           "compute_ms": report.compute_ms,
+                           "update_ms": sum(t.update_ms for t in profile.tensors),
+                           "all": {n: {"overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
+                                       "native_mode": r.native_mode, "blocks": r.blocks}
+                                   for n, r in report.results.items()}}
+    for s in strategies:
+        if s == REFERENCE:
+            out["predicted"][s] = {"ms": out["compute_ms"] + out["update_ms"], "mode": "compute",
+                                   "blocks": 0}
+            continue
+        r = report.results[s]
+        sched = report.schedule(s)
+        out["schedules"][s] = sched
+        if s == TORCH_DDP:
+            out["predicted"][s] = {"ms": r.fence_ms, "mode": "fence", "blocks": r.blocks}
+        else:
+            out["predicted"][s] = {"ms": r.overlap_ms, "mode": "overlap", "blocks": r.blocks}
+    return out
+
+
+def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
+    """Run one rank of the benchmark ``job`` (see :func:`usbyte_opt.bench.make_job`);
+    rank 0 returns the raw result (and writes it), the others ``None``."""
+    import torch
+    import torch.distributed as dist
+
+    from ..errors import UsbyteError
+    from ..formats import load_profile, save_profile, save_schedule, write_json
+    from ..profiler.run import init_from_env, profile_model, resolve_device
+    from ..runtime import trace as trace_mod
+    from .train import Trainee, interleave
+
+    dev = resolve_device(job.get("device"))
+    owns = init_from_env(dev, job.get("pg_timeout_s", 600.0))
+    if not dist.is_initialized():
+        raise UsbyteError("bench worker: no process group (RANK/WORLD_SIZE not set)")
+    try:
+        if job.get("threads"):
+            torch.set_num_threads(int(job["threads"]))
+        rank, world = dist.get_rank(), dist.get_world_size()
+        say = _say(rank)
+        out = Path(job["out_dir"])
+        spec = job["model"]
+        t_start = time.perf_counter()
+
+        # 1-2. Profile on this process group (or load one).
+        if job.get("profile"):
+            prof = load_profile(job["profile"])
+            profile_path = job["profile"]
+        else:
+            say(f"profiling {job['name']} on {world} ranks")
+            last = {}
+
+            def progress(phase: str, done: int, total: int) -> None:
+                if done == total or phase not in last:
+                    say(f"profile: {phase} {done}/{total}")
+                last[phase] = done
+
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                prof = profile_model(spec, job.get("batch_size"), name=job["name"], device=dev,
+                                     warmup=job["profile_warmup"], repeats=job["profile_repeats"],
+                                     optimizer=job["optimizer"], comm_sizes=job.get("comm_sizes"),
+                                     comm_repeats=job["comm_repeats"], progress=progress)
+            profile_path = str(out / "profile.json")
+            if rank == 0:
+                save_profile(prof, profile_path)
+        t_profile = time.perf_counter() - t_start
+
+        # 3. Plan on rank 0; every rank gets the same schedules.
+        strategies = list(job["strategies"])
+        payload: list[Any] = [None]
+        if rank == 0:
+            say("planning " + ", ".join(s for s in strategies if s != REFERENCE))
+            try:
+                payload[0] = plan(prof, strategies, job["time_budget_s"])
+                for s, sched in payload[0]["schedules"].items():
+                    save_schedule(sched, out / "schedules" / f"{s}.json")
+            except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
+                payload[0] = {"error": f"{type(e).__name__}: {e}" if not isinstance(e, UsbyteError)
+                              else str(e)}
+        dist.broadcast_object_list(payload, src=0)
+        planned = payload[0]
+        if "error" in planned:
+            raise UsbyteError(planned["error"] if rank == 0 else f"rank 0: {planned['error']}")
+        t_plan = time.perf_counter() - t_start - t_profile
+
+        # 4. Train side by side.
+        batch = prof.meta.get("batch_size") if job.get("batch_size") is None else job["batch_size"]
+        trainees = []
+        traces: dict[str, str] = {}
+        saved_env = os.environ.get(trace_mod.TRACE_ENV)
+        try:
+            for s in strategies:
+                if s == REFERENCE:
+                    trainees.append(Trainee(s, "local", spec, batch, dev, job["optimizer"], rank=rank))
+                elif s == TORCH_DDP:
+                    trainees.append(Trainee(s, "ddp", spec, batch, dev, job["optimizer"], rank=rank))
+                else:
+                    if job.get("trace"):
+                        traces[s] = str(out / "traces" / f"{s}.measured.json")
+                        os.environ[trace_mod.TRACE_ENV] = traces[s]
+                    else:
+                        os.environ.pop(trace_mod.TRACE_ENV, None)
+                    trainees.append(Trainee(s, "runtime", spec, batch, dev, job["optimizer"],
+                                            planned["schedules"][s], rank=rank))
+        finally:
+            if saved_env is None:
+                os.environ.pop(trace_mod.TRACE_ENV, None)
+            else:
+                os.environ[trace_mod.TRACE_ENV] = saved_env
+        say(f"training {len(trainees)} ways, {job['iterations']} timed iterations each")
+        interleave(trainees, job["iterations"], job["rounds"], job["warmup"], dev,
+                   first_warmup=job.get("first_warmup", 3), progress=say)
+        t_train = time.perf_counter() - t_start - t_profile - t_plan
+        if job.get("trace"):
+            trace_mod.flush_all()
+
+        # 5. Correctness against the reference, then everything to rank 0.
+        ref = next((t for t in trainees if t.kind == "ddp"), None)
+        ref = ref or next((t for t in trainees if t.kind == "runtime"), None)
+        ref_params = ref.parameters() if ref is not None else None
+        mine = {}
+        for t in trainees:
+            diff = None
+            if ref_params is not None and t.kind != "local" and t is not ref:
+                diff = float((t.parameters() - ref_params).abs().max())
+            elif t is ref:
+                diff = 0.0
+            mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses,
+                            "steps": t.steps, "max_param_diff": diff}
+        every: list[Any] = [None] * world
+        dist.all_gather_object(every, mine)
+        if rank != 0:
+            return None
+        runs = {}
+        for s in strategies:
+            per_rank = [e[s] for e in every]
+            n = min(len(p["durations_ms"]) for p in per_rank)
+            # One number per iteration: the mean over ranks (they are coupled by the collectives).
+            durations = [sum(p["durations_ms"][i] for p in per_rank) / world for i in range(n)]
+            diffs = [p["max_param_diff"] for p in per_rank if p["max_param_diff"] is not None]
+            runs[s] = {"durations_ms": durations,
+                       "durations_by_rank_ms": [p["durations_ms"] for p in per_rank],
+                       "final_loss": per_rank[0]["losses"][-1] if per_rank[0]["losses"] else math.nan,
+                       "losses_rank0": per_rank[0]["losses"],
+                       "steps": per_rank[0]["steps"],
+                       "max_param_diff": max(diffs) if diffs else None}
+        raw = {
+            "job": {k: v for k, v in job.items() if k != "comm_sizes"},
+            "profile": profile_path,
+            "profile_name": prof.name,
+            "world_size": world,
+            "backend": str(dist.get_backend()),
+            "device": dev.type,
+            "threads": torch.get_num_threads(),
+            "torch": torch.__version__,
+            "batch_size": batch,
+            "forward_ms": prof.forward_ms,
+            "backward_ms": prof.backward_ms,
+            "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
+                     "algbw_gbs": prof.comm.algbw_gbs, "samples": [list(s) for s in prof.comm.samples]},
+            "gradient_bytes": sum(t.nbytes for t in prof.tensors),
+            "tensors": len(prof.tensors),
+            "planned": {"lower_bound_ms": planned["lower_bound_ms"], "compute_ms": planned["compute_ms"],
+                        "update_ms": planned["update_ms"], "all": planned["all"],
+                        "predicted": planned["predicted"]},
+            "schedules": {s: str(out / "schedules" / f"{s}.json") for s in planned["schedules"]},
+            "traces": traces,
+            "runs": runs,
+            "phases_s": {"profile": t_profile, "plan": t_plan, "train": t_train},
+            "reference": ref.name if ref is not None else None,
+        }
+        write_json(out / "raw.json", raw)
+        return raw
+    finally:
+        if owns and dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a broken group after a failure
+                pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``."""
+    from ..errors import UsbyteError
+    from ..formats import read_json
+
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        run_rank(read_json(argv[0]))
+    except UsbyteError as e:
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    except Exception as e:  # noqa: BLE001 - one line for the launcher; traceback above it
+        import traceback
+
+        traceback.print_exc()
+        first = str(e).splitlines()[0] if str(e) else ""
+        sys.stderr.write(f"error: {type(e).__name__}: {first}\n")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.stderr.flush()
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # skip the process group's thread-pool teardown

@@ -1,0 +1,88 @@
+"""``usbyte-opt bench MODEL``: real training side by side with DDP, measured against predicted.
+
+Profiles MODEL on real ranks (or takes ``--profile``), plans every strategy, trains the same
+model with PyTorch DDP and with the runtime under each strategy's schedule, and prints the
+measured iteration time beside the prediction. ``--bandwidth 200mbit`` runs the ranks in the
+lab (network namespaces joined by a tbf-shaped veth link; root only). The domain work is
+:func:`usbyte_opt.bench.run_bench`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from .. import console
+from . import common
+
+
+def render(result: dict[str, Any], title: str) -> None:
+    """Print the result table and where the files went (shared with ``demo``)."""
+    from ..bench.report import COLUMNS, table_rows
+
+    c = result["comm"]
+    console.table(
+        f"{title}: {result['name']} on {result['world_size']} ranks, {result['network']['description']}; "
+        f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, all-reduce alpha "
+        f"{c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s",
+        COLUMNS, table_rows(result), justify_right_from=2,
+        caption=(f"{result['iterations']} timed iterations per strategy; error = (measured − predicted) "
+                 "/ measured" + ("" if result["correct"] is None else
+                                 f"; training {'matches' if result['correct'] else 'DIFFERS FROM'} "
+                                 f"{result['reference']}")))
+
+
+def bench(
+    model: str = typer.Argument(..., help="Built-in name (cnn, transformer, mlp, lab-cnn, "
+                                "lab-transformer, ...) or package.module:factory."),
+    nproc_per_node: int = typer.Option(2, "--nproc-per-node", "-n", min=1,
+                                       help="Ranks to start on this machine (ignored under torchrun)."),
+    bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Run in the lab at this link "
+                                            "rate (200mbit, 1gbit; root only). Default: the ordinary "
+                                            "network."),
+    iterations: int = typer.Option(20, "--iterations", "-k", min=1,
+                                   help="Timed steady-state iterations per strategy."),
+    strategies: str = typer.Option(",".join(("ddp", "wfbp", "bytescheduler", "usbyte", "best")),
+                                   "--strategies", "-s",
+                                   help="Comma-separated; ddp is PyTorch DDP itself, the others "
+                                   "run on the usbyte-opt runtime."),
+    profile: Optional[Path] = typer.Option(None, "--profile", "-p", dir_okay=False, exists=True,
+                                           help="Use this profile instead of profiling first."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
+                                             help="Per-rank batch size (default: the model's own)."),
+    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
+                                              help="Where report.md, plot.png, result.json, traces "
+                                              "go [default: bench-results/NAME-NETWORK]."),
+    rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved turns per strategy."),
+    reference: bool = typer.Option(True, "--reference/--no-reference",
+                                   help="Also time training without communication."),
+    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
+    timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10.0,
+                                    help="Hard limit of the ranks' run (killed past it)."),
+    as_json: bool = common.Json,
+) -> None:
+    """Train MODEL with DDP and with each strategy's schedule; report measured against predicted."""
+    from ..bench import BenchConfig, run_bench
+
+    cfg = BenchConfig(model=model, nproc=nproc_per_node, bandwidth=bandwidth, iterations=iterations,
+                      strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
+                      profile=str(profile) if profile else None, batch_size=batch_size,
+                      out_dir=output_dir, rounds=rounds, reference=reference, device=device,
+                      timeout_s=timeout_s)
+    result = run_bench(cfg, progress=None if as_json else console.info)
+    if result is None:
+        return  # a rank > 0 under torchrun: rank 0 reports
+    if as_json:
+        console.emit_json(result)
+        return
+    render(result, "bench")
+    for n in result["notes"]:
+        console.warn(n)
+    console.info(f"wrote {result['report']}" + (f", {result['plot']}" if result["plot"] else "")
+                 + f" and {Path(result['out_dir']) / 'result.json'}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("bench")(bench)

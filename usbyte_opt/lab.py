@@ -1,0 +1,354 @@
+"""The lab (DESIGN.md §7): ranks on this machine joined by a real, slow, shaped network.
+
+A loopback network is too fast to show a communication bottleneck. As root on Linux,
+:class:`Lab` gives every rank its own network namespace and joins them with veth links shaped
+by ``tc ... tbf`` (token bucket: a rate limit without added delay; these kernels have no netem):
+
+* 2 ranks: one veth pair, one end in each rank's namespace (interface ``usb0`` on both
+  sides), tbf on both ends, so each direction of the link carries ``rate``.
+* more ranks: a hub namespace with a Linux bridge, one veth pair per rank (rank end ``usb0``,
+  hub end attached to the bridge), tbf on both ends of every pair: each rank's uplink and
+  downlink carry ``rate``, as with one switch port per host.
+
+Names and addresses are the lab's own: namespaces ``usbyte-<pid>-r<rank>`` (and
+``usbyte-<pid>-hub``), addresses ``10.231.<k>.<rank + 1>/24`` with ``k`` derived from the pid,
+inside those namespaces only. Nothing is created in the host's own namespace, so deleting the
+namespaces removes every link. They are deleted on every exit path: normal exit, errors,
+Ctrl-C, SIGTERM/SIGHUP (turned into :class:`SystemExit` while the lab is open) and interpreter
+exit. A lab killed with SIGKILL leaves its namespaces behind; the next :class:`Lab` removes
+those of processes that no longer exist (only names with the ``usbyte-`` prefix).
+
+Shaping (``tbf rate R burst B latency L``), chosen by :func:`shaping`:
+
+* ``burst`` = max(16 KiB, 0.5 ms of rate): a real link sends nothing faster than its rate, and
+  tbf's bucket lets ``burst`` bytes through at memory speed after an idle spell, which makes
+  small all-reduces look faster than the line (with 64 KiB at 200 Mbit/s, 64 KiB messages ran at
+  31 MB/s on a 25 MB/s link, and the fitted ``algbw`` came out 35% too high). Smaller than
+  0.5 ms of rate starves a fast link between timer wake-ups (16 KiB at 1 Gbit/s: 70-80 MB/s of
+  125); tbf re-segments TCP's 64 KiB offload packets that exceed the burst.
+* ``latency`` = 20 ms of queue: with one TCP flow per direction, enough to keep the link busy
+  through the sender's window growth, small enough not to add bufferbloat to the few
+  small messages a collective exchanges.
+
+Example::
+
+    >>> parse_rate("200mbit"), parse_rate("1Gbit/s"), parse_rate("1.5gbit")
+    (200000000, 1000000000, 1500000000)
+    >>> s = shaping(parse_rate("200mbit"))
+    >>> s.burst_bytes, s.latency_ms
+    (16384, 20.0)
+    >>> shaping(parse_rate("1gbit")).burst_bytes
+    62500
+    >>> with Lab(2, "200mbit") as lab:          # doctest: +SKIP
+    ...     lab.command(1, ["python", "-c", "print(1)"])[:4], lab.master_addr
+    (['ip', 'netns', 'exec', 'usbyte-4242-r1'], '10.231.243.1')
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .errors import UsbyteError
+
+#: Every namespace the lab creates starts with this (stale clean-up touches nothing else).
+PREFIX = "usbyte-"
+#: Interface name of each rank's end of its link (GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME).
+IFNAME = "usb0"
+_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+class LabError(UsbyteError):
+    """The lab cannot be built here (not root, no ``ip``/``tc``, namespaces refused)."""
+
+
+def parse_rate(text: str) -> int:
+    """Bits per second of a rate written as tc writes it: ``200mbit``, ``1gbit``, ``500kbit``
+    (an optional ``/s``, any case). Megabytes (tc's ``mbps``) are refused: too easily misread.
+
+    Example::
+
+        >>> parse_rate("25mbit")
+        25000000
+        >>> parse_rate("10MB")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsbyteError: --bandwidth '10MB': expected a rate in bits such as 200mbit, 1gbit or 500kbit
+    """
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmg]?bit)(?:/s)?\s*", str(text).lower())
+    if not m:
+        raise UsbyteError(f"--bandwidth {text!r}: expected a rate in bits such as 200mbit, 1gbit "
+                          "or 500kbit")
+    bps = int(round(float(m.group(1)) * _UNITS[m.group(2)]))
+    if bps < 100_000:
+        raise UsbyteError(f"--bandwidth {text!r}: expected at least 100kbit (gloo's own timeouts "
+                          "would fire below that)")
+    return bps
+
+
+def format_rate(bps: float) -> str:
+    """``200 Mbit/s``-style text of a rate in bits per second.
+
+    Example::
+
+        >>> format_rate(2e8), format_rate(1e9), format_rate(1.5e9)
+        ('200 Mbit/s', '1 Gbit/s', '1.5 Gbit/s')
+    """
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:.4g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+@dataclass(frozen=True, slots=True)
+class Shaping:
+    """tbf settings of every link end."""
+
+    rate_bps: int
+    burst_bytes: int
+    latency_ms: float
+
+    def tc_args(self) -> list[str]:
+        return ["rate", f"{self.rate_bps}bit", "burst", str(self.burst_bytes),
+                "latency", f"{self.latency_ms:g}ms"]
+
+    def describe(self) -> str:
+        return (f"tbf rate {format_rate(self.rate_bps)}, burst {self.burst_bytes // 1024} KiB, "
+                f"latency {self.latency_ms:g} ms")
+
+
+def shaping(rate_bps: int, latency_ms: float = 20.0) -> Shaping:
+    """The tbf settings for ``rate_bps`` (see the module docstring for the reasons)."""
+    burst = max(16 * 1024, int(rate_bps / 8 * 0.0005))
+    return Shaping(int(rate_bps), burst, float(latency_ms))
+
+
+def _run(argv: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
+    p = subprocess.run(list(argv), capture_output=True, text=True, timeout=30)
+    if check and p.returncode != 0:
+        first = (p.stderr or p.stdout).strip().splitlines()
+        raise LabError(f"lab: `{' '.join(argv)}` failed: {first[0] if first else f'exit {p.returncode}'}")
+    return p
+
+
+def list_namespaces() -> list[str]:
+    """Names of the network namespaces ``ip netns`` knows (empty when it cannot list them)."""
+    p = _run(["ip", "netns", "list"], check=False)
+    if p.returncode != 0:
+        return []
+    return [ln.split()[0] for ln in p.stdout.splitlines() if ln.strip()]
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_inside(ns: str) -> None:
+    """SIGKILL the processes still inside ``ns`` (ranks of the lab that owns it)."""
+    p = _run(["ip", "netns", "pids", ns], check=False)
+    for tok in p.stdout.split():
+        if tok.isdigit() and int(tok) != os.getpid():
+            try:
+                os.kill(int(tok), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def remove_stale(prefix: str = PREFIX) -> list[str]:
+    """Delete the namespaces of labs whose process is gone (a crash, SIGKILL); return them.
+
+    Only names ``<prefix><pid>-...`` are considered, and only when ``pid`` no longer runs.
+    """
+    removed = []
+    for ns in list_namespaces():
+        m = re.fullmatch(re.escape(prefix) + r"(\d+)-.+", ns)
+        if m and not _pid_alive(int(m.group(1))):
+            _kill_inside(ns)
+            _run(["ip", "netns", "delete", ns], check=False)
+            removed.append(ns)
+    return removed
+
+
+def preflight() -> None:
+    """Raise :class:`LabError` (one line, with what to do) unless the lab can be built here."""
+    if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
+        raise LabError("--bandwidth needs Linux network namespaces; leave --bandwidth out to use the "
+                       "ordinary network")
+    if os.geteuid() != 0:
+        raise LabError("--bandwidth needs root: the lab creates network namespaces, veth links and "
+                       "tc shaping (run as root, or leave --bandwidth out to use the ordinary network)")
+    for tool, pkg in (("ip", "iproute2"), ("tc", "iproute2")):
+        if shutil.which(tool) is None:
+            raise LabError(f"--bandwidth needs `{tool}` (package {pkg}), which is not on PATH")
+
+
+class Lab:
+    """Network namespaces joined by tbf-shaped veth links, one namespace per rank.
+
+    Args:
+        world_size: number of ranks (>= 2).
+        rate: link rate, e.g. ``"200mbit"`` (or bits per second as an int).
+        latency_ms: tbf queue length in ms of ``rate``.
+        prefix: name prefix of the namespaces (tests use their own).
+
+    Use it as a context manager; :meth:`command` wraps a rank's argv in ``ip netns exec`` and
+    :meth:`env` gives the rank's rendezvous variables.
+    """
+
+    def __init__(self, world_size: int = 2, rate: str | int = "200mbit", latency_ms: float = 20.0,
+                 prefix: str = PREFIX):
+        if world_size < 2:
+            raise UsbyteError(f"--nproc-per-node {world_size}: the lab needs at least 2 ranks")
+        self.world_size = world_size
+        self.shaping = shaping(parse_rate(rate) if isinstance(rate, str) else int(rate), latency_ms)
+        self.prefix = prefix
+        pid = os.getpid()
+        self.namespaces = [f"{prefix}{pid}-r{r}" for r in range(world_size)]
+        self.hub = f"{prefix}{pid}-hub" if world_size > 2 else None
+        self.subnet = 1 + pid % 254  # 10.231.<subnet>.0/24
+        self.addresses = [f"10.231.{self.subnet}.{r + 1}" for r in range(world_size)]
+        self._created: list[str] = []
+        self._lock = threading.Lock()
+        self._saved: dict[int, Any] = {}
+        self._open = False
+
+    # -- what ranks need ---------------------------------------------------------------------
+
+    @property
+    def master_addr(self) -> str:
+        return self.addresses[0]
+
+    @property
+    def ifname(self) -> str:
+        return IFNAME
+
+    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` run inside rank ``rank``'s namespace."""
+        return ["ip", "netns", "exec", self.namespaces[rank], *argv]
+
+    def env(self, rank: int) -> dict[str, str]:
+        """Rendezvous variables of rank ``rank``: MASTER_ADDR and the interface for gloo/NCCL."""
+        return {"MASTER_ADDR": self.master_addr, "GLOO_SOCKET_IFNAME": IFNAME,
+                "NCCL_SOCKET_IFNAME": IFNAME}
+
+    def describe(self) -> str:
+        topo = "veth pair" if self.world_size == 2 else f"bridge, {self.world_size} veth pairs"
+        return (f"{self.world_size} namespaces ({topo}), 10.231.{self.subnet}.0/24, "
+                f"{self.shaping.describe()} on every link end")
+
+    # -- life cycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> "Lab":
+        preflight()
+        remove_stale(self.prefix)
+        self._install_signals()
+        atexit.register(self.close)
+        self._open = True
+        try:
+            self._build()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def _ns(self, name: str) -> None:
+        p = _run(["ip", "netns", "add", name], check=False)
+        if p.returncode != 0:
+            first = p.stderr.strip().splitlines()
+            raise LabError(f"lab: cannot create network namespace {name} "
+                           f"({first[0] if first else 'exit ' + str(p.returncode)}); the lab needs "
+                           "CAP_SYS_ADMIN and a writable /run/netns")
+        self._created.append(name)
+        _run(["ip", "-n", name, "link", "set", "lo", "up"])
+
+    def _shape(self, ns: str, dev: str) -> None:
+        _run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+              *self.shaping.tc_args()])
+
+    def _build(self) -> None:
+        for ns in self.namespaces:
+            self._ns(ns)
+        if self.hub is None:
+            a, b = self.namespaces
+            _run(["ip", "link", "add", IFNAME, "netns", a, "type", "veth", "peer", "name", IFNAME,
+                  "netns", b])
+            ends = [(a, IFNAME), (b, IFNAME)]
+        else:
+            self._ns(self.hub)
+            _run(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"])
+            _run(["ip", "-n", self.hub, "link", "set", "br0", "up"])
+            ends = []
+            for r, ns in enumerate(self.namespaces):
+                port = f"p{r}"
+                _run(["ip", "link", "add", IFNAME, "netns", ns, "type", "veth", "peer", "name", port,
+                      "netns", self.hub])
+                _run(["ip", "-n", self.hub, "link", "set", port, "master", "br0"])
+                _run(["ip", "-n", self.hub, "link", "set", port, "up"])
+                ends += [(ns, IFNAME), (self.hub, port)]
+        for r, ns in enumerate(self.namespaces):
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", IFNAME])
+            _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
+        for ns, dev in ends:
+            self._shape(ns, dev)
+
+    def close(self) -> None:
+        """Delete every namespace this lab created (idempotent; safe from any exit path)."""
+        with self._lock:
+            if not self._open:
+                return
+            self._open = False
+            for ns in reversed(self._created):
+                _kill_inside(ns)
+                _run(["ip", "netns", "delete", ns], check=False)
+            self._created.clear()
+            self._restore_signals()
+            try:
+                atexit.unregister(self.close)
+            except Exception:  # noqa: BLE001 - interpreter shutting down
+                pass
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def _install_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return  # only the main thread may set handlers; atexit still cleans up
+
+        def handler(signum: int, frame: Any) -> None:
+            # Unwind through every `with` and `finally` (the lab's __exit__ included).
+            raise SystemExit(128 + signum)
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._saved[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signals(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for sig, old in self._saved.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, OSError, TypeError):
+                pass
+        self._saved.clear()
+
+
+__all__ = ["IFNAME", "Lab", "LabError", "PREFIX", "Shaping", "format_rate", "list_namespaces",
+           "parse_rate", "preflight", "remove_stale", "shaping"]

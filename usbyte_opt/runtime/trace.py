@@ -1,0 +1,250 @@
+"""The measured timeline of the runtime: ``USBYTE_TRACE=path`` records a Chrome trace.
+
+With the variable set when a :class:`~usbyte_opt.runtime.DistributedOptimizer` is created,
+a :class:`Recorder` notes, on every rank, with ``time.perf_counter``:
+
+* each forward of the model (a forward pre-hook that runs before the runtime's own, and a
+  forward hook), and each ``step()``: the compute track shows ``forward`` and ``backward``
+  (from the end of the model's forward to ``step()``, so the loss is in it);
+* each block's **issue** (when the runtime hands it to ``dist.all_reduce``) and **finish**
+  (a done-callback on the work's future, so the real completion time, not the time the
+  runtime happened to wait for it);
+* each **forward gate**: a module's pre-hook that waited for the blocks of its tensors
+  (``wait``), then applied their update (``update``), nested in the forward slice.
+
+On the all-reduce track a block is drawn from ``max(issue, finish of the previous block)``
+to its finish, the single channel of DESIGN.md §2; its arguments keep the issue time and
+how long it queued. Timestamps are ``perf_counter`` microseconds, the same clock in every
+process of the machine, so the ranks of one run line up (one ``pid`` per rank).
+
+The file is written (atomically) at :func:`flush_all`, at ``close()`` of the recorder and
+at interpreter exit. Rank 0 writes ``path``; rank r > 0 writes ``<stem>.rank<r><suffix>``,
+unless ``path`` contains ``{rank}``, which is replaced. Unset, nothing is recorded and the
+runtime pays one ``is None`` test per event.
+
+Example::
+
+    >>> rec = Recorder("/tmp/t.json", rank=0, names=["w"], block_bytes=[4], block_tensors=[[0]])
+    >>> rec.forward_begin(None, ()); rec.forward_end(None, (), None); rec.step()
+    >>> [e["name"] for e in rec.chrome()["traceEvents"] if e["ph"] == "X"]
+    ['forward', 'backward']
+    >>> path_for_rank("out/trace.json", 1), path_for_rank("t-{rank}.json", 3)
+    ('out/trace.rank1.json', 't-3.json')
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+import time
+import weakref
+from pathlib import Path
+from typing import Any, Sequence
+
+#: Environment variable naming the trace file.
+TRACE_ENV = "USBYTE_TRACE"
+#: Records kept per recorder at most (a long training run keeps its first ones).
+MAX_RECORDS = 200_000
+
+_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_atexit_done = False
+_lock = threading.Lock()
+
+
+def path_for_rank(path: str, rank: int) -> str:
+    """The file rank ``rank`` writes for ``USBYTE_TRACE=path``."""
+    if "{rank}" in path:
+        return path.replace("{rank}", str(rank))
+    if rank == 0:
+        return path
+    p = Path(path)
+    return str(p.with_name(f"{p.stem}.rank{rank}{p.suffix or '.json'}"))
+
+
+class Recorder:
+    """Collects the runtime's events of one rank and writes them as a Chrome trace.
+
+    Args:
+        path: the file to write.
+        rank: this rank (the trace's ``pid`` is ``rank + 1``).
+        names: tensor names, by runtime tensor index.
+        block_bytes: bytes of each block, in issue order.
+        block_tensors: tensor indices each block touches.
+        label: the process name shown in Perfetto.
+    """
+
+    def __init__(self, path: str, rank: int, names: Sequence[str], block_bytes: Sequence[int],
+                 block_tensors: Sequence[Sequence[int]], label: str | None = None):
+        self.path = path
+        self.rank = rank
+        self.names = list(names)
+        self.block_bytes = list(block_bytes)
+        self.block_tensors = [list(ts) for ts in block_tensors]
+        self.label = label or f"rank {rank} (measured)"
+        self.records: list[tuple] = []
+        self.handles: list[Any] = []
+        self.written = False
+
+    # -- recording (called by the runtime) ---------------------------------------------------
+
+    @staticmethod
+    def now() -> float:
+        return time.perf_counter()
+
+    def _add(self, rec: tuple) -> None:
+        if len(self.records) < MAX_RECORDS:
+            self.records.append(rec)  # list.append is atomic: safe from the comm threads
+
+    def forward_begin(self, module: Any, args: Any) -> None:
+        self._add(("F0", time.perf_counter()))
+
+    def forward_end(self, module: Any, args: Any, output: Any) -> None:
+        self._add(("F1", time.perf_counter()))
+
+    def step(self) -> None:
+        self._add(("S", time.perf_counter()))
+
+    def issue(self, k: int, work: Any) -> None:
+        """Block ``k`` was handed to the collective ``work``."""
+        self._add(("I", k, time.perf_counter()))
+        try:
+            work.get_future().add_done_callback(lambda _f, k=k: self._add(("D", k, time.perf_counter())))
+        except Exception:  # noqa: BLE001 - a backend without futures: issue times only
+            pass
+
+    def gate(self, need: Sequence[int], t0: float, t1: float) -> None:
+        """Forward waited for the blocks of ``need`` from ``t0`` to ``t1``, then updated until now."""
+        self._add(("G", tuple(need), t0, t1, time.perf_counter()))
+
+    def install(self, model: Any) -> None:
+        """Hooks of its own on ``model``: forward start (before the runtime's pre-hook) and end."""
+        self.handles.append(model.register_forward_pre_hook(self.forward_begin, prepend=True))
+        self.handles.append(model.register_forward_hook(self.forward_end))
+
+    # -- output ------------------------------------------------------------------------------
+
+    def chrome(self) -> dict[str, Any]:
+        """The Chrome trace-event document of what was recorded so far."""
+        us = 1e6
+        pid = self.rank + 1
+        ev: list[dict[str, Any]] = [
+            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": self.label}},
+            {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "compute"}},
+            {"ph": "M", "pid": pid, "tid": 2, "name": "thread_name", "args": {"name": "all-reduce"}},
+        ]
+        recs = sorted(self.records, key=lambda r: r[-1] if r[0] != "G" else r[2])
+        f0s = [r[1] for r in recs if r[0] == "F0"]
+        f1s = [r[1] for r in recs if r[0] == "F1"]
+        steps = [r[1] for r in recs if r[0] == "S"]
+        fwd_open: float | None = None
+        bwd_open: float | None = None
+        for r in recs:
+            kind = r[0]
+            if kind == "F0":
+                fwd_open = r[1]
+            elif kind == "F1" and fwd_open is not None:
+                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "forward", "ts": fwd_open * us,
+                           "dur": (r[1] - fwd_open) * us})
+                fwd_open, bwd_open = None, r[1]
+            elif kind == "S" and bwd_open is not None:
+                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "backward", "ts": bwd_open * us,
+                           "dur": (r[1] - bwd_open) * us})
+                bwd_open = None
+            elif kind == "G":
+                need, t0, t1, t2 = r[1], r[2], r[3], r[4]
+                shown = [self.names[t] for t in need[:3]] + ([f"+{len(need) - 3}"] if len(need) > 3 else [])
+                label = ", ".join(shown)
+                if t1 - t0 > 0:
+                    ev.append({"ph": "X", "pid": pid, "tid": 1, "name": f"wait {label}",
+                               "ts": t0 * us, "dur": (t1 - t0) * us,
+                               "args": {"tensors": [self.names[t] for t in need]}})
+                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "update", "ts": t1 * us,
+                           "dur": max(t2 - t1, 0.0) * us})
+        # The channel: blocks in issue order; each starts when issued and the previous is done.
+        issued = [(r[2], r[1]) for r in self.records if r[0] == "I"]
+        done: dict[int, list[float]] = {}
+        for r in self.records:
+            if r[0] == "D":
+                done.setdefault(r[1], []).append(r[2])
+        seen: dict[int, int] = {}
+        prev_done = 0.0
+        blocks = []
+        for t_issue, k in sorted(issued):
+            i = seen.get(k, 0)
+            seen[k] = i + 1
+            ds = done.get(k, [])
+            if i >= len(ds):
+                continue  # never completed (or no futures): nothing to draw
+            t_done = ds[i]
+            start = max(t_issue, prev_done)
+            prev_done = max(prev_done, t_done)
+            tensors = [self.names[t] for t in self.block_tensors[k]] if k < len(self.block_tensors) else []
+            shown = ", ".join(tensors[:3]) + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
+            ev.append({"ph": "X", "pid": pid, "tid": 2, "name": f"#{k} {shown}", "ts": start * us,
+                       "dur": max(t_done - start, 0.0) * us,
+                       "args": {"bytes": self.block_bytes[k] if k < len(self.block_bytes) else None,
+                                "issued_us": t_issue * us, "queued_ms": (start - t_issue) * 1e3,
+                                "tensors": tensors}})
+            blocks.append((k, t_issue, t_done))
+        return {"traceEvents": ev, "displayTimeUnit": "ms",
+                "otherData": {"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
+                              "clock": "time.perf_counter, microseconds",
+                              "forward_begin_us": [t * us for t in f0s],
+                              "forward_end_us": [t * us for t in f1s],
+                              "step_us": [t * us for t in steps],
+                              "blocks": len(self.block_bytes)}}
+
+    def save(self) -> Path | None:
+        """Write the trace (atomically); ``None`` when nothing was recorded."""
+        if not self.records:
+            return None
+        from ..formats import write_json
+
+        self.written = True
+        return write_json(self.path, self.chrome())
+
+    def close(self) -> Path | None:
+        """Remove the hooks and write the trace."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        return self.save()
+
+
+def attach(optimizer: Any, model: Any) -> Recorder | None:
+    """A recorder for ``optimizer`` (a DistributedOptimizer) when ``USBYTE_TRACE`` is set, else
+    ``None``. Installs its model hooks and registers it for :func:`flush_all` and exit."""
+    path = os.environ.get(TRACE_ENV)
+    if not path:
+        return None
+    import torch.distributed as dist
+
+    global _atexit_done
+    rank = dist.get_rank(optimizer._group) if dist.is_initialized() else 0
+    g = optimizer._grads
+    sched = optimizer.schedule
+    sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
+    rec = Recorder(path_for_rank(path, rank), rank, list(g.names), sizes,
+                   [list(ts) for ts in g.block_tensors],
+                   f"rank {rank} (measured, {sched.strategy})")
+    rec.install(model)
+    with _lock:
+        _recorders.add(rec)
+        if not _atexit_done:
+            atexit.register(flush_all)
+            _atexit_done = True
+    return rec
+
+
+def flush_all() -> list[Path]:
+    """Write every live recorder's trace; returns the files written."""
+    out = []
+    for rec in list(_recorders):
+        p = rec.save()
+        if p is not None:
+            out.append(p)
+    return out
+
+
+__all__ = ["MAX_RECORDS", "Recorder", "TRACE_ENV", "attach", "flush_all", "path_for_rank"]
