@@ -107,7 +107,7 @@ class Sweep:
 
 def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                     device: torch.device | str = "cpu", group: Any = None,
-                    progress: Progress | None = None) -> Sweep:
+                    progress: Progress | None = None, barrier: Callable[[], None] | None = None) -> Sweep:
     """Time ``dist.all_reduce`` of float32 tensors of each size on ``group`` (a collective:
     every rank calls it with the same arguments).
 
@@ -131,7 +131,10 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
         for _ in range(counts[k]):
             if cuda:
                 torch.cuda.synchronize(device)
-            dist.barrier(group=group)
+            if barrier is not None:
+                barrier()
+            else:
+                dist.barrier(group=group)
             if cuda:
                 torch.cuda.synchronize(device)
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -31,8 +31,8 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..errors import DistributedError, UsbyteError
-from ..formats import DTYPE_SIZES, Profile, TensorSpec
-from ..models import Factory, build, model_name
+from ..formats import COMM_BACKENDS, DTYPE_SIZES, Profile, TensorSpec
+from ..models import Factory, build, model_name, resolve
 from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from .timing import IterationTimer, Progress, summarize
 
@@ -155,13 +155,14 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         _agree(error, group)
     elif error:
         raise UsbyteError(error)
-    batch = batch_size if batch_size is not None else _batch_of(inputs)
+    batch = batch_size if batch_size is not None else resolve(model)[1]
+    backend = comm_backend(group, dev) if world > 1 else "none"
 
     # 2. Time forward/backward/step with hooks.
     def sync() -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        dist.barrier(group=group)
+        barrier(group, dev, backend)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
@@ -188,12 +189,14 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
     # 4. Communication.
     notes: list[str] = []
     if world > 1:
-        backend = str(dist.get_backend(group))
         sizes = list(comm_sizes) if comm_sizes else default_sizes()
-        sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress)
-        comm, comm_record = fit_comm(sweep, backend if backend in ("nccl", "gloo", "mpi", "ucc") else "gloo", world)
+        sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress,
+                                barrier=lambda: barrier(group, dev, backend))
+        # The profile format knows nccl/gloo/mpi/ucc; another backend is filed under the one
+        # it stands in for on this device, and meta.backend keeps its real name.
+        label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
+        comm, comm_record = fit_comm(sweep, label_backend, world)
     else:
-        backend = "none"
         comm = analytic_comm(alpha_ms, algbw_gbs)
         comm_record = {"method": "analytic: world size 1 has no all-reduce to measure; ring of "
                                  f"{comm.world_size} workers, 25 Gbit/s, alpha {comm.alpha_ms:g} ms "
@@ -258,11 +261,24 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
     return Profile(name or model_name(model), _r(F), _r(B), tuple(tensors), comm, meta)
 
 
-def _batch_of(inputs: Sequence[Any]) -> int | None:
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return None
+def comm_backend(group: Any, device: torch.device) -> str:
+    """The backend that all-reduces ``device`` tensors on ``group``, as a profile names it.
+
+    A group made with ``"cpu:gloo,cuda:nccl"`` reports both; the device decides.
+    """
+    name = str(dist.get_backend(group)).lower()
+    if "," in name or ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = pairs.get(device.type, next(iter(pairs.values()), name))
+    return name
+
+
+def barrier(group: Any, device: torch.device, backend: str) -> None:
+    """A barrier; on NCCL tied to this rank's GPU (no guessing, no warning)."""
+    if backend == "nccl" and device.type == "cuda":
+        dist.barrier(group=group, device_ids=[device.index])
+    else:
+        dist.barrier(group=group)
 
 
 # --------------------------------------------------------------------------------------------

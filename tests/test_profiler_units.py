@@ -1,0 +1,160 @@
+"""Profiler parts in one process: sweep sizes, the fit, the analytic fallback, the sweep on a
+one-rank gloo group, hooks on models with control flow, aggregation helpers."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from usbyte_opt.errors import UsbyteError
+from usbyte_opt.profiler.comm import Sweep, analytic_comm, default_sizes, fit_comm, sweep_allreduce
+from usbyte_opt.profiler.run import comm_backend, make_optimizer
+from usbyte_opt.profiler.timing import IterationTimer, Timings, apportion_update, quantile, summarize
+
+
+def test_default_sweep_is_log_spaced_4kib_to_64mib():
+    s = default_sizes()
+    assert len(s) == 12 and s[0] == 4096 and s[-1] == 64 << 20
+    assert all(b % 4 == 0 for b in s) and all(a < b for a, b in zip(s, s[1:]))
+    ratios = [b / a for a, b in zip(s, s[1:])]
+    assert max(ratios) / min(ratios) < 1.01
+
+
+@pytest.mark.parametrize("args, match", [((4096, 1024, 4), "min bytes <= max bytes"),
+                                         ((4096, 8192, 1), "--comm-points")])
+def test_bad_sweeps_are_rejected(args, match):
+    with pytest.raises(UsbyteError, match=match):
+        default_sizes(*args)
+
+
+def test_analytic_comm_is_the_8_worker_25_gbit_ring_and_can_be_overridden():
+    c = analytic_comm()
+    assert (c.backend, c.world_size) == ("analytic", 8)
+    assert c.alpha_ms == pytest.approx(1.3) and c.algbw_gbs == pytest.approx(25 / 8 * 8 / 14)
+    o = analytic_comm(alpha_ms=0.2, algbw_gbs=12.0)
+    assert (o.alpha_ms, o.algbw_gbs) == (0.2, 12.0)
+    with pytest.raises(UsbyteError, match="--algbw-gbs"):
+        analytic_comm(algbw_gbs=0)
+    with pytest.raises(UsbyteError, match="--alpha-ms"):
+        analytic_comm(alpha_ms=-1)
+
+
+def test_fit_recovers_a_line_and_keeps_samples():
+    sizes = default_sizes(4096, 16 << 20, 6)
+    sw = Sweep(sizes, raw_ms=[[0.3 + b / 1.5e6] * 3 for b in sizes],
+               medians_ms=[0.3 + b / 1.5e6 for b in sizes])
+    comm, record = fit_comm(sw, "gloo", 2)
+    assert comm.alpha_ms == pytest.approx(0.3, rel=1e-3) and comm.algbw_gbs == pytest.approx(1.5, rel=1e-3)
+    assert [b for b, _ in comm.samples] == sizes
+    assert record["fit"]["max_rel_error"] < 1e-3 and len(record["raw_ms"]) == 6
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_sweep_runs_on_a_real_group_and_counts_more_small_samples(one_rank_group):
+    seen = []
+    sw = sweep_allreduce([4096, 2 << 20], repeats=2, progress=lambda *a: seen.append(a))
+    assert [len(r) for r in sw.raw_ms] == [6, 2]
+    assert all(m > 0 for m in sw.medians_ms)
+    assert seen[-1] == ("all-reduce", 2, 2)
+    assert comm_backend(None, torch.device("cpu")) == "gloo"
+
+
+class Looping(nn.Module):
+    """Calls ``block`` once in the first forward and twice afterwards: the hook sequence
+    differs from the discovery pass, so need_ms falls back to owner pre-hooks."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.block = nn.Linear(8, 8)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        x = self.first(x)
+        for _ in range(1 if self.calls == 1 else 2):
+            x = self.block(x)
+        return x
+
+
+def test_changing_control_flow_falls_back_to_owner_hooks():
+    m = Looping()
+    t = IterationTimer(m, (torch.randn(4, 8),), lambda o: o.sum(), make_optimizer("sgd", list(m.parameters())))
+    tm = t.run(warmup=0, repeats=2)
+    assert tm.fallback_passes == 2
+    need = dict(zip(tm.names, tm.need_ms[-1]))
+    assert 0 <= need["first.weight"] <= need["block.weight"]
+
+
+class LossParam(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.extra = nn.Parameter(torch.ones(4))  # used only by the loss function
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_parameters_used_only_in_the_loss_are_anchored_and_get_gradients():
+    m = LossParam()
+    t = IterationTimer(m, (torch.ones(2, 4),), lambda o: (o * m.extra).sum(), None)
+    tm = t.run(warmup=0, repeats=1)
+    assert tm.no_grad == [] and tm.unused == [] and tm.functional == []
+    need = dict(zip(tm.names, tm.need_ms[0]))
+    assert need["extra"] == need["lin.weight"]  # the last hook before its use is lin's
+
+
+def test_unhooked_runs_time_without_per_tensor_data():
+    m = nn.Linear(4, 2)
+    t = IterationTimer(m, (torch.randn(3, 4),), lambda o: o.sum(), None, hooks=False)
+    tm = t.run(warmup=0, repeats=2)
+    assert len(tm.forward_ms) == 2 and all(math.isnan(x) for x in tm.need_ms[0])
+    assert not m._forward_pre_hooks and all(not p._post_accumulate_grad_hooks for p in m.parameters())
+
+
+def test_hooks_are_removed_after_a_run():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    IterationTimer(m, (torch.randn(2, 4),), lambda o: o.sum(), None).run(warmup=0, repeats=1)
+    assert all(not mod._forward_pre_hooks for mod in m.modules())
+    assert all(not p._post_accumulate_grad_hooks for p in m.parameters())
+
+
+def test_bad_repeat_counts():
+    m = nn.Linear(2, 1)
+    with pytest.raises(UsbyteError, match="--repeats"):
+        IterationTimer(m, (torch.randn(1, 2),), lambda o: o.sum(), None).run(repeats=0)
+    with pytest.raises(UsbyteError, match="--warmup"):
+        IterationTimer(m, (torch.randn(1, 2),), lambda o: o.sum(), None).run(warmup=-1)
+
+
+def test_summary_clamps_and_fills_missing_values():
+    t = Timings(["a", "b", "c"], [(1,), (1,), (2,)], ["float32"] * 3, [1, 1, 2],
+                forward_ms=[2.0, 2.0], backward_ms=[3.0, 3.0], step_ms=[0.4, 0.4],
+                ready_ms=[[3.5, math.nan, 1.0]] * 2, need_ms=[[-0.1, math.nan, 1.0]] * 2)
+    s = summarize(t)
+    assert s.ready_ms == [3.0, 3.0, 1.0] and s.need_ms == [0.0, 2.0, 1.0]
+    assert s.update_ms == pytest.approx([0.4 / 3, 0.0, 0.8 / 3])
+    assert s.spread["forward_ms"] == {"p10": 2.0, "p50": 2.0, "p90": 2.0}
+
+
+def test_quantile_and_apportion_edges():
+    assert math.isnan(quantile([], 0.5)) and quantile([1.0], 0.9) == 1.0
+    assert apportion_update(5.0, [3, 4], [False, False]) == [0.0, 0.0]
+
+
+def test_unknown_optimizer():
+    with pytest.raises(UsbyteError, match="--optimizer"):
+        make_optimizer("lion", [nn.Parameter(torch.zeros(1))])
