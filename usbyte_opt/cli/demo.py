@@ -24,6 +24,8 @@ def demo(
                               "cnn, transformer, mlp, lab-cnn, ...)."),
     iterations: int = typer.Option(8, "--iterations", "-k", min=1,
                                    help="Timed iterations per strategy."),
+    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
+                                             help="Per-rank batch size (default: the model's own)."),
     strategies: str = typer.Option("ddp,best", "--strategies", "-s",
                                    help="Comma-separated strategies to train with."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
@@ -36,7 +38,7 @@ def demo(
 
     keep = output_dir is not None
     out = output_dir if keep else Path(tempfile.mkdtemp(prefix="usbyte-demo-"))
-    cfg = BenchConfig(model=model, nproc=2, iterations=iterations,
+    cfg = BenchConfig(model=model, nproc=2, iterations=iterations, batch_size=batch_size,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       out_dir=out, rounds=2, warmup=1, reference=False, plot=keep, trace=keep,
                       profile_warmup=2, profile_repeats=5, comm_points=8, comm_repeats=3,
