@@ -46,8 +46,9 @@ def raw_record(ddp=(100.0, 110.0, 105.0), best=(80.0, 84.0, 82.0), diff=0.0):
         "comm": {"backend": "gloo", "alpha_ms": 0.5, "algbw_gbs": 0.025},
         "gradient_bytes": 1_000_000,
         "planned": {"lower_bound_ms": 80.0, "compute_ms": 80.0, "update_ms": 2.0, "all": {},
-                    "predicted": {"ddp": {"ms": 110.0, "mode": "fence", "blocks": 2},
-                                  "best": {"ms": 82.0, "mode": "overlap", "blocks": 5}}},
+                    "predicted": {"ddp": {"ms": 110.0, "refined_ms": 110.0, "mode": "fence", "blocks": 2},
+                                  "best": {"ms": 82.0, "refined_ms": 84.0, "mode": "overlap",
+                                           "blocks": 5}}},
         "schedules": {}, "traces": {},
         "runs": {"ddp": {"durations_ms": list(ddp), "final_loss": 1.0, "max_param_diff": 0.0},
                  "best": {"durations_ms": list(best), "final_loss": 1.0, "max_param_diff": diff}},
@@ -70,9 +71,10 @@ def test_summarize_errors_and_speedups(tmp_path):
     assert by["best"]["predicted_speedup_vs_ddp"] == pytest.approx(110.0 / 82.0)
     assert by["ddp"]["error"] == pytest.approx((105.0 - 110.0) / 105.0)
     assert by["best"]["error"] == 0.0
+    assert by["best"]["refined_error"] == pytest.approx((82.0 - 84.0) / 82.0, abs=1e-6)
     assert res["correct"] is True
     md = markdown(res)
-    assert "| best | usbyte-opt runtime | 82.0 |" in md and "same parameters as `ddp`" in md
+    assert "| best | runtime | 82.0 |" in md and "same parameters as `ddp`" in md
 
 
 def test_a_parameter_difference_is_reported_as_incorrect(tmp_path):

@@ -9,6 +9,8 @@ Definitions, per strategy:
   runtime's strategies, fence mode for PyTorch DDP; for ``no-comm`` forward + backward +
   optimizer step.
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
+* ``refined_ms`` / ``refined_error``: the same with the runtime's update rule
+  (:mod:`usbyte_opt.bench.refine`: every optimizer step runs on the training thread).
 * ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
   same with predictions).
 
@@ -31,7 +33,7 @@ from ..profiler.timing import median, quantile
 #: (fp32; the runtime and DDP agree bitwise in practice).
 PARAM_TOLERANCE = 1e-4
 
-RUNNERS = {"ddp": "torch DDP", "no-comm": "no communication"}
+RUNNERS = {"ddp": "torch DDP", "no-comm": "no comm"}
 
 
 def stats(durations: Sequence[float]) -> dict[str, float]:
@@ -56,7 +58,7 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         m = st["median_ms"]
         row = {
             "strategy": s,
-            "runner": RUNNERS.get(s, "usbyte-opt runtime"),
+            "runner": RUNNERS.get(s, "runtime"),
             "measured_ms": m,
             "p10_ms": st["p10_ms"],
             "p90_ms": st["p90_ms"],
@@ -65,6 +67,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "predicted_ms": round(p["ms"], 6),
             "predicted_mode": p["mode"],
             "error": round((m - p["ms"]) / m, 6) if m else None,
+            "refined_ms": round(p.get("refined_ms", p["ms"]), 6),
+            "refined_error": round((m - p.get("refined_ms", p["ms"])) / m, 6) if m else None,
             "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != "no-comm" else None,
             "predicted_speedup_vs_ddp": (round(ddp_pred / p["ms"], 6)
                                          if ddp_pred and s != "no-comm" else None),
@@ -118,13 +122,15 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
         rows.append([r["strategy"], r["runner"], _f(r["measured_ms"]),
                      f"{_f(r['p10_ms'])}–{_f(r['p90_ms'])}", _f(r["predicted_ms"]),
                      r["predicted_mode"], _f(None if r["error"] is None else 100 * r["error"], "+.1f", "%"),
+                     _f(r["refined_ms"]),
+                     _f(None if r["refined_error"] is None else 100 * r["refined_error"], "+.1f", "%"),
                      _f(r["speedup_vs_ddp"], ".2f", "x"), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
                      str(r["blocks"]), _f(r["max_param_diff"], ".1e")])
     return rows
 
 
 COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "predicted ms", "mode", "error",
-           "speedup vs DDP", "predicted speedup", "blocks", "max |Δparam|"]
+           "refined ms", "refined error", "vs DDP", "predicted vs DDP", "blocks", "max |Δparam|"]
 
 
 def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
@@ -144,7 +150,8 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
         f"- predicted: the simulator on the profile (overlap mode for the runtime, fence for DDP); "
-        f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured",
+        f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
+        "refined: the same with every optimizer step on the training thread, as the runtime runs it",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 2)) + "|",

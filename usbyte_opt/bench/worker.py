@@ -43,8 +43,10 @@ def _say(rank: int) -> Callable[[str], None]:
 
 def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
     """Plan every registered strategy on ``profile``; return the schedules and predictions
-    of ``strategies`` (``no-comm``: forward + backward + optimizer step)."""
+    of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
+    the simulator's ``ms`` and ``refined_ms`` (:mod:`usbyte_opt.bench.refine`)."""
     from ..planner import compare
+    from .refine import refined_overlap
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
@@ -55,16 +57,19 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
                                    for n, r in report.results.items()}}
     for s in strategies:
         if s == REFERENCE:
-            out["predicted"][s] = {"ms": out["compute_ms"] + out["update_ms"], "mode": "compute",
-                                   "blocks": 0}
+            ms = out["compute_ms"] + out["update_ms"]
+            out["predicted"][s] = {"ms": ms, "refined_ms": ms, "mode": "compute", "blocks": 0}
             continue
         r = report.results[s]
         sched = report.schedule(s)
         out["schedules"][s] = sched
-        if s == TORCH_DDP:
-            out["predicted"][s] = {"ms": r.fence_ms, "mode": "fence", "blocks": r.blocks}
+        if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
+            out["predicted"][s] = {"ms": r.fence_ms, "refined_ms": r.fence_ms, "mode": "fence",
+                                   "blocks": r.blocks}
         else:
-            out["predicted"][s] = {"ms": r.overlap_ms, "mode": "overlap", "blocks": r.blocks}
+            refined = refined_overlap(report.problem, r.plan.layout, r.plan.blocks)
+            out["predicted"][s] = {"ms": r.overlap_ms, "refined_ms": refined, "mode": "overlap",
+                                   "blocks": r.blocks}
     return out
 
 

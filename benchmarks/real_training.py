@@ -1,0 +1,200 @@
+"""Real training in the lab: measured against predicted, every strategy against PyTorch DDP.
+
+    sudo python benchmarks/real_training.py              # writes real_training.md and .json
+    sudo python benchmarks/real_training.py --repeat 2   # each case twice; the quieter run counts
+    sudo python benchmarks/real_training.py --quick      # one case, few iterations (a smoke run)
+
+Cases: the two lab models of :mod:`usbyte_opt.bench.models` (``lab-cnn``, communication about
+the size of compute at 200 Mbit/s; ``lab-transformer``) on 2 ranks of this machine, at
+200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.lab`: one network namespace per rank, tbf-shaped
+veth). Each case is one ``usbyte-opt bench`` run (:func:`usbyte_opt.bench.run_bench`): profile
+in the lab, plan, then train with DDP and with the runtime under wfbp, bytescheduler, usbyte
+and best, interleaved, plus a run without communication.
+
+The machine is shared (other test suites run on the same 2 cores), so every run records the
+load average before and after, and the spread (p10-p90 over the median) of every strategy;
+with ``--repeat`` the run whose strategies' median spread is smallest is the one reported.
+Each run's own report, plot and traces stay in ``bench-results/real_training/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from usbyte_opt.bench import BenchConfig, run_bench  # noqa: E402
+from usbyte_opt.formats import write_json  # noqa: E402
+
+MODELS = ("lab-cnn", "lab-transformer")
+RATES = ("200mbit", "1gbit")
+STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
+TARGET_SPEEDUP = 1.30
+TARGET_ERROR = 0.10
+
+
+def noise(result: dict) -> float:
+    """Median over strategies of (p90 - p10) / median: how noisy the run was."""
+    return statistics.median(r["spread"] for r in result["runs"] if r["spread"] is not None)
+
+
+def run_case(model: str, rate: str, iterations: int, rounds: int, out: Path) -> dict:
+    load0 = os.getloadavg()
+    t0 = time.time()
+    res = run_bench(BenchConfig(model=model, bandwidth=rate, iterations=iterations, rounds=rounds,
+                                strategies=STRATEGIES, out_dir=out),
+                    progress=lambda s: print(f"  {s}", file=sys.stderr) if not s.startswith("round") else None)
+    res["load_before"] = [round(x, 2) for x in load0]
+    res["load_after"] = [round(x, 2) for x in os.getloadavg()]
+    res["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0))
+    res["noise"] = noise(res)
+    return res
+
+
+def slim(res: dict) -> dict:
+    keep = ("model", "name", "world_size", "network", "device", "backend", "threads_per_rank",
+            "batch_size", "torch", "forward_ms", "backward_ms", "update_ms", "comm", "gradient_bytes",
+            "allreduce_all_ms", "lower_bound_ms", "iterations", "rounds", "correct", "phases_s",
+            "wall_s", "load_before", "load_after", "started", "noise", "out_dir")
+    out = {k: res[k] for k in keep if k in res}
+    out["runs"] = [{k: v for k, v in r.items() if k not in ("schedule", "trace")} for r in res["runs"]]
+    return out
+
+
+def targets(res: dict) -> list[tuple[str, bool, str]]:
+    """The issue's targets on one result: (what, met, the numbers)."""
+    by = {r["strategy"]: r for r in res["runs"]}
+    ddp = by["ddp"]
+    out = []
+    if "best" in by:
+        sp = by["best"]["speedup_vs_ddp"]
+        out.append((f"best >= {TARGET_SPEEDUP}x DDP", sp >= TARGET_SPEEDUP, f"{sp:.2f}x"))
+        order = [by[s]["measured_ms"] for s in ("best", "usbyte", "bytescheduler") if s in by]
+        tol = max(ddp["spread"] or 0.0, 0.03) / 2
+        ok = all(a <= b * (1 + tol) for a, b in zip(order, order[1:]))
+        out.append(("best >= usbyte >= bytescheduler (within noise)", ok,
+                    " / ".join(f"{m:.0f}" for m in order) + " ms"))
+    tol = max(ddp["spread"] or 0.0, 0.03) / 2
+    slower = [r["strategy"] for r in res["runs"] if r["strategy"] not in ("ddp", "no-comm")
+              and r["measured_ms"] > ddp["measured_ms"] * (1 + tol)]
+    out.append((f"no strategy slower than DDP beyond noise (±{100 * tol:.0f}%)", not slower,
+                ", ".join(slower) or "none"))
+    for key, label in (("error", "simulator"), ("refined_error", "refined")):
+        errs = [(r["strategy"], r[key]) for r in res["runs"] if r["strategy"] != "no-comm"]
+        worst = max(errs, key=lambda e: abs(e[1]))
+        out.append((f"|error| <= {100 * TARGET_ERROR:.0f}% for every strategy ({label})",
+                    abs(worst[1]) <= TARGET_ERROR, f"worst {worst[0]} {100 * worst[1]:+.1f}%"))
+    return out
+
+
+def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
+    lines = [
+        "# Real training in the lab: measured against predicted",
+        "",
+        f"`python benchmarks/real_training.py {' '.join(argv)}` on {platform.node() or 'this machine'}: "
+        f"{os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
+        f"{cases[0]['torch'] if cases else '?'}; 2 ranks (one per core, 1 thread each), gloo over the "
+        "lab of `usbyte_opt.lab` (one network namespace per rank, veth pair, tbf on both ends).",
+        "",
+        "Measured: median iteration time over the timed iterations (forward start to forward "
+        "start, mean of the two ranks), p10–p90 beside it; strategies take turns (interleaved "
+        "rounds), DDP is PyTorch's own `DistributedDataParallel` with default buckets, the others "
+        "run on the usbyte-opt runtime with their schedule. Predicted: the simulator of DESIGN.md "
+        "§2 on the profile taken in the same lab just before (overlap mode for the runtime, fence "
+        "for DDP). Error = (measured − predicted) / measured. Refined: the same simulator with the "
+        "runtime's update rule (`usbyte_opt/bench/refine.py`: the optimizer step runs on the "
+        "training thread at the forward gates). `no-comm`: the same training "
+        "without any communication, side by side (the compute the prediction assumes).",
+        "",
+    ]
+    for res in cases:
+        net = res["network"]
+        c = res["comm"]
+        lines += [
+            f"## {res['name']} at {net['short'].replace(' lab', '')}",
+            "",
+            f"batch {res['batch_size']} per rank, {res['gradient_bytes'] / 1e6:.2f} MB of gradients; "
+            f"profiled forward {res['forward_ms']:.0f} ms + backward {res['backward_ms']:.0f} ms + step "
+            f"{res['update_ms']:.1f} ms; all-reduce alpha {c['alpha_ms']:.2f} ms, "
+            f"{c['algbw_gbs'] * 1e3:.1f} MB/s, all gradients {res['allreduce_all_ms']:.0f} ms. "
+            f"{res['iterations']} timed iterations per strategy in {res['rounds']} rounds; started "
+            f"{res['started']}, load average {res['load_before'][0]:.1f} before, "
+            f"{res['load_after'][0]:.1f} after; median spread {100 * res['noise']:.0f}%.",
+            "",
+            "| strategy | measured ms | p10–p90 | predicted ms | error | refined ms | refined error "
+            "| speedup vs DDP | predicted speedup | max Δparam |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in res["runs"]:
+            sp = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
+            psp = "—" if r["predicted_speedup_vs_ddp"] is None else f"{r['predicted_speedup_vs_ddp']:.2f}x"
+            dp = "—" if r["max_param_diff"] is None else f"{r['max_param_diff']:.0e}"
+            lines.append(f"| {r['strategy']} | {r['measured_ms']:.1f} | {r['p10_ms']:.0f}–{r['p90_ms']:.0f} | "
+                         f"{r['predicted_ms']:.1f} | {100 * r['error']:+.1f}% | {r['refined_ms']:.1f} | "
+                         f"{100 * r['refined_error']:+.1f}% | {sp} | {psp} | {dp} |")
+        lines.append("")
+        target = (res["name"], res["network"]["rate_bps"]) == ("lab-cnn", 200_000_000)
+        lines.append(("Targets (the issue's case: communication about the size of compute): " if target
+                      else "The same checks (the issue sets them for lab-cnn at 200 Mbit/s only): ")
+                     + "; ".join(f"{what}: **{'met' if ok else 'not met'}** ({nums})"
+                                             for what, ok, nums in targets(res)) + ".")
+        lines.append(f"Training matches DDP: {'yes' if res['correct'] else 'NO'}.")
+        lines.append("")
+    if len(all_runs) > len(cases):
+        lines += ["## Every run", "", "| case | started | load before/after | noise | best vs DDP | worst error |",
+                  "|---|---|---|---:|---:|---:|"]
+        for res in all_runs:
+            by = {r["strategy"]: r for r in res["runs"]}
+            worst = max((r for r in res["runs"] if r["strategy"] != "no-comm"), key=lambda r: abs(r["error"]))
+            lines.append(f"| {res['name']} {res['network']['short']} | {res['started']} | "
+                         f"{res['load_before'][0]:.1f} / {res['load_after'][0]:.1f} | {100 * res['noise']:.0f}% | "
+                         f"{by['best']['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--iterations", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--rates", default=",".join(RATES))
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    args = ap.parse_args()
+    models, rates = args.models.split(","), args.rates.split(",")
+    if args.quick:
+        models, rates, args.iterations, args.rounds = models[:1], rates[:1], 6, 2
+    runs_dir = ROOT / "bench-results" / "real_training"
+    chosen, every = [], []
+    for model in models:
+        for rate in rates:
+            tries = []
+            for k in range(args.repeat):
+                print(f"{model} at {rate} (run {k + 1}/{args.repeat})", file=sys.stderr)
+                res = run_case(model, rate, args.iterations, args.rounds,
+                               runs_dir / f"{model}-{rate}" / f"run{k + 1}")
+                tries.append(res)
+                every.append(res)
+            chosen.append(min(tries, key=lambda r: r["noise"]))
+    doc = {"argv": sys.argv[1:], "cases": [slim(r) for r in chosen], "all_runs": [slim(r) for r in every]}
+    write_json(args.out / "real_training.json", doc)
+    md = markdown(doc["cases"], doc["all_runs"], sys.argv[1:])
+    path = args.out / "real_training.md"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(md)
+    tmp.replace(path)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
