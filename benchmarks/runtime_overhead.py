@@ -67,7 +67,11 @@ def schedule_for(kind: str, model: nn.Module, ws: int):
 
 
 def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule: str,
-                 rounds: int, per_round: int) -> dict:
+                 pairs: int, rounds: int, per_round: int) -> dict:
+    """Both arms in these processes. ``pairs``: one DDP iteration and one runtime iteration
+    followed by ``synchronize()`` (fence mode: no overlap with the next forward, the update
+    inside the timed region), alternating, so that load on the machine hits both alike.
+    ``rounds``: blocks of ``per_round`` iterations each, steady state with overlap."""
     ex = _examples()
     torch.manual_seed(0)
     base = ex.MODELS[model_name]()
@@ -79,30 +83,51 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
                                  schedule=schedule_for(schedule, twin, ws))
     cpu = torch.device("cpu")
     batches = [ex.batch(model_name, batch_size, s, rank, cpu) for s in range(per_round)]
+
+    def one(net, opt, x, y, fence):
+        t0 = time.perf_counter()
+        ex.loss_of(net(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if fence:
+            opt.synchronize()
+        return (time.perf_counter() - t0) * 1e3
+
+    # 1. Pairs, fence mode.
+    pair_ratio: list[float] = []
+    for i in range(pairs + 2):
+        x, y = batches[i % per_round]
+        arms = [(ddp, o_ddp, False), (twin, o_usb, True)]
+        if i % 2:
+            arms.reverse()
+        dist.barrier()
+        got = {id(net): one(net, opt, x, y, fence) for net, opt, fence in arms}
+        if i >= 2:
+            pair_ratio.append(got[id(twin)] / got[id(ddp)])
+
+    # 2. Blocks, steady state.
+    block_ratio: list[float] = []
     times: dict[str, list[float]] = {"ddp": [], "usbyte": []}
-
-    def block(net, opt, key, timed):
-        dist.barrier()  # both ranks start the block together (nothing in flight)
-        for i, (x, y) in enumerate(batches):
-            t0 = time.perf_counter()
-            ex.loss_of(net(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-            dt = time.perf_counter() - t0
-            if timed and i >= 2:  # the first two of a block refill the pipeline
-                times[key].append(dt * 1e3)
-
     for r in range(rounds + 1):  # round 0: warm-up
+        cur: dict[str, list[float]] = {"ddp": [], "usbyte": []}
         order = [("ddp", ddp, o_ddp), ("usbyte", twin, o_usb)]
         if r % 2:
             order.reverse()
         for key, net, opt in order:
-            block(net, opt, key, timed=r > 0)
+            dist.barrier()  # both ranks start the block together, nothing in flight
+            for i, (x, y) in enumerate(batches):
+                dt = one(net, opt, x, y, False)
+                if r > 0 and i >= 2:  # the first two of a block refill the pipeline
+                    cur[key].append(dt)
+                    times[key].append(dt)
             if key == "usbyte":
                 opt.synchronize()
+        if r > 0:
+            block_ratio.append(statistics.median(cur["usbyte"]) / statistics.median(cur["ddp"]))
     nparams = sum(p.numel() for p in twin.parameters())
-    return {"ddp": times["ddp"], "usbyte": times["usbyte"], "tensors": len(o_usb._grads.names),
-            "blocks": len(o_usb.schedule.blocks), "params": nparams}
+    return {"pairs": pair_ratio, "blocks": block_ratio, "ddp": times["ddp"],
+            "usbyte": times["usbyte"], "tensors": len(o_usb._grads.names),
+            "nblocks": len(o_usb.schedule.blocks), "params": nparams}
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,26 +199,35 @@ def hook_cost(n: int = 256, reps: int = 60) -> dict:
 # --------------------------------------------------------------------------------------------
 
 
+def _summary(xs: list[float]) -> tuple[float, float, float]:
+    q = statistics.quantiles(sorted(xs), n=4)
+    return statistics.median(xs), q[0], q[2]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description="DistributedOptimizer against DDP on 2 gloo ranks")
-    ap.add_argument("--quick", action="store_true", help="fewer rounds; print only")
+    ap.add_argument("--quick", action="store_true", help="fewer iterations; print only")
+    ap.add_argument("--pairs", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=8)
     a = ap.parse_args()
-    rounds = 2 if a.quick else a.rounds
-    per_round = 8
-    configs = [("cnn", 32, "default"), ("cnn", 32, "split4-forward"),
-               ("transformer", 8, "default"), ("transformer", 8, "split4-forward")]
+    pairs, rounds = (8, 2) if a.quick else (a.pairs, a.rounds)
+    per_round = 6
+    configs = [("cnn", 16, "default"), ("cnn", 16, "split4-forward"),
+               ("transformer", 4, "default"), ("transformer", 4, "split4-forward")]
     rows = []
     for model, bs, sched in configs:
-        res = values(run_local(side_by_side, 2, args=(model, bs, sched, rounds, per_round),
+        res = values(run_local(side_by_side, 2, args=(model, bs, sched, pairs, rounds, per_round),
                                timeout_s=1800, threads=1))
+        pair = _summary(res[0]["pairs"] + res[1]["pairs"])
+        block = _summary(res[0]["blocks"] + res[1]["blocks"])
         ddp = statistics.median(res[0]["ddp"] + res[1]["ddp"])
         usb = statistics.median(res[0]["usbyte"] + res[1]["usbyte"])
-        row = (model, bs, sched, res[0]["tensors"], res[0]["blocks"], res[0]["params"], ddp, usb,
-               usb / ddp, len(res[0]["ddp"]))
-        rows.append(row)
-        print(f"{model:12s} batch {bs:3d} {sched:15s} {row[3]:3d} tensors {row[4]:4d} blocks  "
-              f"DDP {ddp:8.2f} ms  runtime {usb:8.2f} ms  ratio {usb / ddp:.3f}", flush=True)
+        rows.append((model, bs, sched, res[0]["tensors"], res[0]["nblocks"], res[0]["params"],
+                     pair, block, ddp, usb))
+        print(f"{model:12s} batch {bs:2d} {sched:15s} {res[0]['tensors']:3d} tensors "
+              f"{res[0]['nblocks']:4d} blocks | fence pairs {pair[0]:.3f} [{pair[1]:.3f}, "
+              f"{pair[2]:.3f}] | blocks {block[0]:.3f} [{block[1]:.3f}, {block[2]:.3f}] "
+              f"(DDP {ddp:.1f} ms, runtime {usb:.1f} ms)", flush=True)
     hc = hook_cost()
     print(f"hooks ({hc['n']} tensors, world size 1): post-accumulate-grad {hc['hook_us']:.2f} "
           f"us/tensor, forward pre-hook {hc['prehook_us']:.2f} us/module, whole iteration "
@@ -208,25 +242,36 @@ def main() -> None:
         f"{platform.python_version()}, {os.cpu_count()} CPU cores, {platform.machine()}).",
         "",
         "Two gloo ranks on loopback, no emulated bandwidth limit, one compute thread per rank, "
-        "AdamW. Both arms run in the same two processes, side by side: rounds alternate a "
-        f"block of {per_round} DDP iterations and a block of {per_round} runtime iterations "
-        f"(order swapped every round, {rounds} rounds after a warm-up round, the first 2 "
-        "iterations of each block dropped); an iteration is forward + backward + `step()` + "
-        "`zero_grad()`, both ranks starting each block together. Medians over both ranks.",
+        "AdamW, the models of `examples/train.py`. Both arms live in the same two processes "
+        "and are timed side by side in one run, so that load on the (shared) machine falls on "
+        "both alike:",
         "",
-        "| model | batch | schedule | tensors | blocks | parameters | DDP ms/iter | runtime "
-        "ms/iter | runtime / DDP | samples per arm |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+        f"- **fence pairs**: {pairs} pairs of one DDP iteration and one runtime iteration "
+        "followed by `synchronize()`, alternating which goes first. The runtime iteration then "
+        "contains all of its communication and its update (no overlap with the next forward), "
+        "so the ratio is its overhead over DDP, pessimistic by the overlap it gives up.",
+        f"- **blocks**: {rounds} rounds of {per_round} DDP iterations and {per_round} runtime "
+        "iterations in steady state (updates applied in the next forward), order swapped each "
+        "round, the first 2 of each block dropped. The ratio of the two blocks of a round is "
+        "taken; blocks last seconds, so this is the noisier of the two.",
+        "",
+        "An iteration is forward + backward + `step()` + `zero_grad()`. Ratios are runtime / "
+        "DDP: median over pairs (or rounds) and both ranks, with the quartiles. The last two "
+        "columns are the pooled medians of the steady-state iterations, for scale.",
+        "",
+        "| model | batch | schedule | tensors | blocks | parameters | fence pairs: runtime / DDP "
+        "| quartiles | blocks: runtime / DDP | quartiles | DDP ms/iter | runtime ms/iter |",
+        "|---|---:|---|---:|---:|---:|---:|---|---:|---|---:|---:|",
     ]
     for r in rows:
-        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:,} | {r[6]:.2f} | "
-                     f"{r[7]:.2f} | **{r[8]:.3f}** | {r[9]} |")
+        lines.append(f"| {r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:,} | "
+                     f"**{r[6][0]:.3f}** | {r[6][1]:.3f} – {r[6][2]:.3f} | **{r[7][0]:.3f}** | "
+                     f"{r[7][1]:.3f} – {r[7][2]:.3f} | {r[8]:.1f} | {r[9]:.1f} |")
     lines += [
         "",
         "`default` is the runtime's DDP-like plan (1 MiB, then 25 MiB buckets); "
         "`split4-forward` cuts every tensor in 4 blocks issued input side first (many small "
-        "collectives: a stress test of the per-block cost, not a plan anyone should use on "
-        "loopback).",
+        "collectives: a stress test of the per-block cost, not a plan to use on loopback).",
         "",
         f"## Hook cost ({hc['n']} tensors of 16 elements, world size 1)",
         "",
