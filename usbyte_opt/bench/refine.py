@@ -1,4 +1,15 @@
-"""A refinement of overlap mode learned from measured timelines: the optimizer step is compute.
+"""Refinements of the iteration model learned from measured timelines (``usbyte-opt bench``).
+
+Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_TRACE``:
+
+1. **The optimizer step is compute** (:func:`refined_overlap`, below).
+2. **All-reduce is slower while training computes** (:func:`comm_under_compute`): on a
+   small CPU machine gloo's threads wait for a core at every step of the ring, and mid-sized
+   blocks issued during backward took up to twice the sweep's time. The bench times
+   all-reduce again while training iterations run, and fits the line on absolute residuals
+   (:func:`fit_absolute`), which weigh the large blocks an iteration is made of.
+
+The optimizer step:
 
 DESIGN.md §2 (overlap mode) charges tensor p's update only as a delay of its availability,
 ``avail_p = finish_p + update_p``: when p's block finished long before the forward reaches p,
@@ -33,11 +44,92 @@ Example (two tensors; the output-side block finishes early, the input-side one a
 
 from __future__ import annotations
 
-from typing import Sequence
+import time
+from typing import Any, Callable, Sequence
 
-from ..formats import Block
+from ..formats import Block, CommSpec
 from ..problem import Layout, Problem
 from ..simulate import simulate_blocks
+
+
+def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
+                       group: Any = None) -> list[tuple[int, float]]:
+    """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
+
+    The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
+    forward and backward keep every core busy, and on a small CPU machine gloo's threads wait
+    for a core at every step of the ring: the measured traces showed 100-300 KB blocks taking
+    twice the sweep's time during backward. Here each sample issues one async all-reduce of
+    ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
+    communication) until the future reports completion; the time is issue to completion, the
+    minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
+    A collective call: every rank must call it with the same sizes.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from ..profiler.timing import median
+
+    done_at: list[float] = []
+    out = []
+    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32)
+    raw: list[list[float]] = []
+    for b in sizes:
+        x = buf.narrow(0, 0, b // 4)
+        times = []
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            done_at.clear()
+            t0 = time.perf_counter()
+            w = dist.all_reduce(x, group=group, async_op=True)
+            w.get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+            while not done_at:
+                step()
+            w.wait()
+            times.append((done_at[0] - t0) * 1e3)
+        raw.append(times)
+    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64)
+    dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
+    vals = flat.tolist()
+    for k, b in enumerate(sizes):
+        out.append((int(b), float(median(vals[k * repeats:(k + 1) * repeats]))))
+    return out
+
+
+def fit_absolute(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+    """``(alpha_ms, algbw_gbs)`` by least squares on *absolute* residuals (alpha >= 0).
+
+    The profiler fits relative residuals, so that alpha is right for small messages; on a
+    loaded 2-core machine one slow 4 KB sample (2.5 ms instead of 0.6) then pulls the line
+    off the large blocks that make up the iteration (25.9 MB/s fitted where 4.6 MB took
+    195 ms, 23.4 MB/s). For predicting an iteration, the milliseconds of the big blocks are
+    what counts, and absolute residuals weigh them.
+
+    Example::
+
+        >>> a, bw = fit_absolute([(1e5, 4.0 + 4.0), (1e6, 4.0 + 40.0), (4e6, 4.0 + 160.0)])
+        >>> round(a, 3), round(bw * 1e3, 3)      # 4 ms + 25 MB/s
+        (4.0, 25.0)
+    """
+    n = len(samples)
+    if n < 2:
+        raise ValueError("fit_absolute: expected at least two samples")
+    xs = [float(b) for b, _ in samples]
+    ys = [float(t) for _, t in samples]
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    beta = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    alpha = my - beta * mx
+    if alpha < 0 or beta <= 0:
+        alpha = 0.0
+        beta = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return alpha, 1.0 / (beta * 1e6)
+
+
+def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:
+    """``comm`` with alpha/algbw fitted (:func:`fit_absolute`) to samples taken under compute."""
+    alpha, algbw = fit_absolute(samples)
+    return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples))
 
 
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:

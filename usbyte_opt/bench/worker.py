@@ -6,7 +6,9 @@ JOB.json`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment), or called di
 
 1. joins the process group (gloo on CPU, NCCL on CUDA);
 2. profiles the model on it — the all-reduce sweep runs on this very group, so in the lab
-   ``alpha``/``algbw`` are those of the shaped link — or loads ``--profile``;
+   ``alpha``/``algbw`` are those of the shaped link — or loads ``--profile``; then times
+   all-reduce again while training iterations run (:func:`usbyte_opt.bench.refine.comm_under_compute`),
+   for the refined prediction;
 3. rank 0 plans every strategy (:func:`usbyte_opt.planner.compare`, so ``best`` is seeded
    with all of them) and broadcasts the schedules;
 4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
@@ -41,14 +43,20 @@ def _say(rank: int) -> Callable[[str], None]:
     return say
 
 
-def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
+def plan(profile: Any, strategies: list[str], time_budget_s: float,
+         loaded: Any = None) -> dict[str, Any]:
     """Plan every registered strategy on ``profile``; return the schedules and predictions
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
-    the simulator's ``ms`` and ``refined_ms`` (:mod:`usbyte_opt.bench.refine`)."""
+    the simulator's ``ms`` and ``refined_ms`` (:mod:`usbyte_opt.bench.refine`: the runtime's
+    update rule, and the all-reduce cost ``loaded`` measured under compute when given)."""
     from ..planner import compare
+    from ..problem import Problem
+    from ..simulate import simulate_blocks
     from .refine import refined_overlap
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
+    # The refined model: all-reduce cost measured under compute (when probed), update rule.
+    rp = Problem.from_profile(profile.with_comm(loaded)) if loaded is not None else report.problem
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
@@ -64,10 +72,11 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
         sched = report.schedule(s)
         out["schedules"][s] = sched
         if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
-            out["predicted"][s] = {"ms": r.fence_ms, "refined_ms": r.fence_ms, "mode": "fence",
+            refined = simulate_blocks(rp, r.plan.layout, r.plan.blocks, "fence").iteration_ms
+            out["predicted"][s] = {"ms": r.fence_ms, "refined_ms": refined, "mode": "fence",
                                    "blocks": r.blocks}
         else:
-            refined = refined_overlap(report.problem, r.plan.layout, r.plan.blocks)
+            refined = refined_overlap(rp, r.plan.layout, r.plan.blocks)
             out["predicted"][s] = {"ms": r.overlap_ms, "refined_ms": refined, "mode": "overlap",
                                    "blocks": r.blocks}
     return out
@@ -122,13 +131,30 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                 save_profile(prof, profile_path)
         t_profile = time.perf_counter() - t_start
 
+        # 2b. All-reduce cost while the training thread computes (for the refined prediction).
+        batch = prof.meta.get("batch_size") if job.get("batch_size") is None else job["batch_size"]
+        loaded = None
+        probe_samples: list[Any] = []
+        if job.get("probe", True) and world > 1:
+            from ..profiler.comm import default_sizes
+            from .refine import comm_under_compute, loaded_comm
+
+            say("measuring all-reduce under compute")
+            total = sum(t.nbytes for t in prof.tensors)
+            sizes = default_sizes(256 << 10, max(1 << 20, total), job.get("probe_points", 5))
+            probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
+            probe_samples = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3))
+            loaded = loaded_comm(prof.comm, probe_samples)
+            del probe
+        t_probe = time.perf_counter() - t_start - t_profile
+
         # 3. Plan on rank 0; every rank gets the same schedules.
         strategies = list(job["strategies"])
         payload: list[Any] = [None]
         if rank == 0:
             say("planning " + ", ".join(s for s in strategies if s != REFERENCE))
             try:
-                payload[0] = plan(prof, strategies, job["time_budget_s"])
+                payload[0] = plan(prof, strategies, job["time_budget_s"], loaded)
                 for s, sched in payload[0]["schedules"].items():
                     save_schedule(sched, out / "schedules" / f"{s}.json")
             except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
@@ -138,10 +164,9 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         planned = payload[0]
         if "error" in planned:
             raise UsbyteError(planned["error"] if rank == 0 else f"rank 0: {planned['error']}")
-        t_plan = time.perf_counter() - t_start - t_profile
+        t_plan = time.perf_counter() - t_start - t_profile - t_probe
 
         # 4. Train side by side.
-        batch = prof.meta.get("batch_size") if job.get("batch_size") is None else job["batch_size"]
         trainees = []
         traces: dict[str, str] = {}
         saved_env = os.environ.get(trace_mod.TRACE_ENV)
@@ -167,7 +192,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         say(f"training {len(trainees)} ways, {job['iterations']} timed iterations each")
         interleave(trainees, job["iterations"], job["rounds"], job["warmup"], dev,
                    first_warmup=job.get("first_warmup", 3), progress=say)
-        t_train = time.perf_counter() - t_start - t_profile - t_plan
+        t_train = time.perf_counter() - t_start - t_profile - t_probe - t_plan
         if job.get("trace"):
             trace_mod.flush_all()
 
@@ -215,6 +240,11 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             "backward_ms": prof.backward_ms,
             "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
                      "algbw_gbs": prof.comm.algbw_gbs, "samples": [list(s) for s in prof.comm.samples]},
+            "loaded_comm": None if loaded is None else {
+                "alpha_ms": loaded.alpha_ms, "algbw_gbs": loaded.algbw_gbs,
+                "samples": [list(x) for x in probe_samples],
+                "method": "async all-reduce after a barrier while training iterations run; "
+                          "issue to completion, minimum over ranks, median of repeats"},
             "gradient_bytes": sum(t.nbytes for t in prof.tensors),
             "tensors": len(prof.tensors),
             "planned": {"lower_bound_ms": planned["lower_bound_ms"], "compute_ms": planned["compute_ms"],
@@ -223,7 +253,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             "schedules": {s: str(out / "schedules" / f"{s}.json") for s in planned["schedules"]},
             "traces": traces,
             "runs": runs,
-            "phases_s": {"profile": t_profile, "plan": t_plan, "train": t_train},
+            "phases_s": {"profile": t_profile, "probe": t_probe, "plan": t_plan, "train": t_train},
             "reference": ref.name if ref is not None else None,
         }
         write_json(out / "raw.json", raw)
