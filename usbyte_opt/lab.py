@@ -241,8 +241,11 @@ class Lab:
 
     def env(self, rank: int) -> dict[str, str]:
         """Rendezvous variables of rank ``rank``: MASTER_ADDR and the interface for gloo/NCCL."""
+        # NCCL would otherwise move bytes between GPUs of one host through shared memory or
+        # peer-to-peer copies, past the shaped link.
         return {"MASTER_ADDR": self.master_addr, "GLOO_SOCKET_IFNAME": IFNAME,
-                "NCCL_SOCKET_IFNAME": IFNAME}
+                "NCCL_SOCKET_IFNAME": IFNAME, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+                "NCCL_IB_DISABLE": "1"}
 
     def describe(self) -> str:
         topo = "veth pair" if self.world_size == 2 else f"bridge, {self.world_size} veth pairs"

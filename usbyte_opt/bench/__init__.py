@@ -131,7 +131,8 @@ class BenchConfig:
             "out_dir": str(out_dir.resolve()),
             "device": self.device,
             "optimizer": self.optimizer,
-            "threads": self.threads or max(1, (os.cpu_count() or 1) // self.nproc),
+            "threads": self.threads or max(1, (os.cpu_count() or 1)
+                                           // int(os.environ.get("LOCAL_WORLD_SIZE", self.nproc))),
             "profile_warmup": self.profile_warmup,
             "profile_repeats": self.profile_repeats,
             "comm_points": self.comm_points,

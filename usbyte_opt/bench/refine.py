@@ -53,7 +53,7 @@ from ..simulate import simulate_blocks
 
 
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
-                       group: Any = None) -> list[tuple[int, float]]:
+                       group: Any = None, device: Any = "cpu") -> list[tuple[int, float]]:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -63,7 +63,8 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
     communication) until the future reports completion; the time is issue to completion, the
     minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
-    A collective call: every rank must call it with the same sizes.
+    A collective call: every rank must call it with the same sizes. ``device``: where the
+    buffers live (the training device under NCCL, the CPU under gloo).
     """
     import torch
     import torch.distributed as dist
@@ -72,7 +73,10 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
 
     done_at: list[float] = []
     out = []
-    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32)
+    dev = torch.device(device)
+    if dist.get_backend(group) != "nccl":
+        dev = torch.device("cpu")
+    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
     raw: list[list[float]] = []
     for b in sizes:
         x = buf.narrow(0, 0, b // 4)
@@ -88,9 +92,9 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
             w.wait()
             times.append((done_at[0] - t0) * 1e3)
         raw.append(times)
-    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64)
+    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
-    vals = flat.tolist()
+    vals = flat.cpu().tolist()
     for k, b in enumerate(sizes):
         out.append((int(b), float(median(vals[k * repeats:(k + 1) * repeats]))))
     return out

@@ -143,7 +143,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             total = sum(t.nbytes for t in prof.tensors)
             sizes = default_sizes(256 << 10, max(1 << 20, total), job.get("probe_points", 5))
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
-            probe_samples = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3))
+            probe_samples = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3),
+                                               device=dev)
             loaded = loaded_comm(prof.comm, probe_samples)
             del probe
         t_probe = time.perf_counter() - t_start - t_profile
