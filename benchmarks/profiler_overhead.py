@@ -3,12 +3,13 @@
     python benchmarks/profiler_overhead.py                  # built-in models (+ BERT/ResNet if installed)
     python benchmarks/profiler_overhead.py --models mlp cnn --rounds 5
 
-For each model the same loop (zero_grad, forward, loss, backward, SGD step) runs with the profiler's hooks
-installed (:meth:`usbyte_opt.profiler.timing.IterationTimer.install`: a forward pre-hook per
-parameter-owning module, a post-accumulate-grad hook per tensor) and without, in rounds that
-alternate the order; the overhead is the median over rounds of the paired ratio. Each
-iteration is timed in this thread's CPU time (robust on a shared machine) and in wall time. The second table measures the choice behind ``update_ms``: one full
-optimizer step against the sum of one-tensor steps.
+For each model the same loop (zero_grad, forward, loss, backward, SGD step) runs with the
+profiler's hooks installed (:meth:`usbyte_opt.profiler.timing.IterationTimer.install`: a
+forward pre-hook per parameter-owning module, a post-accumulate-grad hook per tensor) and
+without, in rounds that alternate the order; the overhead is the median over rounds of the
+paired ratio. Each iteration is timed in this thread's CPU time (robust on a shared
+machine) and in wall time. The second table measures the choice behind ``update_ms``: one
+full optimizer step against the sum of one-tensor steps.
 
 Prints both tables and writes them, with the machine and the method, to
 ``benchmarks/profiler_overhead.md``. Not a timed test: numbers depend on the machine.

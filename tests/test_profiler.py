@@ -125,7 +125,7 @@ def two_rank_profile(edge_dir):
     out = edge_dir / "profiles" / "edge.json"
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "8",
                  "--warmup", "1", "--repeats", "5", "--comm-max-mb", "16", "--comm-points", "8",
-                 "--name", "edge", "--timeout-s", "60"], edge_dir)
+                 "--comm-repeats", "7", "--name", "edge", "--timeout-s", "60"], edge_dir)
     assert r.returncode == 0, r.stderr
     return load_profile(out), json.loads(out.read_text()), r
 
@@ -194,7 +194,7 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
         fit = c.alpha_ms + b / (c.algbw_gbs * 1e6)
         assert 0.5 <= fit / ms <= 2.0, (b, ms, fit)
     raw = prof.meta["comm_sweep"]["raw_ms"]
-    assert [len(r) for r in raw] == [15] * 5 + [5] * 3  # 3x the repeats below 1 MiB
+    assert [len(r) for r in raw] == [21] * 5 + [7] * 3  # 3x the repeats below 1 MiB
 
 
 # --------------------------------------------------------------------------------------------

@@ -387,7 +387,9 @@ def build(spec: str | Factory, batch_size: int | None = None,
         first = str(e).splitlines()[0] if str(e) else ""
         raise UsbyteError(f"model {label!r}: factory({batch}) raised {type(e).__name__}: {first}") from e
     if not (isinstance(result, (tuple, list)) and len(result) == 3):
-        got = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
+        got = f"a {type(result).__name__}"
+        if isinstance(result, (tuple, list)):
+            got += f" of length {len(result)}"
         raise UsbyteError(f"model {label!r}: expected {PROTOCOL}, got {got}")
     model, inputs, loss_fn = result
     if not isinstance(model, nn.Module):
@@ -408,7 +410,8 @@ def build(spec: str | Factory, batch_size: int | None = None,
 def check_loss(label: str, loss: Any) -> torch.Tensor:
     """Raise :class:`UsbyteError` unless ``loss`` is a scalar tensor that requires grad."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        what = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else f"a {type(loss).__name__}"
+        what = (f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor)
+                else f"a {type(loss).__name__}")
         raise UsbyteError(f"model {label!r}: loss_fn(model(*inputs)) must return a scalar tensor, got {what}")
     if not loss.requires_grad:
         raise UsbyteError(f"model {label!r}: the loss does not depend on any trainable parameter")

@@ -228,7 +228,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         "model": label,
         "created": every[0]["created"],
         "device": dev.type,
-        "device_name": torch.cuda.get_device_name(dev) if dev.type == "cuda" else (platform.processor() or platform.machine()),
+        "device_name": (torch.cuda.get_device_name(dev) if dev.type == "cuda"
+                        else platform.processor() or platform.machine()),
         "backend": backend,
         "torch": torch.__version__,
         "world_size": world,

@@ -169,9 +169,10 @@ def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[b
     Why not time a single-parameter step per tensor: each ``step()`` call carries a fixed
     overhead (Python, state lookup, kernel launches; on GPU the ``foreach`` multi-tensor
     kernels also batch the work of many tensors into one launch), so summing one step per
-    tensor overstates the step the training loop takes: on CPU by up to 2.2x with many small
-    tensors (DenseNet-201, 604 tensors, SGD), 1.0-1.3x on MLP/CNN/ResNet-50
-    (``benchmarks/profiler_overhead.md``). Apportioning keeps
+    tensor overstates the step the training loop takes. Measured on CPU
+    (``benchmarks/profiler_overhead.md``): about 1.0x for a few large tensors (MLP, CNN),
+    1.2-1.8x for ResNet-50 and the small transformer, 1.7-2.3x for DenseNet-201's 604
+    tensors. Apportioning keeps
     ``sum(update_ms)`` equal to the measured step, which is what the fence-mode baselines
     charge, while an element-wise optimizer's cost does grow with the element count.
     Tensors without a gradient are skipped by the optimizer and get 0.
