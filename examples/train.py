@@ -51,6 +51,7 @@ class TinyGPT(nn.Module):
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab, bias=False)
         self.head.weight = self.tok.weight
+        nn.init.normal_(self.tok.weight, std=0.02)
         self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:

@@ -71,12 +71,16 @@ def scenarios(rank: int, ws: int, side_file: str) -> dict[str, Any]:
         save_schedule(planned, path)
     out["missing_file"] = attempt(lambda: DistributedOptimizer(opt, m, schedule=path))
 
-    # 4. Rank 1 late: rank 0 gives up after its timeout; rank 1 then completes the exchange
-    #    that rank 0 left behind, so the group stays usable.
+    # 4. Rank 1 late: rank 0 gives up after its timeout; only then (a marker file) does rank 1
+    #    complete the exchange that rank 0 left behind, so the group stays usable.
+    marker = side_file + ".timed-out"
     if rank == 0:
         out["late"] = attempt(lambda: DistributedOptimizer(opt, m, schedule=planned, timeout=2))
+        open(marker, "w").close()
     else:
-        time.sleep(4)
+        deadline = time.monotonic() + LIMIT_S
+        while not os.path.exists(marker) and time.monotonic() < deadline:
+            time.sleep(0.05)
         rec = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
         dist.all_gather([torch.empty_like(rec) for _ in range(ws)], rec)
     dist.barrier()
