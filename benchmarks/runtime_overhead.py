@@ -217,6 +217,7 @@ def main() -> None:
     per_round = 6
     configs = [("cnn", 16, "default"), ("cnn", 16, "split4-forward"),
                ("transformer", 4, "default"), ("transformer", 4, "split4-forward")]
+    load_before = os.getloadavg()[0]
     rows = []
     for model, bs, sched in configs:
         res = values(run_local(side_by_side, 2, args=(model, bs, sched, pairs, rounds, per_round),
@@ -243,7 +244,9 @@ def main() -> None:
         "",
         "Written by `python benchmarks/runtime_overhead.py` "
         f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, Python "
-        f"{platform.python_version()}, {os.cpu_count()} CPU cores, {platform.machine()}).",
+        f"{platform.python_version()}, {os.cpu_count()} CPU cores, {platform.machine()}; "
+        f"1-minute load average {load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at "
+        "the end: the machine was shared with other jobs).",
         "",
         "Two gloo ranks on loopback, no emulated bandwidth limit, one compute thread per rank, "
         "AdamW, the models of `examples/train.py`. Both arms live in the same two processes "

@@ -38,7 +38,7 @@ class Channel:
         timeout: host-side wait limit (gloo); ``None`` keeps the process group's own.
     """
 
-    __slots__ = ("group", "rank", "world_size", "device", "cuda", "nccl", "timeout", "scale",
+    __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "scale",
                  "comm_device")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
@@ -48,10 +48,14 @@ class Channel:
         self.world_size = dist.get_world_size(group)
         self.device = device
         self.cuda = device.type == "cuda"
-        self.nccl = dist.get_backend(group) == "nccl"
-        self.timeout = None if self.nccl else timeout
+        # CUDA gradients: waits are stream waits, a host-side limit would turn them into host
+        # waits (the backend may be "nccl" or "cpu:gloo,cuda:nccl"; either way the gradients'
+        # device decides).
+        self.timeout = None if self.cuda else timeout
         self.scale = 1.0 / self.world_size
-        self.comm_device = device if self.nccl else torch.device("cpu")
+        #: Where the small tensors of the runtime (usage map, flags) live: with the gradients,
+        #: so that the backend that reduces the gradients reduces them too.
+        self.comm_device = device
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
         """Average ``view`` over the ranks, asynchronously (pre-divide, then sum)."""

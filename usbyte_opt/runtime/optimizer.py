@@ -153,7 +153,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         rank, ws = dist.get_rank(process_group), dist.get_world_size(process_group)
         params = trainable_parameters(model)
         device = params[0][1].device if params else torch.device("cpu")
-        comm_device = device if dist.get_backend(process_group) == "nccl" else torch.device("cpu")
 
         # 1. Local checks; an error is held back and shared (step 2) so that no rank hangs.
         error: BaseException | None = None
@@ -173,8 +172,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.
-        agree(process_group, None if sched is None else sched.digest(), error, comm_device,
-              timeout)
+        agree(process_group, None if sched is None else sched.digest(), error, device, timeout)
         assert sched is not None
         check_world_size(sched, ws, rank)
         self.schedule = sched
