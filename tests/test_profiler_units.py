@@ -67,7 +67,7 @@ def test_sweep_runs_on_a_real_group_and_counts_more_small_samples(one_rank_group
     sw = sweep_allreduce([4096, 2 << 20], repeats=2, progress=lambda *a: seen.append(a))
     assert [len(r) for r in sw.raw_ms] == [6, 2]
     assert all(m > 0 for m in sw.medians_ms)
-    assert seen[-1] == ("all-reduce", 2, 2)
+    assert seen[-1] == ("all-reduce", 8, 8)
     assert comm_backend(None, torch.device("cpu")) == "gloo"
 
 

@@ -1,8 +1,8 @@
 """All-reduce cost of the real process group: a sweep over message sizes and a fitted line.
 
 Each size is all-reduced ``warmup`` times untimed and ``repeats`` times timed (three times as
-many below 1 MiB, where a sample costs next to nothing and scheduler noise is largest);
-before each timed call the ranks meet at a barrier. Ranks leave a barrier at slightly
+many below 1 MiB, where a sample costs next to nothing and scheduler noise is largest),
+round-robin over the sizes; before each timed call the ranks meet at a barrier. Ranks leave a barrier at slightly
 different moments, and the first one out times its wait for the others as part of the
 collective; the last one out sees only the collective itself, from "everybody has joined"
 to "done", which is what the iteration model's ``c(b)`` is (waiting for a late rank is
@@ -121,35 +121,42 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
     cuda = device.type == "cuda"
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
     sweep = Sweep(list(sizes))
-    total = len(sizes)
+    views = [buf.narrow(0, 0, b // 4) for b in sizes]
     counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
-    for k, b in enumerate(sizes):
-        x = buf.narrow(0, 0, b // 4)
-        for _ in range(warmup):
+    for _ in range(warmup):
+        for x in views:
             dist.all_reduce(x, group=group)
-        times = []
-        for _ in range(counts[k]):
-            if cuda:
-                torch.cuda.synchronize(device)
-            if barrier is not None:
-                barrier()
-            else:
-                dist.barrier(group=group)
-            if cuda:
-                torch.cuda.synchronize(device)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                dist.all_reduce(x, group=group)
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-            else:
-                t = time.perf_counter()
-                dist.all_reduce(x, group=group)
-                times.append((time.perf_counter() - t) * 1e3)
-        sweep.raw_ms.append(times)
+
+    def timed(x: torch.Tensor) -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        if barrier is not None:
+            barrier()
+        else:
+            dist.barrier(group=group)
+        if cuda:
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dist.all_reduce(x, group=group)
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end)
+        t = time.perf_counter()
+        dist.all_reduce(x, group=group)
+        return (time.perf_counter() - t) * 1e3
+
+    # Round-robin over the sizes, not size after size: a burst of load from elsewhere then
+    # touches every size alike instead of bending the curve at the sizes it happened to hit.
+    sweep.raw_ms = [[] for _ in sizes]
+    done, total = 0, sum(counts)
+    for rep in range(max(counts)):
+        for k, x in enumerate(views):
+            if rep < counts[k]:
+                sweep.raw_ms[k].append(timed(x))
+                done += 1
         if progress:
-            progress("all-reduce", k + 1, total)
+            progress("all-reduce", done, total)
     # The last-arriving rank's time for every sample: one MIN all-reduce of all of them.
     flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
     flat = flat.to(device) if cuda else flat

@@ -196,6 +196,13 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         # it stands in for on this device, and meta.backend keeps its real name.
         label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
         comm, comm_record = fit_comm(sweep, label_backend, world)
+        worst = comm_record["fit"]["max_rel_error"]
+        if worst > 0.5:
+            msg = (f"all-reduce medians lie up to {100 * worst:.0f}% off the fitted line: a shared "
+                   "machine or a noisy network; rerun with more --comm-repeats, or see "
+                   "meta.comm_sweep.raw_ms")
+            notes.append(msg)
+            warnings.warn(msg, ProfileWarning, stacklevel=2)
     else:
         comm = analytic_comm(alpha_ms, algbw_gbs)
         comm_record = {"method": "analytic: world size 1 has no all-reduce to measure; ring of "
@@ -345,7 +352,10 @@ def launch(nproc: int, argv: Sequence[str], module: str = "usbyte_opt",
                     codes[r] = p.poll()
             culprits = [r for r, c in enumerate(codes) if c not in (None, 0)]
             if culprits:
-                _stop(procs)
+                # The others usually fail on their own a moment later (a failed build is
+                # shared with every rank); give them that moment, then stop the rest, which
+                # would otherwise wait in a collective until the timeout.
+                _stop(procs, grace_s=3.0)
                 codes = [p.wait() for p in procs]
                 break
             time.sleep(poll_s)
@@ -371,7 +381,10 @@ def launch(nproc: int, argv: Sequence[str], module: str = "usbyte_opt",
     return code, f"rank {first}: {shown.removeprefix('error: ')}"
 
 
-def _stop(procs: Sequence[subprocess.Popen]) -> None:
+def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 0.0) -> None:
+    deadline = time.monotonic() + grace_s
+    while grace_s and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        time.sleep(0.05)
     for p in procs:
         if p.poll() is None:
             p.terminate()
