@@ -158,3 +158,15 @@ def test_quantile_and_apportion_edges():
 def test_unknown_optimizer():
     with pytest.raises(UsbyteError, match="--optimizer"):
         make_optimizer("lion", [nn.Parameter(torch.zeros(1))])
+
+
+def test_cuda_without_a_gpu_is_a_clear_error():
+    from usbyte_opt.profiler.run import resolve_device
+
+    assert resolve_device("cpu").type == "cpu"
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with pytest.raises(UsbyteError, match="--device cuda: expected a CUDA device"):
+        resolve_device("cuda")
+    with pytest.raises(UsbyteError, match="expected cpu or cuda"):
+        resolve_device("meta")
