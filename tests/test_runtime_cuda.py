@@ -26,7 +26,8 @@ STEPS = 10
 
 @pytest.fixture
 def nccl(tmp_path):
-    assert not dist.is_initialized()
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1, device_id=torch.device("cuda", 0))
