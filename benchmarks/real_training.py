@@ -14,7 +14,9 @@ and best, interleaved, plus a run without communication.
 The machine is shared (other test suites run on the same 2 cores), so every run records the
 load average before and after, and the spread (p10-p90 over the median) of every strategy;
 with ``--repeat`` the run whose strategies' median spread is smallest is the one reported.
-Each run's own report, plot and traces stay in ``bench-results/real_training/``.
+Short turns (6 rounds of 4 timed iterations, one untimed before each) spread a slow spell
+over every strategy rather than one. Each run's own report, plot and traces stay in
+``bench-results/real_training/``.
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ def run_case(model: str, rate: str, iterations: int, rounds: int, out: Path) -> 
     load0 = os.getloadavg()
     t0 = time.time()
     res = run_bench(BenchConfig(model=model, bandwidth=rate, iterations=iterations, rounds=rounds,
-                                strategies=STRATEGIES, out_dir=out),
+                                warmup=1, strategies=STRATEGIES, out_dir=out),
                     progress=lambda s: print(f"  {s}", file=sys.stderr) if not s.startswith("round") else None)
     res["load_before"] = [round(x, 2) for x in load0]
     res["load_after"] = [round(x, 2) for x in os.getloadavg()]
@@ -164,7 +166,7 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=24)
-    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=1)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--rates", default=",".join(RATES))

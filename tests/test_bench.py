@@ -164,9 +164,10 @@ def test_short_lab_run(tmp_path):
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
                       strategies=("ddp", "usbyte"), out_dir=out, rounds=1, warmup=1,
                       profile_warmup=1, profile_repeats=2, comm_points=4, comm_repeats=1,
-                      timeout_s=240.0)
+                      timeout_s=240.0, extra={"probe_points": 2, "probe_repeats": 1})
     res = run_bench(cfg)
     check_result(res, out, ["ddp", "usbyte", "no-comm"])
     assert res["network"]["kind"] == "lab" and res["network"]["tbf"]["rate_bps"] == 200_000_000
     assert res["comm"]["algbw_gbs"] < 0.05  # measured on the shaped link (25 MB/s), not loopback
+    assert res["loaded_comm"] is not None and res["loaded_comm"]["algbw_gbs"] < 0.05
     assert not [n for n in list_namespaces() if n.startswith(f"usbyte-{os.getpid()}-")]

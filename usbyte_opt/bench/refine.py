@@ -8,6 +8,12 @@ Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_
    blocks issued during backward took up to twice the sweep's time. The bench times
    all-reduce again while training iterations run, and fits the line on absolute residuals
    (:func:`fit_absolute`), which weigh the large blocks an iteration is made of.
+3. **Communication costs compute** (:func:`stretched`): the same cores run gloo's copies and
+   reductions and the network stack (TCP, veth, tbf), so training iterations with all-reduce
+   in flight take longer. At 1 Gbit/s ``lab-cnn`` trained without communication exactly as
+   profiled, yet DDP and every schedule ran 50-70 ms slower than predicted with only 30 ms
+   of all-reduce per iteration. The probe measures the training-thread time lost per MB
+   all-reduced; the refined model stretches forward and backward by that much.
 
 The optimizer step:
 
@@ -44,16 +50,31 @@ Example (two tensors; the output-side block finishes early, the input-side one a
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from ..formats import Block, CommSpec
+from ..formats import Block, CommSpec, Profile
 from ..problem import Layout, Problem
 from ..simulate import simulate_blocks
 
 
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What :func:`comm_under_compute` measured."""
+
+    samples: tuple[tuple[int, float], ...]
+    """``(bytes, ms)``: all-reduce time while training iterations run (median, min over ranks)."""
+    step_alone_ms: float
+    """A training iteration without any communication in flight (median, max over ranks)."""
+    cpu_ms_per_mb: float
+    """Training-thread time lost per MB all-reduced (max over ranks): iterations that ran
+    while all-reduce was in flight, less as many iterations alone, over the MB moved."""
+
+
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
-                       group: Any = None, device: Any = "cpu") -> list[tuple[int, float]]:
+                       group: Any = None, device: Any = "cpu", alone: int = 3) -> Probe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -65,11 +86,28 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
     A collective call: every rank must call it with the same sizes. ``device``: where the
     buffers live (the training device under NCCL, the CPU under gloo).
+
+    It also measures what communication costs the training thread (the two cores that
+    compute are the ones that run gloo and the network stack): ``alone`` iterations first,
+    then every iteration of the probe, and the difference per MB all-reduced.
     """
     import torch
     import torch.distributed as dist
 
     from ..profiler.timing import median
+
+    solo = []
+    dist.barrier(group=group)
+    for _ in range(alone):
+        t = time.perf_counter()
+        step()
+        solo.append((time.perf_counter() - t) * 1e3)
+    step_ms: list[float] = []
+
+    def timed_step() -> None:
+        t = time.perf_counter()
+        step()
+        step_ms.append((time.perf_counter() - t) * 1e3)
 
     done_at: list[float] = []
     out = []
@@ -88,7 +126,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
             w = dist.all_reduce(x, group=group, async_op=True)
             w.get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
-                step()
+                timed_step()
             w.wait()
             times.append((done_at[0] - t0) * 1e3)
         raw.append(times)
@@ -97,7 +135,13 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     vals = flat.cpu().tolist()
     for k, b in enumerate(sizes):
         out.append((int(b), float(median(vals[k * repeats:(k + 1) * repeats]))))
-    return out
+    alone_ms = median(solo)
+    mb = sum(sizes) * repeats / 1e6
+    lost = max(0.0, sum(step_ms) - len(step_ms) * alone_ms) / mb
+    mine = torch.tensor([alone_ms, lost], dtype=torch.float64, device=dev)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    alone_ms, lost = mine.cpu().tolist()
+    return Probe(tuple(out), float(alone_ms), float(lost))
 
 
 def fit_absolute(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -128,6 +172,30 @@ def fit_absolute(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         alpha = 0.0
         beta = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return alpha, 1.0 / (beta * 1e6)
+
+
+def stretched(profile: Profile, cpu_ms_per_mb: float) -> Profile:
+    """``profile`` with forward and backward stretched by the training-thread time that one
+    iteration's all-reduce costs (``cpu_ms_per_mb`` x the gradient's MB), spread evenly.
+
+    Example::
+
+        >>> from usbyte_opt.formats import TensorSpec, CommSpec
+        >>> p = Profile("t", 40.0, 60.0, (TensorSpec("w", (250_000,), "float32", 30.0, 20.0),),
+        ...             CommSpec("gloo", 2, 0.1, 1.0))
+        >>> q = stretched(p, 10.0)           # 1 MB of gradient: 10 ms over 100 ms of compute
+        >>> q.forward_ms, q.backward_ms, q.tensors[0].ready_ms, q.tensors[0].need_ms
+        (44.0, 66.0, 33.0, 22.0)
+    """
+    compute = profile.forward_ms + profile.backward_ms
+    extra = cpu_ms_per_mb * sum(t.nbytes for t in profile.tensors) / 1e6
+    if compute <= 0 or extra <= 0:
+        return profile
+    f = 1.0 + extra / compute
+    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * f, need_ms=t.need_ms * f)
+                    for t in profile.tensors)
+    return dataclasses.replace(profile, forward_ms=profile.forward_ms * f,
+                               backward_ms=profile.backward_ms * f, tensors=tensors)
 
 
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:

@@ -9,8 +9,9 @@ Definitions, per strategy:
   runtime's strategies, fence mode for PyTorch DDP; for ``no-comm`` forward + backward +
   optimizer step.
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
-* ``refined_ms`` / ``refined_error``: the same with the runtime's update rule and the
-  all-reduce cost measured while training computes (:mod:`usbyte_opt.bench.refine`).
+* ``refined_ms`` / ``refined_error``: the same with the runtime's update rule, the all-reduce
+  cost measured while training computes and compute stretched by what communication costs
+  the training thread (:mod:`usbyte_opt.bench.refine`).
 * ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
   same with predictions).
 
@@ -95,7 +96,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "backward_ms": raw["backward_ms"],
         "update_ms": raw["planned"]["update_ms"],
         "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs")},
-        "loaded_comm": ({k: raw["loaded_comm"][k] for k in ("alpha_ms", "algbw_gbs", "samples")}
+        "loaded_comm": ({k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
+                                                                  "step_alone_ms", "samples")}
                         if raw.get("loaded_comm") else None),
         "gradient_bytes": raw["gradient_bytes"],
         "allreduce_all_ms": raw["comm"]["alpha_ms"] + raw["gradient_bytes"] / (raw["comm"]["algbw_gbs"] * 1e6),
@@ -150,14 +152,16 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s ({c['backend']}): "
         f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms",
         *([f"- all-reduce while training computes (for the refined prediction): alpha "
-           f"{result['loaded_comm']['alpha_ms']:.3f} ms, algbw {result['loaded_comm']['algbw_gbs'] * 1e3:.1f} MB/s"]
+           f"{result['loaded_comm']['alpha_ms']:.3f} ms, algbw {result['loaded_comm']['algbw_gbs'] * 1e3:.1f} MB/s; "
+           f"training-thread time lost to communication {result['loaded_comm']['cpu_ms_per_mb'] or 0:.1f} ms per MB"]
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
         f"- predicted: the simulator on the profile (overlap mode for the runtime, fence for DDP); "
         f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
         "refined: the same with every optimizer step on the training thread, as the runtime runs it, "
-        "and the all-reduce cost measured while training computes",
+        "the all-reduce cost measured while training computes, and compute stretched by what "
+        "communication costs the training thread",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 2)) + "|",

@@ -48,15 +48,20 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
     """Plan every registered strategy on ``profile``; return the schedules and predictions
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
     the simulator's ``ms`` and ``refined_ms`` (:mod:`usbyte_opt.bench.refine`: the runtime's
-    update rule, and the all-reduce cost ``loaded`` measured under compute when given)."""
+    update rule and, when ``loaded = (comm, cpu_ms_per_mb)`` is given, the all-reduce cost
+    measured under compute and compute stretched by what communication costs it)."""
     from ..planner import compare
     from ..problem import Problem
     from ..simulate import simulate_blocks
-    from .refine import refined_overlap
+    from .refine import refined_overlap, stretched
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
     # The refined model: all-reduce cost measured under compute (when probed), update rule.
-    rp = Problem.from_profile(profile.with_comm(loaded)) if loaded is not None else report.problem
+    if loaded is not None:
+        comm, cpu_ms_per_mb = loaded
+        rp = Problem.from_profile(stretched(profile, cpu_ms_per_mb).with_comm(comm))
+    else:
+        rp = report.problem
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
@@ -143,9 +148,10 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             total = sum(t.nbytes for t in prof.tensors)
             sizes = default_sizes(256 << 10, max(1 << 20, total), job.get("probe_points", 5))
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
-            probe_samples = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3),
-                                               device=dev)
-            loaded = loaded_comm(prof.comm, probe_samples)
+            probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3),
+                                        device=dev)
+            probe_samples = list(probed.samples)
+            loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb)
             del probe
         t_probe = time.perf_counter() - t_start - t_profile
 
@@ -242,7 +248,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
                      "algbw_gbs": prof.comm.algbw_gbs, "samples": [list(s) for s in prof.comm.samples]},
             "loaded_comm": None if loaded is None else {
-                "alpha_ms": loaded.alpha_ms, "algbw_gbs": loaded.algbw_gbs,
+                "alpha_ms": loaded[0].alpha_ms, "algbw_gbs": loaded[0].algbw_gbs,
+                "cpu_ms_per_mb": loaded[1], "step_alone_ms": probed.step_alone_ms,
                 "samples": [list(x) for x in probe_samples],
                 "method": "async all-reduce after a barrier while training iterations run; "
                           "issue to completion, minimum over ranks, median of repeats"},
