@@ -514,7 +514,10 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    umask = os.umask(0)
+    os.umask(umask)
     try:
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a written file gets the usual mode
         with os.fdopen(fd, "w") as f:
             json.dump(data, f, indent=1)
             f.write("\n")
