@@ -13,7 +13,13 @@ Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_
    in flight take longer. At 1 Gbit/s ``lab-cnn`` trained without communication exactly as
    profiled, yet DDP and every schedule ran 50-70 ms slower than predicted with only 30 ms
    of all-reduce per iteration. The probe measures the training-thread time lost per MB
-   all-reduced; the refined model stretches forward and backward by that much.
+   all-reduced; the refined model stretches forward and backward by that much (DDP: only the
+   backward, by the bytes on the wire while it runs: :func:`refined_fence`).
+4. **gloo runs two collectives at once** (:func:`lanes_finish`): an urgent small block issued
+   together with a big one shares the link with it and finishes ~3x later. Modelled as
+   processor sharing over the whole iteration it did not improve the fit (it also lets
+   latencies overlap, which the real link does not), so the refined prediction keeps one
+   channel; the effect is a change the runtime needs on gloo (one block in flight).
 
 The optimizer step:
 
@@ -204,15 +210,79 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpe
     return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples))
 
 
-def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:
-    """Iteration time in overlap mode with the runtime's update rule (see the module docstring)."""
+def lanes_finish(problem: Problem, layout: Layout, blocks: Sequence[Block], lanes: int = 2) -> list[float]:
+    """Finish time of every block when up to ``lanes`` collectives share the link at once.
+
+    gloo's process group runs collectives on two worker threads: a block issued while the
+    previous one is still on the wire starts at once and the two share the bandwidth
+    (measured in the lab: a 374 KB all-reduce alone 19 ms, issued together with a 1.7 MB one
+    57 ms; the pair 92 ms, as one 2.07 MB message). Blocks still go out in issue order, each
+    when ready and a lane is free; each pays ``alpha`` and then its bytes at
+    ``algbw / (blocks on the wire)`` (processor sharing). ``lanes=1`` is DESIGN.md §2's channel.
+
+    Example (two 1 MB blocks ready at 0 and 0.5 ms; alpha 0, 1 GB/s)::
+
+        >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+        >>> prof = Profile("t", 4.0, 6.0, (TensorSpec("a", (250_000,), "float32", 0.0, 1.0),
+        ...                                TensorSpec("b", (250_000,), "float32", 0.5, 0.0)),
+        ...                CommSpec("analytic", 2, 0.0, 1.0))
+        >>> pb = Problem.from_profile(prof); lay = pb.layout()
+        >>> blocks = [lay.whole(0), lay.whole(1)]
+        >>> lanes_finish(pb, lay, blocks, lanes=1), lanes_finish(pb, lay, blocks, lanes=2)
+        ([1.0, 2.0], [1.5, 2.0])
+    """
+    cost = problem.cost
+    per_byte = 1.0 / (cost.algbw_gbs * 1e6)
+    ready = []
+    work = []
+    for blk in blocks:
+        idx = layout.tensors_of(blk.buffer, blk.start, blk.end)
+        ready.append(max(problem.ready[i] for i in idx))
+        work.append((blk.end - blk.start) * layout.itemsize[blk.buffer] * per_byte)
+    n = len(blocks)
+    finish = [0.0] * n
+    active: dict[int, float] = {}  # block -> remaining ms of wire time at full bandwidth
+    latency: dict[int, float] = {}  # block -> time its alpha ends
+    t, nxt = 0.0, 0
+    while nxt < n or active:
+        # Start every block whose turn it is, that is ready and has a free lane.
+        while nxt < n and len(active) < lanes and ready[nxt] <= t + 1e-12:
+            active[nxt] = work[nxt]
+            latency[nxt] = t + cost.alpha_ms
+            nxt += 1
+        if not active:
+            t = max(t, ready[nxt])
+            continue
+        moving = [k for k in active if latency[k] <= t + 1e-12]
+        events = [latency[k] for k in active if latency[k] > t + 1e-12]
+        if nxt < n and len(active) < lanes:
+            events.append(ready[nxt])
+        share = len(moving)
+        if moving:
+            events.append(t + min(active[k] for k in moving) * share)
+        t_next = min(events)
+        for k in moving:
+            active[k] -= (t_next - t) / share
+        t = t_next
+        for k in [k for k in moving if active[k] <= 1e-9]:
+            finish[k] = t
+            del active[k], latency[k]
+    return finish
+
+
+def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
+                    lanes: int = 1) -> float:
+    """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
+    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: DESIGN.md §2)."""
     tl = simulate_blocks(problem, layout, blocks, "overlap")
+    fin_blocks = ([b.finish_ms for b in tl.blocks] if lanes == 1
+                  else lanes_finish(problem, layout, blocks, lanes))
     finish = [0.0] * problem.n
     index = problem.index
-    for b in tl.blocks:
+    for b, f in zip(tl.blocks, fin_blocks):
         for name in b.tensors:
             i = index[name]
-            finish[i] = max(finish[i], b.finish_ms)
+            finish[i] = max(finish[i], f)
     upd, need = problem.update, problem.need
     order = problem.need_order()
     pending = set(range(problem.n))
@@ -238,8 +308,31 @@ def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -
             t += cost
         prev_need = need[i]
     fwd_end = t + problem.F - prev_need if t is not None else problem.B + problem.F
-    last = tl.blocks[-1].finish_ms if tl.blocks else 0.0
+    last = max(fin_blocks) if fin_blocks else 0.0
     return max(fwd_end, last)
+
+
+def refined_fence(problem: Problem, layout: Layout, blocks: Sequence[Block],
+                  cpu_ms_per_mb: float = 0.0) -> float:
+    """Fence mode (DDP): ``max(B', last finish) + U + F``, where backward is stretched by the
+    training-thread time of the bytes on the wire while it runs (after backward the training
+    thread only waits, so communication costs it nothing there).
+
+    Example (one 1 MB block from 2 to 4 ms, backward 6 ms; 5 ms lost per MB)::
+
+        >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+        >>> prof = Profile("t", 4.0, 6.0, (TensorSpec("a", (250_000,), "float32", 2.0, 1.0),),
+        ...                CommSpec("analytic", 2, 1.0, 1.0))
+        >>> pb = Problem.from_profile(prof); lay = pb.layout()
+        >>> refined_fence(pb, lay, [lay.whole(0)]), refined_fence(pb, lay, [lay.whole(0)], 5.0)
+        (10.0, 15.0)
+    """
+    tl = simulate_blocks(problem, layout, blocks, "fence")
+    during = sum(b.nbytes * max(0.0, min(b.finish_ms, problem.B) - b.start_ms)
+                 / max(b.finish_ms - b.start_ms, 1e-12) for b in tl.blocks)
+    backward = problem.B + cpu_ms_per_mb * during / 1e6
+    last = max((b.finish_ms for b in tl.blocks), default=0.0)
+    return max(backward, last) + sum(problem.update) + problem.F
 
 
 __all__ = ["refined_overlap"]

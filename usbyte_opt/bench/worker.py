@@ -52,16 +52,17 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
     measured under compute and compute stretched by what communication costs it)."""
     from ..planner import compare
     from ..problem import Problem
-    from ..simulate import simulate_blocks
-    from .refine import refined_overlap, stretched
+    from .refine import refined_fence, refined_overlap, stretched
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
     # The refined model: all-reduce cost measured under compute (when probed), update rule.
     if loaded is not None:
         comm, cpu_ms_per_mb = loaded
         rp = Problem.from_profile(stretched(profile, cpu_ms_per_mb).with_comm(comm))
+        rp_fence = Problem.from_profile(profile.with_comm(comm))
     else:
-        rp = report.problem
+        cpu_ms_per_mb = 0.0
+        rp = rp_fence = report.problem
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
@@ -77,7 +78,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
         sched = report.schedule(s)
         out["schedules"][s] = sched
         if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
-            refined = simulate_blocks(rp, r.plan.layout, r.plan.blocks, "fence").iteration_ms
+            refined = refined_fence(rp_fence, r.plan.layout, r.plan.blocks, cpu_ms_per_mb)
             out["predicted"][s] = {"ms": r.fence_ms, "refined_ms": refined, "mode": "fence",
                                    "blocks": r.blocks}
         else:
