@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 # Piped output keeps whole tables (rich would fold them to 80 columns).
@@ -21,11 +22,11 @@ err = Console(stderr=True, highlight=False, soft_wrap=True,
 
 def error(message: str) -> None:
     """One line on stderr: ``error: <message>``."""
-    err.print(f"[bold red]error:[/] {message}", markup=True, highlight=False)
+    err.print(f"[bold red]error:[/] {escape(message)}", markup=True, highlight=False)
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {message}", markup=True, highlight=False)
+    err.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
 
 
 def info(message: str) -> None:

@@ -130,9 +130,14 @@ class Problem:
     def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  check: bool = True) -> Schedule:
-        """Build (and by default validate) a :class:`Schedule` for this problem."""
+        """Build (and by default validate) a :class:`Schedule` for this problem.
+
+        The schedule records every tensor's shape (extra field ``shapes``), so that the runtime
+        can name the exact tensor whose shape differs from the model's.
+        """
         blocks = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         prof = self.profile
+        extra = {"shapes": {t.name: list(t.shape) for t in prof.tensors}, **(extra or {})}
         sched = Schedule(
             strategy=strategy,
             profile_name=prof.name,
@@ -143,7 +148,7 @@ class Problem:
             blocks=blocks,
             predicted=dict(predicted or {}),
             buffer_numel=tuple(layout.numel),
-            extra=dict(extra or {}),
+            extra=extra,
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")

@@ -52,9 +52,16 @@ for _name in COMMANDS:
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; ``argv`` defaults to ``sys.argv[1:]``. Exits with the command's code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    debug = "--debug" in argv or bool(os.environ.get("USBYTE_DEBUG"))
-    if debug and "--debug" in argv and argv[0] != "--debug":
-        argv.remove("--debug")
+    # --debug is ours anywhere before "--" or, for launch, before the training script (whose
+    # own arguments may have a --debug of their own); it is moved to the front for typer.
+    ours = len(argv)
+    for i, a in enumerate(argv):
+        if a == "--" or (argv[:1] == ["launch"] and a.endswith(".py")):
+            ours = i
+            break
+    debug = "--debug" in argv[:ours] or bool(os.environ.get("USBYTE_DEBUG"))
+    if "--debug" in argv[:ours]:
+        argv.pop(argv.index("--debug"))
         argv.insert(0, "--debug")
     try:
         app(args=argv, prog_name="usbyte-opt")

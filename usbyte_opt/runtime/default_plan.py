@@ -160,10 +160,9 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
 
 
 def make_schedule(problem: Problem, layout: Layout, blocks: Iterable[Block], strategy: str) -> Schedule:
-    """``problem.schedule(...)`` plus an extra ``shapes`` field ``{name: shape}``, which lets
-    the runtime name the exact tensor whose shape differs from the model's."""
-    shapes = {t.name: list(t.shape) for t in problem.profile.tensors}
-    return problem.schedule(strategy, layout, blocks, extra={"shapes": shapes})
+    """``problem.schedule(...)`` (which records the per-tensor ``shapes`` the runtime uses to
+    name the exact tensor whose shape differs from the model's)."""
+    return problem.schedule(strategy, layout, blocks)
 
 
 def split_blocks(problem: Problem, layout: Layout, pieces: int,
