@@ -20,7 +20,7 @@ def optimize(
     profile: Path = typer.Argument(..., help="Profile JSON (see `usbyte-opt schema profile`).",
                                    dir_okay=False),
     output: Optional[Path] = typer.Option(None, "--output", "-o", dir_okay=False,
-                                          help="Schedule to write [default: schedules/<profile name>.json]."),
+                                          help="Schedule to write (default: schedules/NAME.json, NAME the profile's name)."),
     strategy: str = typer.Option("best", "--strategy", "-s",
                                  help="Strategy whose schedule is written: wfbp, ddp, mgwfbp, "
                                  "bytescheduler, usbyte or best."),
@@ -34,9 +34,9 @@ def optimize(
     trace: Optional[Path] = common.Trace,
     as_json: bool = common.Json,
 ) -> None:
-    """Plan the all-reduce of PROFILE with every strategy, print the comparison and write the
-    schedule of --strategy (default best) for `usbyte-opt launch` / DistributedOptimizer.
+    """Plan PROFILE with every strategy, compare them, write the schedule of --strategy.
 
+    The schedule (default: best's) is what `usbyte-opt launch` and DistributedOptimizer use.
     Times are predicted by the simulator of DESIGN.md §2: "native" is each strategy's own mode
     (fence for wfbp, ddp, mgwfbp: all blocks before the optimizer step; overlap for the others:
     updates gated per tensor in the next forward); "overlap" is the same plan run the way

@@ -27,8 +27,11 @@ def simulate(
     trace: Optional[Path] = common.Trace,
     as_json: bool = common.Json,
 ) -> None:
-    """Predict the iteration time of SCHEDULE on PROFILE, optionally on another cluster
-    (--world-size, --bandwidth-gbps, --latency-us), and write its timeline as a trace."""
+    """Predict the iteration time of SCHEDULE on PROFILE (any cluster), with a trace.
+
+    --world-size, --bandwidth-gbps and --latency-us move the profile to another cluster
+    (ring all-reduce); --trace writes the predicted timeline for Perfetto.
+    """
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     sched = load_schedule(schedule)
     problem = Problem.from_profile(prof)
