@@ -54,7 +54,7 @@ def bench(
                                              help="Per-rank batch size (default: the model's own)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
                                               help="Where report.md, plot.png, result.json, traces "
-                                              "go [default: bench-results/NAME-NETWORK]."),
+                                              "go (default: bench-results/NAME-NETWORK)."),
     rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved turns per strategy."),
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Also time training without communication."),
