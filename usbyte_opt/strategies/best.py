@@ -70,7 +70,7 @@ CHEAP_SEEDS = ("wfbp", "ddp", "mgwfbp")
 
 
 def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: float,
-              fuse_cap: float, fresh: bool = False) -> list[Block]:
+              fuse_cap: float) -> list[Block]:
     """Jackson's rule with a cut threshold and neighbour fusion; ``cut_min``/``fuse_cap`` in bytes.
 
     Each tensor is sent from its first element upward, so what is left of it is always a
@@ -97,7 +97,6 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     t = 0.0
     blocks: list[Block] = []
     left = n
-    t_prev = -1.0
     while left:
         while ptr < n and ready[rel[ptr]] <= t:
             i = rel[ptr]
@@ -109,8 +108,6 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             t = ready[rel[ptr]]
             continue
         p = heap[0][2]
-        fresh_from = t_prev if fresh and ready[p] > t_prev else -1.0
-        t_prev = t
         rem = end[p] - lo[p]
         amount = rem
         if cut_min < math.inf:
@@ -137,7 +134,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             cur = p
             while b_lo == start[cur] and prev_of[cur] >= 0:
                 j = prev_of[cur]
-                if lo[j] >= end[j] or ready[j] > t or ready[j] <= fresh_from:
+                if lo[j] >= end[j] or ready[j] > t:
                     break
                 add = (end[j] - lo[j]) * isz[j]
                 if nbytes + add > fuse_cap:
@@ -407,9 +404,6 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         for fuse in FUSE_GRID:
             add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
                 construct(problem, layout, tail, cut * u0, fuse * u0))
-    for fuse in FUSE_GRID[1:] + (math.inf,):
-        add(f"construct(fresh,fuse={fuse:g})", layout,
-            construct(problem, layout, tail, math.inf, fuse * u0, fresh=True))
     for i, blocks in enumerate(two_phase(problem, layout, tail)):
         add(f"two-phase#{i}", layout, blocks)
     if seeds is None:
