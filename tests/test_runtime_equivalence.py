@@ -649,6 +649,11 @@ CASES.update({
     "world_size_warning": case_world_size_warning,
     "env_schedule": case_env_schedule,
     "default_plan": case_default_plan,
+    # Blocks on the process group itself (gloo: up to two in flight) instead of the one-thread
+    # group the runtime uses on gloo by default.
+    "two_in_flight": lambda r, w: run_plain(SmallCNN, OPTIMIZERS["adam"], sched_crosscut,
+                                            image_batch, mse, r, w,
+                                            usb_kwargs={"one_in_flight": False}),
 })
 for _n in STRATEGY_NAMES:
     CASES[f"strategy-{_n}"] = (lambda n: lambda r, w: case_strategy(n, r, w))(_n)

@@ -124,9 +124,9 @@ class Shaping:
                 f"latency {self.latency_ms:g} ms")
 
 
-def shaping(rate_bps: int, latency_ms: float = 20.0) -> Shaping:
+def shaping(rate_bps: int, latency_ms: float = 20.0, mtu: int = 1500) -> Shaping:
     """The tbf settings for ``rate_bps`` (see the module docstring for the reasons)."""
-    burst = max(16 * 1024, int(rate_bps / 8 * 0.0005))
+    burst = max(16 * 1024, 2 * mtu, int(rate_bps / 8 * 0.0005))
     return Shaping(int(rate_bps), burst, float(latency_ms))
 
 
@@ -202,6 +202,8 @@ class Lab:
         world_size: number of ranks (>= 2).
         rate: link rate, e.g. ``"200mbit"`` (or bits per second as an int).
         latency_ms: tbf queue length in ms of ``rate``.
+        mtu: MTU of every link (default 9000, jumbo frames as in data-centre networks; see
+            the module docstring).
         prefix: name prefix of the namespaces (tests use their own).
 
     Use it as a context manager; :meth:`command` wraps a rank's argv in ``ip netns exec`` and
@@ -209,11 +211,13 @@ class Lab:
     """
 
     def __init__(self, world_size: int = 2, rate: str | int = "200mbit", latency_ms: float = 20.0,
-                 prefix: str = PREFIX):
+                 prefix: str = PREFIX, mtu: int = 9000):
         if world_size < 2:
             raise UsbyteError(f"--nproc-per-node {world_size}: the lab needs at least 2 ranks")
         self.world_size = world_size
-        self.shaping = shaping(parse_rate(rate) if isinstance(rate, str) else int(rate), latency_ms)
+        self.shaping = shaping(parse_rate(rate) if isinstance(rate, str) else int(rate), latency_ms,
+                               mtu)
+        self.mtu = int(mtu)
         self.prefix = prefix
         pid = os.getpid()
         self.namespaces = [f"{prefix}{pid}-r{r}" for r in range(world_size)]
@@ -304,6 +308,10 @@ class Lab:
                 _run(["ip", "-n", self.hub, "link", "set", port, "master", "br0"])
                 _run(["ip", "-n", self.hub, "link", "set", port, "up"])
                 ends += [(ns, IFNAME), (self.hub, port)]
+        if self.hub is not None:
+            _run(["ip", "-n", self.hub, "link", "set", "br0", "mtu", str(self.mtu)])
+        for ns, dev in ends:
+            _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
         for r, ns in enumerate(self.namespaces):
             _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", IFNAME])
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])

@@ -10,6 +10,12 @@ At 1 Gbit/s the same models are compute-bound.
 * :func:`lab_cnn` — the built-in CNN's convolution stack (with batch norm) and a classifier of
   one 8192x128 layer: 1.14 M parameters (4.6 MB), most of them at the output side, ready
   early in backward and needed late in forward.
+* :func:`lab_vgg` — a VGG-style stack: two stem convolutions, then eight 3x3 convolutions of
+  128 channels at 8x8, global average pooling and a 128x10 classifier: 1.22 M parameters
+  (4.9 MB) spread evenly over the depth in 0.6 MB tensors, as in VGG and ResNet conv stacks.
+  DDP's first bucket (1 MiB) then holds only the two output-side convolutions and the other
+  3.7 MB go out after backward; a per-tensor schedule can overlap them with backward and the
+  next forward.
 * :func:`lab_transformer` — a 4-layer causal transformer of width 192 with an *untied* vocabulary
   of 2048: 2.6 M parameters (10.3 MB); the token embedding is needed first in forward and ready
   last in backward, the head the other way round.
@@ -23,6 +29,8 @@ Example::
     >>> model, inputs, loss_fn = build(lab_cnn, batch_size=2)
     >>> parameter_count(model), loss_fn(model(*inputs)).dim()
     (1143466, 0)
+    >>> parameter_count(build(lab_vgg, batch_size=2)[0])
+    1221034
 """
 
 from __future__ import annotations
@@ -46,6 +54,24 @@ class LabCNN(nn.Module):
                                       block(64, 128), nn.MaxPool2d(2))
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * 8 * 8, hidden), nn.ReLU(),
                                         nn.Linear(hidden, classes))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(self.features(x))
+
+
+class LabVGG(nn.Module):
+    """Stem convolutions (32 channels at 32x32, 128 at 16x16), ``depth`` 3x3 convolutions of
+    ``width`` channels at 8x8 (batch norm, ReLU), global average pooling, one linear layer."""
+
+    def __init__(self, classes: int = 10, width: int = 128, depth: int = 8):
+        super().__init__()
+
+        def block(i: int, o: int) -> nn.Sequential:
+            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+        self.features = nn.Sequential(block(3, 32), nn.MaxPool2d(2), block(32, width), nn.MaxPool2d(2),
+                                      *[block(width, width) for _ in range(depth)])
+        self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.features(x))
@@ -80,6 +106,12 @@ def lab_cnn(batch_size: int) -> Built:
     return LabCNN(), (torch.randn(batch_size, 3, 32, 32),), RandomTargetLoss(10, (batch_size,))
 
 
+def lab_vgg(batch_size: int) -> Built:
+    """:class:`LabVGG` on random 32x32 images (default batch 12 in ``bench``)."""
+    torch.manual_seed(0)
+    return LabVGG(), (torch.randn(batch_size, 3, 32, 32),), RandomTargetLoss(10, (batch_size,))
+
+
 def lab_transformer(batch_size: int, seq: int = 64) -> Built:
     """:class:`LabGPT` on random token ids, ``seq`` tokens per sample (default batch 12 in ``bench``)."""
     torch.manual_seed(0)
@@ -91,5 +123,6 @@ def lab_transformer(batch_size: int, seq: int = 64) -> Built:
 #: Short names ``bench`` and ``demo`` accept: name -> (factory spec, default batch size).
 LAB_MODELS: dict[str, tuple[str, int]] = {
     "lab-cnn": ("usbyte_opt.bench.models:lab_cnn", 16),
+    "lab-vgg": ("usbyte_opt.bench.models:lab_vgg", 12),
     "lab-transformer": ("usbyte_opt.bench.models:lab_transformer", 12),
 }

@@ -93,16 +93,17 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     A collective call: every rank must call it with the same sizes. ``device``: where the
     buffers live (the training device under NCCL, the CPU under gloo).
 
-    It also measures what communication costs the training thread (the two cores that
-    compute are the ones that run gloo and the network stack): ``alone`` iterations first,
-    then every iteration of the probe, and the difference per MB all-reduced.
+    It also measures what communication costs the training thread (the cores that compute are
+    the ones that run gloo and the network stack): ``alone`` iterations first and one more
+    after every sample, every iteration of the probe, and the difference per MB all-reduced
+    (against the median iteration alone).
     """
     import torch
     import torch.distributed as dist
 
     from ..profiler.timing import median
 
-    solo = []
+    solo: list[float] = []
     dist.barrier(group=group)
     for _ in range(alone):
         t = time.perf_counter()
@@ -114,6 +115,11 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
         t = time.perf_counter()
         step()
         step_ms.append((time.perf_counter() - t) * 1e3)
+
+    def alone_step() -> None:
+        t = time.perf_counter()
+        step()
+        solo.append((time.perf_counter() - t) * 1e3)
 
     done_at: list[float] = []
     out = []
@@ -135,6 +141,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
                 timed_step()
             w.wait()
             times.append((done_at[0] - t0) * 1e3)
+            alone_step()  # paired: a slow spell of the machine hits both sides alike
         raw.append(times)
     flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
@@ -150,7 +157,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     return Probe(tuple(out), float(alone_ms), float(lost))
 
 
-def fit_absolute(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
+def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = None) -> tuple[float, float]:
     """``(alpha_ms, algbw_gbs)`` by least squares on *absolute* residuals (alpha >= 0).
 
     The profiler fits relative residuals, so that alpha is right for small messages; on a
@@ -164,8 +171,19 @@ def fit_absolute(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         >>> a, bw = fit_absolute([(1e5, 4.0 + 4.0), (1e6, 4.0 + 40.0), (4e6, 4.0 + 160.0)])
         >>> round(a, 3), round(bw * 1e3, 3)      # 4 ms + 25 MB/s
         (4.0, 25.0)
+
+    With ``alpha_ms`` given, only the bandwidth is fitted (the line through ``alpha_ms``)::
+
+        >>> a, bw = fit_absolute([(1e5, 6.0 + 4.0), (1e6, 4.0 + 40.0), (4e6, 4.0 + 160.0)], 4.0)
+        >>> a, round(bw * 1e3, 1)
+        (4.0, 25.0)
     """
     n = len(samples)
+    if alpha_ms is not None and n >= 1:
+        num = sum(float(b) * (float(t) - alpha_ms) for b, t in samples)
+        den = sum(float(b) ** 2 for b, _ in samples)
+        if num > 0 and den > 0:
+            return float(alpha_ms), den / num / 1e6
     if n < 2:
         raise ValueError("fit_absolute: expected at least two samples")
     xs = [float(b) for b, _ in samples]
@@ -204,9 +222,36 @@ def stretched(profile: Profile, cpu_ms_per_mb: float) -> Profile:
                                backward_ms=profile.backward_ms * f, tensors=tensors)
 
 
+def scaled(profile: Profile, factor: float) -> Profile:
+    """``profile`` with every compute time (forward, backward, ready, need, update) times
+    ``factor``: the profile's compute recalibrated to what the same training measured without
+    communication, side by side with the strategies (``no-comm``), so that a slow or fast spell
+    of a shared machine between profiling and training does not count as a prediction error.
+
+    Example::
+
+        >>> from usbyte_opt.formats import TensorSpec, CommSpec
+        >>> p = Profile("t", 40.0, 60.0, (TensorSpec("w", (250_000,), "float32", 30.0, 20.0, 2.0),),
+        ...             CommSpec("gloo", 2, 0.1, 1.0))
+        >>> q = scaled(p, 1.5)
+        >>> q.forward_ms, q.backward_ms, q.tensors[0].ready_ms, q.tensors[0].update_ms
+        (60.0, 90.0, 45.0, 3.0)
+    """
+    if factor <= 0 or factor == 1.0:
+        return profile
+    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
+                                        update_ms=t.update_ms * factor) for t in profile.tensors)
+    return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
+                               backward_ms=profile.backward_ms * factor, tensors=tensors)
+
+
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:
-    """``comm`` with alpha/algbw fitted (:func:`fit_absolute`) to samples taken under compute."""
-    alpha, algbw = fit_absolute(samples)
+    """``comm`` with its bandwidth fitted (:func:`fit_absolute`) to samples taken under
+    compute, alpha kept from the idle sweep: the probe's few sizes (256 KiB and up) do not pin
+    the intercept down, and a free intercept came out at 5 ms where the blocks of the traced
+    iterations paid 2 ms (the profile's alpha) — charged to every block, that overstated
+    32-block schedules by 30%."""
+    alpha, algbw = fit_absolute(samples, comm.alpha_ms)
     return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples))
 
 

@@ -11,7 +11,9 @@ Definitions, per strategy:
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
 * ``refined_ms`` / ``refined_error``: the same with the runtime's update rule, the all-reduce
   cost measured while training computes and compute stretched by what communication costs
-  the training thread (:mod:`usbyte_opt.bench.refine`).
+  the training thread (:mod:`usbyte_opt.bench.refine`), on compute recalibrated to the
+  side-by-side ``no-comm`` run (``compute_scale`` = its measured median over the profile's
+  forward + backward + step; 1 without it).
 * ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
   same with predictions).
 
@@ -102,6 +104,7 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "gradient_bytes": raw["gradient_bytes"],
         "allreduce_all_ms": raw["comm"]["alpha_ms"] + raw["gradient_bytes"] / (raw["comm"]["algbw_gbs"] * 1e6),
         "lower_bound_ms": raw["planned"]["lower_bound_ms"],
+        "compute_scale": raw.get("compute_scale", 1.0),
         "iterations": raw["job"]["iterations"],
         "rounds": raw["job"]["rounds"],
         "reference": raw["reference"],
@@ -160,8 +163,9 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"- predicted: the simulator on the profile (overlap mode for the runtime, fence for DDP); "
         f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
         "refined: the same with every optimizer step on the training thread, as the runtime runs it, "
-        "the all-reduce cost measured while training computes, and compute stretched by what "
-        "communication costs the training thread",
+        "the all-reduce cost measured while training computes, compute stretched by what "
+        "communication costs the training thread, and compute recalibrated to the side-by-side "
+        f"no-comm run (x{result.get('compute_scale', 1.0):.3f})",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 2)) + "|",

@@ -51,18 +51,8 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
     update rule and, when ``loaded = (comm, cpu_ms_per_mb)`` is given, the all-reduce cost
     measured under compute and compute stretched by what communication costs it)."""
     from ..planner import compare
-    from ..problem import Problem
-    from .refine import refined_fence, refined_overlap, stretched
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
-    # The refined model: all-reduce cost measured under compute (when probed), update rule.
-    if loaded is not None:
-        comm, cpu_ms_per_mb = loaded
-        rp = Problem.from_profile(stretched(profile, cpu_ms_per_mb).with_comm(comm))
-        rp_fence = Problem.from_profile(profile.with_comm(comm))
-    else:
-        cpu_ms_per_mb = 0.0
-        rp = rp_fence = report.problem
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
@@ -77,15 +67,65 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
         r = report.results[s]
         sched = report.schedule(s)
         out["schedules"][s] = sched
-        if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
-            refined = refined_fence(rp_fence, r.plan.layout, r.plan.blocks, cpu_ms_per_mb)
-            out["predicted"][s] = {"ms": r.fence_ms, "refined_ms": refined, "mode": "fence",
-                                   "blocks": r.blocks}
-        else:
-            refined = refined_overlap(rp, r.plan.layout, r.plan.blocks)
-            out["predicted"][s] = {"ms": r.overlap_ms, "refined_ms": refined, "mode": "overlap",
-                                   "blocks": r.blocks}
+        mode = "fence" if s == TORCH_DDP else "overlap"
+        out["predicted"][s] = {"ms": r.fence_ms if mode == "fence" else r.overlap_ms,
+                               "mode": mode, "blocks": r.blocks}
+    refine(profile, out, loaded)
     return out
+
+
+def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_scale: float = 1.0) -> None:
+    """Set ``refined_ms`` of every prediction in ``planned`` (from :func:`plan`): the runtime's
+    update rule, the all-reduce cost measured under compute and compute stretched by what
+    communication costs it (``loaded = (comm, cpu_ms_per_mb)``, when probed), and compute
+    scaled by ``compute_scale`` (measured ``no-comm`` over predicted: :func:`~.refine.scaled`)."""
+    from ..problem import Problem
+    from .refine import refined_fence, refined_overlap, scaled, stretched
+
+    base = scaled(profile, compute_scale)
+    if loaded is not None:
+        comm, cpu_ms_per_mb = loaded
+        rp = Problem.from_profile(stretched(base, cpu_ms_per_mb).with_comm(comm))
+        rp_fence = Problem.from_profile(base.with_comm(comm))
+    else:
+        cpu_ms_per_mb = 0.0
+        rp = rp_fence = Problem.from_profile(base)
+    for s, pred in planned["predicted"].items():
+        if s == REFERENCE:
+            pred["refined_ms"] = (planned["compute_ms"] + planned["update_ms"]) * compute_scale
+            continue
+        sched = planned["schedules"][s]
+        if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
+            lay = rp_fence.layout(sched.buffers)
+            pred["refined_ms"] = refined_fence(rp_fence, lay, sched.blocks, cpu_ms_per_mb)
+        else:
+            pred["refined_ms"] = refined_overlap(rp, rp.layout(sched.buffers), sched.blocks)
+
+
+def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
+    """Give CPU rank ``local_rank`` of ``local_world`` its own share of this process's cores
+    (threads started later, gloo's included, inherit it), as each rank owns its own GPU on a
+    GPU server. Without it the scheduler sometimes runs two ranks' training threads on one
+    core while another idles, and every collective waits for the slower rank. Returns the
+    cores, or ``None`` where there are fewer cores than ranks (nothing changed).
+
+    Example::
+
+        >>> import os
+        >>> before = os.sched_getaffinity(0)
+        >>> pin_cores(0, 1) == sorted(before)
+        True
+    """
+    try:
+        cores = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
+    per = len(cores) // max(1, local_world)
+    if per < 1 or not 0 <= local_rank < local_world:
+        return None
+    mine = cores[local_rank * per:(local_rank + 1) * per]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
@@ -101,6 +141,9 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
     from .train import Trainee, interleave
 
     dev = resolve_device(job.get("device"))
+    if dev.type == "cpu":
+        pin_cores(int(os.environ.get("LOCAL_RANK", "0")),
+                  int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
     owns = init_from_env(dev, job.get("pg_timeout_s", 600.0))
     if not dist.is_initialized():
         raise UsbyteError("bench worker: no process group (RANK/WORLD_SIZE not set)")
@@ -234,8 +277,18 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                        "losses_rank0": per_rank[0]["losses"],
                        "steps": per_rank[0]["steps"],
                        "max_param_diff": max(diffs) if diffs else None}
+        # The refined prediction, with compute recalibrated to the side-by-side no-comm run.
+        compute_scale = 1.0
+        if REFERENCE in runs and runs[REFERENCE]["durations_ms"]:
+            from ..profiler.timing import median
+
+            expect = planned["compute_ms"] + planned["update_ms"]
+            if expect > 0:
+                compute_scale = median(runs[REFERENCE]["durations_ms"]) / expect
+        refine(prof, planned, loaded, compute_scale)
         raw = {
             "job": {k: v for k, v in job.items() if k != "comm_sizes"},
+            "compute_scale": compute_scale,
             "profile": profile_path,
             "profile_name": prof.name,
             "world_size": world,

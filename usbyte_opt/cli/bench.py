@@ -36,7 +36,7 @@ def render(result: dict[str, Any], title: str) -> None:
 
 def bench(
     model: str = typer.Argument(..., help="Built-in name (cnn, transformer, mlp, lab-cnn, "
-                                "lab-transformer, ...) or package.module:factory."),
+                                "lab-vgg, lab-transformer, ...) or package.module:factory."),
     nproc_per_node: int = typer.Option(2, "--nproc-per-node", "-n", min=1,
                                        help="Ranks to start on this machine (ignored under torchrun)."),
     bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Run in the lab at this link "

@@ -104,6 +104,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             use it only when every rank produces every gradient every step.
         timeout: host-side limit of each wait on gloo (seconds or ``timedelta``); default: the
             process group's timeout. NCCL relies on its watchdog.
+        one_in_flight: run the blocks' all-reduces one at a time, in schedule order, as the
+            plan assumes. Default (``None``): on gloo, whose process group otherwise runs two
+            collectives at once (blocks then go through a one-thread gloo group over the same
+            ranks, see :mod:`usbyte_opt.runtime.comm`); NCCL serialises on its stream anyway.
+            ``False`` issues blocks on ``process_group`` itself.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -134,7 +139,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  schedule: ScheduleArg = None, process_group: dist.ProcessGroup | None = None,
                  backward_passes_per_step: int = 1, *, broadcast_buffers: bool = True,
-                 find_unused_parameters: bool = True, timeout: float | timedelta | None = None):
+                 find_unused_parameters: bool = True, timeout: float | timedelta | None = None,
+                 one_in_flight: bool | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         self._opt = optimizer
         self._model = model
@@ -183,7 +189,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             broadcast_from_rank0(list(model.buffers()), process_group, timeout, "buffers")
 
         self._k = backward_passes_per_step
-        self._chan = Channel(process_group, device, timeout)
+        self._chan = Channel(process_group, device, timeout, one_in_flight)
         had_grad = {n: p.grad is not None for n, p in params}
         self._grads = g = FlatGrads(sched, dict(params), device)
         n, m = g.n, len(sched.blocks)
