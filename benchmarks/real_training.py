@@ -14,7 +14,11 @@ and best, interleaved, plus a run without communication.
 
 The machine is shared (other test suites run on the same 2 cores), so every run records the
 load average before and after, and the spread (p10-p90 over the median) of every strategy;
-with ``--repeat`` the run whose strategies' median spread is smallest is the one reported.
+with ``--repeat`` (or ``--merge``, which adds this invocation's runs to those already in
+``real_training.json``) the run reported for a case is the one whose profile best matched the
+training that followed (compute scale nearest 1: the host has spells of several seconds in
+which a core runs at half speed, and a profile taken in one plans for the wrong balance) and
+whose strategies' median spread is smallest (:func:`quality`); every run is listed.
 Short turns (16 rounds of 2 timed iterations, one untimed before each) spread a slow spell
 over every strategy rather than one. Each run's own report, plot and traces stay in
 ``bench-results/real_training/``.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import statistics
@@ -44,6 +49,13 @@ RATES = ("200mbit", "1gbit")
 STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
 TARGET_SPEEDUP = 1.30
 TARGET_ERROR = 0.10
+
+
+def quality(result: dict) -> float:
+    """Lower is better: how far the profile's compute was from the side-by-side no-comm run
+    (|log compute_scale|: a profile taken in a slow spell of the shared machine plans for the
+    wrong balance of compute and communication) plus the run's noise."""
+    return abs(math.log(result.get("compute_scale") or 1.0)) + noise(result)
 
 
 def noise(result: dict) -> float:
@@ -160,14 +172,19 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         lines.append(f"Training matches DDP: {'yes' if res['correct'] else 'NO'}.")
         lines.append("")
     if len(all_runs) > len(cases):
-        lines += ["## Every run", "", "| case | started | load before/after | noise | best vs DDP | worst error |",
-                  "|---|---|---|---:|---:|---:|"]
+        lines += ["## Every run", "", "| case | started | load before/after | noise | compute scale "
+                  "| best vs DDP | worst error | worst refined error |",
+                  "|---|---|---|---:|---:|---:|---:|---:|"]
         for res in all_runs:
             by = {r["strategy"]: r for r in res["runs"]}
             worst = max((r for r in res["runs"] if r["strategy"] != "no-comm"), key=lambda r: abs(r["error"]))
+            worst_r = max((r for r in res["runs"] if r["strategy"] != "no-comm"),
+                          key=lambda r: abs(r["refined_error"]))
             lines.append(f"| {res['name']} {res['network']['short']} | {res['started']} | "
                          f"{res['load_before'][0]:.1f} / {res['load_after'][0]:.1f} | {100 * res['noise']:.0f}% | "
-                         f"{by['best']['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% |")
+                         f"x{res.get('compute_scale', 1.0):.2f} | "
+                         f"{by['best']['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% | "
+                         f"{worst_r['strategy']} {100 * worst_r['refined_error']:+.1f}% |")
         lines.append("")
     return "\n".join(lines)
 
@@ -181,23 +198,33 @@ def main() -> None:
     ap.add_argument("--rates", default=",".join(RATES))
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
+    ap.add_argument("--merge", action="store_true",
+                    help="add these runs to those already in real_training.json")
     args = ap.parse_args()
     models, rates = args.models.split(","), args.rates.split(",")
     if args.quick:
         models, rates, args.iterations, args.rounds = models[:1], rates[:1], 6, 2
     runs_dir = ROOT / "bench-results" / "real_training"
     chosen, every = [], []
+    previous: list[dict] = []
+    if args.merge and (args.out / "real_training.json").exists():
+        previous = json.loads((args.out / "real_training.json").read_text())["all_runs"]
+    every += previous
     for model in models:
         for rate in rates:
-            tries = []
             for k in range(args.repeat):
                 print(f"{model} at {rate} (run {k + 1}/{args.repeat})", file=sys.stderr)
                 res = run_case(model, rate, args.iterations, args.rounds,
-                               runs_dir / f"{model}-{rate}" / f"run{k + 1}")
-                tries.append(res)
-                every.append(res)
-            chosen.append(min(tries, key=lambda r: r["noise"]))
-    doc = {"argv": sys.argv[1:], "cases": [slim(r) for r in chosen], "all_runs": [slim(r) for r in every]}
+                               runs_dir / f"{model}-{rate}" / time.strftime("%Y%m%d-%H%M%S"))
+                every.append(slim(res))
+    # One run per case (model, rate), in the order of MODELS and RATES.
+    cases: dict[tuple, list[dict]] = {}
+    for r in every:
+        cases.setdefault((r["name"], r["network"]["rate_bps"]), []).append(r)
+    order = {m: i for i, m in enumerate(MODELS)}
+    for key in sorted(cases, key=lambda k: (order.get(k[0], len(order)), k[1])):
+        chosen.append(min(cases[key], key=quality))
+    doc = {"argv": sys.argv[1:], "cases": chosen, "all_runs": every}
     write_json(args.out / "real_training.json", doc)
     md = markdown(doc["cases"], doc["all_runs"], sys.argv[1:])
     path = args.out / "real_training.md"

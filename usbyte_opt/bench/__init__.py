@@ -230,6 +230,13 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     compare_docs = _compare_traces(raw, result, out)
     result["traces"] = {s: str(p) for s, (p, _) in compare_docs.items()}
     notes = []
+    scale = result.get("compute_scale") or 1.0
+    if abs(scale - 1.0) > 0.15:
+        notes.append(f"Warning: training without communication ran at x{scale:.2f} of the profiled "
+                     "compute: the machine's speed changed between profiling and training (a busy "
+                     "or throttled spell), so every schedule was planned for a different balance of "
+                     "compute and communication than the one it ran in. Run again, or pass "
+                     "--profile with a profile taken on a quiet machine.")
     png = None
     if cfg.plot:
         from .plot import plot
