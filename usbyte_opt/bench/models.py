@@ -41,15 +41,17 @@ from torch import nn
 from ..models import Built, RandomTargetLoss
 
 
+def conv_bn_relu(i: int, o: int) -> nn.Sequential:
+    """A 3x3 convolution (no bias), batch norm and ReLU: the block of both lab CNNs."""
+    return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
+
+
 class LabCNN(nn.Module):
     """Three 3x3 convolutions with batch norm (32, 64, 128 channels) and two linear layers."""
 
     def __init__(self, classes: int = 10, hidden: int = 128):
         super().__init__()
-
-        def block(i: int, o: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
-
+        block = conv_bn_relu
         self.features = nn.Sequential(block(3, 32), block(32, 64), nn.MaxPool2d(2),
                                       block(64, 128), nn.MaxPool2d(2))
         self.classifier = nn.Sequential(nn.Flatten(), nn.Linear(128 * 8 * 8, hidden), nn.ReLU(),
@@ -65,10 +67,7 @@ class LabVGG(nn.Module):
 
     def __init__(self, classes: int = 10, width: int = 128, depth: int = 8):
         super().__init__()
-
-        def block(i: int, o: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU())
-
+        block = conv_bn_relu
         self.features = nn.Sequential(block(3, 32), nn.MaxPool2d(2), block(32, width), nn.MaxPool2d(2),
                                       *[block(width, width) for _ in range(depth)])
         self.classifier = nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(width, classes))

@@ -103,23 +103,17 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
 
     from ..profiler.timing import median
 
-    solo: list[float] = []
+    solo: list[float] = []      # iterations with nothing in flight
+    step_ms: list[float] = []   # iterations while an all-reduce is in flight
+
+    def timed_step(into: list[float]) -> None:
+        t = time.perf_counter()
+        step()
+        into.append((time.perf_counter() - t) * 1e3)
+
     dist.barrier(group=group)
     for _ in range(alone):
-        t = time.perf_counter()
-        step()
-        solo.append((time.perf_counter() - t) * 1e3)
-    step_ms: list[float] = []
-
-    def timed_step() -> None:
-        t = time.perf_counter()
-        step()
-        step_ms.append((time.perf_counter() - t) * 1e3)
-
-    def alone_step() -> None:
-        t = time.perf_counter()
-        step()
-        solo.append((time.perf_counter() - t) * 1e3)
+        timed_step(solo)
 
     done_at: list[float] = []
     out = []
@@ -138,10 +132,10 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
             w = dist.all_reduce(x, group=group, async_op=True)
             w.get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
-                timed_step()
+                timed_step(step_ms)
             w.wait()
             times.append((done_at[0] - t0) * 1e3)
-            alone_step()  # paired: a slow spell of the machine hits both sides alike
+            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
         raw.append(times)
     flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
@@ -215,11 +209,17 @@ def stretched(profile: Profile, cpu_ms_per_mb: float) -> Profile:
     extra = cpu_ms_per_mb * sum(t.nbytes for t in profile.tensors) / 1e6
     if compute <= 0 or extra <= 0:
         return profile
-    f = 1.0 + extra / compute
-    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * f, need_ms=t.need_ms * f)
+    return _times(profile, 1.0 + extra / compute, update=False)
+
+
+def _times(profile: Profile, factor: float, update: bool) -> Profile:
+    """``profile`` with forward, backward, every ready and need (and with ``update``, every
+    update) time multiplied by ``factor``."""
+    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
+                                        update_ms=t.update_ms * factor if update else t.update_ms)
                     for t in profile.tensors)
-    return dataclasses.replace(profile, forward_ms=profile.forward_ms * f,
-                               backward_ms=profile.backward_ms * f, tensors=tensors)
+    return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
+                               backward_ms=profile.backward_ms * factor, tensors=tensors)
 
 
 def scaled(profile: Profile, factor: float) -> Profile:
@@ -239,10 +239,7 @@ def scaled(profile: Profile, factor: float) -> Profile:
     """
     if factor <= 0 or factor == 1.0:
         return profile
-    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
-                                        update_ms=t.update_ms * factor) for t in profile.tensors)
-    return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
-                               backward_ms=profile.backward_ms * factor, tensors=tensors)
+    return _times(profile, factor, update=True)
 
 
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:

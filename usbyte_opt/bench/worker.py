@@ -43,13 +43,10 @@ def _say(rank: int) -> Callable[[str], None]:
     return say
 
 
-def plan(profile: Any, strategies: list[str], time_budget_s: float,
-         loaded: Any = None) -> dict[str, Any]:
+def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
     """Plan every registered strategy on ``profile``; return the schedules and predictions
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
-    the simulator's ``ms`` and ``refined_ms`` (:mod:`usbyte_opt.bench.refine`: the runtime's
-    update rule and, when ``loaded = (comm, cpu_ms_per_mb)`` is given, the all-reduce cost
-    measured under compute and compute stretched by what communication costs it)."""
+    the simulator's ``ms``; :func:`refine` adds ``refined_ms`` once training has run."""
     from ..planner import compare
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
@@ -62,7 +59,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
     for s in strategies:
         if s == REFERENCE:
             ms = out["compute_ms"] + out["update_ms"]
-            out["predicted"][s] = {"ms": ms, "refined_ms": ms, "mode": "compute", "blocks": 0}
+            out["predicted"][s] = {"ms": ms, "mode": "compute", "blocks": 0}
             continue
         r = report.results[s]
         sched = report.schedule(s)
@@ -70,7 +67,6 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float,
         mode = "fence" if s == TORCH_DDP else "overlap"
         out["predicted"][s] = {"ms": r.fence_ms if mode == "fence" else r.overlap_ms,
                                "mode": mode, "blocks": r.blocks}
-    refine(profile, out, loaded)
     return out
 
 
@@ -205,7 +201,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         if rank == 0:
             say("planning " + ", ".join(s for s in strategies if s != REFERENCE))
             try:
-                payload[0] = plan(prof, strategies, job["time_budget_s"], loaded)
+                payload[0] = plan(prof, strategies, job["time_budget_s"])
                 for s, sched in payload[0]["schedules"].items():
                     save_schedule(sched, out / "schedules" / f"{s}.json")
             except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
