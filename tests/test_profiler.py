@@ -202,6 +202,10 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     assert all(1 / 3 <= r <= 3.0 for b, r in ratio.items() if b >= 1 << 20), ratio
     raw = prof.meta["comm_sweep"]["raw_ms"]
     assert [len(r) for r in raw] == [21] * 5 + [7] * 3  # 3x the repeats below 1 MiB
+    # Timed on the channel the runtime's blocks take (gloo: one collective at a time), small
+    # sizes in chains of back-to-back calls.
+    assert "runtime channel" in prof.meta["comm_sweep"]["channel"]
+    assert prof.meta["comm_sweep"]["chain"] == [4] * 5 + [1] * 3
 
 
 # --------------------------------------------------------------------------------------------

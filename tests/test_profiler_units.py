@@ -69,6 +69,22 @@ def test_sweep_runs_on_a_real_group_and_counts_more_small_samples(one_rank_group
     assert all(m > 0 for m in sw.medians_ms)
     assert seen[-1] == ("all-reduce", 8, 8)
     assert comm_backend(None, torch.device("cpu")) == "gloo"
+    assert sw.chains == [4, 1]
+
+
+def test_sweep_times_the_given_channel_in_chains_below_one_mib(one_rank_group):
+    calls = []
+
+    def issue(x):
+        calls.append(x.numel() * 4)
+        return dist.all_reduce(x, async_op=True)
+
+    sw = sweep_allreduce([4096, 2 << 20], repeats=2, warmup=0, issue=issue, chain=3)
+    # 6 samples of 3 chained calls at 4 KiB, 2 single calls at 2 MiB.
+    assert calls.count(4096) == 18 and calls.count(2 << 20) == 2
+    assert sw.chains == [3, 1] and [len(r) for r in sw.raw_ms] == [6, 2]
+    with pytest.raises(UsbyteError, match="chain"):
+        sweep_allreduce([4096], chain=0)
 
 
 class Looping(nn.Module):

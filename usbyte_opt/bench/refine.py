@@ -61,6 +61,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
+from ..cost import bandwidth_through
 from ..formats import Block, CommSpec, Profile
 from ..problem import Layout, Problem
 from ..simulate import simulate_blocks
@@ -71,7 +72,8 @@ class Probe:
     """What :func:`comm_under_compute` measured."""
 
     samples: tuple[tuple[int, float], ...]
-    """``(bytes, ms)``: all-reduce time while training iterations run (median, min over ranks)."""
+    """``(bytes, ms)``: all-reduce time of one block while training iterations run (median,
+    min over ranks; a chain of ``parts`` blocks divided by ``parts``)."""
     step_alone_ms: float
     """A training iteration without any communication in flight (median, max over ranks)."""
     cpu_ms_per_mb: float
@@ -80,7 +82,8 @@ class Probe:
 
 
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
-                       group: Any = None, device: Any = "cpu", alone: int = 3) -> Probe:
+                       group: Any = None, device: Any = "cpu", alone: int = 3,
+                       issue: Callable[[Any], Any] | None = None, parts: int = 1) -> Probe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -97,6 +100,12 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     the ones that run gloo and the network stack): ``alone`` iterations first and one more
     after every sample, every iteration of the probe, and the difference per MB all-reduced
     (against the median iteration alone).
+
+    ``issue`` is the channel (default: ``dist.all_reduce`` on ``group``); the bench passes the
+    runtime's (:func:`usbyte_opt.runtime.comm.block_issuer`), whose gloo event loop polls
+    while a chain of blocks is on the wire and takes its core from the training thread. With
+    ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
+    an iteration are.
     """
     import torch
     import torch.distributed as dist
@@ -122,18 +131,24 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
         dev = torch.device("cpu")
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
     raw: list[list[float]] = []
+    if issue is None:
+        def issue(x: Any) -> Any:
+            return dist.all_reduce(x, group=group, async_op=True)
     for b in sizes:
-        x = buf.narrow(0, 0, b // 4)
+        n = b // 4
+        cuts = [n * k // max(1, parts) for k in range(max(1, parts) + 1)]
+        xs = [buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
         times = []
         for _ in range(repeats):
             dist.barrier(group=group)
             done_at.clear()
             t0 = time.perf_counter()
-            w = dist.all_reduce(x, group=group, async_op=True)
-            w.get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+            ws = [issue(x) for x in xs]
+            ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
                 timed_step(step_ms)
-            w.wait()
+            for w in ws:
+                w.wait()
             times.append((done_at[0] - t0) * 1e3)
             timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
         raw.append(times)
@@ -141,7 +156,9 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
     vals = flat.cpu().tolist()
     for k, b in enumerate(sizes):
-        out.append((int(b), float(median(vals[k * repeats:(k + 1) * repeats]))))
+        # Per block of the chain: what one block of b / parts bytes costs on the channel.
+        m = max(1, parts)
+        out.append((int(b) // m, float(median(vals[k * repeats:(k + 1) * repeats])) / m))
     alone_ms = median(solo)
     mb = sum(sizes) * repeats / 1e6
     lost = max(0.0, sum(step_ms) - len(step_ms) * alone_ms) / mb
@@ -174,10 +191,9 @@ def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = 
     """
     n = len(samples)
     if alpha_ms is not None and n >= 1:
-        num = sum(float(b) * (float(t) - alpha_ms) for b, t in samples)
-        den = sum(float(b) ** 2 for b, _ in samples)
-        if num > 0 and den > 0:
-            return float(alpha_ms), den / num / 1e6
+        bw = bandwidth_through(samples, alpha_ms)
+        if bw is not None:
+            return float(alpha_ms), bw
     if n < 2:
         raise ValueError("fit_absolute: expected at least two samples")
     xs = [float(b) for b, _ in samples]

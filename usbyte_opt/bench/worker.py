@@ -187,9 +187,14 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             say("measuring all-reduce under compute")
             total = sum(t.nbytes for t in prof.tensors)
             sizes = default_sizes(256 << 10, max(1 << 20, total), job.get("probe_points", 5))
+            from ..runtime.comm import block_issuer
+
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
+            # On the runtime's channel, each size as a chain of blocks, as training sends it.
+            issue, _ = block_issuer(None, dev)
             probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3),
-                                        device=dev)
+                                        device=dev, issue=issue, parts=4)
+            del issue
             probe_samples = list(probed.samples)
             loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb)
             del probe

@@ -2,7 +2,15 @@
 
 Each size is all-reduced ``warmup`` times untimed and ``repeats`` times timed (three times as
 many below 1 MiB, where a sample costs next to nothing and scheduler noise is largest),
-round-robin over the sizes; before each timed call the ranks meet at a barrier. Ranks leave a barrier at slightly
+round-robin over the sizes; before each timed sample the ranks meet at a barrier.
+
+A sample below 1 MiB is a **chain** of ``CHAIN`` all-reduces issued back to back, timed whole
+and divided by their number: in an iteration the blocks follow one another on the channel,
+and what a block costs there is not what one isolated call costs. On gloo the runtime sends
+its blocks through a one-thread group (:func:`usbyte_opt.runtime.comm.serial_group`), where a
+small all-reduce right after another took 3-4 ms (lab and loopback alike) against 0.3-0.9 ms
+isolated; the profiler therefore times that same channel (``issue``), and the fitted alpha is
+what every extra block of a schedule really costs. Ranks leave a barrier at slightly
 different moments, and the first one out times its wait for the others as part of the
 collective; the last one out sees only the collective itself, from "everybody has joined"
 to "done", which is what the iteration model's ``c(b)`` is (waiting for a late rank is
@@ -40,9 +48,14 @@ ANALYTIC_WORLD_SIZE = 8
 ANALYTIC_BANDWIDTH_GBPS = 25.0
 ANALYTIC_ALPHA_MS = 1.3
 
-#: Sizes below SMALL_BYTES get SMALL_REPEAT_FACTOR times the repeats.
+#: Sizes below SMALL_BYTES get SMALL_REPEAT_FACTOR times the repeats, and each of their
+#: samples is a chain of CHAIN back-to-back calls.
 SMALL_BYTES = 1 << 20
 SMALL_REPEAT_FACTOR = 3
+CHAIN = 4
+
+#: Issues one asynchronous sum all-reduce of a tensor on the measured channel.
+Issue = Callable[[torch.Tensor], Any]
 
 
 def default_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, points: int = 12) -> list[int]:
@@ -100,6 +113,9 @@ class Sweep:
     sizes: list[int]
     raw_ms: list[list[float]] = field(default_factory=list)
     medians_ms: list[float] = field(default_factory=list)
+    chains: list[int] = field(default_factory=list)
+    """Calls per sample, per size (a sample's time is per call)."""
+    channel: str = "process group"
 
     def samples(self) -> list[tuple[int, float]]:
         return [(b, m) for b, m in zip(self.sizes, self.medians_ms)]
@@ -107,27 +123,38 @@ class Sweep:
 
 def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                     device: torch.device | str = "cpu", group: Any = None,
-                    progress: Progress | None = None, barrier: Callable[[], None] | None = None) -> Sweep:
-    """Time ``dist.all_reduce`` of float32 tensors of each size on ``group`` (a collective:
-    every rank calls it with the same arguments).
+                    progress: Progress | None = None, barrier: Callable[[], None] | None = None,
+                    issue: Issue | None = None, chain: int = CHAIN) -> Sweep:
+    """Time all-reduces of float32 tensors of each size (a collective: every rank calls it
+    with the same arguments).
 
-    On CUDA the time comes from events around the call on the current stream (the NCCL
-    stream waits on it, and the call makes the current stream wait for NCCL); on CPU from
-    ``perf_counter`` around the blocking call.
+    ``issue`` is the channel measured: it starts one asynchronous all-reduce and returns its
+    work (default: ``dist.all_reduce`` on ``group``). Below 1 MiB a sample is ``chain`` calls
+    issued back to back, its time divided by ``chain``. On CUDA the time comes from events
+    around the calls on the current stream (the NCCL stream waits on it, and ``wait()``
+    makes the current stream wait for NCCL); on CPU from ``perf_counter`` around issue and
+    wait.
     """
     if repeats < 1:
         raise UsbyteError(f"--comm-repeats: expected an integer >= 1, got {repeats}")
+    if chain < 1:
+        raise UsbyteError(f"all-reduce sweep: expected a chain of >= 1 calls, got {chain}")
     device = torch.device(device)
     cuda = device.type == "cuda"
+    if issue is None:
+        def issue(x: torch.Tensor) -> Any:
+            return dist.all_reduce(x, group=group, async_op=True)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
     sweep = Sweep(list(sizes))
     views = [buf.narrow(0, 0, b // 4) for b in sizes]
     counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
+    chains = [chain if b < SMALL_BYTES else 1 for b in sizes]
     for _ in range(warmup):
-        for x in views:
-            dist.all_reduce(x, group=group)
+        for x, k in zip(views, chains):
+            for w in [issue(x) for _ in range(k)]:
+                w.wait()
 
-    def timed(x: torch.Tensor) -> float:
+    def timed(x: torch.Tensor, k: int) -> float:
         if cuda:
             torch.cuda.synchronize(device)
         if barrier is not None:
@@ -138,22 +165,25 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            dist.all_reduce(x, group=group)
+            for w in [issue(x) for _ in range(k)]:
+                w.wait()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end)
+            return start.elapsed_time(end) / k
         t = time.perf_counter()
-        dist.all_reduce(x, group=group)
-        return (time.perf_counter() - t) * 1e3
+        for w in [issue(x) for _ in range(k)]:
+            w.wait()
+        return (time.perf_counter() - t) * 1e3 / k
 
     # Round-robin over the sizes, not size after size: a burst of load from elsewhere then
     # touches every size alike instead of bending the curve at the sizes it happened to hit.
     sweep.raw_ms = [[] for _ in sizes]
+    sweep.chains = chains
     done, total = 0, sum(counts)
     for rep in range(max(counts)):
         for k, x in enumerate(views):
             if rep < counts[k]:
-                sweep.raw_ms[k].append(timed(x))
+                sweep.raw_ms[k].append(timed(x, chains[k]))
                 done += 1
         if progress:
             progress("all-reduce", done, total)
@@ -175,9 +205,12 @@ def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dic
     alpha, algbw = fit_samples(samples)
     rel = [abs(alpha + b / (algbw * 1e6) - ms) / ms for b, ms in samples]
     record = {
-        "method": "barrier before each call; last-arriving (minimum) rank per sample; median per size; "
+        "method": "barrier before each sample (below 1 MiB a chain of back-to-back calls, time per "
+                  "call); last-arriving (minimum) rank per sample; median per size; "
                   "usbyte_opt.cost.fit_samples on the medians",
+        "channel": sweep.channel,
         "sizes_bytes": sweep.sizes,
+        "chain": sweep.chains,
         "raw_ms": [[round(t, 6) for t in ts] for ts in sweep.raw_ms],
         "fit": {"alpha_ms": alpha, "algbw_gbs": algbw,
                 "max_rel_error": max(rel) if rel else math.nan},

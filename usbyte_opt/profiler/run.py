@@ -190,8 +190,14 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
     notes: list[str] = []
     if world > 1:
         sizes = list(comm_sizes) if comm_sizes else default_sizes()
+        # The channel the runtime's blocks take (on gloo its one-thread group), so that alpha
+        # is what one more block costs there.
+        from ..runtime.comm import block_issuer
+
+        issue, channel = block_issuer(group, dev)
         sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress,
-                                barrier=lambda: barrier(group, dev, backend))
+                                barrier=lambda: barrier(group, dev, backend), issue=issue)
+        sweep.channel = channel
         # The profile format knows nccl/gloo/mpi/ucc; another backend is filed under the one
         # it stands in for on this device, and meta.backend keeps its real name.
         label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")

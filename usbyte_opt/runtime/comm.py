@@ -32,7 +32,7 @@ from __future__ import annotations
 import itertools
 import os
 from datetime import timedelta
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -77,6 +77,28 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), opts)
 
 
+def wants_serial(group: dist.ProcessGroup | None, device: torch.device) -> bool:
+    """Whether blocks of ``device`` tensors go through :func:`serial_group`: CPU tensors on
+    gloo with more than one rank."""
+    return (device.type != "cuda" and dist.get_world_size(group) > 1
+            and "gloo" in str(dist.get_backend(group)))
+
+
+def block_issuer(group: dist.ProcessGroup | None, device: torch.device,
+                 timeout: timedelta | None = None) -> tuple[Callable[[torch.Tensor], dist.Work], str]:
+    """What the runtime's blocks of ``device`` tensors go through, as a function that starts
+    one sum all-reduce and returns its work, and the channel's name: the profiler times this,
+    so that the cost it fits is what a block costs the runtime. A collective call on gloo
+    (it creates the one-thread group)."""
+    if wants_serial(group, device):
+        pg = serial_group(group, timeout)
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return (lambda x: pg.allreduce([x], opts)), "gloo, one collective at a time (runtime channel)"
+    return (lambda x: dist.all_reduce(x, group=group, async_op=True)), \
+        f"{dist.get_backend(group)} process group"
+
+
 class Channel:
     """Issues and waits for the collectives of one :class:`DistributedOptimizer`.
 
@@ -107,7 +129,7 @@ class Channel:
         #: so that the backend that reduces the gradients reduces them too.
         self.comm_device = device
         if serial is None:
-            serial = not self.cuda and self.world_size > 1 and "gloo" in str(dist.get_backend(group))
+            serial = wants_serial(group, device)
         #: The one-thread gloo group the blocks go through, or None (blocks on ``group``).
         self.serial = serial_group(group, timeout) if serial else None
         self._opts = dist.AllreduceOptions()
