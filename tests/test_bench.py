@@ -171,3 +171,27 @@ def test_short_lab_run(tmp_path):
     assert res["comm"]["algbw_gbs"] < 0.05  # measured on the shaped link (25 MB/s), not loopback
     assert res["loaded_comm"] is not None and res["loaded_comm"]["algbw_gbs"] < 0.05
     assert not [n for n in list_namespaces() if n.startswith(f"usbyte-{os.getpid()}-")]
+
+
+def test_probe_times_chains_of_blocks_on_the_given_channel():
+    """comm_under_compute on a real (one-rank) gloo group: each size goes out as ``parts``
+    blocks through ``issue``, and a sample is the time of one block."""
+    import torch.distributed as dist
+
+    from usbyte_opt.bench.refine import comm_under_compute
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        issued = []
+
+        def issue(x):
+            issued.append(x.numel() * 4)
+            return dist.all_reduce(x, async_op=True)
+
+        a = torch.randn(64, 64)
+        probe = comm_under_compute(lambda: a @ a, [1 << 16, 1 << 18], repeats=2, issue=issue, parts=4)
+    finally:
+        dist.destroy_process_group()
+    assert issued == [1 << 14] * 8 + [1 << 16] * 8
+    assert [b for b, _ in probe.samples] == [1 << 14, 1 << 16]
+    assert all(ms > 0 for _, ms in probe.samples) and probe.step_alone_ms > 0

@@ -55,10 +55,10 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     all-reduces costs a flat few milliseconds each, while large ones cost their bytes at the
     link rate plus well under a millisecond, and the one-line compromise was 20% fast on the
     large messages and 40% fast on the small ones. So then **alpha** is re-read from the
-    latency-bound sizes (those whose bytes take less than alpha on the first line: the median
-    of their time less their bytes), and **bandwidth** from the others, by least squares on
-    absolute residuals through that alpha (:func:`bandwidth_through`). On a true line both
-    steps give the line.
+    latency-bound sizes (the smallest, and any whose bytes take under a quarter of alpha on the
+    first line: the median of their time less their bytes), and **bandwidth** from the
+    others, by least squares on absolute residuals through that alpha
+    (:func:`bandwidth_through`). On a true line both steps give the line.
 
     Example::
 
@@ -68,7 +68,7 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         >>> flat = [(4096, 3.9), (16384, 3.8), (65536, 3.6), (1 << 20, 42.0), (4 << 20, 168.0)]
         >>> a, bw = fit_samples(flat)       # 25 MB/s and ~0.5 ms on the large ones
         >>> round(a, 1), round(bw * 1e3, 1)
-        (3.2, 25.5)
+        (3.5, 25.6)
     """
     import numpy as np
     from scipy.optimize import least_squares
@@ -87,10 +87,12 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
 
     res = least_squares(resid, x0=[alpha0, beta0 * 1e9], bounds=([0.0, 1e-9], [np.inf, np.inf]))
     alpha, beta = float(res.x[0]), float(res.x[1]) * 1e-9
-    latency = b * beta <= alpha
+    # Latency-bound: bytes that take under a quarter of alpha on the first line (at least the
+    # smallest message); the rest set the bandwidth.
+    latency = b * beta <= alpha / 4
+    latency[int(np.argmin(b))] = True
     if (~latency).any():
-        if latency.any():
-            alpha = max(0.0, float(np.median(t[latency] - b[latency] * beta)))
+        alpha = max(0.0, float(np.median(t[latency] - b[latency] * beta)))
         bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b[~latency], t[~latency])], alpha)
         if bw is not None:
             return alpha, bw

@@ -99,7 +99,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "update_ms": raw["planned"]["update_ms"],
         "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs")},
         "loaded_comm": ({k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
-                                                                  "step_alone_ms", "samples")}
+                                                                  "cpu_ms_per_block", "step_alone_ms",
+                                                                  "samples")}
                         if raw.get("loaded_comm") else None),
         "gradient_bytes": raw["gradient_bytes"],
         "allreduce_all_ms": raw["comm"]["alpha_ms"] + raw["gradient_bytes"] / (raw["comm"]["algbw_gbs"] * 1e6),
@@ -156,7 +157,8 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms",
         *([f"- all-reduce while training computes (for the refined prediction): alpha "
            f"{result['loaded_comm']['alpha_ms']:.3f} ms, algbw {result['loaded_comm']['algbw_gbs'] * 1e3:.1f} MB/s; "
-           f"training-thread time lost to communication {result['loaded_comm']['cpu_ms_per_mb'] or 0:.1f} ms per MB"]
+           f"training-thread time lost to communication {result['loaded_comm']['cpu_ms_per_mb'] or 0:.1f} ms per MB "
+           f"and {result['loaded_comm'].get('cpu_ms_per_block') or 0:.2f} ms per block"]
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",

@@ -73,19 +73,14 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
 def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_scale: float = 1.0) -> None:
     """Set ``refined_ms`` of every prediction in ``planned`` (from :func:`plan`): the runtime's
     update rule, the all-reduce cost measured under compute and compute stretched by what
-    communication costs it (``loaded = (comm, cpu_ms_per_mb)``, when probed), and compute
+    communication costs it (``loaded = (comm, cpu_ms_per_mb, cpu_ms_per_block)``, when probed), and compute
     scaled by ``compute_scale`` (measured ``no-comm`` over predicted: :func:`~.refine.scaled`)."""
     from ..problem import Problem
     from .refine import refined_fence, refined_overlap, scaled, stretched
 
     base = scaled(profile, compute_scale)
-    if loaded is not None:
-        comm, cpu_ms_per_mb = loaded
-        rp = Problem.from_profile(stretched(base, cpu_ms_per_mb).with_comm(comm))
-        rp_fence = Problem.from_profile(base.with_comm(comm))
-    else:
-        cpu_ms_per_mb = 0.0
-        rp = rp_fence = Problem.from_profile(base)
+    comm, per_mb, per_block = loaded if loaded is not None else (None, 0.0, 0.0)
+    rp_fence = Problem.from_profile(base.with_comm(comm) if comm is not None else base)
     for s, pred in planned["predicted"].items():
         if s == REFERENCE:
             pred["refined_ms"] = (planned["compute_ms"] + planned["update_ms"]) * compute_scale
@@ -93,8 +88,10 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
         sched = planned["schedules"][s]
         if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
             lay = rp_fence.layout(sched.buffers)
-            pred["refined_ms"] = refined_fence(rp_fence, lay, sched.blocks, cpu_ms_per_mb)
+            pred["refined_ms"] = refined_fence(rp_fence, lay, sched.blocks, per_mb, per_block)
         else:
+            p = stretched(base, per_mb, per_block, len(sched.blocks))
+            rp = Problem.from_profile(p.with_comm(comm) if comm is not None else p)
             pred["refined_ms"] = refined_overlap(rp, rp.layout(sched.buffers), sched.blocks)
 
 
@@ -186,17 +183,21 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 
             say("measuring all-reduce under compute")
             total = sum(t.nbytes for t in prof.tensors)
-            sizes = default_sizes(256 << 10, max(1 << 20, total), job.get("probe_points", 5))
+            # Chains of 4 blocks: of 4 KiB (what a collective costs) and from 64 KiB to a
+            # quarter of the gradient (what bytes cost).
+            sizes = [16 << 10] + default_sizes(256 << 10, max(1 << 20, total),
+                                               job.get("probe_points", 5))
             from ..runtime.comm import block_issuer
 
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
             # On the runtime's channel, each size as a chain of blocks, as training sends it.
             issue, _ = block_issuer(None, dev)
-            probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 3),
+            probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 4),
                                         device=dev, issue=issue, parts=4)
             del issue
             probe_samples = list(probed.samples)
-            loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb)
+            loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb,
+                      probed.cpu_ms_per_block)
             del probe
         t_probe = time.perf_counter() - t_start - t_profile
 
@@ -304,7 +305,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                      "algbw_gbs": prof.comm.algbw_gbs, "samples": [list(s) for s in prof.comm.samples]},
             "loaded_comm": None if loaded is None else {
                 "alpha_ms": loaded[0].alpha_ms, "algbw_gbs": loaded[0].algbw_gbs,
-                "cpu_ms_per_mb": loaded[1], "step_alone_ms": probed.step_alone_ms,
+                "cpu_ms_per_mb": loaded[1], "cpu_ms_per_block": loaded[2],
+                "step_alone_ms": probed.step_alone_ms,
                 "samples": [list(x) for x in probe_samples],
                 "method": "async all-reduce after a barrier while training iterations run; "
                           "issue to completion, minimum over ranks, median of repeats"},
