@@ -131,7 +131,8 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         "the same simulator with the runtime's update rule (the optimizer step runs on the training "
         "thread at the forward gates), the all-reduce bandwidth measured while training computes "
         "(alpha from the profile), compute stretched by the training-thread time communication "
-        "costs per MB, and compute recalibrated to the side-by-side `no-comm` run (the scale is "
+        "costs per block and per MB (both measured beside training iterations before training), "
+        "and compute recalibrated to the side-by-side `no-comm` run (the scale is "
         "given per case). `no-comm`: the same training without any communication, side by side "
         "(the compute the prediction assumes). The lab: MTU 9000, tbf on both ends of the veth "
         "pair; the runtime runs one block in flight on gloo.",

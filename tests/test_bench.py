@@ -189,9 +189,11 @@ def test_probe_times_chains_of_blocks_on_the_given_channel():
             return dist.all_reduce(x, async_op=True)
 
         a = torch.randn(64, 64)
-        probe = comm_under_compute(lambda: a @ a, [1 << 16, 1 << 18], repeats=2, issue=issue, parts=4)
+        probe = comm_under_compute(lambda: a @ a, [1 << 16, 1 << 18], repeats=2, issue=issue,
+                                   parts=[8, 4])
     finally:
         dist.destroy_process_group()
-    assert issued == [1 << 14] * 8 + [1 << 16] * 8
-    assert [b for b, _ in probe.samples] == [1 << 14, 1 << 16]
+    assert issued == [1 << 13] * 16 + [1 << 16] * 8
+    assert [b for b, _ in probe.samples] == [1 << 13, 1 << 16]
+    assert probe.cpu_ms_per_block >= 0 and probe.cpu_ms_per_mb >= 0
     assert all(ms > 0 for _, ms in probe.samples) and probe.step_alone_ms > 0

@@ -87,7 +87,8 @@ class Probe:
 
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
                        group: Any = None, device: Any = "cpu", alone: int = 3,
-                       issue: Callable[[Any], Any] | None = None, parts: int = 1) -> Probe:
+                       issue: Callable[[Any], Any] | None = None,
+                       parts: int | Sequence[int] = 1) -> Probe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -112,7 +113,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     runtime's (:func:`usbyte_opt.runtime.comm.block_issuer`), whose gloo event loop polls
     while a chain of blocks is on the wire and takes its core from the training thread. With
     ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
-    an iteration are.
+    an iteration are (one number for every size, or one per size).
     """
     import torch
     import torch.distributed as dist
@@ -142,9 +143,12 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     if issue is None:
         def issue(x: Any) -> Any:
             return dist.all_reduce(x, group=group, async_op=True)
-    for b in sizes:
+    counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
+    if len(counts) != len(sizes):
+        raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
+    for b, m in zip(sizes, counts):
         n = b // 4
-        cuts = [n * k // max(1, parts) for k in range(max(1, parts) + 1)]
+        cuts = [n * k // m for k in range(m + 1)]
         xs = [buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
         times = []
         first = len(step_ms)
@@ -165,13 +169,12 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
     vals = flat.cpu().tolist()
-    for k, b in enumerate(sizes):
+    for k, (b, m) in enumerate(zip(sizes, counts)):
         # Per block of the chain: what one block of b / parts bytes costs on the channel.
-        m = max(1, parts)
         out.append((int(b) // m, float(median(vals[k * repeats:(k + 1) * repeats])) / m))
     alone_ms = median(solo)
     lost = [sum(ts) - len(ts) * alone_ms for ts in lost_steps]
-    per_block, per_mb = fit_cpu_cost(lost, [max(1, parts) * repeats] * len(sizes),
+    per_block, per_mb = fit_cpu_cost(lost, [m * repeats for m in counts],
                                      [b * repeats / 1e6 for b in sizes])
     mine = torch.tensor([alone_ms, per_mb, per_block], dtype=torch.float64, device=dev)
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)

@@ -183,17 +183,18 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 
             say("measuring all-reduce under compute")
             total = sum(t.nbytes for t in prof.tensors)
-            # Chains of 4 blocks: of 4 KiB (what a collective costs) and from 64 KiB to a
-            # quarter of the gradient (what bytes cost).
-            sizes = [16 << 10] + default_sizes(256 << 10, max(1 << 20, total),
-                                               job.get("probe_points", 5))
+            # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and
+            # chains of 4 blocks from 64 KiB to a quarter of the gradient (what bytes cost).
+            sizes = [128 << 10] + default_sizes(256 << 10, max(1 << 20, total),
+                                                job.get("probe_points", 5))
+            parts = [32] + [4] * (len(sizes) - 1)
             from ..runtime.comm import block_issuer
 
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
             # On the runtime's channel, each size as a chain of blocks, as training sends it.
             issue, _ = block_issuer(None, dev)
             probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 4),
-                                        device=dev, issue=issue, parts=4)
+                                        device=dev, issue=issue, parts=parts)
             del issue
             probe_samples = list(probed.samples)
             loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb,
