@@ -141,8 +141,9 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     raw: list[list[float]] = []
     lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
     if issue is None:
-        def issue(x: Any) -> Any:
-            return dist.all_reduce(x, group=group, async_op=True)
+        from ..runtime.comm import sum_issuer
+
+        issue = sum_issuer(group)
     counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
     if len(counts) != len(sizes):
         raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
@@ -302,8 +303,7 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpe
     the runtime's channel, idle). Measured alternatives did worse in the lab: a free intercept
     through the probe's large blocks came out at 5 ms where traced blocks paid 2 ms, and chains
     of 4 KiB blocks under compute cost 1.7 ms each where the traced small blocks of ``usbyte``
-    paid 2-5 ms (they follow large blocks, whose end the peer rank reaches at its own time);
-    with the profile's 2.9 ms every strategy of ``lab-vgg`` at 200 Mbit/s came within 6%.
+    paid 2-5 ms; with the profile's 2.9 ms every strategy of ``lab-vgg`` at 200 Mbit/s came within 6%.
 
     Example::
 

@@ -179,6 +179,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         probe_samples: list[Any] = []
         if job.get("probe", True) and world > 1:
             from ..profiler.comm import default_sizes
+            from ..runtime.comm import block_issuer
             from .refine import comm_under_compute, loaded_comm
 
             say("measuring all-reduce under compute")
@@ -188,8 +189,6 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             sizes = [128 << 10] + default_sizes(256 << 10, max(1 << 20, total),
                                                 job.get("probe_points", 5))
             parts = [32] + [4] * (len(sizes) - 1)
-            from ..runtime.comm import block_issuer
-
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
             # On the runtime's channel, each size as a chain of blocks, as training sends it.
             issue, _ = block_issuer(None, dev)
@@ -309,8 +308,9 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                 "cpu_ms_per_mb": loaded[1], "cpu_ms_per_block": loaded[2],
                 "step_alone_ms": probed.step_alone_ms,
                 "samples": [list(x) for x in probe_samples],
-                "method": "async all-reduce after a barrier while training iterations run; "
-                          "issue to completion, minimum over ranks, median of repeats"},
+                "method": "chains of blocks on the runtime's channel, issued after a barrier "
+                          "while training iterations run; issue to completion of the last, "
+                          "minimum over ranks, median of repeats, per block"},
             "gradient_bytes": sum(t.nbytes for t in prof.tensors),
             "tensors": len(prof.tensors),
             "planned": {"lower_bound_ms": planned["lower_bound_ms"], "compute_ms": planned["compute_ms"],

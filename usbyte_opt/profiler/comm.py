@@ -38,6 +38,7 @@ import torch.distributed as dist
 from ..cost import fit_samples, retarget
 from ..errors import UsbyteError
 from ..formats import CommSpec
+from ..runtime.comm import sum_issuer
 from .timing import median
 
 Progress = Callable[[str, int, int], None]
@@ -142,17 +143,19 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
     device = torch.device(device)
     cuda = device.type == "cuda"
     if issue is None:
-        def issue(x: torch.Tensor) -> Any:
-            return dist.all_reduce(x, group=group, async_op=True)
+        issue = sum_issuer(group)
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
     sweep = Sweep(list(sizes))
     views = [buf.narrow(0, 0, b // 4) for b in sizes]
     counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
     chains = [chain if b < SMALL_BYTES else 1 for b in sizes]
+    def run_chain(x: torch.Tensor, k: int) -> None:
+        for w in [issue(x) for _ in range(k)]:
+            w.wait()
+
     for _ in range(warmup):
         for x, k in zip(views, chains):
-            for w in [issue(x) for _ in range(k)]:
-                w.wait()
+            run_chain(x, k)
 
     def timed(x: torch.Tensor, k: int) -> float:
         if cuda:
@@ -165,14 +168,12 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            for w in [issue(x) for _ in range(k)]:
-                w.wait()
+            run_chain(x, k)
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / k
         t = time.perf_counter()
-        for w in [issue(x) for _ in range(k)]:
-            w.wait()
+        run_chain(x, k)
         return (time.perf_counter() - t) * 1e3 / k
 
     # Round-robin over the sizes, not size after size: a burst of load from elsewhere then

@@ -88,19 +88,26 @@ def wants_serial(group: dist.ProcessGroup | None, device: torch.device) -> bool:
             and "gloo" in str(dist.get_backend(group)))
 
 
-def block_issuer(group: dist.ProcessGroup | None, device: torch.device,
-                 timeout: timedelta | None = None) -> tuple[Callable[[torch.Tensor], dist.Work], str]:
-    """What the runtime's blocks of ``device`` tensors go through, as a function that starts
-    one sum all-reduce and returns its work, and the channel's name: the profiler times this,
-    so that the cost it fits is what a block costs the runtime. A collective call on gloo
-    (it creates the one-thread group)."""
-    if wants_serial(group, device):
-        pg = serial_group(group, timeout)
+def sum_issuer(group: dist.ProcessGroup | None,
+               serial: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor], dist.Work]:
+    """A function that starts one asynchronous sum all-reduce of a tensor and returns its
+    work: on ``serial`` (a :func:`serial_group`) when given, else on ``group``."""
+    if serial is not None:
         opts = dist.AllreduceOptions()
         opts.reduceOp = dist.ReduceOp.SUM
-        return (lambda x: pg.allreduce([x], opts)), "gloo, one collective at a time (runtime channel)"
-    return (lambda x: dist.all_reduce(x, group=group, async_op=True)), \
-        f"{dist.get_backend(group)} process group"
+        return lambda x: serial.allreduce([x], opts)
+    return lambda x: dist.all_reduce(x, group=group, async_op=True)
+
+
+def block_issuer(group: dist.ProcessGroup | None, device: torch.device,
+                 timeout: timedelta | None = None) -> tuple[Callable[[torch.Tensor], dist.Work], str]:
+    """What the runtime's blocks of ``device`` tensors go through (:func:`sum_issuer`), and the
+    channel's name: the profiler times this, so that the cost it fits is what a block costs
+    the runtime. A collective call on gloo (it creates the one-thread group)."""
+    if wants_serial(group, device):
+        return sum_issuer(group, serial_group(group, timeout)), \
+            "gloo, one collective at a time (runtime channel)"
+    return sum_issuer(group), f"{dist.get_backend(group)} process group"
 
 
 class Channel:
@@ -115,7 +122,7 @@ class Channel:
     """
 
     __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "scale",
-                 "comm_device", "serial", "_opts")
+                 "comm_device", "serial", "_issue")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout: timedelta | None, serial: bool | None = None):
@@ -136,8 +143,7 @@ class Channel:
             serial = wants_serial(group, device)
         #: The one-thread gloo group the blocks go through, or None (blocks on ``group``).
         self.serial = serial_group(group, timeout) if serial else None
-        self._opts = dist.AllreduceOptions()
-        self._opts.reduceOp = dist.ReduceOp.SUM
+        self._issue = sum_issuer(group, self.serial)
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
         """Average ``view`` over the ranks, asynchronously (pre-divide, then sum)."""
@@ -148,9 +154,7 @@ class Channel:
                     cur.wait_stream(s)
         if self.world_size > 1:
             view.mul_(self.scale)
-        if self.serial is not None:
-            return self.serial.allreduce([view], self._opts)
-        return dist.all_reduce(view, group=self.group, async_op=True)
+        return self._issue(view)
 
     def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work:
         return dist.all_reduce(t, op=op, group=self.group, async_op=True)
