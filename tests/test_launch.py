@@ -54,7 +54,8 @@ def test_launch_runs_torchrun_with_the_schedule(tmp_path: Path):
     res = cli("launch", "--schedule", str(sched), "--nproc-per-node", "2", "--master-port",
               str(__import__("usbyte_opt.runtime.local", fromlist=["free_port"]).free_port()),
               str(script), str(out), "--schedule", "for-the-script", timeout=180)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, (f"written: {sorted(p.name for p in out.iterdir())}\n"
+                                 f"stdout: {res.stdout[-2000:]}\nstderr: {res.stderr[-3000:]}")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["world"] for r in ranks] == [2, 2]
     assert all(r["source"] == str(sched.resolve()) for r in ranks)

@@ -316,6 +316,9 @@ def test_close_gives_gradients_back(pg):
     w = m[0].weight.detach().clone()
     m(torch.randn(2, 4))            # no hooks any more
     assert torch.equal(w, m[0].weight)
+    with pytest.raises(UsbyteError, match="step\\(\\) on a closed DistributedOptimizer"):
+        opt.step()
+    opt.close()                     # twice is harmless
 
 
 def test_default_plan_warns_once_per_construction(pg, monkeypatch):

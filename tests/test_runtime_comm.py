@@ -55,3 +55,63 @@ def test_two_in_flight_on_request():
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert not r.value["serial"]
         assert r.value["values"] == [(1.5, 1.5)] * 3
+
+
+def threads() -> int:
+    import os
+    return len(os.listdir("/proc/self/task"))
+
+
+def release_at_exit(rank: int, ws: int) -> dict:
+    """Train two steps, then run the exit hook twice: while rank 1 holds back its blocks (a
+    collective in flight: skipped) and once everything finished (the channel is released)."""
+    import time
+
+    from usbyte_opt.errors import UsbyteError
+    from usbyte_opt.runtime import DistributedOptimizer, default_schedule
+    from usbyte_opt.runtime.optimizer import _OPEN, _release_at_exit
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
+                               schedule=default_schedule(m, ws))
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.synchronize()
+    torch.distributed.barrier()
+    if rank == 1:
+        time.sleep(1.0)
+    m(torch.randn(3, 4)).sum().backward()
+    opt.step()                       # the last call of a script: nothing waits for the blocks
+    kept = None
+    if rank == 0:                    # rank 1 has not issued yet: in flight, so left alone
+        _release_at_exit()
+        kept = opt._chan.serial is not None and opt in _OPEN
+    while not all(w.is_completed() for w in opt._works if w is not None):
+        time.sleep(0.01)
+    if opt._usage_work is not None:
+        opt._usage_work.wait()
+    before = threads()
+    _release_at_exit()
+    after = threads()
+    try:
+        m(torch.randn(3, 4)).sum().backward()
+        opt.step()
+        closed_error = None
+    except UsbyteError as e:
+        closed_error = str(e)
+    return {"kept": kept, "released": opt._chan.serial is None and opt not in _OPEN,
+            "threads": (before, after), "closed_error": closed_error}
+
+
+def test_exit_hook_releases_the_one_thread_group_only_when_idle():
+    res = run_local(release_at_exit, 2, timeout_s=120, pg_timeout_s=60)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        v = r.value
+        if r.rank == 0:
+            assert v["kept"] is True
+        assert v["released"]
+        before, after = v["threads"]
+        assert after < before       # the group's worker (and its device loop) joined
+        assert "closed DistributedOptimizer" in v["closed_error"]

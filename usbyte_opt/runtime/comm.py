@@ -41,6 +41,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..errors import UsbyteError
 from .checks import wait as _wait
 
 
@@ -110,6 +111,10 @@ def block_issuer(group: dist.ProcessGroup | None, device: torch.device,
     return sum_issuer(group), f"{dist.get_backend(group)} process group"
 
 
+def _closed(x: torch.Tensor) -> dist.Work:
+    raise UsbyteError("all-reduce on a closed DistributedOptimizer: create a new one to train on")
+
+
 class Channel:
     """Issues and waits for the collectives of one :class:`DistributedOptimizer`.
 
@@ -162,6 +167,12 @@ class Channel:
     def broadcast(self, t: torch.Tensor) -> dist.Work:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         return dist.broadcast(t, src, group=self.group, async_op=True)
+
+    def close(self) -> None:
+        """Release the one-thread group (its destructor joins its worker thread): call once
+        nothing is in flight. Later blocks raise :class:`~usbyte_opt.errors.UsbyteError`."""
+        self._issue = _closed
+        self.serial = None
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""

@@ -64,7 +64,9 @@ Choices, with reasons:
 
 from __future__ import annotations
 
+import atexit
 import os
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
@@ -80,6 +82,21 @@ from .comm import Channel
 from .default_plan import model_tensors, trainable_parameters
 
 ScheduleArg = Schedule | str | os.PathLike | None
+
+#: Optimizers whose channel is still open; :func:`_release_at_exit` closes them.
+_OPEN: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    """Close, while the interpreter is still whole, the channels of the optimizers a script
+    did not close. A gloo worker thread that drops the last reference to a block's tensor
+    needs the GIL; during interpreter finalization that thread is stopped and the process
+    aborts ("terminate called without an active exception"). Closing the one-thread group
+    here joins its worker first. Skipped for an optimizer with a collective still running
+    (a rank that failed mid-step must not wait for its peers on the way out)."""
+    for opt in list(_OPEN):
+        opt._release(wait=False)
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -242,6 +259,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._handles: list[Any] = []
         self._install_hooks()
+        self._closed = False
+        _OPEN.add(self)
         # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
         # only then, so the runtime does not depend on it.
         self._trace = None
@@ -339,6 +358,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Returns:
             The closure's value, or ``None``.
         """
+        if self._closed:
+            raise UsbyteError("step() on a closed DistributedOptimizer: create a new one to "
+                              "train on")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -444,12 +466,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
                           "optimizer, then create the DistributedOptimizer")
 
     def close(self) -> None:
-        """Synchronize, remove the hooks and give parameters their own gradients back."""
+        """Synchronize, remove the hooks, give parameters their own gradients back and release
+        the communication channel (on gloo, its one-thread group and worker thread). The
+        optimizer cannot train after this; at interpreter exit, an optimizer not closed is
+        released the same way when nothing of it is still in flight."""
         self.synchronize()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._grads.detach()
+        self._release(wait=True)
+
+    def _release(self, wait: bool) -> None:
+        """Drop the works and close the channel; without ``wait``, only if every collective
+        already finished."""
+        works = [w for w in self._works if w is not None] + [w for w, *_ in self._buf_pending]
+        if self._usage_work is not None:
+            works.append(self._usage_work)
+        if not wait and not all(w.is_completed() for w in works):
+            return
+        for w in works:  # NCCL: completed on the host is not yet done on the stream
+            self._chan.wait(w, "a collective in flight at close()")
+        self._works = [None] * self._m
+        self._buf_pending = []
+        self._usage_work = None
+        self._chan.close()
+        self._closed = True
+        _OPEN.discard(self)
 
     # ------------------------------------------------------------------------------------
     # Backward: hooks and issue order
