@@ -208,6 +208,34 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     assert prof.meta["comm_sweep"]["chain"] == [4] * 5 + [1] * 3
 
 
+def test_two_ranks_record_what_allreduce_costs_the_training_thread(two_rank_profile):
+    prof, raw, _ = two_rank_profile
+    probe = prof.meta["cpu_probe"]
+    # The planner's compute-cost option, in the profile's comm and in the file.
+    assert prof.comm.cpu_ms_per_block == probe["cpu_ms_per_block"] >= 0
+    assert prof.comm.cpu_ms_per_mb == probe["cpu_ms_per_mb"] >= 0
+    assert prof.comm.cpu_ms_per_block + prof.comm.cpu_ms_per_mb > 0  # gloo on 2 shared cores
+    assert raw["comm"].get("cpu_ms_per_block", 0.0) == prof.comm.cpu_ms_per_block
+    # A chain of 32 blocks of 4 KiB, then chains of 4 up to the whole gradient; one sample
+    # (ms per block) per chain.
+    chains = probe["chains"]
+    assert chains[0] == {"bytes": 32 * 4096, "blocks": 32}
+    assert all(c["blocks"] == 4 for c in chains[1:])
+    assert [s["bytes"] for s in probe["samples"]] == [c["bytes"] // c["blocks"] for c in chains]
+    assert all(s["ms"] > 0 for s in probe["samples"]) and probe["step_alone_ms"] > 0
+
+
+def test_no_cpu_probe_leaves_the_option_out(edge_dir):
+    out = edge_dir / "profiles" / "noprobe.json"
+    r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "4",
+                 "--warmup", "1", "--repeats", "2", "--comm-max-mb", "1", "--comm-points", "3",
+                 "--comm-repeats", "2", "--no-cpu-probe", "--name", "noprobe", "-o", str(out),
+                 "--timeout-s", "60"], edge_dir)
+    assert r.returncode == 0, r.stderr
+    raw = json.loads(out.read_text())
+    assert "cpu_ms_per_block" not in raw["comm"] and "cpu_probe" not in raw["meta"]
+
+
 # --------------------------------------------------------------------------------------------
 # World size 1 through the API
 # --------------------------------------------------------------------------------------------

@@ -63,8 +63,9 @@ def threads() -> int:
 
 
 def release_at_exit(rank: int, ws: int) -> dict:
-    """Train two steps, then run the exit hook twice: while rank 1 holds back its blocks (a
-    collective in flight: skipped) and once everything finished (the channel is released)."""
+    """Train, then run the exit hook while rank 1 holds back its blocks: with no grace it
+    leaves the optimizer alone (a collective in flight); with the default grace it waits for
+    rank 1 and releases the channel. ``synchronize()`` leaves nothing in flight."""
     import time
 
     from usbyte_opt.errors import UsbyteError
@@ -78,21 +79,19 @@ def release_at_exit(rank: int, ws: int) -> dict:
     m(torch.randn(3, 4)).sum().backward()
     opt.step()
     opt.synchronize()
+    # Blocks, usage map, buffers: all finished.
+    idle = all(w.is_completed() for w in [*filter(None, opt._works), opt._usage_work])
     torch.distributed.barrier()
     if rank == 1:
         time.sleep(1.0)
     m(torch.randn(3, 4)).sum().backward()
     opt.step()                       # the last call of a script: nothing waits for the blocks
     kept = None
-    if rank == 0:                    # rank 1 has not issued yet: in flight, so left alone
-        _release_at_exit()
+    if rank == 0:                    # rank 1 has not issued yet: in flight, left alone
+        _release_at_exit(0.0)
         kept = opt._chan.serial is not None and opt in _OPEN
-    while not all(w.is_completed() for w in opt._works if w is not None):
-        time.sleep(0.01)
-    if opt._usage_work is not None:
-        opt._usage_work.wait()
     before = threads()
-    _release_at_exit()
+    _release_at_exit()               # waits for rank 1's blocks, then releases
     after = threads()
     try:
         m(torch.randn(3, 4)).sum().backward()
@@ -100,15 +99,16 @@ def release_at_exit(rank: int, ws: int) -> dict:
         closed_error = None
     except UsbyteError as e:
         closed_error = str(e)
-    return {"kept": kept, "released": opt._chan.serial is None and opt not in _OPEN,
+    return {"idle": idle, "kept": kept, "released": opt._chan.serial is None and opt not in _OPEN,
             "threads": (before, after), "closed_error": closed_error}
 
 
-def test_exit_hook_releases_the_one_thread_group_only_when_idle():
+def test_exit_hook_waits_for_collectives_then_releases_the_one_thread_group():
     res = run_local(release_at_exit, 2, timeout_s=120, pg_timeout_s=60)
     for r in res:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         v = r.value
+        assert v["idle"]
         if r.rank == 0:
             assert v["kept"] is True
         assert v["released"]

@@ -158,4 +158,6 @@ def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: floa
         hop = latency_us / 1000.0
     steps = 2 * (n - 1)
     backend = comm.backend if world_size is None else "analytic"
-    return CommSpec(backend, n, hop * steps, busbw * n / steps, ())
+    # The training thread's share of a collective is the host's, not the link's: kept.
+    return CommSpec(backend, n, hop * steps, busbw * n / steps, (), comm.cpu_ms_per_block,
+                    comm.cpu_ms_per_mb)

@@ -12,7 +12,10 @@ covering p, and ``max_p`` can be taken over every block covering p. So with a pe
     T_overlap = max(B + F, finish_last, max_k (finish_k + q_k))
     T_fence   = max(B, finish_last) + sum(update) + F
 
-Tests check these against the full simulator on random schedules.
+Tests check these against the full simulator on random schedules. With the compute-cost
+option (:meth:`Problem.stretch`), overlap mode scores the problem stretched for the schedule's
+block count, and fence mode lengthens ``B`` by the blocks started and the bytes on the wire
+before it ends, as :func:`usbyte_opt.simulate.simulate_blocks` does.
 
 Example::
 
@@ -66,5 +69,26 @@ def score(stats: Sequence[BlockStat], B: float, F: float, mode: str = "overlap",
 
 def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> float:
     """Iteration time of ``blocks`` on ``problem`` (same value as the full simulator)."""
+    if problem.charges_cpu:
+        if mode == "overlap":
+            problem = problem.stretched(problem.stretch(len(blocks)))
+        else:
+            return _fence_cpu(problem, block_stats(problem, layout, blocks), layout, blocks)
     return score(block_stats(problem, layout, blocks), problem.B, problem.F, mode,
                  sum(problem.update))
+
+
+def _fence_cpu(problem: Problem, stats: Sequence[BlockStat], layout: Layout,
+               blocks: Sequence[Block]) -> float:
+    """Fence mode with backward lengthened by the communication it overlaps."""
+    B = problem.B
+    per_block, per_mb = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+    t = 0.0
+    extra = 0.0
+    for (r, c, _), k in zip(stats, blocks):
+        start = r if r > t else t
+        t = start + c
+        if start < B:
+            nbytes = (k.end - k.start) * layout.itemsize[k.buffer]
+            extra += per_block + per_mb * nbytes / 1e6 * (min(t, B) - start) / max(c, 1e-12)
+    return max(B + extra, t) + sum(problem.update) + problem.F

@@ -87,6 +87,11 @@ class CommSpec:
     algbw_gbs: float
     samples: tuple[tuple[int, float], ...] = ()
     """Raw measurements ``(bytes, ms)``, optional."""
+    cpu_ms_per_block: float = 0.0
+    """Training-thread time one all-reduce costs while compute runs (its hook, the issue, the
+    backend's polling on a shared core), optional: the planner's compute-cost option."""
+    cpu_ms_per_mb: float = 0.0
+    """Training-thread time per MB all-reduced while compute runs, optional (same option)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +114,10 @@ class Profile:
         }
         if self.comm.samples:
             comm["samples"] = [{"bytes": b, "ms": ms} for b, ms in self.comm.samples]
+        if self.comm.cpu_ms_per_block:
+            comm["cpu_ms_per_block"] = self.comm.cpu_ms_per_block
+        if self.comm.cpu_ms_per_mb:
+            comm["cpu_ms_per_mb"] = self.comm.cpu_ms_per_mb
         tensors = []
         for t in self.tensors:
             d: dict[str, Any] = {
@@ -374,7 +383,9 @@ def _parse_profile(data: Any, source: str) -> Profile:
         p = f"comm.samples[{i}]"
         s = r.obj(s, p)
         samples.append((r.integer(s, "bytes", p, lo=1), r.num(s, "ms", p, lo=0, lo_open=True)))
-    comm = CommSpec(backend, ws, alpha, algbw, tuple(samples))
+    cpu_block = r.num(c, "cpu_ms_per_block", "comm", lo=0, default=0.0)
+    cpu_mb = r.num(c, "cpu_ms_per_mb", "comm", lo=0, default=0.0)
+    comm = CommSpec(backend, ws, alpha, algbw, tuple(samples), cpu_block, cpu_mb)
     return Profile(name, F, B, tuple(tensors), comm, dict(meta))
 
 
@@ -582,6 +593,10 @@ def profile_schema() -> dict[str, Any]:
                 "type": "object", "required": ["bytes", "ms"],
                 "properties": {"bytes": {"type": "integer", "minimum": 1},
                                "ms": {**_NUM, "exclusiveMinimum": 0}}}},
+            "cpu_ms_per_block": {**_NUM, "minimum": 0, "default": 0,
+                                 "description": "training-thread ms per all-reduce under compute"},
+            "cpu_ms_per_mb": {**_NUM, "minimum": 0, "default": 0,
+                              "description": "training-thread ms per MB all-reduced under compute"},
         },
     }
     return {

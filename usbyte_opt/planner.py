@@ -80,6 +80,9 @@ class Report:
         info = {k: v for k, v in r.plan.info.items() if isinstance(v, (int, float, str, bool))}
         extra = {"comm": {"alpha_ms": comm.alpha_ms, "algbw_gbs": comm.algbw_gbs,
                           "world_size": comm.world_size}, "info": info}
+        if self.problem.charges_cpu:
+            extra["comm"].update(cpu_ms_per_block=comm.cpu_ms_per_block,
+                                 cpu_ms_per_mb=comm.cpu_ms_per_mb)
         return self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra)
 
 
@@ -94,7 +97,8 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan, so it is never predicted slower than any of
-    them in either mode. ``options`` maps a strategy name to keyword arguments of its plan.
+    them in overlap mode (and, without the profile's compute-cost option, in fence mode
+    either: see docs/planner.md). ``options`` maps a strategy name to keyword arguments of its plan.
     """
     registry = load_builtin()
     names = list(strategies) if strategies is not None else list(registry)

@@ -68,6 +68,10 @@ class Problem:
     index: dict[str, int]
     B: float
     F: float
+    cpu_ms_per_block: float = 0.0
+    """Training-thread time per block (the profile's ``comm.cpu_ms_per_block``)."""
+    cpu_ms_per_mb: float = 0.0
+    """Training-thread time per MB all-reduced (the profile's ``comm.cpu_ms_per_mb``)."""
 
     @classmethod
     def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> "Problem":
@@ -85,7 +89,46 @@ class Problem:
             index={t.name: i for i, t in enumerate(ts)},
             B=profile.backward_ms,
             F=profile.forward_ms,
+            cpu_ms_per_block=profile.comm.cpu_ms_per_block,
+            cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
         )
+
+    @property
+    def charges_cpu(self) -> bool:
+        """Whether communication costs the training thread here (the compute-cost option)."""
+        return self.cpu_ms_per_block > 0 or self.cpu_ms_per_mb > 0
+
+    def stretch(self, blocks: int) -> float:
+        """Overlap mode's compute stretch for a schedule of ``blocks`` blocks.
+
+        The runtime issues every block from the training thread and the wire runs during
+        backward and the next forward, so one iteration's all-reduce costs compute
+        ``cpu_ms_per_mb`` x the gradient's MB plus ``cpu_ms_per_block`` x ``blocks``, spread
+        evenly over forward, backward and the updates: every compute time is multiplied by
+        ``1 + extra / (B + F)``. 1.0 without the option.
+
+        Example::
+
+            >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+            >>> prof = Profile("t", 40.0, 60.0, (TensorSpec("w", (250_000,), "float32", 30.0, 20.0),),
+            ...                CommSpec("gloo", 2, 0.1, 1.0, cpu_ms_per_block=0.5, cpu_ms_per_mb=10.0))
+            >>> Problem.from_profile(prof).stretch(4)      # (10 x 1 MB + 0.5 x 4) / 100 ms
+            1.12
+        """
+        if not self.charges_cpu:
+            return 1.0
+        compute = self.B + self.F
+        extra = (self.cpu_ms_per_mb * sum(map(int.__mul__, self.numel, self.itemsize)) / 1e6
+                 + self.cpu_ms_per_block * blocks)
+        return 1.0 + extra / compute if compute > 0 else 1.0
+
+    def stretched(self, factor: float) -> "Problem":
+        """This problem with every compute time (ready, need, update, B, F) times ``factor``
+        and the compute-cost option off (the stretch is its charge, applied once)."""
+        return Problem(self.profile, self.cost, self.names, [r * factor for r in self.ready],
+                       [x * factor for x in self.need], [u * factor for u in self.update],
+                       self.numel, self.itemsize, self.dtype, self.index, self.B * factor,
+                       self.F * factor)
 
     @property
     def n(self) -> int:

@@ -10,6 +10,12 @@ Time origin is the start of backward; milliseconds and bytes.
   and each next at ``t_p = max(t_prev + (need_p - need_prev), avail_p)``; forward ends at
   ``t_last + F - need_last``. ``T = max(forward end, finish(last block))``.
 * Fence mode (DDP, Horovod, WFBP, MG-WFBP): ``T = max(B, finish(last)) + sum(update) + F``.
+* Compute cost of communication (an option, on when the profile's ``comm`` carries
+  ``cpu_ms_per_block`` / ``cpu_ms_per_mb``; see docs/planner.md). Overlap mode: every compute
+  time is stretched by :meth:`Problem.stretch` for the schedule's block count (the runtime
+  issues from the training thread and the wire runs during backward and the next forward).
+  Fence mode: backward is lengthened by the blocks started before it ends and the bytes on the
+  wire until then; after backward the training thread only waits.
 
 Deterministic, no torch import. :func:`chrome_trace` turns a :class:`Timeline` into a trace
 that Perfetto (ui.perfetto.dev) or ``chrome://tracing`` opens.
@@ -98,6 +104,10 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     """Simulate ``blocks`` (issue order) over ``layout``; blocks must cover every buffer once."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    fence_cpu = mode == "fence" and problem.charges_cpu
+    per_block, per_mb = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+    if mode == "overlap" and problem.charges_cpu:
+        problem = problem.stretched(problem.stretch(len(blocks)))
     cost, ready, names = problem.cost, problem.ready, problem.names
     n = problem.n
     last = [-1.0] * n
@@ -121,6 +131,9 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
         missing = names[last.index(-1.0)]
         raise MismatchError(f"tensor {missing!r} is covered by no block")
     B, F = problem.B, problem.F
+    if fence_cpu:
+        B += sum(per_block + per_mb * b.nbytes / 1e6 * (min(b.finish_ms, B) - b.start_ms)
+                 / max(b.finish_ms - b.start_ms, 1e-12) for b in timings if b.start_ms < B)
     upd = problem.update
     gates = []
     if mode == "overlap":

@@ -8,13 +8,15 @@ Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_
    blocks issued during backward took up to twice the sweep's time. The bench times
    all-reduce again while training iterations run, and fits the line on absolute residuals
    (:func:`fit_absolute`), which weigh the large blocks an iteration is made of.
-3. **Communication costs compute** (:func:`stretched`): the same cores run gloo's copies and
-   reductions and the network stack (TCP, veth, tbf), so training iterations with all-reduce
-   in flight take longer. At 1 Gbit/s ``lab-cnn`` trained without communication exactly as
-   profiled, yet DDP and every schedule ran 50-70 ms slower than predicted with only 30 ms
-   of all-reduce per iteration. The probe measures the training-thread time lost per MB
-   all-reduced; the refined model stretches forward and backward by that much (DDP: only the
-   backward, by the bytes on the wire while it runs: :func:`refined_fence`).
+3. **Communication costs compute**: the same cores run gloo's copies and reductions and the
+   network stack (TCP, veth, tbf), so training iterations with all-reduce in flight take
+   longer. At 1 Gbit/s ``lab-cnn`` trained without communication exactly as profiled, yet DDP
+   and every schedule ran 50-70 ms slower than predicted with only 30 ms of all-reduce per
+   iteration. The probe (:func:`usbyte_opt.profiler.probe.comm_under_compute`) measures the
+   training-thread time lost per block and per MB all-reduced; this is now the planner's own
+   compute-cost option (:meth:`usbyte_opt.problem.Problem.stretch`; DDP's fence mode: only
+   backward, by what is on the wire while it runs), and the refined model charges the values
+   the bench measured.
 4. **gloo runs two collectives at once** (:func:`lanes_finish`): an urgent small block issued
    together with a big one shares the link with it and finishes ~3x later. Modelled as
    processor sharing over the whole iteration it did not improve the fit (it also lets
@@ -57,152 +59,13 @@ Example (two tensors; the output-side block finishes early, the input-side one a
 from __future__ import annotations
 
 import dataclasses
-import time
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Sequence
 
 from ..cost import bandwidth_through
 from ..formats import Block, CommSpec, Profile
 from ..problem import Layout, Problem
+from ..profiler.probe import Probe, comm_under_compute, fit_cpu_cost  # noqa: F401 - re-exported
 from ..simulate import simulate_blocks
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """What :func:`comm_under_compute` measured."""
-
-    samples: tuple[tuple[int, float], ...]
-    """``(bytes, ms)``: all-reduce time of one block while training iterations run (median,
-    min over ranks; a chain of ``parts`` blocks divided by ``parts``)."""
-    step_alone_ms: float
-    """A training iteration without any communication in flight (median, max over ranks)."""
-    cpu_ms_per_mb: float
-    """Training-thread time lost per MB all-reduced (max over ranks): iterations that ran
-    while all-reduce was in flight, less as many iterations alone, per MB moved (the part
-    that grows with bytes, when ``cpu_ms_per_block`` is fitted beside it)."""
-    cpu_ms_per_block: float = 0.0
-    """Training-thread time lost per block (collective) issued, fitted beside
-    ``cpu_ms_per_mb`` over the probe's sizes (non-negative least squares)."""
-
-
-def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
-                       group: Any = None, device: Any = "cpu", alone: int = 3,
-                       issue: Callable[[Any], Any] | None = None,
-                       parts: int | Sequence[int] = 1) -> Probe:
-    """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
-
-    The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
-    forward and backward keep every core busy, and on a small CPU machine gloo's threads wait
-    for a core at every step of the ring: the measured traces showed 100-300 KB blocks taking
-    twice the sweep's time during backward. Here each sample issues one async all-reduce of
-    ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
-    communication) until the future reports completion; the time is issue to completion, the
-    minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
-    A collective call: every rank must call it with the same sizes. ``device``: where the
-    buffers live (the training device under NCCL, the CPU under gloo).
-
-    It also measures what communication costs the training thread (the cores that compute are
-    the ones that run gloo and the network stack): ``alone`` iterations first and one more
-    after every sample, every iteration of the probe, and per size the time lost against the
-    median iteration alone; a per-block and a per-MB cost are fitted to those losses
-    (non-negative least squares), so chains of small blocks (whose cost is per collective:
-    hooks, issue, gloo's polling event loop) and of large ones (copies, reductions, the
-    network stack) both count.
-
-    ``issue`` is the channel (default: ``dist.all_reduce`` on ``group``); the bench passes the
-    runtime's (:func:`usbyte_opt.runtime.comm.block_issuer`), whose gloo event loop polls
-    while a chain of blocks is on the wire and takes its core from the training thread. With
-    ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
-    an iteration are (one number for every size, or one per size).
-    """
-    import torch
-    import torch.distributed as dist
-
-    from ..profiler.timing import median
-
-    solo: list[float] = []      # iterations with nothing in flight
-    step_ms: list[float] = []   # iterations while an all-reduce is in flight
-
-    def timed_step(into: list[float]) -> None:
-        t = time.perf_counter()
-        step()
-        into.append((time.perf_counter() - t) * 1e3)
-
-    dist.barrier(group=group)
-    for _ in range(alone):
-        timed_step(solo)
-
-    done_at: list[float] = []
-    out = []
-    dev = torch.device(device)
-    if dist.get_backend(group) != "nccl":
-        dev = torch.device("cpu")
-    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
-    raw: list[list[float]] = []
-    lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
-    if issue is None:
-        from ..runtime.comm import sum_issuer
-
-        issue = sum_issuer(group)
-    counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
-    if len(counts) != len(sizes):
-        raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
-    for b, m in zip(sizes, counts):
-        n = b // 4
-        cuts = [n * k // m for k in range(m + 1)]
-        xs = [buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
-        times = []
-        first = len(step_ms)
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            done_at.clear()
-            t0 = time.perf_counter()
-            ws = [issue(x) for x in xs]
-            ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
-            while not done_at:
-                timed_step(step_ms)
-            for w in ws:
-                w.wait()
-            times.append((done_at[0] - t0) * 1e3)
-            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
-        raw.append(times)
-        lost_steps.append(step_ms[first:])
-    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
-    dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
-    vals = flat.cpu().tolist()
-    for k, (b, m) in enumerate(zip(sizes, counts)):
-        # Per block of the chain: what one block of b / parts bytes costs on the channel.
-        out.append((int(b) // m, float(median(vals[k * repeats:(k + 1) * repeats])) / m))
-    alone_ms = median(solo)
-    lost = [sum(ts) - len(ts) * alone_ms for ts in lost_steps]
-    per_block, per_mb = fit_cpu_cost(lost, [m * repeats for m in counts],
-                                     [b * repeats / 1e6 for b in sizes])
-    mine = torch.tensor([alone_ms, per_mb, per_block], dtype=torch.float64, device=dev)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    alone_ms, per_mb, per_block = mine.cpu().tolist()
-    return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block))
-
-
-def fit_cpu_cost(lost_ms: Sequence[float], blocks: Sequence[int], mb: Sequence[float]) -> tuple[float, float]:
-    """``(ms per block, ms per MB)`` >= 0 that best explain the training-thread time lost
-    beside each probe size (``lost_ms[k]`` while ``blocks[k]`` collectives moved ``mb[k]`` MB),
-    by non-negative least squares (scipy).
-
-    Example::
-
-        >>> a, b = fit_cpu_cost([4 * 1.0 + 0.1 * 5, 4 * 1.0 + 4 * 5], [4, 4], [0.1, 4.0])
-        >>> round(a, 3), round(b, 3)
-        (1.0, 5.0)
-    """
-    import numpy as np
-    from scipy.optimize import nnls
-
-    if not lost_ms:
-        return 0.0, 0.0
-    a = np.array([[float(n), float(m)] for n, m in zip(blocks, mb)])
-    y = np.maximum(np.array([float(v) for v in lost_ms]), 0.0)
-    x, _ = nnls(a, y)
-    return float(x[0]), float(x[1])
 
 
 def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = None) -> tuple[float, float]:
@@ -243,28 +106,6 @@ def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = 
         alpha = 0.0
         beta = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
     return alpha, 1.0 / (beta * 1e6)
-
-
-def stretched(profile: Profile, cpu_ms_per_mb: float, cpu_ms_per_block: float = 0.0,
-              blocks: int = 0) -> Profile:
-    """``profile`` with forward and backward stretched by the training-thread time that one
-    iteration's all-reduce costs (``cpu_ms_per_mb`` x the gradient's MB, plus
-    ``cpu_ms_per_block`` x the schedule's ``blocks``), spread evenly.
-
-    Example::
-
-        >>> from usbyte_opt.formats import TensorSpec, CommSpec
-        >>> p = Profile("t", 40.0, 60.0, (TensorSpec("w", (250_000,), "float32", 30.0, 20.0),),
-        ...             CommSpec("gloo", 2, 0.1, 1.0))
-        >>> q = stretched(p, 10.0)           # 1 MB of gradient: 10 ms over 100 ms of compute
-        >>> q.forward_ms, q.backward_ms, q.tensors[0].ready_ms, q.tensors[0].need_ms
-        (44.0, 66.0, 33.0, 22.0)
-    """
-    compute = profile.forward_ms + profile.backward_ms
-    extra = cpu_ms_per_mb * sum(t.nbytes for t in profile.tensors) / 1e6 + cpu_ms_per_block * blocks
-    if compute <= 0 or extra <= 0:
-        return profile
-    return _times(profile, 1.0 + extra / compute, update=False)
 
 
 def _times(profile: Profile, factor: float, update: bool) -> Profile:
@@ -379,7 +220,10 @@ def lanes_finish(problem: Problem, layout: Layout, blocks: Sequence[Block], lane
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
                     lanes: int = 1) -> float:
     """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
-    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: DESIGN.md §2)."""
+    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: DESIGN.md §2). With
+    the compute-cost option, on the problem stretched for ``blocks`` (as the simulator)."""
+    if problem.charges_cpu:
+        problem = problem.stretched(problem.stretch(len(blocks)))
     tl = simulate_blocks(problem, layout, blocks, "overlap")
     fin_blocks = ([b.finish_ms for b in tl.blocks] if lanes == 1
                   else lanes_finish(problem, layout, blocks, lanes))
@@ -416,31 +260,6 @@ def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
     fwd_end = t + problem.F - prev_need if t is not None else problem.B + problem.F
     last = max(fin_blocks) if fin_blocks else 0.0
     return max(fwd_end, last)
-
-
-def refined_fence(problem: Problem, layout: Layout, blocks: Sequence[Block],
-                  cpu_ms_per_mb: float = 0.0, cpu_ms_per_block: float = 0.0) -> float:
-    """Fence mode (DDP): ``max(B', last finish) + U + F``, where backward is stretched by the
-    training-thread time of the bytes on the wire while it runs and of the blocks started in
-    it (after backward the training thread only waits, so communication costs it nothing
-    there).
-
-    Example (one 1 MB block from 2 to 4 ms, backward 6 ms; 5 ms lost per MB)::
-
-        >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
-        >>> prof = Profile("t", 4.0, 6.0, (TensorSpec("a", (250_000,), "float32", 2.0, 1.0),),
-        ...                CommSpec("analytic", 2, 1.0, 1.0))
-        >>> pb = Problem.from_profile(prof); lay = pb.layout()
-        >>> refined_fence(pb, lay, [lay.whole(0)]), refined_fence(pb, lay, [lay.whole(0)], 5.0)
-        (10.0, 15.0)
-    """
-    tl = simulate_blocks(problem, layout, blocks, "fence")
-    during = sum(b.nbytes * max(0.0, min(b.finish_ms, problem.B) - b.start_ms)
-                 / max(b.finish_ms - b.start_ms, 1e-12) for b in tl.blocks)
-    started = sum(1 for b in tl.blocks if b.start_ms < problem.B)
-    backward = problem.B + cpu_ms_per_mb * during / 1e6 + cpu_ms_per_block * started
-    last = max((b.finish_ms for b in tl.blocks), default=0.0)
-    return max(backward, last) + sum(problem.update) + problem.F
 
 
 __all__ = ["refined_overlap"]

@@ -75,24 +75,28 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
     update rule, the all-reduce cost measured under compute and compute stretched by what
     communication costs it (``loaded = (comm, cpu_ms_per_mb, cpu_ms_per_block)``, when probed), and compute
     scaled by ``compute_scale`` (measured ``no-comm`` over predicted: :func:`~.refine.scaled`)."""
+    import dataclasses
+
     from ..problem import Problem
-    from .refine import refined_fence, refined_overlap, scaled, stretched
+    from ..simulate import simulate_blocks
+    from .refine import refined_overlap, scaled
 
     base = scaled(profile, compute_scale)
-    comm, per_mb, per_block = loaded if loaded is not None else (None, 0.0, 0.0)
-    rp_fence = Problem.from_profile(base.with_comm(comm) if comm is not None else base)
+    comm, per_mb, per_block = (loaded if loaded is not None else
+                               (None, profile.comm.cpu_ms_per_mb, profile.comm.cpu_ms_per_block))
+    comm = dataclasses.replace(comm if comm is not None else base.comm, cpu_ms_per_mb=per_mb,
+                               cpu_ms_per_block=per_block)
+    rp = Problem.from_profile(base.with_comm(comm))
     for s, pred in planned["predicted"].items():
         if s == REFERENCE:
             pred["refined_ms"] = (planned["compute_ms"] + planned["update_ms"]) * compute_scale
             continue
         sched = planned["schedules"][s]
+        lay = rp.layout(sched.buffers)
         if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
-            lay = rp_fence.layout(sched.buffers)
-            pred["refined_ms"] = refined_fence(rp_fence, lay, sched.blocks, per_mb, per_block)
+            pred["refined_ms"] = simulate_blocks(rp, lay, sched.blocks, "fence").iteration_ms
         else:
-            p = stretched(base, per_mb, per_block, len(sched.blocks))
-            rp = Problem.from_profile(p.with_comm(comm) if comm is not None else p)
-            pred["refined_ms"] = refined_overlap(rp, rp.layout(sched.buffers), sched.blocks)
+            pred["refined_ms"] = refined_overlap(rp, lay, sched.blocks)
 
 
 def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
@@ -167,7 +171,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                 prof = profile_model(spec, job.get("batch_size"), name=job["name"], device=dev,
                                      warmup=job["profile_warmup"], repeats=job["profile_repeats"],
                                      optimizer=job["optimizer"], comm_sizes=job.get("comm_sizes"),
-                                     comm_repeats=job["comm_repeats"], progress=progress)
+                                     comm_repeats=job["comm_repeats"],
+                                     cpu_probe=job.get("probe", True), progress=progress)
             profile_path = str(out / "profile.json")
             if rank == 0:
                 save_profile(prof, profile_path)
@@ -177,18 +182,26 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         batch = prof.meta.get("batch_size") if job.get("batch_size") is None else job["batch_size"]
         loaded = None
         probe_samples: list[Any] = []
-        if job.get("probe", True) and world > 1:
-            from ..profiler.comm import default_sizes
+        step_alone: float | None = None
+        record = prof.meta.get("cpu_probe") if isinstance(prof.meta, dict) else None
+        if isinstance(record, dict) and world > 1:
+            # The profiler measured it (usbyte_opt.profiler.probe): the same probe, reused.
+            from .refine import loaded_comm
+
+            probe_samples = [(int(x["bytes"]), float(x["ms"])) for x in record["samples"]]
+            loaded = (loaded_comm(prof.comm, probe_samples), float(record["cpu_ms_per_mb"]),
+                      float(record["cpu_ms_per_block"]))
+            step_alone = record.get("step_alone_ms")
+        elif job.get("probe", True) and world > 1:
+            from ..profiler.probe import comm_under_compute, probe_sizes
             from ..runtime.comm import block_issuer
-            from .refine import comm_under_compute, loaded_comm
+            from .refine import loaded_comm
 
             say("measuring all-reduce under compute")
-            total = sum(t.nbytes for t in prof.tensors)
             # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and
-            # chains of 4 blocks from 64 KiB to a quarter of the gradient (what bytes cost).
-            sizes = [128 << 10] + default_sizes(256 << 10, max(1 << 20, total),
-                                                job.get("probe_points", 5))
-            parts = [32] + [4] * (len(sizes) - 1)
+            # chains of 4 blocks up to the whole gradient (what bytes cost).
+            sizes, parts = probe_sizes(sum(t.nbytes for t in prof.tensors),
+                                       job.get("probe_points", 5))
             probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
             # On the runtime's channel, each size as a chain of blocks, as training sends it.
             issue, _ = block_issuer(None, dev)
@@ -196,6 +209,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                                         device=dev, issue=issue, parts=parts)
             del issue
             probe_samples = list(probed.samples)
+            step_alone = probed.step_alone_ms
             loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb,
                       probed.cpu_ms_per_block)
             del probe
@@ -306,7 +320,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             "loaded_comm": None if loaded is None else {
                 "alpha_ms": loaded[0].alpha_ms, "algbw_gbs": loaded[0].algbw_gbs,
                 "cpu_ms_per_mb": loaded[1], "cpu_ms_per_block": loaded[2],
-                "step_alone_ms": probed.step_alone_ms,
+                "step_alone_ms": step_alone,
+                "source": "profile (meta.cpu_probe)" if isinstance(record, dict) else "bench probe",
                 "samples": [list(x) for x in probe_samples],
                 "method": "chains of blocks on the runtime's channel, issued after a barrier "
                           "while training iterations run; issue to completion of the last, "

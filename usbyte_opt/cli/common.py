@@ -8,7 +8,7 @@ from typing import Optional
 
 import typer
 
-from ..formats import Profile, load_profile, write_json
+from ..formats import CommSpec, Profile, load_profile, write_json
 from ..planner import retargeted
 from ..simulate import Timeline, chrome_trace
 
@@ -32,3 +32,17 @@ def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optio
 
 def write_trace(path: Path, timeline: Timeline, label: str) -> Path:
     return write_json(os.fspath(path), chrome_trace(timeline, label))
+
+
+def cpu_cost_note(comm: CommSpec) -> str:
+    """``", training thread X ms/block + Y ms/MB"`` when the profile carries the compute-cost
+    option (docs/planner.md), else ``""``.
+
+    Example::
+
+        >>> cpu_cost_note(CommSpec("gloo", 2, 3.0, 0.025, cpu_ms_per_block=0.4, cpu_ms_per_mb=6.0))
+        ', training thread 0.40 ms/block + 6.00 ms/MB'
+    """
+    if not (comm.cpu_ms_per_block or comm.cpu_ms_per_mb):
+        return ""
+    return f", training thread {comm.cpu_ms_per_block:.2f} ms/block + {comm.cpu_ms_per_mb:.2f} ms/MB"

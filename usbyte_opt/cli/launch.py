@@ -9,6 +9,7 @@ picks it up. Every torchrun option is accepted (``--nproc-per-node``, ``--nnodes
 from __future__ import annotations
 
 import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +96,9 @@ def launch(ctx: typer.Context) -> None:
     try:
         run(args)
     except ChildFailedError as e:
-        rank, failure = min(e.failures.items()) if e.failures else (None, None)
+        # The rank that failed first; the others were stopped by torchrun (SIGTERM) after it.
+        rank, failure = min(e.failures.items(), key=lambda kv: (
+            kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if e.failures else (None, None)
         where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
         err = UsbyteError(f"launch: {args.training_script}: {where}; its output is above")
         err.exit_code = (failure.exitcode if failure and failure.exitcode > 0 else 1)

@@ -63,6 +63,8 @@ def optimize(
             "world_size": prof.comm.world_size,
             "alpha_ms": prof.comm.alpha_ms,
             "algbw_gbs": prof.comm.algbw_gbs,
+            "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
+            "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
             "compute_ms": report.compute_ms,
             "strategies": {n: {"iteration_ms": r.iteration_ms, "native_mode": r.native_mode,
                                "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
@@ -87,7 +89,7 @@ def optimize(
     console.table(
         f"{original.name}: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms "
         f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {c.world_size} ranks, "
-        f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s",
+        f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s" + common.cpu_cost_note(c),
         ["strategy", "mode", "native ms", "overlap ms", "vs wfbp", "vs ddp", "exposed ms",
          "blocks", "solve s"],
         rows,

@@ -53,6 +53,9 @@ def profile(
                                              "latency (default 1.3)."),
     algbw_gbs: Optional[float] = typer.Option(None, "--algbw-gbs", help="World size 1 only: analytic "
                                               "bandwidth in GB/s (default 1.79: 8 workers, 25 Gbit/s)."),
+    cpu_probe: bool = typer.Option(True, "--cpu-probe/--no-cpu-probe", help="With 2+ ranks, also "
+                                   "measure what all-reduce costs the training thread (per block and "
+                                   "per MB, while training runs) so that the planner charges it."),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
@@ -64,7 +67,8 @@ def profile(
         argv = ["profile", model, "--warmup", str(warmup), "--repeats", str(repeats),
                 "--optimizer", optimizer.value, "--comm-min-kb", repr(comm_min_kb),
                 "--comm-max-mb", repr(comm_max_mb), "--comm-points", str(comm_points),
-                "--comm-repeats", str(comm_repeats), "--timeout-s", repr(timeout_s)]
+                "--comm-repeats", str(comm_repeats), "--timeout-s", repr(timeout_s),
+                "--cpu-probe" if cpu_probe else "--no-cpu-probe"]
         for flag, value in (("--batch-size", batch_size), ("--device", device and device.value),
                             ("--output", output), ("--name", name), ("--alpha-ms", alpha_ms),
                             ("--algbw-gbs", algbw_gbs)):
@@ -108,7 +112,7 @@ def profile(
                 prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup,
                                      repeats=repeats, optimizer=optimizer.value, comm_sizes=sizes,
                                      comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-                                     progress=progress)
+                                     cpu_probe=cpu_probe, progress=progress)
             except dist.DistError as e:
                 # A rank died or timed out: every survivor lands here, so say it once, plainly.
                 first = str(e).splitlines()[0] if str(e) else ""

@@ -56,6 +56,8 @@ def simulate(
             "blocks": len(tl.blocks),
             "schedule_predicted_ms": sched.predicted.get("iteration_ms"),
             "world_size": prof.comm.world_size,
+            "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
+            "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
             "trace": str(trace) if trace else None,
         })
         return
@@ -66,7 +68,8 @@ def simulate(
         ["exposed communication", f"{tl.exposed_ms:.3f} ms"],
         ["channel busy", f"{tl.comm_busy_ms:.3f} ms in {len(tl.blocks)} blocks"],
         ["lower bound", f"{lb:.3f} ms (gap {100 * (tl.iteration_ms - lb) / lb:.2f}%)"],
-        ["cluster", f"{c.world_size} ranks, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"],
+        ["cluster", f"{c.world_size} ranks, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+                    + common.cpu_cost_note(c)],
     ]
     if "iteration_ms" in sched.predicted:
         rows.append(["schedule's own prediction", f"{sched.predicted['iteration_ms']:.3f} ms"])

@@ -15,7 +15,9 @@ the same profile; only the caller decides who writes it (the CLI: rank 0).
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
+import math
 import os
 import platform
 import socket
@@ -95,7 +97,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
                   device: str | torch.device | None = None, warmup: int = 3, repeats: int = 10,
                   optimizer: str = "sgd", comm_sizes: Sequence[int] | None = None,
                   comm_repeats: int = 5, alpha_ms: float | None = None, algbw_gbs: float | None = None,
-                  group: Any = None, progress: Progress | None = None) -> Profile:
+                  cpu_probe: bool = True, group: Any = None,
+                  progress: Progress | None = None) -> Profile:
     """Profile ``model`` on this rank and, when a process group is initialised, on all ranks.
 
     Every rank of ``group`` must call this with the same arguments (it runs collectives).
@@ -115,6 +118,11 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         comm_sizes: all-reduce sizes in bytes; default 12 log-spaced from 4 KiB to 64 MiB.
         comm_repeats: timed all-reduces per size.
         alpha_ms, algbw_gbs: analytic settings at world size 1 (ignored when measured).
+        cpu_probe: with more than one rank, also measure what all-reduce costs the training
+            thread (:mod:`usbyte_opt.profiler.probe`: chains of blocks on the runtime's
+            channel beside training iterations) into ``comm.cpu_ms_per_block`` and
+            ``comm.cpu_ms_per_mb``, the planner's compute-cost option; samples in
+            ``meta.cpu_probe``.
         group: process group; default the world.
         progress: ``progress(phase, done, total)`` after each step, for a progress bar.
 
@@ -188,6 +196,7 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
 
     # 4. Communication.
     notes: list[str] = []
+    probe_record: dict[str, Any] | None = None
     if world > 1:
         sizes = list(comm_sizes) if comm_sizes else default_sizes()
         # The channel the runtime's blocks take (on gloo its one-thread group), so that alpha
@@ -202,6 +211,11 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         # it stands in for on this device, and meta.backend keeps its real name.
         label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
         comm, comm_record = fit_comm(sweep, label_backend, world)
+        if cpu_probe:
+            probe_record = _probe(net, inputs, loss_fn, opt, dev, group, issue, timings, progress)
+            comm = dataclasses.replace(comm, cpu_ms_per_block=probe_record["cpu_ms_per_block"],
+                                       cpu_ms_per_mb=probe_record["cpu_ms_per_mb"])
+        del issue
         worst = comm_record["fit"]["max_rel_error"]
         if worst > 0.5:
             msg = (f"all-reduce medians lie up to {100 * worst:.0f}% off the fitted line: a shared "
@@ -270,9 +284,48 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         "step_ms": _r(max(r["step"] for r in every)),
         "comm_sweep": comm_record,
     }
+    if probe_record is not None:
+        meta["cpu_probe"] = probe_record
     if notes:
         meta["warnings"] = notes
     return Profile(name or model_name(model), _r(F), _r(B), tuple(tensors), comm, meta)
+
+
+def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
+           opt: torch.optim.Optimizer, dev: torch.device, group: Any, issue: Callable[[Any], Any],
+           timings: Any, progress: Progress | None) -> dict[str, Any]:
+    """What all-reduce costs the training thread (:func:`.probe.comm_under_compute`), on the
+    runtime's channel ``issue``, as the record kept in ``meta.cpu_probe``."""
+    from .probe import comm_under_compute, probe_sizes
+
+    total = sum(math.prod(shape) * DTYPE_SIZES.get(dt, 4)
+                for shape, dt in zip(timings.shapes, timings.dtypes))
+    sizes, parts = probe_sizes(total)
+    repeats = 4
+
+    def step() -> None:
+        loss_fn(net(*inputs)).backward()
+        opt.step()
+        opt.zero_grad()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    if progress is not None:
+        progress("all-reduce under compute", 0, 1)
+    pr = comm_under_compute(step, sizes, repeats, group=group, device=dev, issue=issue, parts=parts)
+    if progress is not None:
+        progress("all-reduce under compute", 1, 1)
+    return {
+        "method": "chains of blocks on the runtime's channel while training iterations run; "
+                  "iterations' lost time fitted to a cost per block and per MB (non-negative "
+                  "least squares), max over ranks",
+        "cpu_ms_per_block": _r(pr.cpu_ms_per_block),
+        "cpu_ms_per_mb": _r(pr.cpu_ms_per_mb),
+        "step_alone_ms": _r(pr.step_alone_ms),
+        "chains": [{"bytes": b, "blocks": m} for b, m in zip(sizes, parts)],
+        "repeats": repeats,
+        "samples": [{"bytes": b, "ms": _r(ms)} for b, ms in pr.samples],
+    }
 
 
 def comm_backend(group: Any, device: torch.device) -> str:

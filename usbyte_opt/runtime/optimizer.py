@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Iterable
@@ -87,16 +88,25 @@ ScheduleArg = Schedule | str | os.PathLike | None
 _OPEN: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
 
 
+#: How long the exit hook waits for collectives still in flight (seconds).
+EXIT_GRACE_S = 10.0
+
+
 @atexit.register
-def _release_at_exit() -> None:
-    """Close, while the interpreter is still whole, the channels of the optimizers a script
-    did not close. A gloo worker thread that drops the last reference to a block's tensor
-    needs the GIL; during interpreter finalization that thread is stopped and the process
-    aborts ("terminate called without an active exception"). Closing the one-thread group
-    here joins its worker first. Skipped for an optimizer with a collective still running
-    (a rank that failed mid-step must not wait for its peers on the way out)."""
+def _release_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
+    """Finish and close, while the interpreter is still whole, the optimizers a script did not
+    close. A gloo worker thread that drops the last reference to a tensor of a collective
+    (a block, the usage map) needs the GIL; during interpreter finalization that thread is
+    stopped instead and the process aborts ("terminate called without an active exception").
+    So the hook waits up to ``grace_s`` for collectives still in flight (the other ranks are
+    ending their scripts too), then closes the one-thread group, which joins its worker. An
+    optimizer whose collectives do not finish in time, or failed, is left as it is: a rank
+    whose peers are gone must not wait on the way out."""
     for opt in list(_OPEN):
-        opt._release(wait=False)
+        try:
+            opt._release(grace_s)
+        except Exception:  # noqa: BLE001 - exiting; the failure was or will be reported
+            pass
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -440,6 +450,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._bw_started and not self._comm_waited:
             self._finish_comm(wait=True)
         self._settle()
+        if self._usage_work is not None and self._global_used is None:
+            self._read_usage()  # nothing of this step left in flight
 
     def _settle_hook(self, *args: Any, **kwargs: Any) -> None:
         self._settle()
@@ -469,22 +481,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Synchronize, remove the hooks, give parameters their own gradients back and release
         the communication channel (on gloo, its one-thread group and worker thread). The
         optimizer cannot train after this; at interpreter exit, an optimizer not closed is
-        released the same way when nothing of it is still in flight."""
+        released the same way (its collectives given a few seconds to finish)."""
         self.synchronize()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._grads.detach()
-        self._release(wait=True)
+        self._release()
 
-    def _release(self, wait: bool) -> None:
-        """Drop the works and close the channel; without ``wait``, only if every collective
-        already finished."""
+    def _release(self, grace_s: float | None = None) -> None:
+        """Wait for every collective of this optimizer, drop the works and close the channel.
+        With ``grace_s``, give up (and change nothing) if they have not all finished by then."""
         works = [w for w in self._works if w is not None] + [w for w, *_ in self._buf_pending]
         if self._usage_work is not None:
             works.append(self._usage_work)
-        if not wait and not all(w.is_completed() for w in works):
-            return
+        if grace_s is not None:
+            deadline = time.monotonic() + grace_s
+            while not all(w.is_completed() for w in works):
+                if time.monotonic() >= deadline:
+                    return
+                time.sleep(0.002)
         for w in works:  # NCCL: completed on the host is not yet done on the stream
             self._chan.wait(w, "a collective in flight at close()")
         self._works = [None] * self._m
@@ -717,10 +733,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._find_unused:
             return True
         if self._global_used is None:
-            assert self._usage is not None and self._usage_work is not None
-            self._chan.wait(self._usage_work, "all-reduce of the parameter usage map")
-            self._global_used = self._usage.tolist()
+            self._read_usage()
+        assert self._global_used is not None
         return self._global_used[t] > 0
+
+    def _read_usage(self) -> None:
+        """Wait for this step's usage map and keep it (``_global_used``)."""
+        assert self._usage is not None and self._usage_work is not None
+        self._chan.wait(self._usage_work, "all-reduce of the parameter usage map")
+        self._global_used = self._usage.tolist()
 
     def _apply(self, ts: list[int]) -> list[int]:
         """Update the pending tensors ``ts`` (their blocks are complete); returns those stepped."""

@@ -16,7 +16,8 @@ cut costs more than it saves. So ``best``:
    of ``alpha / beta`` (the bytes one alpha could have carried) covers the regimes from
    latency-bound (fuse a lot, never cut) to bandwidth-bound (cut freely, fuse little).
 2. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
-   the cheap baselines it computes itself, so it is never predicted slower than any of them.
+   the cheap baselines it computes itself, so it is never predicted slower than any of them
+   in overlap mode.
 3. **Improves** the best candidate by local search (:func:`improve`): merge two consecutive
    blocks that are contiguous in a buffer, split a block (at a tensor boundary or in the middle
    of a tensor), swap two consecutive blocks; first improvement, sweeps until a fixed point or
@@ -251,9 +252,12 @@ class _Scorer:
 
     def score(self, S: np.ndarray) -> float:
         R, C, Q = S[:, 0], S[:, 1], S[:, 2]
+        f = self.problem.stretch(len(S))  # compute-cost option: ready, tails, B + F scale
+        if f != 1.0:
+            R, Q = R * f, Q * f
         cum = np.cumsum(C)
         fin = cum + np.maximum.accumulate(R - (cum - C))
-        return max(self.floor, float(fin[-1]), float((fin + Q).max()))
+        return max(self.floor * f, float(fin[-1]), float((fin + Q).max()))
 
 
 def _splits(problem: Problem, layout: Layout, k: Block) -> list[tuple[Block, Block]]:

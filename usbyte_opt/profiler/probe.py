@@ -1,0 +1,185 @@
+"""What communication costs the training thread: all-reduce while training computes.
+
+On a GPU server the training thread only launches kernels and a collective runs on its own
+stream; on a CPU rank (or a GPU host short of cores) the cores that compute also run the
+backend's threads and the network stack, so every block in flight slows forward and backward.
+:func:`comm_under_compute` measures it: chains of blocks on the runtime's channel while
+training iterations run beside them, and the iterations' lost time fitted to a cost per block
+and per MB (:func:`fit_cpu_cost`). ``usbyte-opt profile`` records both in the profile's
+``comm.cpu_ms_per_block`` / ``comm.cpu_ms_per_mb`` (the planner's compute-cost option,
+docs/planner.md) and the samples in ``meta.cpu_probe``; ``usbyte-opt bench`` reads the loaded
+bandwidth from the same samples.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .timing import median
+
+#: Blocks in the chain that reads the per-block cost (4 KiB each), and in every other chain.
+SMALL_CHAIN, CHAIN = 32, 4
+
+
+def probe_sizes(total_bytes: int, points: int = 5) -> tuple[list[int], list[int]]:
+    """Sizes (bytes of one chain) and chain lengths of the probe for a gradient of
+    ``total_bytes``: a chain of 32 blocks of 4 KiB, then chains of 4 blocks from 256 KiB to
+    the whole gradient (at least 1 MiB), ``points`` sizes log-spaced.
+
+    Example::
+
+        >>> sizes, parts = probe_sizes(4_900_000, 3)
+        >>> sizes[0] == 32 * 4096, parts
+        (True, [32, 4, 4, 4])
+    """
+    from .comm import default_sizes
+
+    sizes = [SMALL_CHAIN * 4096] + default_sizes(256 << 10, max(1 << 20, int(total_bytes)), points)
+    return sizes, [SMALL_CHAIN] + [CHAIN] * (len(sizes) - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """What :func:`comm_under_compute` measured."""
+
+    samples: tuple[tuple[int, float], ...]
+    """``(bytes, ms)``: all-reduce time of one block while training iterations run (median,
+    min over ranks; a chain of ``parts`` blocks divided by ``parts``)."""
+    step_alone_ms: float
+    """A training iteration without any communication in flight (median, max over ranks)."""
+    cpu_ms_per_mb: float
+    """Training-thread time lost per MB all-reduced (max over ranks): iterations that ran
+    while all-reduce was in flight, less as many iterations alone, per MB moved (the part
+    that grows with bytes, when ``cpu_ms_per_block`` is fitted beside it)."""
+    cpu_ms_per_block: float = 0.0
+    """Training-thread time lost per block (collective) issued, fitted beside
+    ``cpu_ms_per_mb`` over the probe's sizes (non-negative least squares)."""
+
+
+def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
+                       group: Any = None, device: Any = "cpu", alone: int = 3,
+                       issue: Callable[[Any], Any] | None = None,
+                       parts: int | Sequence[int] = 1) -> Probe:
+    """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
+
+    The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
+    forward and backward keep every core busy, and on a small CPU machine gloo's threads wait
+    for a core at every step of the ring: the measured traces showed 100-300 KB blocks taking
+    twice the sweep's time during backward. Here each sample issues one async all-reduce of
+    ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
+    communication) until the future reports completion; the time is issue to completion, the
+    minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
+    A collective call: every rank must call it with the same sizes. ``device``: where the
+    buffers live (the training device under NCCL, the CPU under gloo).
+
+    It also measures what communication costs the training thread (the cores that compute are
+    the ones that run gloo and the network stack): ``alone`` iterations first and one more
+    after every sample, every iteration of the probe, and per size the time lost against the
+    median iteration alone; a per-block and a per-MB cost are fitted to those losses
+    (non-negative least squares), so chains of small blocks (whose cost is per collective:
+    hooks, issue, gloo's polling event loop) and of large ones (copies, reductions, the
+    network stack) both count.
+
+    ``issue`` is the channel (default: ``dist.all_reduce`` on ``group``); the profiler and the
+    bench pass the runtime's (:func:`usbyte_opt.runtime.comm.block_issuer`), whose gloo event loop polls
+    while a chain of blocks is on the wire and takes its core from the training thread. With
+    ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
+    an iteration are (one number for every size, or one per size).
+    """
+    import torch
+    import torch.distributed as dist
+
+
+    solo: list[float] = []      # iterations with nothing in flight
+    step_ms: list[float] = []   # iterations while an all-reduce is in flight
+
+    def timed_step(into: list[float]) -> None:
+        t = time.perf_counter()
+        step()
+        into.append((time.perf_counter() - t) * 1e3)
+
+    dist.barrier(group=group)
+    for _ in range(alone):
+        timed_step(solo)
+
+    done_at: list[float] = []
+    out = []
+    dev = torch.device(device)
+    if dist.get_backend(group) != "nccl":
+        dev = torch.device("cpu")
+    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
+    raw: list[list[float]] = []
+    lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
+    if issue is None:
+        from ..runtime.comm import sum_issuer
+
+        issue = sum_issuer(group)
+    counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
+    if len(counts) != len(sizes):
+        raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
+    for b, m in zip(sizes, counts):
+        n = b // 4
+        cuts = [n * k // m for k in range(m + 1)]
+        xs = [buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
+        times = []
+        first = len(step_ms)
+        for _ in range(repeats):
+            dist.barrier(group=group)
+            done_at.clear()
+            t0 = time.perf_counter()
+            ws = [issue(x) for x in xs]
+            ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
+            while not done_at:
+                timed_step(step_ms)
+            for w in ws:
+                w.wait()
+            times.append((done_at[0] - t0) * 1e3)
+            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
+        raw.append(times)
+        lost_steps.append(step_ms[first:])
+    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
+    dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
+    vals = flat.cpu().tolist()
+    for k, (b, m) in enumerate(zip(sizes, counts)):
+        # Per block of the chain: what one block of b / parts bytes costs on the channel.
+        out.append((int(b) // m, float(median(vals[k * repeats:(k + 1) * repeats])) / m))
+    alone_ms = median(solo)
+    lost = [sum(ts) - len(ts) * alone_ms for ts in lost_steps]
+    per_block, per_mb = fit_cpu_cost(lost, [m * repeats for m in counts],
+                                     [b * repeats / 1e6 for b in sizes])
+    mine = torch.tensor([alone_ms, per_mb, per_block], dtype=torch.float64, device=dev)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+    alone_ms, per_mb, per_block = mine.cpu().tolist()
+    return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block))
+
+
+def fit_cpu_cost(lost_ms: Sequence[float], blocks: Sequence[int], mb: Sequence[float]) -> tuple[float, float]:
+    """``(ms per block, ms per MB)`` >= 0 that best explain the training-thread time lost
+    beside each probe size (``lost_ms[k]`` while ``blocks[k]`` collectives moved ``mb[k]`` MB),
+    by non-negative least squares (scipy).
+
+    Example::
+
+        >>> a, b = fit_cpu_cost([4 * 1.0 + 0.1 * 5, 4 * 1.0 + 4 * 5], [4, 4], [0.1, 4.0])
+        >>> round(a, 3), round(b, 3)
+        (1.0, 5.0)
+    """
+    import numpy as np
+    from scipy.optimize import nnls
+
+    if not lost_ms:
+        return 0.0, 0.0
+    a = np.array([[float(n), float(m)] for n, m in zip(blocks, mb)])
+    y = np.maximum(np.array([float(v) for v in lost_ms]), 0.0)
+    x, _ = nnls(a, y)
+    return float(x[0]), float(x[1])
+
+
+
+
+__all__ = ["CHAIN", "Probe", "SMALL_CHAIN", "comm_under_compute", "fit_cpu_cost", "probe_sizes"]
