@@ -316,7 +316,9 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             "forward_ms": prof.forward_ms,
             "backward_ms": prof.backward_ms,
             "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
-                     "algbw_gbs": prof.comm.algbw_gbs, "samples": [list(s) for s in prof.comm.samples]},
+                     "algbw_gbs": prof.comm.algbw_gbs, "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
+                     "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
+                     "samples": [list(s) for s in prof.comm.samples]},
             "loaded_comm": None if loaded is None else {
                 "alpha_ms": loaded[0].alpha_ms, "algbw_gbs": loaded[0].algbw_gbs,
                 "cpu_ms_per_mb": loaded[1], "cpu_ms_per_block": loaded[2],
