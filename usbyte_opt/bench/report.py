@@ -5,12 +5,12 @@ Definitions, per strategy:
 
 * ``measured_ms``: the median of the steady-state iteration times (each the mean over ranks
   of one iteration, forward start to forward start); ``p10_ms``/``p90_ms`` their spread.
-* ``predicted_ms``: the simulator (DESIGN.md §2) on the profile: overlap mode for the
-  runtime's strategies, fence mode for PyTorch DDP; for ``no-comm`` forward + backward +
-  optimizer step.
+* ``predicted_ms``: the planner's simulator (DESIGN.md §2, with the profile's compute-cost
+  option when it carries one) on the profile: overlap mode for the runtime's strategies,
+  fence mode for PyTorch DDP; for ``no-comm`` forward + backward + optimizer step.
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
 * ``refined_ms`` / ``refined_error``: the same with the runtime's update rule, the all-reduce
-  cost measured while training computes and compute stretched by what communication costs
+  cost measured while training computes and compute charged for what communication costs
   the training thread (:mod:`usbyte_opt.bench.refine`), on compute recalibrated to the
   side-by-side ``no-comm`` run (``compute_scale`` = its measured median over the profile's
   forward + backward + step; 1 without it).
@@ -97,7 +97,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "forward_ms": raw["forward_ms"],
         "backward_ms": raw["backward_ms"],
         "update_ms": raw["planned"]["update_ms"],
-        "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs")},
+        "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs", "cpu_ms_per_block",
+                                            "cpu_ms_per_mb") if k in raw["comm"]},
         "loaded_comm": ({k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
                                                                   "cpu_ms_per_block", "step_alone_ms",
                                                                   "samples")}
@@ -154,7 +155,9 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"- profile `{result['profile']}`: forward {result['forward_ms']:.1f} ms, backward "
         f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; all-reduce "
         f"alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s ({c['backend']}): "
-        f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms",
+        f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms"
+        + (f"; training thread {c['cpu_ms_per_block']:.2f} ms per block + {c['cpu_ms_per_mb']:.1f} ms "
+           "per MB (the planner's compute-cost option)" if c.get("cpu_ms_per_block") or c.get("cpu_ms_per_mb") else ""),
         *([f"- all-reduce while training computes (for the refined prediction): alpha "
            f"{result['loaded_comm']['alpha_ms']:.3f} ms, algbw {result['loaded_comm']['algbw_gbs'] * 1e3:.1f} MB/s; "
            f"training-thread time lost to communication {result['loaded_comm']['cpu_ms_per_mb'] or 0:.1f} ms per MB "
@@ -162,10 +165,11 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
-        f"- predicted: the simulator on the profile (overlap mode for the runtime, fence for DDP); "
+        f"- predicted: the planner's simulator on the profile (overlap mode for the runtime, fence for "
+        "DDP; with the profile's compute-cost option when it has one); "
         f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
         "refined: the same with every optimizer step on the training thread, as the runtime runs it, "
-        "the all-reduce cost measured while training computes, compute stretched by what "
+        "the all-reduce cost measured while training computes, compute charged for what "
         "communication costs the training thread, and compute recalibrated to the side-by-side "
         f"no-comm run (x{result.get('compute_scale', 1.0):.3f})",
         "",
