@@ -72,6 +72,8 @@ class Problem:
     """Training-thread time per block (the profile's ``comm.cpu_ms_per_block``)."""
     cpu_ms_per_mb: float = 0.0
     """Training-thread time per MB all-reduced (the profile's ``comm.cpu_ms_per_mb``)."""
+    total_bytes: int = 0
+    """Bytes of all gradients (one iteration's all-reduce)."""
 
     @classmethod
     def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> "Problem":
@@ -91,6 +93,7 @@ class Problem:
             F=profile.forward_ms,
             cpu_ms_per_block=profile.comm.cpu_ms_per_block,
             cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
+            total_bytes=sum(t.nbytes for t in ts),
         )
 
     @property
@@ -118,8 +121,7 @@ class Problem:
         if not self.charges_cpu:
             return 1.0
         compute = self.B + self.F
-        extra = (self.cpu_ms_per_mb * sum(map(int.__mul__, self.numel, self.itemsize)) / 1e6
-                 + self.cpu_ms_per_block * blocks)
+        extra = self.cpu_ms_per_mb * self.total_bytes / 1e6 + self.cpu_ms_per_block * blocks
         return 1.0 + extra / compute if compute > 0 else 1.0
 
     def stretched(self, factor: float) -> "Problem":
@@ -128,7 +130,7 @@ class Problem:
         return Problem(self.profile, self.cost, self.names, [r * factor for r in self.ready],
                        [x * factor for x in self.need], [u * factor for u in self.update],
                        self.numel, self.itemsize, self.dtype, self.index, self.B * factor,
-                       self.F * factor)
+                       self.F * factor, total_bytes=self.total_bytes)
 
     @property
     def n(self) -> int:
