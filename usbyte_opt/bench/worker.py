@@ -6,9 +6,9 @@ JOB.json`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment), or called di
 
 1. joins the process group (gloo on CPU, NCCL on CUDA);
 2. profiles the model on it — the all-reduce sweep runs on this very group, so in the lab
-   ``alpha``/``algbw`` are those of the shaped link — or loads ``--profile``; then times
-   all-reduce again while training iterations run (:func:`usbyte_opt.bench.refine.comm_under_compute`),
-   for the refined prediction;
+   ``alpha``/``algbw`` are those of the shaped link, and all-reduce is timed again while
+   training iterations run (:func:`usbyte_opt.profiler.probe.comm_under_compute`, kept in the
+   profile's ``meta.cpu_probe``) — or loads ``--profile`` (probing here if it has no probe);
 3. rank 0 plans every strategy (:func:`usbyte_opt.planner.compare`, so ``best`` is seeded
    with all of them) and broadcasts the schedules;
 4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
