@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from usbyte_opt.formats import CommSpec, Profile, TensorSpec
+import random
+
+from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
+from usbyte_opt.problem import Layout
 
 MB_F32 = 250_000  # float32 elements in 1 MB (1 ms at 1 GB/s)
 
@@ -16,3 +19,13 @@ def three_layer(update_out: float = 0.5) -> Profile:
                  TensorSpec("mid", (MB_F32,), "float32", 4.0, 1.5),
                  TensorSpec("inp", (500, 500), "float32", 6.0, 0.0)),
         comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0))
+
+
+def random_blocks(rng: random.Random, layout: Layout, cuts: int) -> list[Block]:
+    """Every buffer of ``layout`` cut at up to ``cuts`` random points, blocks shuffled."""
+    blocks = []
+    for b, total in enumerate(layout.numel):
+        pts = sorted({0, total, *(rng.randrange(1, total) for _ in range(min(cuts, total - 1)))})
+        blocks += [Block(b, s, e) for s, e in zip(pts, pts[1:])]
+    rng.shuffle(blocks)
+    return blocks

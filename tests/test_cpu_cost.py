@@ -11,12 +11,14 @@ from hypothesis import given, settings, strategies as st
 from usbyte_opt.bounds import lower_bound
 from usbyte_opt.errors import FormatError
 from usbyte_opt.fastsim import evaluate
-from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, load_profile, save_profile
+from usbyte_opt.formats import CommSpec, Profile, TensorSpec, load_profile, save_profile
 from usbyte_opt.planner import compare, retargeted
 from usbyte_opt.problem import Problem
 from usbyte_opt.simulate import simulate_blocks
 from usbyte_opt.strategies import get
 from usbyte_opt.synthetic import random_profile
+
+from helpers import random_blocks
 
 
 def with_cpu(profile: Profile, per_block: float, per_mb: float) -> Profile:
@@ -85,11 +87,7 @@ def test_fast_scorer_equals_simulator_with_the_option(seed, n, cuts, per_block, 
                                        per_block, per_mb))
     plain = Problem.from_profile(random_profile(random.Random(seed), n, dtypes=("float32", "bfloat16")))
     lay = pb.layout()
-    blocks = []
-    for b, total in enumerate(lay.numel):
-        pts = sorted({0, total, *(rng.randrange(1, total) for _ in range(min(cuts, total - 1)))})
-        blocks += [Block(b, s, e) for s, e in zip(pts, pts[1:])]
-    rng.shuffle(blocks)
+    blocks = random_blocks(rng, lay, cuts)
     for mode in ("overlap", "fence"):
         full = simulate_blocks(pb, lay, blocks, mode).iteration_ms
         assert evaluate(pb, lay, blocks, mode) == pytest.approx(full, rel=1e-12, abs=1e-9)

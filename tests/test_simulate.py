@@ -12,7 +12,7 @@ from usbyte_opt.problem import Problem
 from usbyte_opt.simulate import chrome_trace, simulate, simulate_blocks
 from usbyte_opt.synthetic import random_profile
 
-from helpers import MB_F32, three_layer
+from helpers import MB_F32, random_blocks, three_layer
 
 
 def setup():
@@ -106,11 +106,7 @@ def test_fast_scorer_equals_simulator(seed, n, cuts):
     rng = random.Random(seed)
     pb = Problem.from_profile(random_profile(rng, n, dtypes=("float32", "bfloat16")))
     lay = pb.layout()
-    blocks = []
-    for b, total in enumerate(lay.numel):
-        pts = sorted({0, total, *(rng.randrange(1, total) for _ in range(min(cuts, total - 1)))})
-        blocks += [Block(b, s, e) for s, e in zip(pts, pts[1:])]
-    rng.shuffle(blocks)
+    blocks = random_blocks(rng, lay, cuts)
     for mode in ("overlap", "fence"):
         full = simulate_blocks(pb, lay, blocks, mode).iteration_ms
         assert evaluate(pb, lay, blocks, mode) == pytest.approx(full, rel=1e-12, abs=1e-9)

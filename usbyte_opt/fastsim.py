@@ -80,15 +80,12 @@ def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: st
 
 def _fence_cpu(problem: Problem, stats: Sequence[BlockStat], layout: Layout,
                blocks: Sequence[Block]) -> float:
-    """Fence mode with backward lengthened by the communication it overlaps."""
-    B = problem.B
-    per_block, per_mb = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+    """Fence mode with backward lengthened by the communication it overlaps
+    (:meth:`Problem.fence_backward`)."""
     t = 0.0
-    extra = 0.0
+    spans = []
     for (r, c, _), k in zip(stats, blocks):
         start = r if r > t else t
         t = start + c
-        if start < B:
-            nbytes = (k.end - k.start) * layout.itemsize[k.buffer]
-            extra += per_block + per_mb * nbytes / 1e6 * (min(t, B) - start) / max(c, 1e-12)
-    return max(B + extra, t) + sum(problem.update) + problem.F
+        spans.append((start, t, (k.end - k.start) * layout.itemsize[k.buffer]))
+    return max(problem.fence_backward(spans), t) + sum(problem.update) + problem.F

@@ -124,6 +124,15 @@ class Problem:
         extra = self.cpu_ms_per_mb * self.total_bytes / 1e6 + self.cpu_ms_per_block * blocks
         return 1.0 + extra / compute if compute > 0 else 1.0
 
+    def fence_backward(self, spans: Iterable[tuple[float, float, int]]) -> float:
+        """Fence mode's backward under the compute-cost option: ``B`` plus, for every block
+        ``(start_ms, finish_ms, bytes)`` started before ``B`` ends, ``cpu_ms_per_block`` and
+        ``cpu_ms_per_mb`` x its bytes on the wire until then (after backward the training
+        thread only waits). ``B`` without the option."""
+        B = self.B
+        return B + sum(self.cpu_ms_per_block + self.cpu_ms_per_mb * n / 1e6 * (min(f, B) - s)
+                       / max(f - s, 1e-12) for s, f, n in spans if s < B)
+
     def stretched(self, factor: float) -> "Problem":
         """This problem with every compute time (ready, need, update, B, F) times ``factor``
         and the compute-cost option off (the stretch is its charge, applied once)."""

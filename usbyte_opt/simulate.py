@@ -105,7 +105,6 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     fence_cpu = mode == "fence" and problem.charges_cpu
-    per_block, per_mb = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
     if mode == "overlap" and problem.charges_cpu:
         problem = problem.stretched(problem.stretch(len(blocks)))
     cost, ready, names = problem.cost, problem.ready, problem.names
@@ -132,8 +131,7 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
         raise MismatchError(f"tensor {missing!r} is covered by no block")
     B, F = problem.B, problem.F
     if fence_cpu:
-        B += sum(per_block + per_mb * b.nbytes / 1e6 * (min(b.finish_ms, B) - b.start_ms)
-                 / max(b.finish_ms - b.start_ms, 1e-12) for b in timings if b.start_ms < B)
+        B = problem.fence_backward((b.start_ms, b.finish_ms, b.nbytes) for b in timings)
     upd = problem.update
     gates = []
     if mode == "overlap":

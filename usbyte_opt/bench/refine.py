@@ -108,16 +108,6 @@ def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = 
     return alpha, 1.0 / (beta * 1e6)
 
 
-def _times(profile: Profile, factor: float, update: bool) -> Profile:
-    """``profile`` with forward, backward, every ready and need (and with ``update``, every
-    update) time multiplied by ``factor``."""
-    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
-                                        update_ms=t.update_ms * factor if update else t.update_ms)
-                    for t in profile.tensors)
-    return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
-                               backward_ms=profile.backward_ms * factor, tensors=tensors)
-
-
 def scaled(profile: Profile, factor: float) -> Profile:
     """``profile`` with every compute time (forward, backward, ready, need, update) times
     ``factor``: the profile's compute recalibrated to what the same training measured without
@@ -135,7 +125,10 @@ def scaled(profile: Profile, factor: float) -> Profile:
     """
     if factor <= 0 or factor == 1.0:
         return profile
-    return _times(profile, factor, update=True)
+    tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
+                                        update_ms=t.update_ms * factor) for t in profile.tensors)
+    return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
+                               backward_ms=profile.backward_ms * factor, tensors=tensors)
 
 
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:

@@ -20,10 +20,13 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from ..runtime.comm import sum_issuer
+from .comm import CHAIN, default_sizes
 from .timing import median
 
-#: Blocks in the chain that reads the per-block cost (4 KiB each), and in every other chain.
-SMALL_CHAIN, CHAIN = 32, 4
+#: Blocks in the chain that reads the per-block cost (4 KiB each); every other chain has the
+#: sweep's ``CHAIN``.
+SMALL_CHAIN = 32
 
 
 def probe_sizes(total_bytes: int, points: int = 5) -> tuple[list[int], list[int]]:
@@ -37,8 +40,6 @@ def probe_sizes(total_bytes: int, points: int = 5) -> tuple[list[int], list[int]
         >>> sizes[0] == 32 * 4096, parts
         (True, [32, 4, 4, 4])
     """
-    from .comm import default_sizes
-
     sizes = [SMALL_CHAIN * 4096] + default_sizes(256 << 10, max(1 << 20, int(total_bytes)), points)
     return sizes, [SMALL_CHAIN] + [CHAIN] * (len(sizes) - 1)
 
@@ -91,10 +92,6 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
     an iteration are (one number for every size, or one per size).
     """
-    import torch
-    import torch.distributed as dist
-
-
     solo: list[float] = []      # iterations with nothing in flight
     step_ms: list[float] = []   # iterations while an all-reduce is in flight
 
@@ -116,8 +113,6 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     raw: list[list[float]] = []
     lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
     if issue is None:
-        from ..runtime.comm import sum_issuer
-
         issue = sum_issuer(group)
     counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
     if len(counts) != len(sizes):
@@ -182,4 +177,4 @@ def fit_cpu_cost(lost_ms: Sequence[float], blocks: Sequence[int], mb: Sequence[f
 
 
 
-__all__ = ["CHAIN", "Probe", "SMALL_CHAIN", "comm_under_compute", "fit_cpu_cost", "probe_sizes"]
+__all__ = ["Probe", "SMALL_CHAIN", "comm_under_compute", "fit_cpu_cost", "probe_sizes"]
