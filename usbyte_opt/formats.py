@@ -44,6 +44,11 @@ DTYPE_SIZES: dict[str, int] = {
 
 COMM_BACKENDS = ("nccl", "gloo", "analytic", "mpi", "ucc")
 
+#: How the runtime applies a schedule's updates: ``overlap`` (each tensor's update right
+#: before its first use in the next forward, so communication overlaps that forward) or
+#: ``fence`` (every block waited for, then every update, then the next forward, as DDP).
+SCHEDULE_MODES = ("overlap", "fence")
+
 
 # --------------------------------------------------------------------------------------------
 # Types
@@ -200,6 +205,8 @@ class Schedule:
     """Total elements of each buffer (extra field, lets a schedule be checked on its own)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Fields this version does not know, kept so that a round trip loses nothing."""
+    mode: str = "overlap"
+    """How the runtime applies the updates: one of :data:`SCHEDULE_MODES`."""
 
     def to_dict(self) -> dict[str, Any]:
         buffers = []
@@ -215,6 +222,7 @@ class Schedule:
             "profile": {"name": self.profile_name, "digest": self.profile_digest},
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
+            "mode": self.mode,
             "buffers": buffers,
             "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in self.blocks],
             "predicted": dict(self.predicted),
@@ -230,7 +238,10 @@ class Schedule:
     def digest(self) -> str:
         """Digest of what every rank must agree on: layout and blocks (not predictions)."""
         d = self.to_dict()
-        return _digest({"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint})
+        agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
+        if self.mode != "overlap":  # overlap schedules keep the digest they had before modes
+            agreed["mode"] = self.mode
+        return _digest(agreed)
 
 
 # --------------------------------------------------------------------------------------------
@@ -390,7 +401,7 @@ def _parse_profile(data: Any, source: str) -> Profile:
 
 
 _SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "fingerprint", "world_size",
-                  "buffers", "blocks", "predicted"}
+                  "mode", "buffers", "blocks", "predicted"}
 
 
 def _parse_schedule(data: Any, source: str) -> Schedule:
@@ -402,6 +413,9 @@ def _parse_schedule(data: Any, source: str) -> Schedule:
     pdigest = r.string(prof, "digest", "profile")
     fp = r.string(d, "fingerprint", "")
     ws = r.integer(d, "world_size", "", lo=1)
+    mode = r.string(d, "mode", "", "overlap")
+    if mode not in SCHEDULE_MODES:
+        raise r.fail("mode", "one of " + "|".join(SCHEDULE_MODES), mode)
     buffers = []
     numels = []
     names: dict[str, str] = {}
@@ -445,7 +459,7 @@ def _parse_schedule(data: Any, source: str) -> Schedule:
     predicted = r.obj(r.get(d, "predicted", "", {}), "predicted")
     extra = {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}
     sched = Schedule(strategy, pname, pdigest, fp, ws, tuple(buffers), tuple(blocks),
-                     dict(predicted), tuple(numels), extra)
+                     dict(predicted), tuple(numels), extra, mode)
     if numels:
         check_coverage(sched, tuple(numels), source)
     return sched
@@ -633,6 +647,9 @@ def schedule_schema() -> dict[str, Any]:
                         "properties": {"name": {"type": "string"}, "digest": {"type": "string"}}},
             "fingerprint": {"type": "string"},
             "world_size": {"type": "integer", "minimum": 1},
+            "mode": {"enum": list(SCHEDULE_MODES), "default": "overlap",
+                     "description": "overlap: each update right before its first use in the "
+                                    "next forward; fence: all blocks, then all updates (as DDP)"},
             "buffers": {"type": "array", "minItems": 1, "items": {
                 "type": "object", "required": ["dtype", "tensors"],
                 "properties": {"dtype": {"enum": list(DTYPE_SIZES)},
