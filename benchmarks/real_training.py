@@ -126,7 +126,7 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         "start, mean of the two ranks), p10–p90 beside it; strategies take turns (interleaved "
         "rounds), DDP is PyTorch's own `DistributedDataParallel` with default buckets, the others "
         "run on the usbyte-opt runtime with their schedule. Predicted: the planner's own prediction, "
-        "the simulator of DESIGN.md §2 on the profile taken in the same lab just before (overlap "
+        "the simulator of docs/design.md §2 on the profile taken in the same lab just before (overlap "
         "mode for the runtime, fence for DDP) with the profile's compute-cost option: the "
         "training-thread time all-reduce costs per block and per MB, measured by the profiler beside "
         "training iterations, charged as compute (docs/planner.md). Error = (measured − predicted) / "

@@ -1,4 +1,4 @@
-"""The simulator against hand-computed timelines (DESIGN.md §2), both modes, and the trace."""
+"""The simulator against hand-computed timelines (docs/design.md §2), both modes, and the trace."""
 
 import random
 

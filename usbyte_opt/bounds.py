@@ -1,6 +1,6 @@
 """A lower bound on the overlap-mode iteration time of *any* schedule of a profile.
 
-Notation (DESIGN.md §2, and :mod:`usbyte_opt.fastsim` for the closed form): tensor p has
+Notation (docs/design.md §2.5, and :mod:`usbyte_opt.fastsim` for the closed form): tensor p has
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
 ``q_p = update_p + F - need_p``. For every schedule,
 

@@ -1,4 +1,4 @@
-"""All-reduce cost model: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)`` (DESIGN.md §2).
+"""All-reduce cost model: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)`` (docs/design.md §2.2).
 
 ``algbw`` is the nccl-tests "algorithm bandwidth" (bytes of the buffer over time), so one
 number covers any world size once measured there. To move a profile to another cluster,

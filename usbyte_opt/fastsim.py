@@ -1,6 +1,6 @@
 """Fast scoring for search loops: the same numbers as :mod:`usbyte_opt.simulate`, no timeline.
 
-Unrolling the forward walk of DESIGN.md §2 gives a closed form for overlap mode:
+Unrolling the forward walk of docs/design.md §2.5 gives a closed form for overlap mode:
 
     forward end = max(B + F, max_p (avail_p + F - need_p))
 

@@ -1,4 +1,4 @@
-"""The two file formats of usbyte-opt: profiles and schedules (DESIGN.md §4).
+"""The two file formats of usbyte-opt: profiles and schedules (docs/design.md §4).
 
 Both are versioned JSON, validated on load (errors name the file, the field path and what was
 expected) and written atomically (temporary file in the same folder, then ``os.replace``), so a
@@ -57,7 +57,7 @@ SCHEDULE_MODES = ("overlap", "fence")
 
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
-    """One trainable tensor of a profile (DESIGN.md §2)."""
+    """One trainable tensor of a profile (docs/design.md §2.1, §4.1)."""
 
     name: str
     shape: tuple[int, ...]
@@ -191,7 +191,7 @@ class Block:
 
 @dataclass(frozen=True, slots=True)
 class Schedule:
-    """A plan: buffer layout plus blocks in issue order (DESIGN.md §4)."""
+    """A plan: buffer layout plus blocks in issue order (docs/design.md §4.2)."""
 
     strategy: str
     profile_name: str

@@ -1,4 +1,4 @@
-"""The lab (DESIGN.md §7): ranks on this machine joined by a real, slow, shaped network.
+"""The lab (docs/design.md §7): ranks on this machine joined by a real, slow, shaped network.
 
 A loopback network is too fast to show a communication bottleneck. As root on Linux,
 :class:`Lab` gives every rank its own network namespace and joins them with veth links shaped

@@ -1,4 +1,4 @@
-"""The one simulator every strategy is scored by: DESIGN.md §2, exactly.
+"""The one simulator every strategy is scored by: docs/design.md §2, exactly.
 
 Time origin is the start of backward; milliseconds and bytes.
 

@@ -1,6 +1,6 @@
 """Refinements of the iteration model learned from measured timelines (``usbyte-opt bench``).
 
-Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_TRACE``:
+Two effects the simulator of docs/design.md §2 leaves out, both visible in ``USBYTE_TRACE``:
 
 1. **The optimizer step is compute** (:func:`refined_overlap`, below).
 2. **All-reduce is slower while training computes** (:func:`comm_under_compute`): on a
@@ -25,7 +25,7 @@ Two effects the simulator of DESIGN.md §2 leaves out, both visible in ``USBYTE_
 
 The optimizer step:
 
-DESIGN.md §2 (overlap mode) charges tensor p's update only as a delay of its availability,
+docs/design.md §2.5 (overlap mode) charges tensor p's update only as a delay of its availability,
 ``avail_p = finish_p + update_p``: when p's block finished long before the forward reaches p,
 the update costs nothing. The runtime does not work that way (``USBYTE_TRACE`` shows it): the
 update runs on the training thread, inside the forward pre-hook of the module that needs p,
@@ -158,7 +158,8 @@ def lanes_finish(problem: Problem, layout: Layout, blocks: Sequence[Block], lane
     (measured in the lab: a 374 KB all-reduce alone 19 ms, issued together with a 1.7 MB one
     57 ms; the pair 92 ms, as one 2.07 MB message). Blocks still go out in issue order, each
     when ready and a lane is free; each pays ``alpha`` and then its bytes at
-    ``algbw / (blocks on the wire)`` (processor sharing). ``lanes=1`` is DESIGN.md §2's channel.
+    ``algbw / (blocks on the wire)`` (processor sharing). ``lanes=1`` is the channel of
+    docs/design.md §2.4.
 
     Example (two 1 MB blocks ready at 0 and 0.5 ms; alpha 0, 1 GB/s)::
 
@@ -213,7 +214,7 @@ def lanes_finish(problem: Problem, layout: Layout, blocks: Sequence[Block], lane
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
                     lanes: int = 1) -> float:
     """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
-    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: DESIGN.md §2). With
+    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: docs/design.md §2.4). With
     the compute-cost option, on the problem stretched for ``blocks`` (as the simulator)."""
     if problem.charges_cpu:
         problem = problem.stretched(problem.stretch(len(blocks)))

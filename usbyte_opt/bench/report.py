@@ -5,7 +5,7 @@ Definitions, per strategy:
 
 * ``measured_ms``: the median of the steady-state iteration times (each the mean over ranks
   of one iteration, forward start to forward start); ``p10_ms``/``p90_ms`` their spread.
-* ``predicted_ms``: the planner's simulator (DESIGN.md §2, with the profile's compute-cost
+* ``predicted_ms``: the planner's simulator (docs/design.md §2, with the profile's compute-cost
   option when it carries one) on the profile: overlap mode for the runtime's strategies,
   fence mode for PyTorch DDP; for ``no-comm`` forward + backward + optimizer step.
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).

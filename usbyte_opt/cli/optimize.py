@@ -37,7 +37,7 @@ def optimize(
     """Plan PROFILE with every strategy, compare them, write the schedule of --strategy.
 
     The schedule (default: best's) is what `usbyte-opt launch` and DistributedOptimizer use.
-    Times are predicted by the simulator of DESIGN.md §2: "native" is each strategy's own mode
+    Times are predicted by the simulator of docs/design.md §2: "native" is each strategy's own mode
     (fence for wfbp, ddp, mgwfbp: all blocks before the optimizer step; overlap for the others:
     updates gated per tensor in the next forward); "overlap" is the same plan run the way
     usbyte-opt's runtime runs it.

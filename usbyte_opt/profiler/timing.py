@@ -1,7 +1,7 @@
 """Per-tensor timing of one training iteration: when each gradient is final, when each
 parameter is first used, how long forward, backward and the optimizer step take.
 
-Method (DESIGN.md §2, §6):
+Method (docs/design.md §2.1, §6):
 
 - ``ready_ms``: a post-accumulate-grad hook on every trainable tensor stamps the clock; the
   offset from the start of backward is its ready time. The hook fires once the gradient has

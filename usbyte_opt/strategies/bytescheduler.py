@@ -20,7 +20,8 @@ What this module reproduces, in ByteScheduler's own units:
   with Bayesian optimisation on measured step times; here the simulator is cheap and exact for
   the model, so a log grid (factor sqrt 2, 9 x 9 points) is searched exhaustively.
 
-**Credit on a single channel.** DESIGN.md §2 has one collective at a time, in issue order, like
+**Credit on a single channel.** docs/design.md §2.4 has one collective at a time, in issue
+order, like
 one NCCL communicator. Partitions handed to the engine run first-in first-out, so the *issue
 order* is the order in which the credit loop dispatches them, and the credit bounds the elements
 dispatched but not yet finished: the one on the wire plus those queued behind it. With a credit

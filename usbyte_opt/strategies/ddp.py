@@ -15,7 +15,7 @@ gradients actually became ready):
   hash-map order and, for rebuilt buckets, does not sort; here they follow the order in which
   their last gradient becomes ready. With one dtype this is exactly torch's order.
 
-Fence mode: DDP's optimizer step waits for every bucket (DESIGN.md §2).
+Fence mode: DDP's optimizer step waits for every bucket (docs/design.md §2.6).
 
 Example::
 

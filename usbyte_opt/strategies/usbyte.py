@@ -2,7 +2,7 @@
 
 Gao, Hu, Mashhadi, Jin, Xiao, Wu, "US-Byte: An Efficient Communication Framework for
 Scheduling Unequal-sized Tensor Blocks in Distributed Deep Learning", IEEE TPDS 35(1), 2024.
-The method, as DESIGN.md §3 states it (the paper's Algorithms 1–3):
+The method (the paper's Algorithms 1–3; summary in docs/design.md §3.1):
 
 * **Units.** Tensor l holds ``m_l = ceil(M_l / S_p)`` units of ``S_p`` elements; a block of k
   units costs ``alpha + beta * S_p * k`` (the last unit of a tensor at its true size).
@@ -27,7 +27,8 @@ The method, as DESIGN.md §3 states it (the paper's Algorithms 1–3):
 * **S_p** is tuned by search (the paper tunes it with Bayesian optimisation on measured step
   times; here see :func:`plan`).
 
-Two defects of the authors' released planner are *not* reproduced (DESIGN.md §3): their phase-2
+Two defects of the authors' released planner are *not* reproduced (docs/design.md §3.1): their
+phase-2
 timing charges whole units and corrects the last unit of the wrong tensor, and extending a block
 overwrites its unit count, so units of a gradient vanish. Here every block carries true sizes,
 every element is sent exactly once (phase 1 sends a tensor's units from its first element

@@ -2,7 +2,8 @@
 
 The baseline every scheduler is measured against (Zhang et al., "Poseidon", ATC 2017; the
 US-Byte paper's "WFBP"): each gradient is all-reduced as soon as it is final in backward, one
-collective per tensor, and the optimizer step waits for all of them (fence mode, DESIGN.md §3).
+collective per tensor, and the optimizer step waits for all of them (fence mode,
+docs/design.md §2.6).
 
 Example::
 
