@@ -1,16 +1,23 @@
-"""Train a small CNN or transformer on synthetic data with DDP or the usbyte-opt runtime.
+"""Train a model on synthetic data with PyTorch DDP or the usbyte-opt runtime.
 
-Runs under torchrun / ``usbyte-opt launch`` (one process per rank), or alone as world size 1::
+``--model`` takes exactly what ``usbyte-opt profile`` takes (the same registry,
+:mod:`usbyte_opt.models`): a built-in name (``cnn``, ``transformer``, ``mlp``, ``resnet50``,
+``vgg16``, ...) or ``package.module:factory``. So the model trained here is the model that
+was profiled, and its schedule fits it. The three steps, on two CPU ranks::
 
-    # a schedule for the model (here the default DDP-like plan; `usbyte-opt optimize` makes better)
-    python examples/train.py --model cnn --write-schedule schedules/cnn.json
-    # the same training, side by side
+    usbyte-opt profile cnn --nproc-per-node 2 --device cpu -o profiles/mine.json
+    usbyte-opt optimize profiles/mine.json -o schedules/mine.json
+    usbyte-opt launch --schedule schedules/mine.json --nproc-per-node 2 examples/train.py --model cnn
+
+and the same training with PyTorch DDP, for comparison::
+
     torchrun --nproc-per-node 2 examples/train.py --model cnn --mode ddp
-    usbyte-opt launch --schedule schedules/cnn.json --nproc-per-node 2 \\
-        examples/train.py --model cnn --mode usbyte
 
-Rank 0 prints one line per iteration (wall time of forward + backward + step, loss) and the
-median at the end. ``--schedule`` overrides ``$USBYTE_SCHEDULE``.
+It also runs alone (world size 1). Every rank trains on its own synthetic batches, shaped
+like the factory's inputs; the loss is the factory's. Rank 0 prints one line per iteration
+(wall time of forward + backward + step, loss) and the median at the end. ``--schedule``
+overrides ``$USBYTE_SCHEDULE`` (which ``usbyte-opt launch`` sets); without either the
+runtime uses its default DDP-like plan, which ``--write-schedule PATH`` writes out.
 """
 
 from __future__ import annotations
@@ -23,77 +30,52 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
+
+from usbyte_opt.models import build
 
 
-def cnn(num_classes: int = 10) -> nn.Module:
-    """A small ResNet-like CNN for 3x32x32 images (about 0.3 M parameters)."""
-    def block(cin: int, cout: int) -> nn.Sequential:
-        return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1, bias=False), nn.BatchNorm2d(cout),
-                             nn.ReLU(inplace=True))
-    return nn.Sequential(block(3, 32), block(32, 32), nn.MaxPool2d(2), block(32, 64),
-                         block(64, 64), nn.MaxPool2d(2), block(64, 128), nn.AdaptiveAvgPool2d(1),
-                         nn.Flatten(), nn.Linear(128, 128), nn.ReLU(inplace=True),
-                         nn.Linear(128, num_classes))
-
-
-class TinyGPT(nn.Module):
-    """A small decoder-only transformer: tied embeddings, learned positions (about 1 M params)."""
-
-    def __init__(self, vocab: int = 2000, dim: int = 128, layers: int = 4, heads: int = 4,
-                 seq: int = 64):
-        super().__init__()
-        self.tok = nn.Embedding(vocab, dim)
-        self.pos = nn.Parameter(torch.zeros(seq, dim))
-        layer = nn.TransformerEncoderLayer(dim, heads, 4 * dim, dropout=0.0, batch_first=True,
-                                           norm_first=True, activation="gelu")
-        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
-        self.norm = nn.LayerNorm(dim)
-        self.head = nn.Linear(dim, vocab, bias=False)
-        self.head.weight = self.tok.weight
-        nn.init.normal_(self.tok.weight, std=0.02)
-        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq))
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        n = idx.shape[1]
-        h = self.tok(idx) + self.pos[:n]
-        h = self.blocks(h, mask=self.mask[:n, :n], is_causal=True)
-        return self.head(self.norm(h))
-
-
-MODELS = {"cnn": cnn, "transformer": TinyGPT}
-
-
-def batch(model: str, size: int, step: int, rank: int, device: torch.device):
-    g = torch.Generator().manual_seed(10_000 * rank + step)
-    if model == "cnn":
-        x, y = torch.randn(size, 3, 32, 32, generator=g), torch.randint(0, 10, (size,), generator=g)
-    else:
-        tokens = torch.randint(0, 2000, (size, 65), generator=g)
-        x, y = tokens[:, :-1], tokens[:, 1:]
-    return x.to(device), y.to(device)
-
-
-def loss_of(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+def batches(inputs: tuple, rank: int, count: int = 4) -> list[tuple]:
+    """``count`` synthetic batches shaped like ``inputs``, different on every rank: floating
+    tensors get normal noise, token ids uniform ids below the largest id of ``inputs``."""
+    out = []
+    for j in range(count):
+        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
+        batch = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                x = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
+            elif isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64) and x.numel():
+                x = torch.randint(int(x.max()) + 1, x.shape, generator=g, dtype=x.dtype).to(x.device)
+            batch.append(x)
+        out.append(tuple(batch))
+    return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=sorted(MODELS), default="cnn")
-    ap.add_argument("--mode", choices=["ddp", "usbyte"], default="usbyte")
+    ap.add_argument("--model", default="cnn",
+                    help="built-in name or package.module:factory, as for `usbyte-opt profile` "
+                         "(default: cnn)")
+    ap.add_argument("--mode", choices=["ddp", "usbyte"], default="usbyte",
+                    help="PyTorch DDP, or the usbyte-opt runtime (default: usbyte)")
     ap.add_argument("--schedule", help="schedule file (default: $USBYTE_SCHEDULE, else a default plan)")
-    ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median")
-    ap.add_argument("--batch-size", type=int, default=32)
-    ap.add_argument("--lr", type=float, default=1e-3)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=30, help="training iterations (default: 30)")
+    ap.add_argument("--warmup", type=int, default=5, help="iterations left out of the median (default: 5)")
+    ap.add_argument("--batch-size", type=int, default=None,
+                    help="per-rank batch size (default: the model's own, as for `usbyte-opt profile`)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 0.001)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="cpu or cuda (default: cuda when available)")
     ap.add_argument("--write-schedule", metavar="PATH",
-                    help="write the default plan for --model to PATH and exit")
+                    help="write the runtime's default plan for --model to PATH and exit")
     a = ap.parse_args()
 
-    torch.manual_seed(0)
-    model = MODELS[a.model]()
+    # Set up: one process per rank (torchrun), or world size 1 on its own.
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    model, inputs, loss_fn = build(a.model, a.batch_size, device)
     if a.write_schedule:
         from usbyte_opt.formats import save_schedule
         from usbyte_opt.runtime import default_schedule
@@ -101,17 +83,11 @@ def main() -> None:
         ws = int(os.environ.get("WORLD_SIZE", "2"))
         print(f"wrote {save_schedule(default_schedule(model, ws), a.write_schedule)}")
         return
-
-    # Set up: one process per rank (torchrun), or world size 1 on its own.
-    device = torch.device(a.device)
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
-    model = model.to(device)
+    data = batches(inputs, rank)
 
     # Build: the only difference between the two modes.
     if a.mode == "ddp":
@@ -127,9 +103,9 @@ def main() -> None:
     # Run.
     times = []
     for step in range(a.steps):
-        x, y = batch(a.model, a.batch_size, step, rank, device)
+        x = data[step % len(data)]
         t0 = time.perf_counter()
-        loss = loss_of(net(x), y)
+        loss = loss_fn(net(*x))
         loss.backward()
         opt.step()
         opt.zero_grad()

@@ -3,11 +3,14 @@
 ``MODEL`` is one of:
 
 - a built-in name: ``mlp``, ``cnn``, ``transformer`` (small models that run on a CPU in a
-  fraction of a second: for the demo and the tests); ``resnet50``, ``vgg16``, ... (any
-  torchvision classification model, when torchvision is installed: ``torchvision:NAME``
-  says so explicitly); ``bert-base``, ``bert-large``, ``gpt2``, ``gpt2-medium`` (built with
-  transformers from a config object, when it is installed). Real architectures get random
-  weights and are built offline: nothing is ever downloaded.
+  fraction of a second: for the demo and the tests); ``resnet50``, ``resnet152``, ``vgg16``,
+  ``densenet201`` (the architectures of the shipped profiles, defined in
+  :mod:`usbyte_opt.architectures` tensor for tensor as torchvision's, without torchvision);
+  ``torchvision:NAME`` for any other torchvision classification model (when torchvision is
+  installed; a bare name that is not built in is looked up there too); ``bert-base``,
+  ``bert-large``, ``gpt2``, ``gpt2-medium`` (built with transformers from a config object,
+  when it is installed). Real architectures get random weights and are built offline:
+  nothing is ever downloaded.
 - ``package.module:factory``, a function of your own following the protocol below. The
   current directory is on the import path, as for ``python -m``.
 
@@ -159,9 +162,64 @@ def _transformer(batch_size: int, seq: int = 64) -> Built:
     return m, (ids,), RandomTargetLoss(4096, (batch_size, seq))
 
 
+def architecture_factory(name: str, image_size: int = 224) -> Factory:
+    """A factory for built-in architecture ``name`` (:data:`usbyte_opt.architectures.ARCHITECTURES`)
+    on random ``image_size``-pixel images, with cross-entropy against random labels of its
+    1000 classes: what :func:`torchvision_factory` gives for torchvision's model of that name.
+
+    Example::
+
+        >>> factory = architecture_factory("resnet50", image_size=64)
+        >>> model, (x,), loss_fn = factory(2)
+        >>> tuple(x.shape), loss_fn(model(x)).dim()
+        ((2, 3, 64, 64), 0)
+    """
+    from .architectures import ARCHITECTURES
+
+    if name not in ARCHITECTURES:
+        raise UsbyteError(f"unknown built-in architecture {name!r}: expected one of {', '.join(ARCHITECTURES)}")
+
+    def factory(batch_size: int) -> Built:
+        torch.manual_seed(0)
+        model = ARCHITECTURES[name]()
+        x = torch.randn(batch_size, 3, image_size, image_size)
+        return model, (x,), RandomTargetLoss(1000, (batch_size,))
+
+    factory.__name__ = name
+    return factory
+
+
 # --------------------------------------------------------------------------------------------
 # Real architectures: torchvision and transformers, when installed
 # --------------------------------------------------------------------------------------------
+
+def install_hint(package: str, torch_version: str | None = None) -> str:
+    """The exact command that installs ``package`` beside the installed torch without
+    replacing it: torchvision must be the release made for that torch (torch 2.N pairs
+    with torchvision 0.(N+15)) and come from the index of its build (CPU or CUDA), since
+    the default index would bring a multi-GB CUDA torch with it; transformers does not
+    depend on torch at all.
+
+    Example::
+
+        >>> install_hint("torchvision", "2.13.0+cpu")
+        "pip install 'torchvision==0.28.*' --index-url https://download.pytorch.org/whl/cpu"
+        >>> install_hint("torchvision", "2.14.1+cu130")
+        "pip install 'torchvision==0.29.*' --index-url https://download.pytorch.org/whl/cu130"
+        >>> install_hint("transformers")
+        "pip install 'transformers>=4.40'"
+    """
+    if package == "transformers":
+        return "pip install 'transformers>=4.40'"
+    if package != "torchvision":
+        return f"pip install {package}"
+    version = torch_version or torch.__version__
+    base, _, build = version.partition("+")
+    major, minor = (base.split(".") + ["0", "0"])[:2]
+    if major != "2" or not minor.isdigit():
+        return "pip install torchvision (the release made for your torch, from PyTorch's index)"
+    index = f" --index-url https://download.pytorch.org/whl/{build}" if build else ""
+    return f"pip install 'torchvision==0.{int(minor) + 15}.*'{index}"
 
 
 def _import_optional(package: str, what: str):
@@ -170,7 +228,8 @@ def _import_optional(package: str, what: str):
     except Exception as e:  # an ABI mismatch raises RuntimeError/OSError, not only ImportError
         raise UsbyteError(f"model {what!r} needs {package}, which cannot be imported here "
                           f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
-                          f"install it (pip install {package}) or give package.module:factory") from None
+                          f"install it: {install_hint(package)}; or give "
+                          "package.module:factory") from None
 
 
 def torchvision_factory(name: str, image_size: int | None = None) -> Factory:
@@ -259,9 +318,15 @@ BUILTIN: dict[str, BuiltinModel] = {
     "mlp": BuiltinModel(_mlp, 64, "4-layer MLP, 10.5 M parameters"),
     "cnn": BuiltinModel(_cnn, 16, "small communication-heavy CNN on 32x32 images, 9.5 M parameters"),
     "transformer": BuiltinModel(_transformer, 8, "4-layer causal transformer with tied embedding, 4.2 M parameters"),
+    "resnet50": BuiltinModel(architecture_factory("resnet50"), 64, "ResNet-50 on 224x224 images, 25.6 M parameters"),
+    "resnet152": BuiltinModel(architecture_factory("resnet152"), 32, "ResNet-152 on 224x224 images, 60.2 M parameters"),
+    "vgg16": BuiltinModel(architecture_factory("vgg16"), 32, "VGG-16 on 224x224 images, 138.4 M parameters"),
+    "densenet201": BuiltinModel(architecture_factory("densenet201"), 32,
+                                "DenseNet-201 on 224x224 images, 20.0 M parameters"),
 }
 
-#: Default batch sizes of the real architectures (per rank); anything else defaults to 32.
+#: Default batch sizes of the real architectures (per rank; the shipped profiles' batches);
+#: anything else defaults to 32.
 DEFAULT_BATCH = {"bert-base": 32, "bert-large": 8, "gpt2": 4, "gpt2-medium": 2,
                  "resnet50": 64, "resnet152": 32, "vgg16": 32, "densenet201": 32}
 
@@ -272,7 +337,7 @@ def builtin_names() -> list[str]:
     try:
         import torchvision  # noqa: F401 - only to list its names
 
-        names += sorted(torchvision.models.list_models(module=torchvision.models))
+        names += sorted(set(torchvision.models.list_models(module=torchvision.models)) - set(names))
     except Exception:
         pass  # torchvision missing or unusable beside this torch: its names are not offered
     return names
@@ -302,7 +367,7 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
         >>> resolve("nope")
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, cnn, transformer, bert-base, ...) or package.module:factory
+        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, cnn, transformer, resnet50, resnet152, vgg16, densenet201, bert-base, ...) or package.module:factory
     """
     if callable(spec):
         return spec, 32
@@ -423,6 +488,7 @@ def parameter_count(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
-__all__ = ["BUILTIN", "HF_MODELS", "PROTOCOL", "RandomTargetLoss", "build", "builtin_names",
+__all__ = ["BUILTIN", "HF_MODELS", "PROTOCOL", "RandomTargetLoss", "architecture_factory",
+           "build", "builtin_names", "install_hint",
            "check_loss", "model_name", "parameter_count", "resolve", "torchvision_factory",
            "transformers_factory"]

@@ -64,13 +64,14 @@ def bench(
     as_json: bool = common.Json,
 ) -> None:
     """Train MODEL with DDP and with each strategy's schedule; report measured against predicted."""
-    from ..bench import BenchConfig, run_bench
+    from ..bench import BenchConfig, default_out_dir, run_bench
 
     cfg = BenchConfig(model=model, nproc=nproc_per_node, bandwidth=bandwidth, iterations=iterations,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       profile=str(profile) if profile else None, batch_size=batch_size,
                       out_dir=output_dir, rounds=rounds, reference=reference, device=device,
                       timeout_s=timeout_s)
+    cfg.out_dir = common.check_output_dir(output_dir or default_out_dir(cfg), "--output-dir")
     result = run_bench(cfg, progress=None if as_json else console.info)
     if result is None:
         return  # a rank > 0 under torchrun: rank 0 reports

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Optional
 
 import typer
 
+from ..errors import UsbyteError
 from ..formats import CommSpec, Profile, load_profile, write_json
 from ..planner import retargeted
 from ..simulate import Timeline, chrome_trace
@@ -18,7 +20,90 @@ BandwidthGbps = typer.Option(None, "--bandwidth-gbps", min=0.0,
                              help="Retarget to this per-link bandwidth, Gbit/s.")
 LatencyUs = typer.Option(None, "--latency-us", min=0.0,
                          help="Retarget to this latency per ring step, µs.")
-Trace = typer.Option(None, "--trace", dir_okay=False,
+
+
+def _probe(folder: Path, make_dir: bool) -> None:
+    """Create and remove a temporary file (or folder) in ``folder``: the one reliable test
+    that it accepts new entries (permissions, read-only mounts, /proc, ...)."""
+    if make_dir:
+        os.rmdir(tempfile.mkdtemp(prefix=".usbyte-probe-", dir=folder))
+    else:
+        fd, name = tempfile.mkstemp(prefix=".usbyte-probe-", dir=folder)
+        os.close(fd)
+        os.unlink(name)
+
+
+def _nearest(path: Path) -> Path:
+    """``path`` itself or its nearest ancestor that exists."""
+    path = Path(os.path.abspath(path))
+    while not os.path.lexists(path) and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _unwritable(option: str, path: Path, why: str) -> UsbyteError:
+    err = UsbyteError(f"{option} {path}: expected a path this process can write, but {why}")
+    err.exit_code = 2
+    return err
+
+
+def check_output_file(path: str | os.PathLike, option: str = "--output") -> Path:
+    """Raise :class:`UsbyteError` (one line, exit code 2) unless a file can be written at
+    ``path``; return it as a :class:`Path`. Called before any work, so that a bad output
+    path costs nothing; nothing is left behind (missing folders are not created).
+
+    Example::
+
+        >>> check_output_file("/proc/x.json", "-o")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsbyteError: -o /proc/x.json: expected a path this process can write, but /proc does not accept new files (No such file or directory)
+    """
+    p = Path(path)
+    if p.is_dir():
+        raise _unwritable(option, p, "it is a folder")
+    folder = _nearest(p.parent)
+    if not folder.is_dir():
+        raise _unwritable(option, p, f"{folder} is a file, not a folder")
+    try:
+        _probe(folder, make_dir=folder != Path(os.path.abspath(p.parent)))
+    except OSError as e:
+        raise _unwritable(option, p, f"{folder} does not accept new "
+                          f"{'files' if folder == Path(os.path.abspath(p.parent)) else 'folders'} "
+                          f"({e.strerror or e})") from None
+    return p
+
+
+def check_output_dir(path: str | os.PathLike, option: str = "--output-dir") -> Path:
+    """Like :func:`check_output_file` for a folder that will receive files.
+
+    Example::
+
+        >>> check_output_dir("/proc/results", "-o")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsbyteError: -o /proc/results: expected a path this process can write, but /proc does not accept new folders (No such file or directory)
+    """
+    p = Path(path)
+    folder = _nearest(p)
+    if not folder.is_dir():
+        raise _unwritable(option, p, f"{folder} is a file, not a folder")
+    try:
+        _probe(folder, make_dir=folder != Path(os.path.abspath(p)))
+    except OSError as e:
+        what = "files" if folder == Path(os.path.abspath(p)) else "folders"
+        raise _unwritable(option, p, f"{folder} does not accept new {what} ({e.strerror or e})") from None
+    return p
+
+
+def output_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
+    """typer callback of an output-file option: :func:`check_output_file` when it is given."""
+    if value is not None and not ctx.resilient_parsing:
+        check_output_file(value, max(param.opts, key=len) if param.opts else "--output")
+    return value
+
+
+Trace = typer.Option(None, "--trace", dir_okay=False, callback=output_file,
                      help="Write a Chrome/Perfetto trace of the predicted timeline here.")
 Json = typer.Option(False, "--json", help="Print only JSON on stdout.")
 

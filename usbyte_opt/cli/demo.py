@@ -37,6 +37,8 @@ def demo(
     from ..bench import BenchConfig, run_bench
 
     keep = output_dir is not None
+    if keep:
+        common.check_output_dir(output_dir, "--output-dir")
     out = output_dir if keep else Path(tempfile.mkdtemp(prefix="usbyte-demo-"))
     cfg = BenchConfig(model=model, nproc=2, iterations=iterations, batch_size=batch_size,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),

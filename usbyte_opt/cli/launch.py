@@ -4,12 +4,21 @@ Validates the schedule file, then runs ``torch.distributed.run`` (torchrun) with
 ``USBYTE_SCHEDULE`` set to it, so that ``DistributedOptimizer(optimizer, model)`` in the script
 picks it up. Every torchrun option is accepted (``--nproc-per-node``, ``--nnodes``,
 ``--rdzv-endpoint``, ...); everything after SCRIPT goes to the script.
+
+Failures read as one line: each rank runs the script through :mod:`usbyte_opt.cli.rank`,
+so a usbyte-opt error on a rank (a schedule that does not fit the model names the first
+tensor that differs, expected and got) is printed once as ``error: rank N: <message>`` with
+its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit code 130);
+``--debug`` keeps every traceback. A script that fails in its own code keeps its traceback.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +26,7 @@ import typer
 
 from .. import console
 from ..errors import UsbyteError
+from .rank import ERRORS_ENV
 
 #: ``usbyte_opt.runtime.checks.SCHEDULE_ENV``, spelled out so that validating a schedule does
 #: not import torch.
@@ -87,22 +97,85 @@ def launch(ctx: typer.Context) -> None:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
                      f"{ws}: the block order stays valid, its timing was predicted for the other "
                      "size")
+    wrapped = not (args.no_python or args.run_path)
+    if wrapped and not args.module and not Path(args.training_script).is_file():
+        err = UsbyteError(f"launch: {args.training_script}: expected an existing script file")
+        err.exit_code = 2
+        raise err
     os.environ[SCHEDULE_ENV] = str(Path(args.schedule).resolve())
-    console.info(f"usbyte-opt: {args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, "
-                 f"world size {sched.world_size}) -> {args.training_script}")
+    nproc = str(args.nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+        # torchrun would set 1 with a five-line warning; split this host's cores instead.
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
+    debug = bool(os.environ.get("USBYTE_DEBUG"))
+    script = args.training_script
+    if wrapped:
+        # Each rank runs the script through usbyte_opt.cli.rank, which turns a usbyte-opt
+        # error into one line for this process to print (see _failure) and Ctrl-C into a
+        # quiet exit.
+        args.training_script_args = (["-m"] if args.module else []) + [script, *args.training_script_args]
+        args.training_script, args.module = "usbyte_opt.cli.rank", True
+    # On stdout, with the ranks' own output: stderr is kept for warnings and the one error line.
+    console.out.print(f"usbyte-opt: {args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, "
+                      f"world size {sched.world_size}) -> {script}", markup=False)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
 
-    try:
-        run(args)
-    except ChildFailedError as e:
-        # The rank that failed first; the others were stopped by torchrun (SIGTERM) after it.
-        rank, failure = min(e.failures.items(), key=lambda kv: (
-            kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if e.failures else (None, None)
-        where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
-        err = UsbyteError(f"launch: {args.training_script}: {where}; its output is above")
-        err.exit_code = (failure.exitcode if failure and failure.exitcode > 0 else 1)
-        raise err from None
+    if not debug:
+        _quiet_torchrun()
+    with tempfile.TemporaryDirectory(prefix="usbyte-launch-") as errors:
+        os.environ[ERRORS_ENV] = errors
+        try:
+            run(args)
+        except SignalException as e:
+            if e.sigval == signal.SIGINT:
+                raise KeyboardInterrupt from None
+            err = UsbyteError(f"launch: stopped by {signal.Signals(e.sigval).name}")
+            err.exit_code = 128 + int(e.sigval)
+            raise err from None
+        except ChildFailedError as e:
+            raise _failure(e, script, Path(errors)) from None
+        finally:
+            os.environ.pop(ERRORS_ENV, None)
+
+
+def _quiet_torchrun() -> None:
+    """Silence torchrun's own log lines (its OMP notice, "failed (exitcode ...)", the
+    death-signal notices): launch reports the outcome itself, in one line."""
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def _failure(e: Any, script: str, errors: Path) -> BaseException:
+    """The one error a failed run reports: the first usbyte-opt error a rank left in
+    ``errors`` (``rank N: message``, with its exit code), else the rank that exited first on
+    its own (the others were stopped by torchrun after it); ``KeyboardInterrupt`` when every
+    rank ended from Ctrl-C."""
+    failures = dict(e.failures) if e.failures else {}
+    codes = {f.exitcode for f in failures.values()}
+    if failures and codes <= {130, -signal.SIGINT, -signal.SIGTERM} and codes & {130, -signal.SIGINT}:
+        return KeyboardInterrupt()
+    left = []
+    for rank, f in failures.items():
+        path = errors / f"rank{rank}.json"
+        try:
+            doc = json.loads(path.read_text())
+            left.append((f.timestamp, rank, str(doc["message"]), int(doc["exit_code"])))
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    if left:
+        _, _, message, code = min(left)
+        err = UsbyteError(message)
+        err.exit_code = code
+        return err
+    rank, failure = min(failures.items(), key=lambda kv: (
+        kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
+    where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
+    err = UsbyteError(f"launch: {script}: {where}; its output is above")
+    err.exit_code = failure.exitcode if failure and failure.exitcode > 0 else 1
+    return err
 
 
 def register(app: typer.Typer) -> None:

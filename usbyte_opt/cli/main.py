@@ -13,6 +13,11 @@ import sys
 
 import typer
 
+try:  # typer >= 0.22 carries its own click
+    from typer._click.exceptions import ClickException
+except ImportError:  # older typer runs on click itself
+    from click.exceptions import ClickException
+
 from .. import __version__, console
 from ..errors import UsbyteError
 
@@ -50,6 +55,23 @@ for _name in COMMANDS:
     importlib.import_module(f"{__package__}.{_name}").register(app)
 
 
+def os_error_line(e: OSError) -> str:
+    """One line for an :class:`OSError`: the file(s), then what went wrong.
+
+    Example::
+
+        >>> os_error_line(PermissionError(13, "Permission denied", "/x/p.json"))
+        '/x/p.json: Permission denied'
+        >>> os_error_line(OSError(28, "No space left on device", "/x/.p.tmp", None, "/x/p.json"))
+        '/x/.p.tmp -> /x/p.json: No space left on device'
+    """
+    what = e.strerror or str(e) or type(e).__name__
+    if e.filename is None:
+        return f"{type(e).__name__}: {what}"
+    files = f"{e.filename}" + (f" -> {e.filename2}" if e.filename2 is not None else "")
+    return f"{files}: {what}"
+
+
 def main(argv: list[str] | None = None) -> None:
     """Run the CLI; ``argv`` defaults to ``sys.argv[1:]``. Exits with the command's code."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -64,15 +86,54 @@ def main(argv: list[str] | None = None) -> None:
     if "--debug" in argv[:ours]:
         argv.pop(argv.index("--debug"))
         argv.insert(0, "--debug")
+    if debug:
+        os.environ["USBYTE_DEBUG"] = "1"  # for the ranks `launch` and `profile` start
     try:
-        app(args=argv, prog_name="usbyte-opt")
+        # Not standalone: usage errors come back here to be printed on one line, like the rest.
+        code = app(args=argv, prog_name="usbyte-opt", standalone_mode=False)
+    except ClickException as e:
+        if debug:
+            raise
+        if e.format_message().strip():  # empty: the help was shown instead (no arguments)
+            console.error(usage_error_line(e))
+        sys.exit(e.exit_code)
+    except typer.Abort:
+        if debug:
+            raise
+        console.error("interrupted")
+        sys.exit(130)
     except UsbyteError as e:
         if debug:
             raise
         console.error(str(e))
         sys.exit(e.exit_code)
+    except OSError as e:
+        # A file that cannot be read or written (disk full, permissions, a folder vanished):
+        # the environment's doing, not a bug, so one line like any other error.
+        if debug:
+            raise
+        console.error(os_error_line(e))
+        sys.exit(1)
     except KeyboardInterrupt:
         if debug:
             raise
         console.error("interrupted")
         sys.exit(130)
+    if code == 130:
+        console.error("interrupted")  # typer's exit code for Ctrl-C inside a command
+    sys.exit(code if isinstance(code, int) else 0)
+
+
+def usage_error_line(e: ClickException) -> str:
+    """A usage error (unknown option, bad value) on one line, with where to read more.
+
+    Example::
+
+        >>> usage_error_line(ClickException("No such option: --bogus"))
+        'No such option: --bogus'
+    """
+    message = " ".join(e.format_message().split())
+    ctx = getattr(e, "ctx", None)
+    if ctx is not None and ctx.command_path:
+        message += f" (see `{ctx.command_path} --help`)"
+    return message

@@ -20,7 +20,7 @@ def optimize(
     profile: Path = typer.Argument(..., help="Profile JSON (see `usbyte-opt schema profile`).",
                                    dir_okay=False),
     output: Optional[Path] = typer.Option(None, "--output", "-o", dir_okay=False,
-                                          help="Schedule to write (default: schedules/NAME.json, NAME the profile's name)."),
+                                          callback=common.output_file, help="Schedule to write (default: schedules/NAME.json, NAME the profile's name)."),
     strategy: str = typer.Option("best", "--strategy", "-s",
                                  help="Strategy whose schedule is written: wfbp, ddp, mgwfbp, "
                                  "bytescheduler, usbyte or best."),

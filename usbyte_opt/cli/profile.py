@@ -17,6 +17,7 @@ import typer
 
 from .. import console
 from ..errors import DistributedError, UsbyteError
+from . import common
 
 
 class Device(str, Enum):
@@ -59,6 +60,11 @@ def profile(
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
+    from ..models import model_name
+
+    path = output or Path("profiles") / f"{name or model_name(model)}.json"
+    if os.environ.get("RANK", "0") == "0":
+        common.check_output_file(path, "--output")  # before any work: rank 0 writes it
     if nproc_per_node is not None and "RANK" not in os.environ:
         from ..models import resolve
         from ..profiler.run import launch
@@ -85,7 +91,6 @@ def profile(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from ..formats import save_profile
-    from ..models import model_name
     from ..profiler import comm as comm_mod
     from ..profiler.run import init_from_env, profile_model, resolve_device
 
@@ -123,7 +128,7 @@ def profile(
         for w in caught:
             if w.category.__name__ == "ProfileWarning":
                 console.warn(str(w.message))
-        path = save_profile(prof, output or Path("profiles") / f"{name or model_name(model)}.json")
+        path = save_profile(prof, path)
         total = sum(t.nbytes for t in prof.tensors)
         c = prof.comm
         console.table(f"profile {prof.name} → {path}", ["", "value"], [

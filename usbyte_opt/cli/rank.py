@@ -1,0 +1,99 @@
+"""What ``usbyte-opt launch`` runs on every rank: ``python -m usbyte_opt.cli.rank SCRIPT ARGS``
+(or ``... -m MODULE ARGS`` for ``launch -m``).
+
+It runs SCRIPT as ``python SCRIPT ARGS`` would (``sys.argv``, ``sys.path[0]`` and
+``__name__ == "__main__"`` as usual; a module as ``python -m MODULE``), with two differences,
+so that a failure reads as one line instead of a traceback per rank:
+
+- a :class:`usbyte_opt.errors.UsbyteError` (a schedule that does not fit the model, a
+  malformed file, ranks that disagree) is written as ``rank N: <message>`` to
+  ``$USBYTE_RANK_ERRORS/rankN.json``, where ``usbyte-opt launch`` reads it and prints the
+  first rank's line once; without that variable the line goes to stderr. The exit code is
+  the error's own.
+- Ctrl-C (``KeyboardInterrupt``, or any error while the interrupt unwinds a collective)
+  ends the rank quietly with exit code 130: the launcher says "interrupted", once.
+
+Any other exception is the script's own: its traceback is printed as Python would.
+``USBYTE_DEBUG=1`` (``usbyte-opt --debug launch ...``) keeps every traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import sys
+from pathlib import Path
+
+#: Folder where each failing rank leaves ``rank<N>.json`` (``{"message", "exit_code"}``).
+ERRORS_ENV = "USBYTE_RANK_ERRORS"
+
+
+def report(rank: str, message: str, exit_code: int) -> None:
+    """Leave ``rank N: message`` for the launcher, or print it when no launcher reads it."""
+    line = f"rank {rank}: {message}"
+    folder = os.environ.get(ERRORS_ENV)
+    if folder:
+        try:
+            path = Path(folder) / f"rank{rank}.json"
+            path.write_text(json.dumps({"message": line, "exit_code": exit_code}))
+            return
+        except OSError:
+            pass  # the launcher's folder is gone: say it here instead
+    sys.stderr.write(f"error: {line}\n")
+    sys.stderr.flush()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``argv[0]`` as a script (``-m MODULE``: that module) with the rest as its
+    arguments; return the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    module = bool(argv) and argv[0] == "-m"
+    if module:
+        argv = argv[1:]
+    if not argv:
+        sys.stderr.write("usage: python -m usbyte_opt.cli.rank [-m MODULE | SCRIPT] [ARGS]\n")
+        return 2
+    debug = bool(os.environ.get("USBYTE_DEBUG"))
+    rank = os.environ.get("RANK", "0")
+    interrupted = False
+
+    def on_sigint(signum, frame):  # noqa: ANN001 - signal handler signature
+        nonlocal interrupted
+        interrupted = True
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, on_sigint)
+    target = argv[0]
+    sys.argv = argv
+    sys.path[0] = os.getcwd() if module else str(Path(target).resolve().parent)
+    from ..errors import UsbyteError
+
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except SystemExit:
+        raise
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        return 130
+    except UsbyteError as e:
+        if debug:
+            raise
+        if interrupted:
+            return 130
+        report(rank, str(e), e.exit_code)
+        return e.exit_code
+    except BaseException:
+        if interrupted and not debug:
+            return 130  # a collective broken by Ctrl-C on another rank: not the script's error
+        raise
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
