@@ -111,7 +111,8 @@ def test_batch_size_must_be_positive():
 
 def test_builtin_names_lists_small_and_transformers_models():
     names = builtin_names()
-    assert {"mlp", "cnn", "transformer", "bert-base", "gpt2"} <= set(names)
+    assert {"mlp", "cnn", "transformer", "resnet50", "resnet152", "vgg16", "densenet201", "bert-base",
+            "gpt2"} <= set(names)
 
 
 @pytest.mark.skipif(not has("transformers"), reason="transformers not installed")
@@ -141,5 +142,65 @@ def test_torchvision_models_have_the_real_shapes(name, tensors, params):
 def test_torchvision_missing_is_a_clear_error():
     if has("torchvision"):
         pytest.skip("torchvision is importable here")
-    with pytest.raises(UsbyteError, match="needs torchvision"):
-        resolve("torchvision:resnet50")
+    with pytest.raises(UsbyteError, match="needs torchvision") as e:
+        resolve("torchvision:resnet18")
+    assert "pip install 'torchvision==0." in str(e.value)  # exactly what to install
+    assert resolve("resnet50")[0].__name__ == "resnet50"   # the built-in needs no torchvision
+
+
+# --------------------------------------------------------------------------------------------
+# Built-in architectures: the shipped profiles' models, without torchvision
+# --------------------------------------------------------------------------------------------
+
+SHIPPED_CNNS = ["resnet50", "resnet152", "vgg16", "densenet201"]
+
+
+@pytest.mark.parametrize("name", SHIPPED_CNNS)
+def test_builtin_architectures_match_their_shipped_profiles(name):
+    """Same tensors (names, shapes, dtypes, in order) and fingerprint as the torchvision model
+    the shipped profile was made from, so the profile's schedules fit the built-in model."""
+    from pathlib import Path
+
+    from usbyte_opt.architectures import ARCHITECTURES
+    from usbyte_opt.formats import fingerprint, load_profile
+
+    prof = load_profile(Path(__file__).resolve().parent.parent / "profiles" / f"{name}.json")
+    with torch.device("meta"):
+        model = ARCHITECTURES[name]()
+    tensors = [(n, tuple(p.shape), str(p.dtype).removeprefix("torch."))
+               for n, p in model.named_parameters() if p.requires_grad]
+    assert tensors == [(t.name, tuple(t.shape), t.dtype) for t in prof.tensors]
+    assert fingerprint(tensors) == prof.fingerprint()
+    assert resolve(name)[1] == prof.meta["batch_size"]  # the profile's batch is the default
+
+
+@pytest.mark.parametrize("name, params", [("resnet50", 25_557_032), ("vgg16", 138_357_544),
+                                          ("densenet201", 20_013_928)])
+def test_builtin_architectures_train(name, params):
+    from usbyte_opt.models import architecture_factory
+
+    model, inputs, loss_fn = build(architecture_factory(name, image_size=64), 2)
+    assert parameter_count(model) == params
+    loss = loss_fn(model(*inputs))
+    loss.backward()
+    assert torch.isfinite(loss) and all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.skipif(not has("torchvision"), reason="torchvision not importable beside this torch")
+@pytest.mark.parametrize("name", SHIPPED_CNNS)
+def test_builtin_architectures_compute_what_torchvision_computes(name):
+    from usbyte_opt.architectures import ARCHITECTURES
+
+    tv = importlib.import_module("torchvision").models.get_model(name, weights=None).eval()
+    mine = ARCHITECTURES[name]().eval()
+    mine.load_state_dict(tv.state_dict())
+    x = torch.randn(1, 3, 64, 64)
+    assert torch.allclose(mine(x), tv(x), atol=1e-5)
+
+
+def test_install_hints_keep_the_installed_torch():
+    from usbyte_opt.models import install_hint
+
+    assert install_hint("torchvision", "2.13.0+cpu").endswith("--index-url https://download.pytorch.org/whl/cpu")
+    assert "torchvision==0.28.*" in install_hint("torchvision", "2.13.0+cpu")
+    assert install_hint("torchvision", "2.13.0") == "pip install 'torchvision==0.28.*'"
