@@ -622,6 +622,122 @@ def case_strategy(name: str, rank: int, ws: int) -> dict:
     return run_plain(SmallCNN, OPTIMIZERS["adamw_wd"], make_sched, image_batch, mse, rank, ws)
 
 
+# --------------------------------------------------------------------------------------------
+# The loops people write: where and how gradients are zeroed, accumulation, clipping
+# --------------------------------------------------------------------------------------------
+
+LOOP_STEPS = 8
+
+
+def zero_with(how: str, set_to_none: bool, opt: Any, model: nn.Module) -> None:
+    """Zero gradients the way ``how`` says: the optimizer the user holds (for the runtime:
+    the DistributedOptimizer), the wrapped optimizer, the model, or ``p.grad = None``."""
+    if how == "opt":
+        opt.zero_grad(set_to_none=set_to_none)
+    elif how == "inner":
+        getattr(opt, "optimizer", opt).zero_grad(set_to_none=set_to_none)
+    elif how == "model":
+        model.zero_grad(set_to_none=set_to_none)
+    else:
+        for p in model.parameters():
+            p.grad = None
+
+
+def case_loop(how: str, set_to_none: bool, where: str, passes: int, rank: int, ws: int,
+              make: Callable[[], nn.Module] = SmallCNN, schedule: Callable = sched_two_phase,
+              clip: float | None = None, forward: Callable | None = None,
+              ddp_kwargs: dict | None = None, batch: Callable | None = None) -> dict:
+    """One loop shape, DDP and runtime side by side: zeroing ``how`` (``set_to_none``),
+    ``where`` in the loop (``after_step`` or ``before_backward``), ``passes`` backward passes
+    per step, optional clipping of the averaged gradients."""
+    ref, mod = twins(make)
+    ddp = DDP(ref, **(ddp_kwargs or {}))
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    o_usb = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), mod,
+                                 schedule=schedule(mod, ws), backward_passes_per_step=passes)
+    fwd = forward or (lambda m, x, step: m(x))
+    batch = batch or (image_batch if make is SmallCNN else vec_batch)
+    for step in range(LOOP_STEPS):
+        for net, o, inner in ((ddp, o_ref, ref), (mod, o_usb, mod)):
+            if where == "before_backward":
+                zero_with(how, set_to_none, o, inner)
+            for j in range(passes):
+                x, y = batch(rank, passes * step + j)
+                last = j == passes - 1
+                if net is ddp and not last:
+                    with ddp.no_sync():
+                        (mse(fwd(net, x, step), y) / passes).backward()
+                else:
+                    (mse(fwd(net, x, step), y) / passes).backward()
+            if clip is not None:
+                if net is ddp:
+                    nn.utils.clip_grad_norm_(ref.parameters(), clip)
+                else:
+                    o_usb.clip_grad_norm_(clip)
+            o.step()
+            if where == "after_step":
+                zero_with(how, set_to_none, o, inner)
+    o_usb.synchronize()
+    return {"diff": max_diff(ref, mod)}
+
+
+def case_collective_between_backward_and_step(one_in_flight: bool | None, rank: int,
+                                              ws: int) -> dict:
+    """A parameter only some ranks use, and the user's own all-reduce between backward() and
+    step() on the default group: every rank issued all of its step when backward returned, so
+    the collectives cannot interleave (with ``one_in_flight=False`` the blocks share the
+    default group with the user's all-reduce, as on NCCL)."""
+    ref, mod = twins(Unused)
+    ddp = DDP(ref, find_unused_parameters=True)
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    o_usb = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), mod,
+                                 schedule=sched_wfbp(mod, ws), one_in_flight=one_in_flight)
+    losses = []
+    for step in range(LOOP_STEPS):
+        x, y = vec_batch(rank, step)
+        for net, o in ((ddp, o_ref), (mod, o_usb)):
+            loss = mse(unused_forward(net, x, step), y)
+            loss.backward()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item())
+            o.step()
+            o.zero_grad()
+    o_usb.synchronize()
+    return {"diff": max(max_diff(ref, mod), max(abs(a - b) for a, b in
+                                                 zip(losses[::2], losses[1::2])))}
+
+
+LOOPS: dict[str, Callable[[int, int], dict]] = {}
+for _how, _stns in (("opt", (True, False)), ("inner", (True, False)), ("model", (True, False)),
+                    ("none_by_hand", (True,))):
+    for _stn in _stns:
+        for _where in ("after_step", "before_backward"):
+            for _k in (1, 3):
+                LOOPS[f"loop-{_how}-{'none' if _stn else 'zeros'}-{_where}-k{_k}"] = \
+                    (lambda h, n, w, k: lambda r, ws: case_loop(h, n, w, k, r, ws))(
+                        _how, _stn, _where, _k)
+LOOPS.update({
+    # Tensors only some ranks use, zeroed to None by every route (DDP then skips the ones no
+    # rank used).
+    **{f"loop-unused-{h}-none": (lambda h: lambda r, ws: case_loop(
+        h, True, "after_step", 1, r, ws, make=Unused, forward=unused_forward,
+        ddp_kwargs={"find_unused_parameters": True}))(h)
+       for h in ("opt", "inner", "model", "none_by_hand")},
+    "loop-clip": lambda r, ws: case_loop("model", True, "after_step", 1, r, ws, clip=0.05),
+    "loop-clip-accumulate": lambda r, ws: case_loop("opt", True, "before_backward", 2, r, ws,
+                                                    clip=0.05, schedule=sched_crosscut),
+    "loop-channels-last": lambda r, ws: case_loop(
+        "opt", True, "after_step", 1, r, ws,
+        make=lambda: SmallCNN(bn=True).to(memory_format=torch.channels_last),
+        forward=lambda m, x, step: m(x.to(memory_format=torch.channels_last)), batch=image_batch),
+    "collective_between_backward_and_step": lambda r, ws:
+        case_collective_between_backward_and_step(None, r, ws),
+    "collective_between_backward_and_step_same_group": lambda r, ws:
+        case_collective_between_backward_and_step(False, r, ws),
+})
+
+
 STRATEGY_NAMES = ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte")
 
 CASES: dict[str, Callable[[int, int], dict]] = {}
@@ -657,6 +773,7 @@ CASES.update({
 })
 for _n in STRATEGY_NAMES:
     CASES[f"strategy-{_n}"] = (lambda n: lambda r, w: case_strategy(n, r, w))(_n)
+CASES.update(LOOPS)
 
 
 def run_cases(rank: int, ws: int, names: list[str]) -> dict[str, dict]:

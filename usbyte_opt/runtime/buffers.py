@@ -1,9 +1,16 @@
-"""Flat gradient buffers in a schedule's layout, with every ``p.grad`` a view into them.
+"""Flat gradient buffers in a schedule's layout, and the maps between tensors and blocks.
 
-One flat tensor per schedule buffer (one per dtype, DESIGN.md §2); tensor ``t`` owns the
-element range of its layout position, and ``p.grad`` is that range viewed in ``p``'s shape,
-so autograd accumulates straight into the buffer and a block is a slice of it: no copies in
-or out. Tensors are indexed ``0..n-1`` in layout order (buffer by buffer).
+One flat tensor per schedule buffer (one per dtype, docs/design.md §3); tensor ``t`` owns the
+element range of its layout position, and its *view* is that range seen with ``p``'s shape and
+strides (a ``channels_last`` weight gets a ``channels_last`` view, as DDP's bucket views do, so
+the optimizer's elementwise kernels see matching layouts). A block is a slice of a flat
+buffer: the all-reduce needs no copy in or out. Tensors are indexed ``0..n-1`` in layout order
+(buffer by buffer).
+
+While a step's gradients are being produced, ``p.grad`` *is* the view (:meth:`FlatGrads.take`
+puts a fresh gradient there); between ``step()`` and the next backward the views belong to
+the pending update, and ``p.grad`` is ``None`` (:meth:`FlatGrads.release`), so nothing the
+user does to ``p.grad`` in between can reach the averaged gradient the update will read.
 
 Example::
 
@@ -13,18 +20,39 @@ Example::
     >>> g = FlatGrads(default_schedule(model), dict(trainable_parameters(model)), torch.device("cpu"))
     >>> g.names, g.region, [len(ts) for ts in g.block_tensors]
     (['bias', 'weight'], [(0, 0, 2), (0, 2, 8)], [2])
-    >>> model.weight.grad.data_ptr() == g.flats[0][2:].data_ptr()
-    True
+    >>> g.take(1, torch.ones(2, 3), scale=0.5)
+    >>> model.weight.grad.data_ptr() == g.flats[0][2:].data_ptr(), g.flats[0].tolist()
+    (True, [0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5])
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Mapping
+from typing import Mapping, Sequence
 
 import torch
 
 from ..formats import Schedule
+
+
+def dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether a tensor of ``shape`` and ``stride`` covers exactly ``numel`` consecutive
+    elements (any dimension order, no gaps, no overlap): then a view of a flat range can have
+    those strides.
+
+    Example::
+
+        >>> dense_strides((8, 3, 3, 3), (27, 1, 9, 3)), dense_strides((4, 4), (8, 1))
+        (True, False)
+    """
+    expected = 1
+    for size, st in sorted((int(s), int(d)) for s, d in zip(shape, stride) if int(s) != 1):
+        if size == 0:
+            return True
+        if st != expected:
+            return False
+        expected *= size
+    return True
 
 
 class FlatGrads:
@@ -37,7 +65,7 @@ class FlatGrads:
     """
 
     __slots__ = ("names", "params", "flats", "views", "region", "block_views", "block_tensors",
-                 "tensor_blocks", "index")
+                 "tensor_blocks", "index", "cuda")
 
     def __init__(self, schedule: Schedule, params: Mapping[str, torch.nn.Parameter],
                  device: torch.device):
@@ -46,6 +74,7 @@ class FlatGrads:
         self.region: list[tuple[int, int, int]] = []
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
+        self.cuda = device.type == "cuda"
         starts: list[list[int]] = []
         members: list[list[int]] = []
         for b, buf in enumerate(schedule.buffers):
@@ -64,7 +93,12 @@ class FlatGrads:
         self.index = {n: i for i, n in enumerate(self.names)}
         for t, p in enumerate(self.params):
             b, s, e = self.region[t]
-            self.views.append(self.flats[b][s:e].view(p.shape))
+            flat = self.flats[b]
+            if dense_strides(p.shape, p.stride()):
+                view = flat.as_strided(p.shape, p.stride(), flat.storage_offset() + s)
+            else:
+                view = flat[s:e].view(p.shape)
+            self.views.append(view)
         self.block_views: list[torch.Tensor] = []
         self.block_tensors: list[list[int]] = []
         self.tensor_blocks: list[list[int]] = [[] for _ in self.names]
@@ -77,38 +111,39 @@ class FlatGrads:
             self.block_tensors.append(ts)
             for t in ts:
                 self.tensor_blocks[t].append(k)
-        self.attach()
 
     @property
     def n(self) -> int:
         return len(self.names)
 
-    def attach(self) -> None:
-        """Make every ``p.grad`` its view (an existing gradient is copied in first)."""
-        with torch.no_grad():
-            for p, v in zip(self.params, self.views):
-                if p.grad is not None and p.grad is not v:
-                    v.copy_(p.grad)
-                p.grad = v
-
-    def relink(self, t: int) -> bool:
-        """Put tensor ``t``'s gradient back in its view if something replaced ``p.grad``
-        (autograd does when the gradient was ``None``, or with ``create_graph=True``).
-        Returns whether it had been replaced."""
+    def take(self, t: int, grad: torch.Tensor | None, scale: float | None = None) -> None:
+        """Put ``grad`` (times ``scale``, when given) into tensor ``t``'s view and make the view
+        ``p.grad``; ``None`` puts zeros. ``grad`` may be dropped afterwards: on CUDA it is
+        marked as used by the current stream, so its memory is not handed out before the copy
+        has read it."""
         p, v = self.params[t], self.views[t]
-        g = p.grad
-        if g is v:
-            return False
         with torch.no_grad():
-            if g is None:
+            if grad is None:
                 v.zero_()
-            else:
-                v.copy_(g)
+            elif grad is not v:
+                if scale is None:
+                    v.copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=v)
+                if self.cuda and grad.is_cuda:
+                    grad.record_stream(torch.cuda.current_stream(grad.device))
         p.grad = v
-        return True
+
+    def release(self, ts: Sequence[int] | None = None) -> None:
+        """``p.grad = None`` for the tensors ``ts`` (default: all) that still hold their view."""
+        params, views = self.params, self.views
+        for t in range(len(params)) if ts is None else ts:
+            p = params[t]
+            if p.grad is views[t]:
+                p.grad = None
 
     def detach(self) -> None:
-        """Give every parameter a gradient of its own again (a copy of its view)."""
+        """Give every parameter whose gradient is its view a gradient of its own (a copy)."""
         for p, v in zip(self.params, self.views):
             if p.grad is v:
                 p.grad = v.clone()

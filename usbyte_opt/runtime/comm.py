@@ -1,34 +1,37 @@
-"""The one all-reduce channel of the runtime: blocks issued in order, waited, checked.
+"""The collectives of the runtime: blocks issued in order, control messages, waits.
 
-Averaging matches DDP: a block is multiplied by ``1 / world_size`` just before its all-reduce
-(sum), as DDP's reducer does when it copies gradients into a bucket (``mul_out(bucket, grad,
-1/world_size)``), so both produce the same floating-point values.
+Averaging matches DDP: each gradient is multiplied by ``1 / world_size`` as it is put into the
+flat buffer (:meth:`~usbyte_opt.runtime.buffers.FlatGrads.take`, DDP's
+``mul_out(bucket_view, grad, 1/world_size)``), and blocks are summed; both produce the same
+floating-point values.
 
 Streams (NCCL on CUDA). ``dist.all_reduce(..., async_op=True)`` runs on the process group's own
 stream, which first waits for the *current* stream, so a block must be final on the current
-stream when it is issued. Blocks are issued from the post-accumulate-grad hook, where the
-current stream is the one autograd used for that gradient; a block whose tensors were finished
-on other streams (multi-stream models) makes the current stream wait for those first.
-``work.wait()`` on NCCL makes the current stream wait for the collective (no host spin), so
-the optimizer step queued after it reads the reduced values. The flat buffers live as long as
-the optimizer, so the caching allocator never hands their memory to anything else. NCCL
-timeouts are left to the process group's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``);
-a host-side timeout would need a blocking wait. On gloo, waits block the host and take the
-``timeout`` given to :class:`~usbyte_opt.runtime.DistributedOptimizer`; a timeout or a lost
-peer becomes one-line :class:`~usbyte_opt.errors.DistributedError`.
+stream when it is issued. Blocks are issued from the post-accumulate-grad hook or from the
+autograd final callback, where the current stream is the one autograd used; a block whose
+tensors were finished on other streams makes the current stream wait for those first.
+``work.wait()`` on NCCL makes the current stream wait for the collective (no host wait), so
+work queued after it reads the reduced values. The flat buffers live as long as the
+optimizer, so the caching allocator never hands their memory to anything else. NCCL timeouts
+are left to the process group's watchdog (``TORCH_NCCL_ASYNC_ERROR_HANDLING``); a host-side
+timeout would need a blocking wait. On gloo, waits block the host and take the ``timeout``
+given to :class:`~usbyte_opt.runtime.DistributedOptimizer`; a timeout or a lost peer becomes a
+one-line :class:`~usbyte_opt.errors.DistributedError`.
 
-One block in flight (gloo). The schedule is an issue order for *one* channel (DESIGN.md §2),
-but ``ProcessGroupGloo`` runs collectives on two worker threads: a block issued while another
-is on the wire starts at once and the two share the link, so an urgent small block issued
-behind a big one finishes late (measured in the lab at 200 Mbit/s: a 374 KB block alone 19 ms,
-issued together with a 1.7 MB one 57 ms). On gloo the blocks therefore go through a second
-gloo group over the same ranks with a single worker thread (:func:`serial_group`): blocks are
-still issued as soon as they are ready, without waiting on the training thread, and gloo runs
-them one after another in issue order. NCCL serialises collectives on its stream already.
-The price, on a rank with one core: a small all-reduce right after another costs 3-4 ms on
-the one-thread group (0.3-0.9 ms isolated; gloo's event-loop thread spent 500 ms of CPU in
-``epoll_wait`` over 200 chained 512-byte calls that took 783 ms), so the profiler times this
-channel, in chains (:func:`block_issuer`), and the planner merges small tensors accordingly.
+One block in flight (gloo). The schedule is an issue order for *one* channel
+(docs/design.md §2), but ``ProcessGroupGloo`` runs collectives on two worker threads: a block
+issued while another is on the wire starts at once and the two share the link, so an urgent
+small block issued behind a big one finishes late (docs/bench.md). On gloo the blocks
+therefore go through a second gloo group over the same ranks with a single worker thread
+(:func:`serial_group`): blocks are still issued as soon as they are ready, and gloo runs them
+one after another in issue order. NCCL serialises collectives on its stream already. The
+price, on a rank with one core, is a few milliseconds per back-to-back small block, so the
+profiler times this channel, in chains (:func:`block_issuer`), and the planner merges small
+tensors accordingly.
+
+Control messages (the per-step usage map) go through a gloo group of their own
+(:meth:`Channel.control_all_reduce`) on host tensors: they never queue behind the blocks on
+the NCCL stream, never move to the device, and are read on the host when needed.
 """
 
 from __future__ import annotations
@@ -48,8 +51,10 @@ from .checks import wait as _wait
 _SERIAL_IDS = itertools.count()
 
 
-def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = None) -> dist.ProcessGroup:
-    """A gloo process group over the ranks of ``group`` that runs one collective at a time.
+def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = None,
+                 threads: int = 1, tag: str = "serial") -> dist.ProcessGroup:
+    """A gloo process group over the ranks of ``group`` that runs ``threads`` collectives at a
+    time (default one: in issue order).
 
     A collective call: every rank of ``group`` must call it, in the same order relative to
     other calls of it (the runtime calls it once per :class:`DistributedOptimizer`, after the
@@ -70,7 +75,7 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     from torch.distributed import distributed_c10d as c10d
 
     opts = dist.ProcessGroupGloo._Options()
-    opts._threads = 1
+    opts._threads = threads
     # The devices torch gives its own gloo groups: the interfaces of $GLOO_SOCKET_IFNAME, else
     # the address the hostname resolves to.
     ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
@@ -78,7 +83,7 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
                      or [dist.ProcessGroupGloo.create_default_device()])
     opts._timeout = timeout if timeout is not None else c10d.default_pg_timeout
     name = "default" if group is None else c10d._get_process_group_name(group)
-    store = dist.PrefixStore(f"usbyte-serial/{name}/{next(_SERIAL_IDS)}", c10d._get_default_store())
+    store = dist.PrefixStore(f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}", c10d._get_default_store())
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), opts)
 
 
@@ -118,6 +123,9 @@ def _closed(x: torch.Tensor) -> dist.Work:
 class Channel:
     """Issues and waits for the collectives of one :class:`DistributedOptimizer`.
 
+    A collective call on more than one rank: it creates the gloo groups below, so every rank
+    of ``group`` constructs its channels in the same order.
+
     Args:
         group: the process group (``None``: the default group).
         device: the device of the gradients.
@@ -126,8 +134,8 @@ class Channel:
             than one rank).
     """
 
-    __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "scale",
-                 "comm_device", "serial", "_issue")
+    __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "host_timeout",
+                 "serial", "control", "_issue")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout: timedelta | None, serial: bool | None = None):
@@ -140,40 +148,51 @@ class Channel:
         # waits (the backend may be "nccl" or "cpu:gloo,cuda:nccl"; either way the gradients'
         # device decides).
         self.timeout = None if self.cuda else timeout
-        self.scale = 1.0 / self.world_size
-        #: Where the small tensors of the runtime (usage map, flags) live: with the gradients,
-        #: so that the backend that reduces the gradients reduces them too.
-        self.comm_device = device
+        #: The limit of host waits on the gloo groups (control messages), on any device.
+        self.host_timeout = timeout
         if serial is None:
             serial = wants_serial(group, device)
         #: The one-thread gloo group the blocks go through, or None (blocks on ``group``).
         self.serial = serial_group(group, timeout) if serial else None
+        #: The gloo group of the control messages (host tensors), or None on one rank.
+        self.control = (serial_group(group, timeout, threads=2, tag="control")
+                        if self.world_size > 1 else None)
         self._issue = sum_issuer(group, self.serial)
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
-        """Average ``view`` over the ranks, asynchronously (pre-divide, then sum)."""
+        """Sum ``view`` over the ranks, asynchronously (its gradients are already scaled by
+        ``1 / world_size``). ``streams``: CUDA streams the block's gradients were finished on,
+        which the current stream waits for first."""
         if streams:
             cur = torch.cuda.current_stream(self.device)
             for s in streams:
                 if s != cur:
                     cur.wait_stream(s)
-        if self.world_size > 1:
-            view.mul_(self.scale)
         return self._issue(view)
 
-    def all_reduce(self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work:
-        return dist.all_reduce(t, op=op, group=self.group, async_op=True)
+    def control_all_reduce(self, t: torch.Tensor) -> dist.Work | None:
+        """Sum a host tensor over the ranks on the control group (``None`` on one rank)."""
+        if self.control is None:
+            return None
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self.control.allreduce([t], opts)
 
     def broadcast(self, t: torch.Tensor) -> dist.Work:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         return dist.broadcast(t, src, group=self.group, async_op=True)
 
     def close(self) -> None:
-        """Release the one-thread group (its destructor joins its worker thread): call once
+        """Release the gloo groups (their destructors join their worker threads): call once
         nothing is in flight. Later blocks raise :class:`~usbyte_opt.errors.UsbyteError`."""
         self._issue = _closed
         self.serial = None
+        self.control = None
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""
         _wait(work, what, self.rank, self.timeout)
+
+    def wait_host(self, work: dist.Work, what: str) -> None:
+        """Wait on the host for a control message (gloo, with the timeout)."""
+        _wait(work, what, self.rank, self.host_timeout)

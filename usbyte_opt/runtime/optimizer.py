@@ -1,112 +1,60 @@
 """``DistributedOptimizer``: a planned all-reduce schedule applied to data-parallel training.
 
-The protocol is DESIGN.md §5. One iteration, seen from one rank:
+The protocol (docs/design.md §5, docs/runtime.md), seen from one rank:
 
-1. Backward. Gradients accumulate into flat buffers (:mod:`.buffers`); the
-   post-accumulate-grad hook of each tensor marks it ready, and every block whose tensors are
-   all ready is all-reduced (async) as soon as it is also its turn in the schedule's issue
-   order, so every rank issues the same collectives in the same order.
-2. ``step()``. The iteration boundary: the blocks not issued yet go out (a tensor that got no
-   gradient here contributes zeros), the optimizer's hyperparameters are recorded (an LR
-   scheduler stepping right after ``step()`` must not change this iteration's update), and
-   every tensor is marked *pending*. Nothing is updated yet.
-3. Next forward. A forward pre-hook on each module that owns trainable tensors waits for the
-   blocks of its pending tensors and steps the wrapped optimizer on exactly those tensors
-   (plus any other pending tensor whose blocks have already finished, to save optimizer
-   calls), so communication of the input-side tensors overlaps the forward of the next
-   iteration. Pending tensors the forward never reached are updated when the next backward
-   starts, or by ``synchronize()``.
+1. **Backward.** Each gradient goes into its view of a flat buffer (:mod:`.buffers`), scaled
+   by ``1 / world_size`` as it is put there; the post-accumulate-grad hook of each tensor marks
+   it ready, and every block whose tensors are all ready is all-reduced (async) as soon as it
+   is also its turn in the schedule's issue order, so every rank issues the same collectives
+   in the same order.
+2. **End of backward.** An autograd final callback (queued by the first gradient of the
+   pass, as DDP's reducer does) issues the blocks not issued yet (a tensor that got no
+   gradient here contributes zeros) and then the per-step usage map. So when ``backward()``
+   returns, every rank has issued everything of the step, whatever parameters it used, and
+   a collective of the user's own (``dist.all_reduce(loss)``) cannot interleave with them.
+   With gradient accumulation, this happens at the end of the last pass of the step.
+3. **step().** The iteration boundary: the hyperparameters in force are recorded (an LR
+   scheduler stepping right after ``step()`` must not change this update), and every tensor
+   the optimizer steps gets a *pending* update. ``p.grad`` becomes ``None``: the averaged
+   gradient in the view belongs to the update now.
+4. **Next forward** (overlap mode). Each tensor's update runs right before its first use:
+   a forward pre-hook of each module that owns trainable tensors waits for their blocks
+   (on CPU on the host; on CUDA the updates were enqueued at ``step()`` on an update stream
+   and the hook makes the compute stream wait for an event), so communication of the
+   input-side tensors overlaps the next forward. Pending updates the forward never reached
+   run when the next backward starts, or in :meth:`DistributedOptimizer.synchronize`.
+   In fence mode (``schedule.mode == "fence"``) ``step()`` waits for every block and applies
+   every update at once, as DDP does.
 
-Choices, with reasons:
-
-* Subset steps. The wrapped optimizer is stepped on a subset by narrowing each param group's
-  ``params`` list for the call and restoring it afterwards. Its state stays keyed by parameter
-  (Adam's per-parameter ``step`` counts stay right), and outside the call ``param_groups`` is
-  the user's, so ``state_dict()`` has the wrapped optimizer's format and LR schedulers act on
-  the same group dicts. The hyperparameters in force at ``step()`` are put back into the groups
-  for the call. The optimizer must update each parameter independently of the others (SGD,
-  Adam, AdamW, RMSprop, Adagrad, ... do).
-* Unused parameters. Each ``step()`` all-reduces a small usage count per tensor, issued after
-  the last block (how many blocks went out during backward may differ between ranks when one
-  did not use a tensor; what is issued after them never does); it is read only for tensors
-  this rank gave no gradient. A tensor no
-  rank gave a gradient is not updated (DDP with ``find_unused_parameters=True`` leaves its
-  ``grad`` untouched, and after ``zero_grad()``'s default ``set_to_none`` the optimizer skips
-  it), unless its gradient was zeroed with ``zero_grad(set_to_none=False)``, in which case it
-  is stepped with that zero gradient, as under DDP. ``p.grad`` itself never becomes ``None``:
-  it stays a view of the buffer.
-* ``zero_grad()`` zeroes the buffer, never drops the views. A tensor with a pending update is
-  zeroed right after its update (its buffer still holds the reduced gradient the update needs).
-* Parameters used outside their module's forward (a parent module calling
-  ``F.linear(x, self.child.weight)``): in the first iteration the runtime notes which tensors
-  got a gradient without any owning module's pre-hook having run, and from then on updates
-  them in the root module's pre-hook. A tensor later found used before its update raises.
-* Buffers (BatchNorm statistics), as DDP's ``broadcast_buffers=True``: after every training
-  forward with grad enabled, rank 0's buffers are broadcast (async, ordered before that
-  iteration's gradient blocks) and installed at the start of the next forward or at
-  ``synchronize()``. So every forward starts from rank 0's buffers, as with DDP; after
-  ``synchronize()`` every rank holds rank 0's buffers.
-* Forwards under ``torch.no_grad()`` / ``model.eval()`` apply every pending update when they
-  start (inference code paths such as ``nn.TransformerEncoderLayer``'s fast path read weights
-  without running the owning modules' forward): a forward after ``step()`` always sees updated
-  parameters, with or without ``synchronize()``.
-* Gradient accumulation: a tensor is ready after its ``backward_passes_per_step``-th gradient
-  of the step (Horovod's rule); gradients are summed over the passes and averaged over ranks,
-  as with DDP's ``no_sync()``.
-* Mixed precision. bf16 autocast needs nothing. ``GradScaler``: this class sets
-  ``_step_supports_amp_scaling``, so the scaler's non-finite check reads ``param_groups``;
-  reading ``param_groups`` between backward and ``step()`` first finishes this iteration's
-  communication, so the check (and ``scaler.unscale_``) sees the reduced gradients; ``step()``
-  then agrees on the result across ranks (max all-reduce) before any update and skips the
-  update when any gradient is non-finite. Those iterations run in fence mode (no overlap with
-  the next forward).
+Module layout: this file holds the user-facing class and the per-step state; :mod:`.updates`
+the pending updates and the subset step; :mod:`.amp` GradScaler support; :mod:`.exit_hook`
+the release of optimizers left open at exit; :mod:`.comm` the collectives.
 """
 
 from __future__ import annotations
 
-import atexit
 import os
 import time
-import weakref
 from datetime import timedelta
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, UsbyteError
+from ..errors import UsbyteError
 from ..formats import Schedule
+from . import amp
 from .buffers import FlatGrads
 from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
                      resolve_schedule)
 from .comm import Channel
 from .default_plan import model_tensors, trainable_parameters
+from .exit_hook import OPEN, release_at_exit
+from .updates import STREAM_UPDATE_GROUPS, HostUpdates, StreamUpdates, SubsetStepper
 
 ScheduleArg = Schedule | str | os.PathLike | None
 
-#: Optimizers whose channel is still open; :func:`_release_at_exit` closes them.
-_OPEN: weakref.WeakSet[DistributedOptimizer] = weakref.WeakSet()
-
-
-#: How long the exit hook waits for collectives still in flight (seconds).
-EXIT_GRACE_S = 10.0
-
-
-@atexit.register
-def _release_at_exit(grace_s: float = EXIT_GRACE_S) -> None:
-    """Finish and close, while the interpreter is still whole, the optimizers a script did not
-    close. A gloo worker thread that drops the last reference to a tensor of a collective
-    (a block, the usage map) needs the GIL; during interpreter finalization that thread is
-    stopped instead and the process aborts ("terminate called without an active exception").
-    So the hook waits up to ``grace_s`` for collectives still in flight (the other ranks are
-    ending their scripts too), then closes the one-thread group, which joins its worker. An
-    optimizer whose collectives do not finish in time, or failed, is left as it is: a rank
-    whose peers are gone must not wait on the way out."""
-    for opt in list(_OPEN):
-        try:
-            opt._release(grace_s)
-        except Exception:  # noqa: BLE001 - exiting; the failure was or will be reported
-            pass
+__all__ = ["DistributedOptimizer", "release_at_exit"]
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -114,6 +62,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Use it like Horovod's: wrap, then train as usual. The model is the plain module (no DDP
     wrapper); its parameters are broadcast from rank 0 here.
+
+    **Gradient access.** The runtime keeps communication in flight past ``backward()`` and
+    ``step()``; that is where its speed comes from. So, unlike DDP (which waits for every
+    bucket before ``backward()`` returns), gradients are not averaged yet when ``backward()``
+    returns:
+
+    * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
+      buffer, being averaged in place: reading or changing it gives undefined values.
+      Call :meth:`synchronize` (or :meth:`clip_grad_norm_`, or let ``GradScaler`` read
+      ``param_groups``) first: it waits for the all-reduce, after which ``p.grad`` holds the
+      average for every tensor some rank used, as under DDP, and may be read or changed
+      before ``step()``;
+    * after ``step()`` (overlap mode), ``p.grad`` is ``None`` until the next backward, the
+      gradients belonging to the pending updates. ``zero_grad()`` in any form (on this
+      object, the wrapped optimizer or the model), ``p.grad = None`` or any other change of
+      ``p.grad`` then cannot alter the update. ``zero_grad(set_to_none=False)`` on this object
+      keeps its meaning for tensors no rank uses in the next step (they are stepped with a
+      zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
+      there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
+      ``step()``, as under DDP.
+
+    A loop that never zeroes gradients accumulates them across steps under DDP; here each
+    step starts from no gradient (overlap mode).
 
     Args:
         optimizer: the optimizer to wrap (it keeps the parameter state).
@@ -136,6 +107,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             collectives at once (blocks then go through a one-thread gloo group over the same
             ranks, see :mod:`usbyte_opt.runtime.comm`); NCCL serialises on its stream anyway.
             ``False`` issues blocks on ``process_group`` itself.
+        update_groups: on CUDA in overlap mode, the number of optimizer calls the updates of
+            one step are grouped into.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -153,21 +126,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ...                            schedule=default_schedule(model))
         >>> for _ in range(3):
         ...     loss = model(torch.randn(16, 4)).pow(2).mean()
-        ...     loss.backward(); opt.step(); opt.zero_grad()
+        ...     loss.backward()
+        ...     norm = opt.clip_grad_norm_(1.0)     # waits for the averaged gradients
+        ...     opt.step(); opt.zero_grad()
         >>> opt.synchronize()          # before eval, checkpoints and at the end
         >>> opt.state_dict()["state"][0]["step"]
         tensor(3.)
         >>> dist.destroy_process_group()
     """
 
-    # GradScaler: set grad_scale / found_inf on us and call step() (see class notes).
+    # GradScaler: sets grad_scale / found_inf on us and calls step() (see usbyte_opt.runtime.amp).
     _step_supports_amp_scaling = True
 
     def __init__(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
                  schedule: ScheduleArg = None, process_group: dist.ProcessGroup | None = None,
                  backward_passes_per_step: int = 1, *, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = True, timeout: float | timedelta | None = None,
-                 one_in_flight: bool | None = None):
+                 one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         self._opt = optimizer
         self._model = model
@@ -180,6 +155,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise UsbyteError(f"backward_passes_per_step: expected an integer >= 1, got "
                               f"{backward_passes_per_step!r}")
+        if not isinstance(update_groups, int) or update_groups < 1:
+            raise UsbyteError(f"update_groups: expected an integer >= 1, got {update_groups!r}")
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=float(timeout))
         self._group = process_group
@@ -201,7 +178,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   "device per rank")
             sched, source = resolve_schedule(schedule, model, ws, warn=rank == 0)
             check_model(sched, model_tensors(model), source)
-            self._check_optimizer(params)
+            self._check_optimizer()
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.
@@ -210,6 +187,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_world_size(sched, ws, rank)
         self.schedule = sched
         self.schedule_source = source
+        #: ``"overlap"`` or ``"fence"`` (the schedule's mode).
+        self.mode = sched.mode
         # 3. Same starting point everywhere: parameters (frozen ones too) and buffers.
         broadcast_from_rank0([p.detach() for p in model.parameters()], process_group, timeout)
         if broadcast_buffers:
@@ -217,43 +196,45 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
         self._k = backward_passes_per_step
         self._chan = Channel(process_group, device, timeout, one_in_flight)
-        had_grad = {n: p.grad is not None for n, p in params}
+        self._scale: float | None = 1.0 / ws if ws > 1 else None
         self._grads = g = FlatGrads(sched, dict(params), device)
         n, m = g.n, len(sched.blocks)
         self._n, self._m = n, m
         self._find_unused = find_unused_parameters
-        # Optimizer membership: group index and position in it, per tensor (-1: not stepped).
-        where = {id(p): (gi, j) for gi, grp in enumerate(optimizer.param_groups)
-                 for j, p in enumerate(grp["params"])}
-        self._group_of = [where.get(id(p), (-1, 0))[0] for p in g.params]
-        self._pos_in_group = [where.get(id(p), (-1, 0))[1] for p in g.params]
+        self._stepper = SubsetStepper(optimizer, g, device)
+        self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
+        self._candidates = [t for t in range(n) if self._in_opt[t]]
+        self._updates: HostUpdates | StreamUpdates
+        if device.type == "cuda" and self.mode == "overlap":
+            self._updates = StreamUpdates(g, self._stepper, self._chan.wait, self._what, device,
+                                          update_groups)
+        else:
+            self._updates = HostUpdates(g, self._stepper, self._chan.wait, self._what)
         self._rem0 = [len(ts) for ts in g.block_tensors]
-        self._nblocks0 = [len(ks) for ks in g.tensor_blocks]
 
-        # Per-iteration state (current backward) -----------------------------------------
+        # Per-step state (reset by step()) ------------------------------------------------
         self._zeros = [0] * n
         self._count = [0] * n           # gradients received this step
+        self._final = [False] * n       # gradient final and scaled (ready)
+        self._local = [False] * n       # has a gradient on this rank (for the update rule)
+        self._placed = [False] * n      # p.grad is the view since this step's backward
         self._rem = self._rem0.copy()   # tensors of each block not ready yet
         self._next = 0                  # next block to issue
         self._works: list[dist.Work | None] = [None] * m
         self._streams: list[Any] = [None] * n
+        self._pass = 0                  # backward passes of this step so far
+        self._cb_queued = False         # the final callback of the running pass is queued
         self._bw_started = False        # a gradient arrived since the last step()
-        self._comm_issued = False       # every block of this step issued (step/synchronize)
-        self._comm_waited = False       # ... and waited for
+        self._comm_issued = False       # every block of this step issued
+        self._issued_by = ""            # what issued them early: "" or the call's name
+        self._comm_waited = False       # and waited for (averaged gradients readable)
+        self._discard: bool | None = None  # zero_grad() between backward and step(): set_to_none
         self._usage: torch.Tensor | None = None
         self._usage_work: dist.Work | None = None
-        self._has_grad = [had_grad[nm] for nm in g.names]  # grad not None (see zero_grad)
-        # Pending updates (previous step) --------------------------------------------------
-        self._pending = [False] * n
-        self._pending_n = 0
-        self._zero_after = [False] * n
-        self._include = [False] * n     # has a gradient for the optimizer (see _included)
         self._global_used: list[int] | None = None
-        self._complete = [True] * m     # block waited for
-        self._t_incomplete = [0] * n    # blocks of t not waited for yet
-        self._ready_list: list[int] = []
-        self._done_ptr = m
-        self._hp: list[dict[str, Any]] = []
+        # Across steps ---------------------------------------------------------------------
+        self._zero_intent = [False] * n  # zero_grad(set_to_none=False) since the last update
+        self._last_include: Callable[[int], bool] = lambda t: False
         self._flushed: list[int] = []   # tensors updated when backward began (stale check)
         self._flushed_flag = [False] * n
         # Learning which tensors are used outside their module's forward (first iteration).
@@ -270,7 +251,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles: list[Any] = []
         self._install_hooks()
         self._closed = False
-        _OPEN.add(self)
+        OPEN.add(self)
         # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
         # only then, so the runtime does not depend on it.
         self._trace = None
@@ -278,12 +259,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             from .trace import attach
 
             self._trace = attach(self, model)
+            if isinstance(self._updates, HostUpdates):
+                self._updates.trace = self._trace
 
     # ------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------
 
-    def _check_optimizer(self, params: list[tuple[str, torch.nn.Parameter]]) -> None:
+    def _check_optimizer(self) -> None:
         model_ids = {id(p) for p in self._model.parameters()}
         for gi, grp in enumerate(self._opt.param_groups):
             for j, p in enumerate(grp["params"]):
@@ -328,7 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         gradient inspection), it first completes this step's all-reduce, so the gradients
         seen are the averaged ones."""
         if self._bw_started and not self._comm_waited:
-            self._finish_comm(wait=True)
+            self._complete_comm("param_groups")
         return self._opt.param_groups
 
     @property
@@ -344,9 +327,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer."""
         return self._opt
 
+    @property
+    def optimizer_calls(self) -> int:
+        """How many times the wrapped optimizer's ``step()`` has run (subset steps included)."""
+        return self._stepper.calls
+
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self._opt).__name__}, schedule={self.schedule_source}"
-                f" [{self.schedule.strategy}, {self._m} blocks], world_size="
+                f" [{self.schedule.strategy}, {self._m} blocks, {self.mode}], world_size="
                 f"{self._chan.world_size})")
 
     def __getattr__(self, name: str) -> Any:
@@ -359,11 +347,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         raise UsbyteError("DistributedOptimizer cannot be pickled: save state_dict() instead")
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """End the iteration: issue the remaining all-reduces and schedule the updates.
+        """End the iteration: make sure everything is issued and schedule the updates.
 
-        The updates run lazily, tensor by tensor, in the next forward (or in
-        :meth:`synchronize`). With a ``closure``, it is called first (with grad enabled) and
-        its value returned.
+        In overlap mode the updates run lazily, tensor by tensor, in the next forward (or in
+        :meth:`synchronize`); in fence mode they run here, after every block. With a
+        ``closure``, it is called first (with grad enabled) and its value returned.
 
         Returns:
             The closure's value, or ``None``.
@@ -377,89 +365,100 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._trace is not None:
             self._trace.step()
-        self._finish_comm(wait=False)
-        skip = False
+        # Every rank issues the whole step here at the latest, whatever its backward did.
+        if not self._bw_started:
+            self._begin_step()
+        self._finish_comm()
         found_inf = getattr(self, "found_inf", None)
+        skip = False
         if found_inf is not None:  # called by GradScaler.step(self)
-            skip = self._amp_check(found_inf, getattr(self, "grad_scale", None))
-        # Hyperparameters in force now (an LR scheduler stepped after us must not apply).
-        self._hp = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in grp.items()
-                     if k != "params"} for grp in self._opt.param_groups]
-        n = self._n
-        has = self._has_grad
-        if not skip:
-            for t in range(n):
-                self._pending[t] = True
-                self._include[t] = self._group_of[t] >= 0 and has[t]
-                self._t_incomplete[t] = self._nblocks0[t]
-                self._zero_after[t] = False
-            self._pending_n = n
-            self._complete = [False] * self._m
-            self._done_ptr = 0
-            self._ready_list = []
+            skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
+        self._stepper.snapshot()
+        include = self._include_rule()
+        self._last_include = include
+        if skip:
+            self._wait_blocks()
+            if self.mode == "overlap":
+                self._grads.release()
+        elif self.mode == "fence":
+            self._wait_blocks()
+            self._stepper.step([t for t in self._candidates if include(t)])
+            self._expose_used()
         else:
-            self._wait_all_blocks()
-        # Reset the backward state for the next step.
-        self._count[:] = self._zeros   # in place: the hooks hold these lists
-        self._rem[:] = self._rem0
-        self._next = 0
-        self._bw_started = False
-        self._comm_issued = False
-        self._comm_waited = False
-        self._learning = False
+            self._updates.start(self._works, include, self._candidates)
+            self._grads.release()
+        self._stepper.attrs = {}
+        self._reset_step()
         self._steps += 1
         self._opt._opt_called = True  # type: ignore[attr-defined]  # LR scheduler's check
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Zero the gradients; they stay views of the flat buffers (never ``None``).
+        """Zero the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
 
-        ``set_to_none=True`` (the default) additionally records that the tensors have no
-        gradient, so a tensor that then gets none on any rank is not updated (as the
-        optimizer skips ``grad is None`` under DDP); with ``False`` a tensor that had a
-        gradient keeps a zero one and is stepped with it. Tensors with a pending update are
-        zeroed right after it.
+        Between ``step()`` and the next backward (overlap mode) there is no gradient to zero
+        (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a tensor no rank
+        uses in the next step is stepped with a zero gradient, as under DDP. Between backward
+        and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
         """
-        if self._bw_started and not self._comm_waited:
-            self._finish_comm(wait=True)  # do not zero a buffer that is being all-reduced
         g = self._grads
-        if not self._pending_n:
-            with torch.no_grad():
-                for f in g.flats:
-                    f.zero_()
-        else:
-            now = []
+        if self._bw_started and not self._comm_waited and self._comm_issued:
+            self._complete_comm("zero_grad()")  # never zero a buffer being all-reduced
+        if self._comm_waited:
+            self._discard = set_to_none
+        if set_to_none:
+            for p in g.params:
+                p.grad = None
+            self._zero_intent[:] = [False] * self._n
+            return
+        with torch.no_grad():
+            for p in g.params:
+                if p.grad is not None:
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
+                    p.grad.zero_()
+        if self.mode == "overlap" and (self._updates.n_pending or not self._bw_started):
+            include = self._last_include
+            zi = self._zero_intent
             for t in range(self._n):
-                if self._pending[t]:
-                    self._zero_after[t] = True
-                else:
-                    now.append(g.views[t])
-            if now:
-                torch._foreach_zero_(now)
-        if set_to_none:  # set_to_none=False keeps "no gradient" where there was none, as torch
-            self._has_grad[:] = [False] * self._n
+                if not zi[t] and (include(t) or g.params[t].grad is not None):
+                    zi[t] = True
 
     def synchronize(self) -> None:
         """Finish all communication and updates: call before eval, checkpoints, the end.
 
-        Called after ``backward()`` but before ``step()``, it completes this step's
-        all-reduce instead, so the averaged gradients can be read or changed (for example
-        clipped) before ``step()``. Local only once the collectives are issued: ``step()``
-        (or the first such call) issues them on every rank.
+        Called after ``backward()`` but before ``step()``, it waits for this step's all-reduce
+        instead, so that the averaged gradients can be read or changed (for example clipped)
+        before ``step()``. It issues no collective of its own: every rank issued everything of
+        the step when its backward ended.
         """
         if self._bw_started and not self._comm_waited:
-            self._finish_comm(wait=True)
+            self._complete_comm("synchronize()")
         self._settle()
         if self._usage_work is not None and self._global_used is None:
             self._read_usage()  # nothing of this step left in flight
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
+        """Wait for this step's averaged gradients, then clip them as
+        ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
+        the total norm. Call it between ``backward()`` and ``step()``."""
+        if self._bw_started and not self._comm_waited:
+            self._complete_comm("clip_grad_norm_()")
+        params = [p for p in self._grads.params if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+                                              error_if_nonfinite=error_if_nonfinite,
+                                              foreach=foreach)
 
     def _settle_hook(self, *args: Any, **kwargs: Any) -> None:
         self._settle()
 
     def _settle(self) -> None:
         """Apply pending updates and install broadcast buffers: waits only, no new collective."""
-        if self._pending_n:
-            self._flush_pending()
+        if self._updates.n_pending:
+            self._updates.flush()
         self._wait_buffers()
 
     def state_dict(self) -> dict[str, Any]:
@@ -479,9 +478,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Synchronize, remove the hooks, give parameters their own gradients back and release
-        the communication channel (on gloo, its one-thread group and worker thread). The
-        optimizer cannot train after this; at interpreter exit, an optimizer not closed is
-        released the same way (its collectives given a few seconds to finish)."""
+        the communication channel (its gloo groups and their worker threads). The optimizer
+        cannot train after this; at interpreter exit, an optimizer not closed is released the
+        same way (its collectives given a few seconds to finish)."""
+        if self._closed:
+            return
         self.synchronize()
         for h in self._handles:
             h.remove()
@@ -508,56 +509,81 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._usage_work = None
         self._chan.close()
         self._closed = True
-        _OPEN.discard(self)
+        OPEN.discard(self)
 
     # ------------------------------------------------------------------------------------
-    # Backward: hooks and issue order
+    # Backward: hooks, issue order, end of backward
     # ------------------------------------------------------------------------------------
 
     def _grad_hook(self, t: int) -> Callable[[torch.Tensor], None]:
-        # Runs once per tensor per backward: the lists are bound once, here.
-        count, has_grad, flushed = self._count, self._has_grad, self._flushed_flag
-        view, k, name = self._grads.views[t], self._k, self._grads.names[t]
+        # Runs once per tensor per backward pass: the lists are bound once, here.
+        count, final, flushed = self._count, self._final, self._flushed_flag
+        g = self._grads
+        view, name, k = g.views[t], g.names[t], self._k
 
         def hook(p: torch.Tensor) -> None:
-            if not self._bw_started:
-                self._begin_backward()
+            if not self._cb_queued:
+                self._begin_pass()
             if self._comm_issued:
-                raise UsbyteError(f"parameter {name!r} got a gradient after this step's "
-                                  "all-reduce was issued (by synchronize() or by reading "
-                                  "param_groups); call step() before the next backward()")
+                self._late_gradient(name)
             if flushed[t]:
                 raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
                                   "update was applied (it was used outside the forward of the "
                                   "modules that own it); call opt.synchronize() before such a "
                                   "forward")
-            c = count[t] + 1
-            count[t] = c
-            if p.grad is not view:
-                self._grads.relink(t)
-            has_grad[t] = True
+            count[t] += 1
+            last = self._pass >= k
+            grad = p.grad
+            if grad is not view:
+                g.take(t, grad, self._scale if last else None)
+            elif last and self._scale is not None:
+                with torch.no_grad():
+                    view.mul_(self._scale)
             if self._learning and not self._seen[t] and t not in self._root_owned_set:
                 self._seen[t] = True
                 self._root_extra.append(t)
             if self._chan.cuda:
                 self._streams[t] = torch.cuda.current_stream(self._chan.device)
-            if c == k:
+            if last:
+                final[t] = True
+                self._local[t] = True
+                self._placed[t] = True
                 self._mark_ready(t)
-            elif c > k:
-                raise UsbyteError(f"parameter {name!r} got gradient {c} of "
-                                  f"backward_passes_per_step={k} in one step, after its "
-                                  "all-reduce started; pass the number of backward() calls per "
-                                  "step() as backward_passes_per_step")
         return hook
 
-    def _begin_backward(self) -> None:
+    def _late_gradient(self, name: str) -> None:
+        if self._issued_by:
+            raise UsbyteError(f"parameter {name!r} got a gradient after this step's all-reduce "
+                              f"was issued (by {self._issued_by}); call step() before the next "
+                              "backward()")
+        raise UsbyteError(f"parameter {name!r} got a gradient in backward pass {self._pass} of a "
+                          f"step, with backward_passes_per_step={self._k}: the step's all-reduce "
+                          f"was issued at the end of pass {self._k}; call step() after "
+                          f"{self._k} backward() calls, or pass the number of backward() calls "
+                          "per step() as backward_passes_per_step")
+
+    def _begin_pass(self) -> None:
+        """First gradient of a backward pass: queue the end-of-backward callback."""
+        if not self._bw_started:
+            self._begin_step()
+        self._pass += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
+        self._cb_queued = True
+
+    def _begin_step(self) -> None:
         """First gradient of a step: the previous step's updates must all be done before any
         gradient of this one lands in the buffers or any block of this one is issued."""
-        if self._pending_n:
-            for t in self._flush_pending():
+        if self._updates.n_pending:
+            for t in self._updates.flush():
                 self._flushed_flag[t] = True
                 self._flushed.append(t)
         self._bw_started = True
+
+    def _end_pass(self) -> None:
+        """Autograd final callback: at the end of the step's last pass, issue the rest."""
+        self._cb_queued = False
+        if self._pass >= self._k and not self._comm_issued:
+            self._finish_comm()
 
     def _mark_ready(self, t: int) -> None:
         rem = self._rem
@@ -578,79 +604,227 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._trace is not None:
             self._trace.issue(k, self._works[k])
 
-    def _finish_comm(self, wait: bool) -> None:
-        """Issue what is left of this step (usage map, then the remaining blocks in order);
-        with ``wait``, also wait for every block of it."""
+    def _finish_comm(self) -> None:
+        """Issue what is left of this step: the gradients not final yet (zeros for a tensor
+        that got none), the remaining blocks in order, then the usage map."""
+        if self._comm_issued:
+            return
+        g, scale, count, local = self._grads, self._scale, self._count, self._local
+        final, placed = self._final, self._placed
+        cur = torch.cuda.current_stream(self._chan.device) if self._chan.cuda else None
+        with torch.no_grad():
+            for t in range(self._n):
+                if final[t]:
+                    continue
+                grad = g.params[t].grad
+                view = g.views[t]
+                if grad is None:
+                    # No gradient (a zero one after zero_grad(set_to_none=False)), or one
+                    # the user dropped during accumulation.
+                    view.zero_()
+                    local[t] = count[t] == 0 and self._zero_intent[t]
+                elif grad is view:
+                    # Accumulated in earlier passes, or a gradient kept from the last step
+                    # (fence mode): contributed as it is, as DDP does.
+                    if scale is not None:
+                        view.mul_(scale)
+                    local[t] = placed[t] = True
+                else:  # a tensor the user assigned
+                    g.take(t, grad, scale)
+                    local[t] = placed[t] = True
+                final[t] = True
+                if cur is not None:
+                    self._streams[t] = cur
+        while self._next < self._m:
+            self._issue(self._next)
+            self._next += 1
+        # After the blocks, on the control group: ranks may differ in how many blocks went out
+        # during backward (a tensor one rank did not use), never in what is issued here.
+        if self._find_unused:
+            self._usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
+            self._usage_work = self._chan.control_all_reduce(self._usage)
+            self._global_used = None
+        self._comm_issued = True
+
+    def _complete_comm(self, by: str) -> None:
+        """Issue (if a caller needs it before the end of backward) and wait for everything of
+        this step; then every tensor some rank used has the average in ``p.grad``."""
         if not self._comm_issued:
-            if self._pending_n:
-                self._begin_backward()
-            self._bw_started = True
-            g = self._grads
-            stale = [g.views[t] for t in range(self._n) if not self._count[t] and self._has_grad[t]]
-            if stale:  # a tensor with no gradient this step contributes zeros
-                torch._foreach_zero_(stale)
-            while self._next < self._m:
-                self._issue(self._next)
-                self._next += 1
-            # After the blocks: ranks may differ in how many blocks went out during backward
-            # (a tensor one rank did not use), never in what follows them.
-            if self._find_unused:
-                used = torch.tensor([1 if c else 0 for c in self._count], dtype=torch.int32)
-                self._usage = used.to(self._chan.comm_device)
-                self._usage_work = self._chan.all_reduce(self._usage)
-                self._global_used = None
-            self._comm_issued = True
-        if wait and not self._comm_waited:
-            for k in range(self._m):
-                w = self._works[k]
-                if w is not None:
-                    self._chan.wait(w, self._what(k))
-            self._comm_waited = True
+            self._issued_by = by
+            self._finish_comm()
+        self._wait_blocks()
+        self._expose_used()
+        self._comm_waited = True
+
+    def _wait_blocks(self) -> None:
+        if self._comm_waited:
+            return
+        for k in range(self._m):
+            w = self._works[k]
+            if w is not None:
+                self._chan.wait(w, self._what(k))
+
+    def _expose_used(self) -> None:
+        """``p.grad`` = the view for the tensors with no gradient of this rank that another
+        rank used, or that had a zero gradient here: what DDP leaves in ``p.grad``."""
+        if all(self._placed):
+            return
+        used = self._usage_map() if self._find_unused else None
+        g, local, placed = self._grads, self._local, self._placed
+        for t in range(self._n):
+            if not placed[t] and (local[t] or (used is not None and used[t])) \
+                    and g.params[t].grad is None:
+                g.params[t].grad = g.views[t]
 
     def _what(self, k: int) -> str:
         b = self.schedule.blocks[k]
         return f"all-reduce of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
 
     # ------------------------------------------------------------------------------------
-    # Updates: forward pre-hooks, flush
+    # The update rule
+    # ------------------------------------------------------------------------------------
+
+    def _usage_map(self) -> list[int]:
+        if self._global_used is None:
+            self._read_usage()
+        assert self._global_used is not None
+        return self._global_used
+
+    def _read_usage(self) -> None:
+        """Wait for this step's usage map and keep it (``_global_used``)."""
+        if self._usage is None:
+            self._global_used = [1 if c else 0 for c in self._count]
+            return
+        if self._usage_work is not None:
+            self._chan.wait_host(self._usage_work, "all-reduce of the parameter usage map")
+        self._global_used = self._usage.tolist()
+
+    def _include_rule(self) -> Callable[[int], bool]:
+        """Whether tensor ``t`` is stepped for the step ending now: it is in the optimizer,
+        and it has a gradient here (the user did not drop it after backward), or some rank
+        gave it one (the usage map, read only when asked about a tensor this rank did not
+        use). ``zero_grad()`` between backward and ``step()`` discards every gradient, or
+        zeroes them (``set_to_none=False``)."""
+        in_opt = self._in_opt
+        if self._discard:
+            return lambda t: False
+        local = self._local.copy()
+        params, placed = self._grads.params, self._placed
+        for t in range(self._n):  # the user dropped p.grad after backward: DDP would skip it
+            if placed[t] and params[t].grad is None:
+                local[t] = False
+                in_opt = in_opt.copy() if in_opt is self._in_opt else in_opt
+                in_opt[t] = False
+        if not self._find_unused:
+            return lambda t: in_opt[t]
+        usage_work = self._usage_work
+        usage = self._usage
+        holder: dict[str, list[int]] = {}
+        chan = self._chan
+
+        def include(t: int) -> bool:
+            if not in_opt[t]:
+                return False
+            if local[t]:
+                return True
+            used = holder.get("u")
+            if used is None:
+                if usage is None:
+                    return False
+                if usage_work is not None:
+                    chan.wait_host(usage_work, "all-reduce of the parameter usage map")
+                used = holder["u"] = usage.tolist()
+            return used[t] > 0
+        return include
+
+    def _reset_step(self) -> None:
+        self._count[:] = self._zeros   # in place: the hooks hold these lists
+        self._final[:] = [False] * self._n
+        self._local[:] = [False] * self._n
+        self._placed[:] = [False] * self._n
+        self._rem[:] = self._rem0
+        self._next = 0
+        self._pass = 0
+        self._cb_queued = False
+        self._bw_started = False
+        self._comm_issued = False
+        self._issued_by = ""
+        self._comm_waited = False
+        self._discard = None
+        self._learning = False
+        if self.mode == "overlap":
+            self._zero_intent[:] = [False] * self._n
+
+    def _amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
+        """GradScaler: unscale (if the scaler has not) and decide whether to skip the step.
+        No collective: the verdict is the same on every rank (:mod:`.amp`)."""
+        if not self._comm_waited:
+            self._complete_comm("GradScaler.step()")
+        amp.unscale(self._grads, grad_scale, self._chan.device)
+        if (self._chan.cuda and self.mode == "overlap"
+                and amp.supports_found_inf(self._opt)):
+            self._stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
+            return False
+        return amp.skip_on_host(found_inf)
+
+    # ------------------------------------------------------------------------------------
+    # Forward: gates, buffers
     # ------------------------------------------------------------------------------------
 
     def _module_hook(self, ts: list[int]) -> Callable[..., None]:
-        pending = self._pending
+        upd = self._updates
+        host = isinstance(upd, HostUpdates)
+        pending = upd.pending if isinstance(upd, HostUpdates) else None
 
         def hook(module: torch.nn.Module, args: Any) -> None:
-            if self._pending_n:
-                need = [t for t in ts if pending[t]]
-                if need:
-                    self._update_now(need)
+            if torch.compiler.is_compiling():
+                return None  # a compiled forward: the root hook applied every update
+            if upd.n_pending:
+                if host:
+                    assert pending is not None
+                    if any(pending[t] for t in ts):
+                        upd.gate(ts)
+                else:
+                    upd.gate(ts)
             elif self._learning:
                 for t in ts:
                     self._seen[t] = True
+            return None
         return hook
 
     def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Run eagerly before the compiled graph (a graph break). torch._dynamo is imported
+            # only here, where compiling has imported it already.
+            return torch._dynamo.disable(_compiled_pre)(self)
         if self._buf_pending:
             self._wait_buffers()
         if self._flushed:
             for t in self._flushed:
                 self._flushed_flag[t] = False
             self._flushed.clear()
-        if self._pending_n:
+        if self._updates.n_pending:
             if not (module.training and torch.is_grad_enabled()):
                 # Inference code paths may read weights without running their modules'
                 # forward (nn.TransformerEncoderLayer's fast path does), and nothing is gained
                 # by overlapping them: apply every pending update now.
-                self._flush_pending()
-                return
-            need = [t for t in self._root_owned if self._pending[t]]
-            need += [t for t in self._root_extra if self._pending[t]]
+                self._updates.flush()
+                return None
+            need = self._root_owned + self._root_extra
             if need:
-                self._update_now(need)
+                self._updates.gate(need)
         elif self._learning:
             for t in self._root_owned:
                 self._seen[t] = True
+        return None
 
     def _root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(_compiled_post)(self, module)
+        self._broadcast_buffers(module)
+        return None
+
+    def _broadcast_buffers(self, module: torch.nn.Module) -> None:
         if self._buffers and module.training and torch.is_grad_enabled():
             self._wait_buffers()
             by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -671,144 +845,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         b.copy_(flat[off: off + b.numel()].view_as(b))
                         off += b.numel()
 
-    def _complete_block(self, k: int) -> None:
-        w = self._works[k]
-        if w is not None:
-            self._chan.wait(w, self._what(k))
-        self._complete[k] = True
-        inc = self._t_incomplete
-        for t in self._grads.block_tensors[k]:
-            inc[t] -= 1
-            if inc[t] == 0 and self._pending[t]:
-                self._ready_list.append(t)
 
-    def _update_now(self, need: Iterable[int]) -> None:
-        """Wait for the blocks of ``need``, then update them together with every other pending
-        tensor whose blocks have finished already (one optimizer call instead of several)."""
-        tr = self._trace
-        t0 = tr.now() if tr is not None else 0.0
-        for t in need:
-            for k in self._grads.tensor_blocks[t]:
-                if not self._complete[k]:
-                    self._complete_block(k)
-        works, m = self._works, self._m
-        while self._done_ptr < m:
-            k = self._done_ptr
-            if not self._complete[k]:
-                w = works[k]
-                if w is not None and not w.is_completed():
-                    break
-                self._complete_block(k)
-            self._done_ptr += 1
-        ready, self._ready_list = self._ready_list, []
-        t1 = tr.now() if tr is not None else 0.0
-        self._apply([t for t in ready if self._pending[t]])
-        if tr is not None:
-            tr.gate(need, t0, t1)
+def _compiled_pre(opt: DistributedOptimizer) -> None:
+    """The root pre-hook of a ``torch.compile``d forward, run eagerly before the compiled
+    graph: module hooks inside the graph do nothing, so every pending update is applied here
+    (communication still overlaps backward; updates do not overlap the compiled forward)."""
+    opt._wait_buffers()
+    if opt._flushed:
+        for t in opt._flushed:
+            opt._flushed_flag[t] = False
+        opt._flushed.clear()
+    if opt._updates.n_pending:
+        opt._updates.flush()
 
-    def _flush_pending(self) -> list[int]:
-        """Apply every pending update (waits for all blocks of the previous step); returns
-        the tensors stepped."""
-        for k in range(self._m):
-            if not self._complete[k]:
-                self._complete_block(k)
-        self._done_ptr = self._m
-        self._ready_list = []
-        return self._apply([t for t in range(self._n) if self._pending[t]])
 
-    def _wait_all_blocks(self) -> None:
-        for k in range(self._m):
-            w = self._works[k]
-            if w is not None:
-                self._chan.wait(w, self._what(k))
-        self._complete = [True] * self._m
-
-    def _included(self, t: int) -> bool:
-        """Whether tensor ``t`` is stepped: it is in the optimizer and has a gradient here, or
-        some rank gave it one (the usage map, read only for tensors this rank did not use)."""
-        if self._include[t]:
-            return True
-        if self._group_of[t] < 0:
-            return False
-        if not self._find_unused:
-            return True
-        if self._global_used is None:
-            self._read_usage()
-        assert self._global_used is not None
-        return self._global_used[t] > 0
-
-    def _read_usage(self) -> None:
-        """Wait for this step's usage map and keep it (``_global_used``)."""
-        assert self._usage is not None and self._usage_work is not None
-        self._chan.wait(self._usage_work, "all-reduce of the parameter usage map")
-        self._global_used = self._usage.tolist()
-
-    def _apply(self, ts: list[int]) -> list[int]:
-        """Update the pending tensors ``ts`` (their blocks are complete); returns those stepped."""
-        if not ts:
-            return []
-        g = self._grads
-        stepped: list[int] = []
-        subsets: dict[int, list[tuple[int, torch.nn.Parameter]]] = {}
-        zero: list[torch.Tensor] = []
-        for t in ts:
-            self._pending[t] = False
-            g.relink(t)
-            if self._included(t):
-                stepped.append(t)
-                subsets.setdefault(self._group_of[t], []).append((self._pos_in_group[t], g.params[t]))
-            if self._zero_after[t]:
-                self._zero_after[t] = False
-                zero.append(g.views[t])
-        self._pending_n -= len(ts)
-        if subsets:
-            self._step_subset({gi: [p for _, p in sorted(ps, key=lambda x: x[0])]
-                               for gi, ps in subsets.items()})
-        if zero:
-            torch._foreach_zero_(zero)
-        return stepped
-
-    def _step_subset(self, subsets: dict[int, list[torch.nn.Parameter]]) -> None:
-        """``optimizer.step()`` on exactly ``subsets`` (group index -> params), with the
-        hyperparameters recorded at ``step()``; ``param_groups`` is restored afterwards."""
-        groups = self._opt.param_groups
-        saved = [grp["params"] for grp in groups]
-        swapped: list[tuple[dict[str, Any], str, Any]] = []
-        try:
-            for gi, grp in enumerate(groups):
-                grp["params"] = subsets.get(gi, [])
-                for key, val in self._hp[gi].items():
-                    cur = grp.get(key)
-                    if cur is not val:
-                        swapped.append((grp, key, cur))
-                        grp[key] = val
-            with torch.inference_mode(False), _no_autocast(self._chan.device):
-                self._opt.step()
-        finally:
-            for grp, params in zip(groups, saved):
-                grp["params"] = params
-            for grp, key, cur in reversed(swapped):
-                grp[key] = cur
-
-    # ------------------------------------------------------------------------------------
-    # Mixed precision
-    # ------------------------------------------------------------------------------------
-
-    def _amp_check(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
-        """GradScaler path: agree on non-finite gradients across ranks before any update;
-        unscale if the scaler has not. Returns whether to skip this step's update."""
-        self._finish_comm(wait=True)
-        agreed = found_inf.detach().to(self._chan.comm_device, torch.float32).reshape(1).clone()
-        self._chan.wait(self._chan.all_reduce(agreed, dist.ReduceOp.MAX),
-                        "all-reduce of the GradScaler non-finite flag")
-        if agreed.item() > 0:
-            return True
-        if grad_scale is not None:
-            inv = grad_scale.double().reciprocal().float().to(self._chan.device)
-            dummy = torch.zeros(1, device=self._chan.device)
-            for flat in self._grads.flats:
-                torch._amp_foreach_non_finite_check_and_unscale_([flat], dummy, inv)
-        return False
+def _compiled_post(opt: DistributedOptimizer, module: torch.nn.Module) -> None:
+    opt._broadcast_buffers(module)
 
 
 class _Detached:
@@ -835,22 +887,3 @@ class _Hook:
 
     def __reduce__(self) -> tuple:
         return (_Detached, ())
-
-
-class _no_autocast:
-    """Disable autocast for the optimizer step if it is on (the update runs in full precision)."""
-
-    __slots__ = ("dev", "ctx")
-
-    def __init__(self, device: torch.device):
-        self.dev = device.type
-        self.ctx = None
-
-    def __enter__(self) -> None:
-        if torch.is_autocast_enabled(self.dev):
-            self.ctx = torch.autocast(self.dev, enabled=False)
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)

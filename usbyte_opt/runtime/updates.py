@@ -1,0 +1,339 @@
+"""Applying a step's updates: the subset step, and when each tensor's update runs.
+
+After ``step()`` every tensor the wrapped optimizer steps has a *pending* update: its
+averaged gradient is in its view of the flat buffer (or still on the wire), and the update
+runs once the blocks covering it have finished. Three policies:
+
+* fence mode (:meth:`SubsetStepper.step` on everything, inside ``step()``, as DDP);
+* :class:`HostUpdates`, overlap mode on CPU: a forward pre-hook of each module waits on the
+  host for the blocks of its pending tensors and steps them (together with every other
+  pending tensor whose blocks have finished), so communication of the input-side tensors
+  overlaps the next forward;
+* :class:`StreamUpdates`, overlap mode on CUDA: ``step()`` enqueues the updates, a few
+  optimizer calls in all, on an update stream that waits for each block's collective; a
+  module's forward pre-hook only makes the compute stream wait for the event of the update
+  group holding its tensors. The host never waits, and runs ahead of the GPU as usual.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buffers import FlatGrads
+
+#: Default number of optimizer calls per step in :class:`StreamUpdates`.
+STREAM_UPDATE_GROUPS = 8
+
+
+class SubsetStepper:
+    """Steps the wrapped optimizer on a subset of the model's tensors.
+
+    The subset is stepped by narrowing each param group's ``params`` list for the call and
+    restoring it afterwards: the optimizer's state stays keyed by parameter (Adam's
+    per-parameter ``step`` counts stay right), and outside the call ``param_groups`` is the
+    user's, so ``state_dict()`` keeps the wrapped optimizer's format and LR schedulers act on
+    the same group dicts. The hyperparameters recorded by :meth:`snapshot` (at ``step()``) are
+    put back into the groups for the call, so an LR scheduler stepped right after ``step()``
+    does not change this iteration's update. For the call, ``p.grad`` is the tensor's view
+    (the averaged gradient); whatever the user left in ``p.grad`` is put back afterwards. The
+    optimizer must update each parameter independently of the others (SGD, Adam, AdamW,
+    RMSprop, Adagrad, ... do).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: FlatGrads, device: torch.device):
+        self.opt = optimizer
+        self.grads = grads
+        self.device = device
+        where = {id(p): (gi, j) for gi, grp in enumerate(optimizer.param_groups)
+                 for j, p in enumerate(grp["params"])}
+        #: Param group of each tensor (-1: the optimizer does not step it), and its position.
+        self.group_of = [where.get(id(p), (-1, 0))[0] for p in grads.params]
+        self.pos = [where.get(id(p), (-1, 0))[1] for p in grads.params]
+        self.hp: list[dict[str, Any]] = []
+        #: Attributes set on the wrapped optimizer for each call (a fused optimizer's found_inf).
+        self.attrs: dict[str, Any] = {}
+        self.calls = 0
+
+    def snapshot(self) -> None:
+        """Record the hyperparameters in force now (at ``step()``)."""
+        self.hp = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in grp.items()
+                    if k != "params"} for grp in self.opt.param_groups]
+
+    def step(self, ts: Sequence[int]) -> None:
+        """``optimizer.step()`` on exactly the tensors ``ts`` (their views hold the averaged
+        gradient and are final on the current stream)."""
+        if not ts:
+            return
+        g, group_of, pos = self.grads, self.group_of, self.pos
+        subsets: dict[int, list[tuple[int, torch.nn.Parameter]]] = {}
+        saved: list[tuple[torch.nn.Parameter, Any]] = []
+        for t in ts:
+            p = g.params[t]
+            subsets.setdefault(group_of[t], []).append((pos[t], p))
+            saved.append((p, p.grad))
+            p.grad = g.views[t]
+        groups = self.opt.param_groups
+        old_params = [grp["params"] for grp in groups]
+        swapped: list[tuple[dict[str, Any], str, Any]] = []
+        try:
+            for gi, grp in enumerate(groups):
+                grp["params"] = [p for _, p in sorted(subsets.get(gi, []), key=lambda x: x[0])]
+                for key, val in self.hp[gi].items():
+                    cur = grp.get(key)
+                    if cur is not val:
+                        swapped.append((grp, key, cur))
+                        grp[key] = val
+            for k, v in self.attrs.items():
+                setattr(self.opt, k, v)
+            with torch.inference_mode(False), _no_autocast(self.device):
+                self.opt.step()
+            self.calls += 1
+        finally:
+            for k in self.attrs:
+                try:
+                    delattr(self.opt, k)
+                except AttributeError:
+                    pass
+            for grp, params in zip(groups, old_params):
+                grp["params"] = params
+            for grp, key, cur in reversed(swapped):
+                grp[key] = cur
+            for p, grad in saved:
+                p.grad = grad
+
+
+class HostUpdates:
+    """Overlap mode on the host (CPU tensors): updates run in the next forward, tensor by
+    tensor, each after a host wait for its blocks.
+
+    Args:
+        grads: the flat buffers.
+        stepper: steps the wrapped optimizer.
+        wait: ``wait(work, what)`` for a block's collective.
+        what: ``what(k)`` describes block ``k`` in errors.
+    """
+
+    def __init__(self, grads: FlatGrads, stepper: SubsetStepper,
+                 wait: Callable[[dist.Work, str], None], what: Callable[[int], str]):
+        self.grads, self.stepper, self._wait, self._what = grads, stepper, wait, what
+        n, m = grads.n, len(grads.block_views)
+        self.n, self.m = n, m
+        self.pending = [False] * n
+        self.n_pending = 0
+        self.nblocks = [len(ks) for ks in grads.tensor_blocks]
+        self.t_incomplete = [0] * n     # blocks of t not waited for yet
+        self.complete = [True] * m      # block waited for
+        self.done_ptr = m               # blocks before it are all complete
+        self.ready: list[int] = []      # pending tensors whose blocks are all complete
+        self.works: list[dist.Work | None] = [None] * m
+        self.include: Callable[[int], bool] = lambda t: False
+        self.trace: Any = None
+
+    def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
+              candidates: Sequence[int]) -> None:
+        """Make ``candidates`` pending on this step's ``works``; ``include(t)`` says, when its
+        update runs, whether tensor ``t`` is stepped."""
+        self.works = list(works)
+        self.include = include
+        pending, inc, nb = self.pending, self.t_incomplete, self.nblocks
+        for t in candidates:
+            pending[t] = True
+            inc[t] = nb[t]
+        self.n_pending = len(candidates)
+        self.complete = [False] * self.m
+        self.done_ptr = 0
+        self.ready = []
+
+    def _complete_block(self, k: int) -> None:
+        w = self.works[k]
+        if w is not None:
+            self._wait(w, self._what(k))
+        self.complete[k] = True
+        inc, pending = self.t_incomplete, self.pending
+        for t in self.grads.block_tensors[k]:
+            inc[t] -= 1
+            if inc[t] == 0 and pending[t]:
+                self.ready.append(t)
+
+    def gate(self, need: Sequence[int]) -> None:
+        """A module's forward is about to use ``need``: wait for their blocks, then update them
+        together with every other pending tensor whose blocks have finished already (one
+        optimizer call instead of several)."""
+        tr = self.trace
+        t0 = tr.now() if tr is not None else 0.0
+        complete, tb = self.complete, self.grads.tensor_blocks
+        for t in need:
+            if self.pending[t]:
+                for k in tb[t]:
+                    if not complete[k]:
+                        self._complete_block(k)
+        works, m = self.works, self.m
+        while self.done_ptr < m:
+            k = self.done_ptr
+            if not complete[k]:
+                w = works[k]
+                if w is not None and not w.is_completed():
+                    break
+                self._complete_block(k)
+            self.done_ptr += 1
+        ready, self.ready = self.ready, []
+        t1 = tr.now() if tr is not None else 0.0
+        self._apply([t for t in ready if self.pending[t]])
+        if tr is not None:
+            tr.gate(need, t0, t1)
+
+    def flush(self) -> list[int]:
+        """Apply every pending update (waits for all blocks); returns the tensors it applied."""
+        for k in range(self.m):
+            if not self.complete[k]:
+                self._complete_block(k)
+        self.done_ptr = self.m
+        self.ready = []
+        return self._apply([t for t in range(self.n) if self.pending[t]])
+
+    def wait_all(self) -> None:
+        """Wait for every block of the step without updating (a skipped step)."""
+        for k in range(self.m):
+            w = self.works[k]
+            if w is not None and not self.complete[k]:
+                self._wait(w, self._what(k))
+        self.complete = [True] * self.m
+
+    def _apply(self, ts: list[int]) -> list[int]:
+        if not ts:
+            return []
+        pending, include = self.pending, self.include
+        for t in ts:
+            pending[t] = False
+        self.n_pending -= len(ts)
+        self.stepper.step([t for t in ts if include(t)])
+        return ts
+
+
+class StreamUpdates:
+    """Overlap mode on CUDA: ``start()`` enqueues every update on an update stream, in a few
+    groups; a forward gate waits for an event.
+
+    The tensors are ordered by the last block covering them and cut into at most ``groups``
+    groups; group ``g`` waits (on the update stream) for the collectives of the blocks up to
+    its last one, steps its tensors in one optimizer call and records an event. A gate makes
+    the current stream wait for the event of the latest group among the tensors it needs.
+    """
+
+    def __init__(self, grads: FlatGrads, stepper: SubsetStepper,
+                 wait: Callable[[dist.Work, str], None], what: Callable[[int], str],
+                 device: torch.device, groups: int = STREAM_UPDATE_GROUPS):
+        self.grads, self.stepper, self._wait, self._what = grads, stepper, wait, what
+        self.device = device
+        self.n, self.m = grads.n, len(grads.block_views)
+        self.stream = torch.cuda.Stream(device)
+        last = [max(ks) for ks in grads.tensor_blocks]
+        order = sorted(range(self.n), key=lambda t: last[t])
+        cuts = update_groups([last[t] for t in order], groups)
+        #: (blocks to wait for, tensors) per group, in issue order.
+        self.groups: list[tuple[list[int], list[int]]] = []
+        self.group_of = [0] * self.n
+        waited = -1
+        for gi, (lo, hi) in enumerate(zip(cuts, cuts[1:])):
+            ts = order[lo:hi]
+            top = last[ts[-1]]
+            self.groups.append((list(range(waited + 1, top + 1)), ts))
+            waited = top
+            for t in ts:
+                self.group_of[t] = gi
+        self.events = [torch.cuda.Event() for _ in self.groups]
+        self.active = False
+        self.waited = -1
+        self.n_pending = 0
+
+    def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
+              candidates: Sequence[int]) -> None:
+        cand = set(candidates)
+        cur = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(cur)
+        with torch.cuda.stream(self.stream):
+            for (blocks, ts), ev in zip(self.groups, self.events):
+                for k in blocks:
+                    w = works[k]
+                    if w is not None:
+                        self._wait(w, self._what(k))   # the update stream waits
+                self.stepper.step([t for t in ts if t in cand and include(t)])
+                ev.record(self.stream)
+        self.active = True
+        self.waited = -1
+        self.n_pending = len(cand)
+
+    def gate(self, need: Sequence[int]) -> None:
+        if not self.active or not need:
+            return
+        g = max(self.group_of[t] for t in need)
+        if g > self.waited:
+            torch.cuda.current_stream(self.device).wait_event(self.events[g])
+            self.waited = g
+            if g == len(self.groups) - 1:
+                self.active = False
+                self.n_pending = 0
+
+    def flush(self) -> list[int]:
+        """Make the current stream wait for every update; returns the tensors no gate had
+        waited for (their updates were not known to be done when the forward ran)."""
+        if not self.active:
+            return []
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        late = [t for t in range(self.n) if self.group_of[t] > self.waited]
+        self.active = False
+        self.n_pending = 0
+        return late
+
+    def wait_all(self, works: Sequence[dist.Work | None]) -> None:
+        for k, w in enumerate(works):
+            if w is not None:
+                self._wait(w, self._what(k))
+
+
+def update_groups(last: Sequence[int], groups: int) -> list[int]:
+    """Cut points of a sorted list of "last block" values into at most ``groups`` runs of
+    about equal length, each cut between two different values.
+
+    Example::
+
+        >>> update_groups([0, 0, 1, 2, 2, 2, 3, 5], 3)
+        [0, 3, 6, 8]
+        >>> update_groups([4, 4, 4], 8)
+        [0, 3]
+    """
+    n = len(last)
+    cuts = [0]
+    for g in range(1, groups):
+        c = max(round(n * g / groups), cuts[-1] + 1)
+        while 0 < c < n and last[c] == last[c - 1]:
+            c += 1
+        if c >= n:
+            break
+        if c > cuts[-1]:
+            cuts.append(c)
+    cuts.append(n)
+    return cuts
+
+
+class _no_autocast:
+    """Disable autocast for the optimizer step if it is on (the update runs in full precision)."""
+
+    __slots__ = ("dev", "ctx")
+
+    def __init__(self, device: torch.device):
+        self.dev = device.type
+        self.ctx: Any = None
+
+    def __enter__(self) -> None:
+        if torch.is_autocast_enabled(self.dev):
+            self.ctx = torch.autocast(self.dev, enabled=False)
+            self.ctx.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.ctx is not None:
+            self.ctx.__exit__(*exc)
+            self.ctx = None
