@@ -500,7 +500,8 @@ def check_against(schedule: Schedule, profile: Profile, source: str = "<schedule
             if specs[n].dtype != b.dtype:
                 raise MismatchError(f"{source}: buffers[{b_i}].tensors[{j}]: tensor {n!r} has dtype "
                                     f"{specs[n].dtype} in the profile, buffer dtype is {b.dtype}")
-    missing = [n for n in specs if n not in set(listed)]
+    in_buffers = set(listed)
+    missing = [n for n in specs if n not in in_buffers]
     if missing:
         raise MismatchError(f"{source}: buffers: profile tensor {missing[0]!r} is in no buffer "
                             f"({len(missing)} missing)")
