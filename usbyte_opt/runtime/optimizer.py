@@ -44,12 +44,15 @@ import torch.distributed as dist
 from ..errors import UsbyteError
 from ..formats import Schedule
 from . import amp
+from .backward import StepComm
 from .buffers import FlatGrads
 from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
                      resolve_schedule)
 from .comm import Channel
 from .default_plan import model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
+from .forward import ForwardGates, _Hook
+from .trace import TRACE_ENV
 from .updates import STREAM_UPDATE_GROUPS, HostUpdates, StreamUpdates, SubsetStepper
 
 ScheduleArg = Schedule | str | os.PathLike | None
@@ -194,71 +197,42 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if broadcast_buffers:
             broadcast_from_rank0(list(model.buffers()), process_group, timeout, "buffers")
 
-        self._k = backward_passes_per_step
         self._chan = Channel(process_group, device, timeout, one_in_flight)
-        self._scale: float | None = 1.0 / ws if ws > 1 else None
         self._grads = g = FlatGrads(sched, dict(params), device)
-        n, m = g.n, len(sched.blocks)
-        self._n, self._m = n, m
-        self._find_unused = find_unused_parameters
+        self._n, self._m = g.n, len(sched.blocks)
         self._stepper = SubsetStepper(optimizer, g, device)
         self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
-        self._candidates = [t for t in range(n) if self._in_opt[t]]
+        self._candidates = [t for t in range(g.n) if self._in_opt[t]]
         self._updates: HostUpdates | StreamUpdates
         if device.type == "cuda" and self.mode == "overlap":
             self._updates = StreamUpdates(g, self._stepper, self._chan.wait, self._what, device,
                                           update_groups)
         else:
             self._updates = HostUpdates(g, self._stepper, self._chan.wait, self._what)
-        self._rem0 = [len(ts) for ts in g.block_tensors]
-
-        # Per-step state (reset by step()) ------------------------------------------------
-        self._zeros = [0] * n
-        self._count = [0] * n           # gradients received this step
-        self._final = [False] * n       # gradient final and scaled (ready)
-        self._local = [False] * n       # has a gradient on this rank (for the update rule)
-        self._placed = [False] * n      # p.grad is the view since this step's backward
-        self._rem = self._rem0.copy()   # tensors of each block not ready yet
-        self._next = 0                  # next block to issue
-        self._works: list[dist.Work | None] = [None] * m
-        self._streams: list[Any] = [None] * n
-        self._pass = 0                  # backward passes of this step so far
-        self._cb_queued = False         # the final callback of the running pass is queued
-        self._bw_started = False        # a gradient arrived since the last step()
-        self._comm_issued = False       # every block of this step issued
-        self._issued_by = ""            # what issued them early: "" or the call's name
-        self._comm_waited = False       # and waited for (averaged gradients readable)
-        self._discard: bool | None = None  # zero_grad() between backward and step(): set_to_none
-        self._usage: torch.Tensor | None = None
-        self._usage_work: dist.Work | None = None
-        self._global_used: list[int] | None = None
-        # Across steps ---------------------------------------------------------------------
-        self._zero_intent = [False] * n  # zero_grad(set_to_none=False) since the last update
+        buffers = list(model.buffers()) if broadcast_buffers and ws > 1 else []
+        self._comm = StepComm(sched, g, self._chan, backward_passes_per_step,
+                              find_unused_parameters, self._flush_for_backward,
+                              self._note_gradient)
+        self._gates = ForwardGates(model, g.params, self._updates, self._chan, buffers,
+                                   self._comm.clear_flushed)
         self._last_include: Callable[[int], bool] = lambda t: False
-        self._flushed: list[int] = []   # tensors updated when backward began (stale check)
-        self._flushed_flag = [False] * n
-        # Learning which tensors are used outside their module's forward (first iteration).
-        self._learning = True
-        self._seen = [False] * n
-        self._root_extra: list[int] = []
-        self._root_owned: list[int] = []
-        self._root_owned_set: set[int] = set()
         self._steps = 0
-        # Buffers broadcast after training forwards.
-        self._buffers = [b for b in model.buffers()] if broadcast_buffers and ws > 1 else []
-        self._buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
-
-        self._handles: list[Any] = []
-        self._install_hooks()
+        self._handles: list[Any] = [p.register_post_accumulate_grad_hook(self._comm.hook(t))
+                                    for t, p in enumerate(g.params)]
+        self._handles += self._gates.install()
+        # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
+        # only: a checkpoint may be written by rank 0 alone.
+        self._handles.append(model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
+        self._handles.append(model.register_load_state_dict_pre_hook(_Hook(self._settle_hook)))
         self._closed = False
         OPEN.add(self)
         # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
         # only then, so the runtime does not depend on it.
         self._trace = None
-        if os.environ.get("USBYTE_TRACE"):
+        if os.environ.get(TRACE_ENV):
             from .trace import attach
 
-            self._trace = attach(self, model)
+            self._trace = self._comm.trace = attach(self, model)
             if isinstance(self._updates, HostUpdates):
                 self._updates.trace = self._trace
 
@@ -275,32 +249,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       f"{list(p.shape)}) is not a parameter of the model: the "
                                       "runtime only averages and updates the model's parameters")
 
-    def _install_hooks(self) -> None:
-        g = self._grads
-        for t, p in enumerate(g.params):
-            self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(t)))
-        owned: dict[int, list[int]] = {}
-        mods: dict[int, torch.nn.Module] = {}
-        index = {id(p): t for t, p in enumerate(g.params)}
-        for mod in self._model.modules():
-            ts = [index[id(p)] for p in mod._parameters.values()
-                  if p is not None and id(p) in index]
-            if ts:
-                owned[id(mod)] = ts
-                mods[id(mod)] = mod
-        self._root_owned = owned.pop(id(self._model), [])
-        self._root_owned_set = set(self._root_owned)
-        for key, ts in owned.items():
-            self._handles.append(mods[key].register_forward_pre_hook(_Hook(self._module_hook(ts))))
-        self._handles.append(self._model.register_forward_pre_hook(_Hook(self._root_pre_hook),
-                                                                   prepend=True))
-        self._handles.append(self._model.register_forward_hook(_Hook(self._root_post_hook)))
-        # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
-        # only: a checkpoint may be written by rank 0 alone.
-        self._handles.append(self._model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
-        self._handles.append(self._model.register_load_state_dict_pre_hook(
-            _Hook(self._settle_hook)))
-
     # ------------------------------------------------------------------------------------
     # Optimizer interface
     # ------------------------------------------------------------------------------------
@@ -310,8 +258,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The wrapped optimizer's groups. Read between backward and ``step()`` (GradScaler,
         gradient inspection), it first completes this step's all-reduce, so the gradients
         seen are the averaged ones."""
-        if self._bw_started and not self._comm_waited:
-            self._complete_comm("param_groups")
+        if self._comm.started and not self._comm.waited:
+            self._comm.complete("param_groups")
         return self._opt.param_groups
 
     @property
@@ -365,30 +313,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if self._trace is not None:
             self._trace.step()
-        # Every rank issues the whole step here at the latest, whatever its backward did.
-        if not self._bw_started:
-            self._begin_step()
-        self._finish_comm()
+        comm = self._comm
+        comm.finish()  # every rank issues the whole step here at the latest
         found_inf = getattr(self, "found_inf", None)
         skip = False
         if found_inf is not None:  # called by GradScaler.step(self)
             skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
         self._stepper.snapshot()
-        include = self._include_rule()
-        self._last_include = include
+        include = self._last_include = comm.include_rule(self._in_opt)
         if skip:
-            self._wait_blocks()
+            comm.wait_blocks()
             if self.mode == "overlap":
                 self._grads.release()
         elif self.mode == "fence":
-            self._wait_blocks()
+            comm.wait_blocks()
             self._stepper.step([t for t in self._candidates if include(t)])
-            self._expose_used()
+            comm.expose_used()
         else:
-            self._updates.start(self._works, include, self._candidates)
+            self._updates.start(comm.works, include, self._candidates)
             self._grads.release()
         self._stepper.attrs = {}
-        self._reset_step()
+        comm.reset(clear_zero_intent=self.mode == "overlap")
+        self._gates.learning = False
         self._steps += 1
         self._opt._opt_called = True  # type: ignore[attr-defined]  # LR scheduler's check
         return loss
@@ -401,15 +347,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         uses in the next step is stepped with a zero gradient, as under DDP. Between backward
         and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
         """
-        g = self._grads
-        if self._bw_started and not self._comm_waited and self._comm_issued:
-            self._complete_comm("zero_grad()")  # never zero a buffer being all-reduced
-        if self._comm_waited:
-            self._discard = set_to_none
+        g, comm = self._grads, self._comm
+        if comm.started and comm.issued and not comm.waited:
+            comm.complete("zero_grad()")  # never zero a buffer being all-reduced
+        if comm.waited:
+            comm.discard = set_to_none
         if set_to_none:
             for p in g.params:
                 p.grad = None
-            self._zero_intent[:] = [False] * self._n
+            comm.zero_intent[:] = [False] * self._n
             return
         with torch.no_grad():
             for p in g.params:
@@ -419,9 +365,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        if self.mode == "overlap" and (self._updates.n_pending or not self._bw_started):
+        if self.mode == "overlap" and (self._updates.n_pending or not comm.started):
             include = self._last_include
-            zi = self._zero_intent
+            zi = comm.zero_intent
             for t in range(self._n):
                 if not zi[t] and (include(t) or g.params[t].grad is not None):
                     zi[t] = True
@@ -434,19 +380,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         before ``step()``. It issues no collective of its own: every rank issued everything of
         the step when its backward ended.
         """
-        if self._bw_started and not self._comm_waited:
-            self._complete_comm("synchronize()")
+        if self._comm.started and not self._comm.waited:
+            self._comm.complete("synchronize()")
         self._settle()
-        if self._usage_work is not None and self._global_used is None:
-            self._read_usage()  # nothing of this step left in flight
+        if self._comm.usage_work is not None:
+            self._comm.usage_map()  # nothing of this step left in flight
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Wait for this step's averaged gradients, then clip them as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
         the total norm. Call it between ``backward()`` and ``step()``."""
-        if self._bw_started and not self._comm_waited:
-            self._complete_comm("clip_grad_norm_()")
+        if self._comm.started and not self._comm.waited:
+            self._comm.complete("clip_grad_norm_()")
         params = [p for p in self._grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
@@ -459,7 +405,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Apply pending updates and install broadcast buffers: waits only, no new collective."""
         if self._updates.n_pending:
             self._updates.flush()
-        self._wait_buffers()
+        self._gates.wait_buffers()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, in its own format (pending updates applied
@@ -493,9 +439,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _release(self, grace_s: float | None = None) -> None:
         """Wait for every collective of this optimizer, drop the works and close the channel.
         With ``grace_s``, give up (and change nothing) if they have not all finished by then."""
-        works = [w for w in self._works if w is not None] + [w for w, *_ in self._buf_pending]
-        if self._usage_work is not None:
-            works.append(self._usage_work)
+        works = self._comm.in_flight() + [w for w, *_ in self._gates.buf_pending]
         if grace_s is not None:
             deadline = time.monotonic() + grace_s
             while not all(w.is_completed() for w in works):
@@ -504,262 +448,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 time.sleep(0.002)
         for w in works:  # NCCL: completed on the host is not yet done on the stream
             self._chan.wait(w, "a collective in flight at close()")
-        self._works = [None] * self._m
-        self._buf_pending = []
-        self._usage_work = None
+        self._comm.works = [None] * self._m
+        self._comm.usage_work = None
+        self._gates.buf_pending = []
         self._chan.close()
         self._closed = True
         OPEN.discard(self)
 
     # ------------------------------------------------------------------------------------
-    # Backward: hooks, issue order, end of backward
+    # Glue between the step's communication, the updates and the forward gates
     # ------------------------------------------------------------------------------------
 
-    def _grad_hook(self, t: int) -> Callable[[torch.Tensor], None]:
-        # Runs once per tensor per backward pass: the lists are bound once, here.
-        count, final, flushed = self._count, self._final, self._flushed_flag
-        g = self._grads
-        view, name, k = g.views[t], g.names[t], self._k
+    def _flush_for_backward(self) -> list[int]:
+        """The next backward starts: every pending update must be done first."""
+        return self._updates.flush() if self._updates.n_pending else []
 
-        def hook(p: torch.Tensor) -> None:
-            if not self._cb_queued:
-                self._begin_pass()
-            if self._comm_issued:
-                self._late_gradient(name)
-            if flushed[t]:
-                raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
-                                  "update was applied (it was used outside the forward of the "
-                                  "modules that own it); call opt.synchronize() before such a "
-                                  "forward")
-            count[t] += 1
-            last = self._pass >= k
-            grad = p.grad
-            if grad is not view:
-                g.take(t, grad, self._scale if last else None)
-            elif last and self._scale is not None:
-                with torch.no_grad():
-                    view.mul_(self._scale)
-            if self._learning and not self._seen[t] and t not in self._root_owned_set:
-                self._seen[t] = True
-                self._root_extra.append(t)
-            if self._chan.cuda:
-                self._streams[t] = torch.cuda.current_stream(self._chan.device)
-            if last:
-                final[t] = True
-                self._local[t] = True
-                self._placed[t] = True
-                self._mark_ready(t)
-        return hook
-
-    def _late_gradient(self, name: str) -> None:
-        if self._issued_by:
-            raise UsbyteError(f"parameter {name!r} got a gradient after this step's all-reduce "
-                              f"was issued (by {self._issued_by}); call step() before the next "
-                              "backward()")
-        raise UsbyteError(f"parameter {name!r} got a gradient in backward pass {self._pass} of a "
-                          f"step, with backward_passes_per_step={self._k}: the step's all-reduce "
-                          f"was issued at the end of pass {self._k}; call step() after "
-                          f"{self._k} backward() calls, or pass the number of backward() calls "
-                          "per step() as backward_passes_per_step")
-
-    def _begin_pass(self) -> None:
-        """First gradient of a backward pass: queue the end-of-backward callback."""
-        if not self._bw_started:
-            self._begin_step()
-        self._pass += 1
-        torch.autograd.Variable._execution_engine.queue_callback(self._end_pass)
-        self._cb_queued = True
-
-    def _begin_step(self) -> None:
-        """First gradient of a step: the previous step's updates must all be done before any
-        gradient of this one lands in the buffers or any block of this one is issued."""
-        if self._updates.n_pending:
-            for t in self._updates.flush():
-                self._flushed_flag[t] = True
-                self._flushed.append(t)
-        self._bw_started = True
-
-    def _end_pass(self) -> None:
-        """Autograd final callback: at the end of the step's last pass, issue the rest."""
-        self._cb_queued = False
-        if self._pass >= self._k and not self._comm_issued:
-            self._finish_comm()
-
-    def _mark_ready(self, t: int) -> None:
-        rem = self._rem
-        for k in self._grads.tensor_blocks[t]:
-            rem[k] -= 1
-        nxt, m = self._next, self._m
-        while nxt < m and rem[nxt] == 0:
-            self._issue(nxt)
-            nxt += 1
-        self._next = nxt
-
-    def _issue(self, k: int) -> None:
-        streams: tuple = ()
-        if self._chan.cuda:
-            streams = tuple({s for s in (self._streams[t] for t in self._grads.block_tensors[k])
-                             if s is not None})
-        self._works[k] = self._chan.all_reduce_block(self._grads.block_views[k], streams)
-        if self._trace is not None:
-            self._trace.issue(k, self._works[k])
-
-    def _finish_comm(self) -> None:
-        """Issue what is left of this step: the gradients not final yet (zeros for a tensor
-        that got none), the remaining blocks in order, then the usage map."""
-        if self._comm_issued:
-            return
-        g, scale, count, local = self._grads, self._scale, self._count, self._local
-        final, placed = self._final, self._placed
-        cur = torch.cuda.current_stream(self._chan.device) if self._chan.cuda else None
-        with torch.no_grad():
-            for t in range(self._n):
-                if final[t]:
-                    continue
-                grad = g.params[t].grad
-                view = g.views[t]
-                if grad is None:
-                    # No gradient (a zero one after zero_grad(set_to_none=False)), or one
-                    # the user dropped during accumulation.
-                    view.zero_()
-                    local[t] = count[t] == 0 and self._zero_intent[t]
-                elif grad is view:
-                    # Accumulated in earlier passes, or a gradient kept from the last step
-                    # (fence mode): contributed as it is, as DDP does.
-                    if scale is not None:
-                        view.mul_(scale)
-                    local[t] = placed[t] = True
-                else:  # a tensor the user assigned
-                    g.take(t, grad, scale)
-                    local[t] = placed[t] = True
-                final[t] = True
-                if cur is not None:
-                    self._streams[t] = cur
-        while self._next < self._m:
-            self._issue(self._next)
-            self._next += 1
-        # After the blocks, on the control group: ranks may differ in how many blocks went out
-        # during backward (a tensor one rank did not use), never in what is issued here.
-        if self._find_unused:
-            self._usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
-            self._usage_work = self._chan.control_all_reduce(self._usage)
-            self._global_used = None
-        self._comm_issued = True
-
-    def _complete_comm(self, by: str) -> None:
-        """Issue (if a caller needs it before the end of backward) and wait for everything of
-        this step; then every tensor some rank used has the average in ``p.grad``."""
-        if not self._comm_issued:
-            self._issued_by = by
-            self._finish_comm()
-        self._wait_blocks()
-        self._expose_used()
-        self._comm_waited = True
-
-    def _wait_blocks(self) -> None:
-        if self._comm_waited:
-            return
-        for k in range(self._m):
-            w = self._works[k]
-            if w is not None:
-                self._chan.wait(w, self._what(k))
-
-    def _expose_used(self) -> None:
-        """``p.grad`` = the view for the tensors with no gradient of this rank that another
-        rank used, or that had a zero gradient here: what DDP leaves in ``p.grad``."""
-        if all(self._placed):
-            return
-        used = self._usage_map() if self._find_unused else None
-        g, local, placed = self._grads, self._local, self._placed
-        for t in range(self._n):
-            if not placed[t] and (local[t] or (used is not None and used[t])) \
-                    and g.params[t].grad is None:
-                g.params[t].grad = g.views[t]
+    def _note_gradient(self, t: int) -> None:
+        if self._gates.learning:
+            self._gates.note_gradient(t)
 
     def _what(self, k: int) -> str:
         b = self.schedule.blocks[k]
         return f"all-reduce of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
 
-    # ------------------------------------------------------------------------------------
-    # The update rule
-    # ------------------------------------------------------------------------------------
-
-    def _usage_map(self) -> list[int]:
-        if self._global_used is None:
-            self._read_usage()
-        assert self._global_used is not None
-        return self._global_used
-
-    def _read_usage(self) -> None:
-        """Wait for this step's usage map and keep it (``_global_used``)."""
-        if self._usage is None:
-            self._global_used = [1 if c else 0 for c in self._count]
-            return
-        if self._usage_work is not None:
-            self._chan.wait_host(self._usage_work, "all-reduce of the parameter usage map")
-        self._global_used = self._usage.tolist()
-
-    def _include_rule(self) -> Callable[[int], bool]:
-        """Whether tensor ``t`` is stepped for the step ending now: it is in the optimizer,
-        and it has a gradient here (the user did not drop it after backward), or some rank
-        gave it one (the usage map, read only when asked about a tensor this rank did not
-        use). ``zero_grad()`` between backward and ``step()`` discards every gradient, or
-        zeroes them (``set_to_none=False``)."""
-        in_opt = self._in_opt
-        if self._discard:
-            return lambda t: False
-        local = self._local.copy()
-        params, placed = self._grads.params, self._placed
-        for t in range(self._n):  # the user dropped p.grad after backward: DDP would skip it
-            if placed[t] and params[t].grad is None:
-                local[t] = False
-                in_opt = in_opt.copy() if in_opt is self._in_opt else in_opt
-                in_opt[t] = False
-        if not self._find_unused:
-            return lambda t: in_opt[t]
-        usage_work = self._usage_work
-        usage = self._usage
-        holder: dict[str, list[int]] = {}
-        chan = self._chan
-
-        def include(t: int) -> bool:
-            if not in_opt[t]:
-                return False
-            if local[t]:
-                return True
-            used = holder.get("u")
-            if used is None:
-                if usage is None:
-                    return False
-                if usage_work is not None:
-                    chan.wait_host(usage_work, "all-reduce of the parameter usage map")
-                used = holder["u"] = usage.tolist()
-            return used[t] > 0
-        return include
-
-    def _reset_step(self) -> None:
-        self._count[:] = self._zeros   # in place: the hooks hold these lists
-        self._final[:] = [False] * self._n
-        self._local[:] = [False] * self._n
-        self._placed[:] = [False] * self._n
-        self._rem[:] = self._rem0
-        self._next = 0
-        self._pass = 0
-        self._cb_queued = False
-        self._bw_started = False
-        self._comm_issued = False
-        self._issued_by = ""
-        self._comm_waited = False
-        self._discard = None
-        self._learning = False
-        if self.mode == "overlap":
-            self._zero_intent[:] = [False] * self._n
-
     def _amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
         """GradScaler: unscale (if the scaler has not) and decide whether to skip the step.
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
-        if not self._comm_waited:
-            self._complete_comm("GradScaler.step()")
+        self._comm.complete("GradScaler.step()")
         amp.unscale(self._grads, grad_scale, self._chan.device)
         if (self._chan.cuda and self.mode == "overlap"
                 and amp.supports_found_inf(self._opt)):
@@ -767,123 +482,4 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return False
         return amp.skip_on_host(found_inf)
 
-    # ------------------------------------------------------------------------------------
-    # Forward: gates, buffers
-    # ------------------------------------------------------------------------------------
 
-    def _module_hook(self, ts: list[int]) -> Callable[..., None]:
-        upd = self._updates
-        host = isinstance(upd, HostUpdates)
-        pending = upd.pending if isinstance(upd, HostUpdates) else None
-
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            if torch.compiler.is_compiling():
-                return None  # a compiled forward: the root hook applied every update
-            if upd.n_pending:
-                if host:
-                    assert pending is not None
-                    if any(pending[t] for t in ts):
-                        upd.gate(ts)
-                else:
-                    upd.gate(ts)
-            elif self._learning:
-                for t in ts:
-                    self._seen[t] = True
-            return None
-        return hook
-
-    def _root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            # Run eagerly before the compiled graph (a graph break). torch._dynamo is imported
-            # only here, where compiling has imported it already.
-            return torch._dynamo.disable(_compiled_pre)(self)
-        if self._buf_pending:
-            self._wait_buffers()
-        if self._flushed:
-            for t in self._flushed:
-                self._flushed_flag[t] = False
-            self._flushed.clear()
-        if self._updates.n_pending:
-            if not (module.training and torch.is_grad_enabled()):
-                # Inference code paths may read weights without running their modules'
-                # forward (nn.TransformerEncoderLayer's fast path does), and nothing is gained
-                # by overlapping them: apply every pending update now.
-                self._updates.flush()
-                return None
-            need = self._root_owned + self._root_extra
-            if need:
-                self._updates.gate(need)
-        elif self._learning:
-            for t in self._root_owned:
-                self._seen[t] = True
-        return None
-
-    def _root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
-            return torch._dynamo.disable(_compiled_post)(self, module)
-        self._broadcast_buffers(module)
-        return None
-
-    def _broadcast_buffers(self, module: torch.nn.Module) -> None:
-        if self._buffers and module.training and torch.is_grad_enabled():
-            self._wait_buffers()
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for b in self._buffers:
-                by_dtype.setdefault(b.dtype, []).append(b)
-            for bufs in by_dtype.values():
-                flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-                self._buf_pending.append((self._chan.broadcast(flat), bufs, flat))
-
-    def _wait_buffers(self) -> None:
-        pend, self._buf_pending = self._buf_pending, []
-        for work, bufs, flat in pend:
-            self._chan.wait(work, "broadcast of module buffers from rank 0")
-            if self._chan.rank != 0:
-                off = 0
-                with torch.no_grad():
-                    for b in bufs:
-                        b.copy_(flat[off: off + b.numel()].view_as(b))
-                        off += b.numel()
-
-
-def _compiled_pre(opt: DistributedOptimizer) -> None:
-    """The root pre-hook of a ``torch.compile``d forward, run eagerly before the compiled
-    graph: module hooks inside the graph do nothing, so every pending update is applied here
-    (communication still overlaps backward; updates do not overlap the compiled forward)."""
-    opt._wait_buffers()
-    if opt._flushed:
-        for t in opt._flushed:
-            opt._flushed_flag[t] = False
-        opt._flushed.clear()
-    if opt._updates.n_pending:
-        opt._updates.flush()
-
-
-def _compiled_post(opt: DistributedOptimizer, module: torch.nn.Module) -> None:
-    opt._broadcast_buffers(module)
-
-
-class _Detached:
-    """A hook that does nothing: what copies and pickles of the model carry instead of ours."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> None:
-        return None
-
-
-class _Hook:
-    """A module hook of the runtime. ``copy.deepcopy(model)`` and ``torch.save(model)`` give
-    a model without the runtime (a :class:`_Detached` hook), not a second optimizer."""
-
-    __slots__ = ("fn",)
-
-    def __init__(self, fn: Callable[..., Any]):
-        self.fn = fn
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.fn(*args, **kwargs)
-
-    def __deepcopy__(self, memo: dict) -> _Detached:
-        return _Detached()
-
-    def __reduce__(self) -> tuple:
-        return (_Detached, ())

@@ -1,0 +1,327 @@
+"""One step's communication: gradients arriving, blocks issued in order, the end of backward.
+
+:class:`StepComm` is the per-step state of a :class:`~usbyte_opt.runtime.DistributedOptimizer`
+(docs/design.md §5.3):
+
+* each tensor's post-accumulate-grad hook (:meth:`StepComm.hook`) puts the gradient in the
+  tensor's view, scaled by ``1 / world_size`` in the step's last backward pass, and marks the
+  tensor ready; a block is issued once all its tensors are ready *and* every block before it
+  in the schedule's order has been issued, so every rank issues the same collectives in the
+  same order;
+* the first gradient of each backward pass queues an autograd final callback
+  (:meth:`StepComm.end_pass`, as DDP's reducer does); at the end of the step's last pass it
+  issues what is left (:meth:`StepComm.finish`): a tensor this rank gave no gradient
+  contributes zeros, then the remaining blocks, then the usage map on the control group. When
+  ``backward()`` returns, every rank has issued the whole step;
+* :meth:`StepComm.include_rule` is the update rule of the step: which tensors the optimizer
+  steps (DDP's: the ones with a gradient here, or that some rank used).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UsbyteError
+from ..formats import Schedule
+from .buffers import FlatGrads
+from .comm import Channel
+
+
+class StepComm:
+    """The communication state of the step in progress.
+
+    Args:
+        schedule: the schedule (its blocks name errors).
+        grads: the flat buffers.
+        chan: the channel of the collectives.
+        passes: backward passes per step.
+        find_unused: exchange the usage map each step.
+        flush: applies the previous step's pending updates; returns the tensors it applied
+            without the forward having reached them (the stale-use check).
+        note_gradient: called with each tensor that gets a gradient (the forward gates learn
+            from it which tensors are used outside their modules).
+    """
+
+    def __init__(self, schedule: Schedule, grads: FlatGrads, chan: Channel, passes: int,
+                 find_unused: bool, flush: Callable[[], list[int]],
+                 note_gradient: Callable[[int], None]):
+        self.schedule, self.grads, self.chan, self.k = schedule, grads, chan, passes
+        self.find_unused = find_unused
+        self._flush, self._note = flush, note_gradient
+        n, m = grads.n, len(schedule.blocks)
+        self.n, self.m = n, m
+        ws = chan.world_size
+        self.scale: float | None = 1.0 / ws if ws > 1 else None
+        self.rem0 = [len(ts) for ts in grads.block_tensors]
+        self.count = [0] * n            # gradients received this step
+        self.final = [False] * n        # gradient final and scaled (ready)
+        self.local = [False] * n        # has a gradient on this rank (for the update rule)
+        self.placed = [False] * n       # p.grad is the view since this step's backward
+        self.rem = self.rem0.copy()     # tensors of each block not ready yet
+        self.next = 0                   # next block to issue
+        self.works: list[dist.Work | None] = [None] * m
+        self.streams: list[Any] = [None] * n
+        self.passes = 0                 # backward passes of this step so far
+        self.cb_queued = False          # the final callback of the running pass is queued
+        self.started = False            # a gradient arrived since the last step()
+        self.issued = False             # every block of this step issued
+        self.issued_by = ""             # what issued them before the end of backward
+        self.waited = False             # and waited for (averaged gradients readable)
+        self.discard: bool | None = None  # zero_grad() between backward and step()
+        self.usage: torch.Tensor | None = None
+        self.usage_work: dist.Work | None = None
+        self.global_used: list[int] | None = None
+        #: ``zero_grad(set_to_none=False)`` since the last step (overlap mode): a zero gradient.
+        self.zero_intent = [False] * n
+        #: Tensors updated when this backward began, unseen by the forward (stale-use check).
+        self.flushed: list[int] = []
+        self.flushed_flag = [False] * n
+        self.trace: Any = None
+
+    # -- backward ----------------------------------------------------------------------------
+
+    def hook(self, t: int) -> Callable[[torch.Tensor], None]:
+        """The post-accumulate-grad hook of tensor ``t``."""
+        count, final, flushed = self.count, self.final, self.flushed_flag
+        g = self.grads
+        view, name, k, scale = g.views[t], g.names[t], self.k, self.scale
+        cuda, device = self.chan.cuda, self.chan.device
+
+        def hook(p: torch.Tensor) -> None:
+            if not self.cb_queued:
+                self.begin_pass()
+            if self.issued:
+                self.late_gradient(name)
+            if flushed[t]:
+                raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
+                                  "update was applied (it was used outside the forward of the "
+                                  "modules that own it); call opt.synchronize() before such a "
+                                  "forward")
+            count[t] += 1
+            last = self.passes >= k
+            grad = p.grad
+            if grad is not view:
+                g.take(t, grad, scale if last else None)
+            elif last and scale is not None:
+                with torch.no_grad():
+                    view.mul_(scale)
+            self._note(t)
+            if cuda:
+                self.streams[t] = torch.cuda.current_stream(device)
+            if last:
+                final[t] = True
+                self.local[t] = True
+                self.placed[t] = True
+                self.mark_ready(t)
+        return hook
+
+    def late_gradient(self, name: str) -> None:
+        if self.issued_by:
+            raise UsbyteError(f"parameter {name!r} got a gradient after this step's all-reduce "
+                              f"was issued (by {self.issued_by}); call step() before the next "
+                              "backward()")
+        raise UsbyteError(f"parameter {name!r} got a gradient in backward pass {self.passes} of "
+                          f"a step, with backward_passes_per_step={self.k}: the step's "
+                          f"all-reduce was issued at the end of pass {self.k}; call step() after "
+                          f"{self.k} backward() calls, or pass the number of backward() calls "
+                          "per step() as backward_passes_per_step")
+
+    def begin_pass(self) -> None:
+        """First gradient of a backward pass: queue the end-of-backward callback."""
+        if not self.started:
+            self.begin_step()
+        self.passes += 1
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
+        self.cb_queued = True
+
+    def begin_step(self) -> None:
+        """First gradient of a step: the previous step's updates must all be done before any
+        gradient of this one lands in the buffers or any block of this one is issued."""
+        for t in self._flush():
+            self.flushed_flag[t] = True
+            self.flushed.append(t)
+        self.started = True
+
+    def clear_flushed(self) -> None:
+        """A new forward starts: tensors updated late are current again."""
+        for t in self.flushed:
+            self.flushed_flag[t] = False
+        self.flushed.clear()
+
+    def end_pass(self) -> None:
+        """Autograd final callback: at the end of the step's last pass, issue the rest."""
+        self.cb_queued = False
+        if self.passes >= self.k and not self.issued:
+            self.finish()
+
+    def mark_ready(self, t: int) -> None:
+        rem = self.rem
+        for k in self.grads.tensor_blocks[t]:
+            rem[k] -= 1
+        nxt, m = self.next, self.m
+        while nxt < m and rem[nxt] == 0:
+            self.issue(nxt)
+            nxt += 1
+        self.next = nxt
+
+    def issue(self, k: int) -> None:
+        streams: tuple = ()
+        if self.chan.cuda:
+            streams = tuple({s for s in (self.streams[t] for t in self.grads.block_tensors[k])
+                             if s is not None})
+        self.works[k] = self.chan.all_reduce_block(self.grads.block_views[k], streams)
+        if self.trace is not None:
+            self.trace.issue(k, self.works[k])
+
+    def finish(self) -> None:
+        """Issue what is left of this step: the gradients not final yet (zeros for a tensor
+        that got none), the remaining blocks in order, then the usage map."""
+        if self.issued:
+            return
+        if not self.started:
+            self.begin_step()
+        g, scale, count, local = self.grads, self.scale, self.count, self.local
+        final, placed, zero_intent = self.final, self.placed, self.zero_intent
+        cur = torch.cuda.current_stream(self.chan.device) if self.chan.cuda else None
+        with torch.no_grad():
+            for t in range(self.n):
+                if final[t]:
+                    continue
+                grad = g.params[t].grad
+                view = g.views[t]
+                if grad is None:
+                    # No gradient (a zero one after zero_grad(set_to_none=False)), or one
+                    # the user dropped during accumulation.
+                    view.zero_()
+                    local[t] = count[t] == 0 and zero_intent[t]
+                elif grad is view:
+                    # Accumulated in earlier passes, or a gradient kept from the last step
+                    # (fence mode): contributed as it is, as DDP does.
+                    if scale is not None:
+                        view.mul_(scale)
+                    local[t] = placed[t] = True
+                else:  # a tensor the user assigned
+                    g.take(t, grad, scale)
+                    local[t] = placed[t] = True
+                final[t] = True
+                if cur is not None:
+                    self.streams[t] = cur
+        while self.next < self.m:
+            self.issue(self.next)
+            self.next += 1
+        # After the blocks, on the control group: ranks may differ in how many blocks went out
+        # during backward (a tensor one rank did not use), never in what is issued here.
+        if self.find_unused:
+            self.usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
+            self.usage_work = self.chan.control_all_reduce(self.usage)
+            self.global_used = None
+        self.issued = True
+
+    def complete(self, by: str) -> None:
+        """Issue (if a caller needs it before the end of backward) and wait for everything of
+        this step; then every tensor some rank used has the average in ``p.grad``."""
+        if not self.issued:
+            self.issued_by = by
+            self.finish()
+        self.wait_blocks()
+        self.expose_used()
+        self.waited = True
+
+    def wait_blocks(self) -> None:
+        if self.waited:
+            return
+        for k in range(self.m):
+            w = self.works[k]
+            if w is not None:
+                self.chan.wait(w, self.what(k))
+
+    def expose_used(self) -> None:
+        """``p.grad`` = the view for the tensors with no gradient of this rank that another
+        rank used, or that had a zero gradient here: what DDP leaves in ``p.grad``."""
+        if all(self.placed):
+            return
+        used = self.usage_map() if self.find_unused else None
+        g, local, placed = self.grads, self.local, self.placed
+        for t in range(self.n):
+            if not placed[t] and (local[t] or (used is not None and used[t])) \
+                    and g.params[t].grad is None:
+                g.params[t].grad = g.views[t]
+
+    def what(self, k: int) -> str:
+        b = self.schedule.blocks[k]
+        return f"all-reduce of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
+
+    # -- the update rule ---------------------------------------------------------------------
+
+    def usage_map(self) -> list[int]:
+        """The step's usage map: how many ranks gave each tensor a gradient (waits for it)."""
+        if self.global_used is None:
+            if self.usage is None:
+                self.global_used = [1 if c else 0 for c in self.count]
+            else:
+                if self.usage_work is not None:
+                    self.chan.wait_host(self.usage_work, "all-reduce of the parameter usage map")
+                self.global_used = self.usage.tolist()
+        return self.global_used
+
+    def include_rule(self, in_opt: Sequence[bool]) -> Callable[[int], bool]:
+        """Whether tensor ``t`` is stepped for the step ending now: it is in the optimizer
+        (``in_opt``), and it has a gradient here (the user did not drop it after backward), or
+        some rank gave it one (the usage map, read only when asked about a tensor this rank
+        did not use). ``zero_grad()`` between backward and ``step()`` discards every gradient
+        (``set_to_none=True``) or zeroes them."""
+        if self.discard:
+            return lambda t: False
+        keep = list(in_opt)
+        local = self.local.copy()
+        params, placed = self.grads.params, self.placed
+        for t in range(self.n):  # the user dropped p.grad after backward: DDP would skip it
+            if placed[t] and params[t].grad is None:
+                local[t] = keep[t] = False
+        if not self.find_unused:
+            return lambda t: keep[t]
+        usage_work, usage, chan = self.usage_work, self.usage, self.chan
+        holder: list[list[int]] = []
+
+        def include(t: int) -> bool:
+            if not keep[t]:
+                return False
+            if local[t]:
+                return True
+            if not holder:
+                if usage is None:
+                    return False
+                if usage_work is not None:
+                    chan.wait_host(usage_work, "all-reduce of the parameter usage map")
+                holder.append(usage.tolist())
+            return holder[0][t] > 0
+        return include
+
+    def reset(self, clear_zero_intent: bool) -> None:
+        """The step ended (``step()``): start the next one."""
+        n = self.n
+        self.count[:] = [0] * n   # in place: the hooks hold these lists
+        self.final[:] = [False] * n
+        self.local[:] = [False] * n
+        self.placed[:] = [False] * n
+        self.rem[:] = self.rem0
+        self.next = 0
+        self.passes = 0
+        self.cb_queued = False
+        self.started = False
+        self.issued = False
+        self.issued_by = ""
+        self.waited = False
+        self.discard = None
+        if clear_zero_intent:
+            self.zero_intent[:] = [False] * n
+
+    def in_flight(self) -> list[dist.Work]:
+        """Every collective of the step that may still run (blocks, usage map)."""
+        works = [w for w in self.works if w is not None]
+        if self.usage_work is not None:
+            works.append(self.usage_work)
+        return works

@@ -1,0 +1,176 @@
+"""The runtime's forward hooks: update gates, module buffers, ``torch.compile``.
+
+* **Gates.** A forward pre-hook on each module that owns trainable tensors runs the pending
+  updates of those tensors first (:mod:`.updates`). Parameters used outside their module's
+  forward (a parent calling ``F.linear(x, self.child.weight)``) are learned in the first
+  iteration: a tensor that gets a gradient without any owning module's pre-hook having run is
+  gated from then on in the root module's pre-hook. Forwards without grad, or in eval mode,
+  apply every pending update first (inference code paths such as
+  ``nn.TransformerEncoderLayer``'s fast path read weights without running the owning modules).
+* **Buffers** (BatchNorm statistics), as DDP's ``broadcast_buffers=True``: after every
+  training forward with grad enabled, rank 0's buffers are broadcast (async, ordered before
+  that iteration's gradient blocks) and installed at the start of the next forward or at
+  ``synchronize()``.
+* **torch.compile.** Inside a compiled forward the module pre-hooks do nothing; the root
+  pre-hook runs eagerly before the compiled graph (a graph break at its very start) and applies
+  every pending update there. Communication still overlaps backward; updates do not overlap a
+  compiled forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from .comm import Channel
+from .updates import HostUpdates, StreamUpdates
+
+
+class ForwardGates:
+    """The forward-side hooks of one optimizer.
+
+    Args:
+        model: the root module.
+        params: the trainable tensors, by runtime index.
+        updates: the pending updates.
+        chan: the channel (buffer broadcasts).
+        buffers: the module buffers to broadcast from rank 0 (empty: none).
+        clear_flushed: called at the start of each forward (the stale-use check).
+    """
+
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
+                 updates: HostUpdates | StreamUpdates, chan: Channel,
+                 buffers: list[torch.Tensor], clear_flushed: Callable[[], None]):
+        self.model, self.updates, self.chan, self.buffers = model, updates, chan, buffers
+        self.clear_flushed = clear_flushed
+        self.buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
+        self.learning = True            # first iteration: which tensors bypass their modules
+        self.seen = [False] * len(params)
+        self.root_extra: list[int] = []
+        index = {id(p): t for t, p in enumerate(params)}
+        self.owned: dict[int, tuple[torch.nn.Module, list[int]]] = {}
+        for mod in model.modules():
+            ts = [index[id(p)] for p in mod._parameters.values()
+                  if p is not None and id(p) in index]
+            if ts:
+                self.owned[id(mod)] = (mod, ts)
+        self.root_owned = self.owned.pop(id(model), (model, []))[1]
+        self.root_owned_set = set(self.root_owned)
+
+    def install(self) -> list[Any]:
+        """Register the hooks; returns their handles."""
+        handles = [mod.register_forward_pre_hook(_Hook(self.module_hook(ts)))
+                   for mod, ts in self.owned.values()]
+        handles.append(self.model.register_forward_pre_hook(_Hook(self.root_pre_hook),
+                                                            prepend=True))
+        handles.append(self.model.register_forward_hook(_Hook(self.root_post_hook)))
+        return handles
+
+    def note_gradient(self, t: int) -> None:
+        """Tensor ``t`` got a gradient: in the first iteration, one whose module's pre-hook
+        did not run is gated at the root from then on."""
+        if self.learning and not self.seen[t] and t not in self.root_owned_set:
+            self.seen[t] = True
+            self.root_extra.append(t)
+
+    def module_hook(self, ts: list[int]) -> Callable[..., None]:
+        upd = self.updates
+        pending = upd.pending if isinstance(upd, HostUpdates) else None
+
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if torch.compiler.is_compiling():
+                return None  # a compiled forward: the root hook applied every update
+            if upd.n_pending:
+                if pending is None or any(pending[t] for t in ts):
+                    upd.gate(ts)
+            elif self.learning:
+                for t in ts:
+                    self.seen[t] = True
+            return None
+        return hook
+
+    def root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            # Runs eagerly before the compiled graph. torch._dynamo is only touched here,
+            # where compiling has imported it already.
+            return torch._dynamo.disable(_compiled_pre)(self)
+        if self.buf_pending:
+            self.wait_buffers()
+        self.clear_flushed()
+        if self.updates.n_pending:
+            if not (module.training and torch.is_grad_enabled()):
+                self.updates.flush()
+                return None
+            need = self.root_owned + self.root_extra
+            if need:
+                self.updates.gate(need)
+        elif self.learning:
+            for t in self.root_owned:
+                self.seen[t] = True
+        return None
+
+    def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return torch._dynamo.disable(_compiled_post)(self, module)
+        self.broadcast_buffers(module)
+        return None
+
+    def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        if self.buffers and module.training and torch.is_grad_enabled():
+            self.wait_buffers()
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for b in self.buffers:
+                by_dtype.setdefault(b.dtype, []).append(b)
+            for bufs in by_dtype.values():
+                flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+                self.buf_pending.append((self.chan.broadcast(flat), bufs, flat))
+
+    def wait_buffers(self) -> None:
+        pend, self.buf_pending = self.buf_pending, []
+        for work, bufs, flat in pend:
+            self.chan.wait(work, "broadcast of module buffers from rank 0")
+            if self.chan.rank != 0:
+                off = 0
+                with torch.no_grad():
+                    for b in bufs:
+                        b.copy_(flat[off: off + b.numel()].view_as(b))
+                        off += b.numel()
+
+
+def _compiled_pre(gates: ForwardGates) -> None:
+    gates.wait_buffers()
+    gates.clear_flushed()
+    if gates.updates.n_pending:
+        gates.updates.flush()
+
+
+def _compiled_post(gates: ForwardGates, module: torch.nn.Module) -> None:
+    gates.broadcast_buffers(module)
+
+
+class _Detached:
+    """A hook that does nothing: what copies and pickles of the model carry instead of ours."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class _Hook:
+    """A module hook of the runtime. ``copy.deepcopy(model)`` and ``torch.save(model)`` give
+    a model without the runtime (a :class:`_Detached` hook), not a second optimizer."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict) -> _Detached:
+        return _Detached()
+
+    def __reduce__(self) -> tuple:
+        return (_Detached, ())
