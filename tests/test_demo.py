@@ -1,4 +1,5 @@
-"""``usbyte-opt demo``: the whole pipeline on two local ranks, as a user runs it.
+"""``usbyte-opt demo``: the whole pipeline on two local ranks, as a user runs it, and the
+explanation of how far its prediction was off.
 
 (``--json`` purity and the files of a run are checked on ``bench``, which demo is built on.)
 """
@@ -8,13 +9,50 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from usbyte_opt.cli.demo import EXPLAIN_COLUMNS, explain
 
-def test_demo_prints_predicted_and_measured_side_by_side(tmp_path):
+
+def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):
     p = subprocess.run([sys.executable, "-m", "usbyte_opt", "demo", "--model", "lab-cnn",
                         "--batch-size", "2", "--iterations", "2"],
-                       capture_output=True, text=True, timeout=240, cwd=tmp_path)
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert p.returncode == 0, p.stderr[-2000:]
-    for word in ("ddp", "best", "measured ms", "predicted ms", "training matches ddp"):
+    for word in ("ddp", "best", "no-comm", "measured ms", "predicted ms", "training matches ddp",
+                 "how far the prediction was off", "compute ms", "comm ms"):
         assert word in p.stdout, word
-    assert "DDP's speed measured" in p.stderr and "predicted" in p.stderr
+    assert "dominates the error" in p.stdout
+    assert "verdict holds: best" in p.stdout or "verdict changes: best" in p.stdout
+    assert max(len(line) for line in p.stdout.splitlines()) <= 100, p.stdout
     assert list(tmp_path.iterdir()) == []  # without --output-dir nothing is written
+
+
+def runs(ddp, best, nocomm=None):
+    out = [{"strategy": "ddp", "measured_ms": ddp[0], "predicted_ms": ddp[1]},
+           {"strategy": "best", "measured_ms": best[0], "predicted_ms": best[1]}]
+    if nocomm:
+        out.append({"strategy": "no-comm", "measured_ms": nocomm[0], "predicted_ms": nocomm[1]})
+    return {"runs": out}
+
+
+def test_explain_splits_the_error_into_compute_and_communication():
+    rows, lines = explain(runs((120.0, 100.0), (104.0, 90.0), (88.0, 75.0)))
+    assert len(rows[0]) == len(EXPLAIN_COLUMNS)
+    assert rows[0] == ["ddp", "120.0", "100.0", "+20.0 (+17%)", "+13.0", "+7.0"]
+    assert rows[2][0] == "no-comm" and rows[2][4] == "+13.0"
+    assert lines[0].startswith("compute dominates the error") and "busier or slower" in lines[0]
+    assert lines[1].startswith("verdict holds: best predicted 1.11x")
+
+
+def test_explain_communication_dominating_and_a_verdict_that_changes():
+    rows, lines = explain(runs((100.0, 100.0), (110.0, 90.0), (70.0, 71.0)))
+    assert rows[1][5] == "+21.0"
+    assert lines[0].startswith("communication dominates the error (up to 21.0 ms")
+    assert lines[1].startswith("verdict changes: best predicted 1.11x DDP's speed (faster than DDP), "
+                               "measured 0.91x (slower than DDP)")
+
+
+def test_explain_without_a_reference_run_says_so():
+    rows, lines = explain(runs((100.0, 100.0), (99.5, 99.0)))
+    assert rows[1][4:] == ["—", "—"]
+    assert lines[0].startswith("no run without communication")
+    assert lines[1].startswith("verdict holds: best") and "about as fast as DDP" in lines[1]

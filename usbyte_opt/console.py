@@ -39,11 +39,22 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
+#: Width that titles, captions and the default columns of every table keep within.
+TABLE_WIDTH = 100
+
+
 def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_from: int = 1,
           caption: str | None = None) -> None:
-    t = Table(title=title, caption=caption, title_justify="left")
+    """Print a table on stdout, its title above and its caption below, both wrapped to
+    :data:`TABLE_WIDTH` (or the terminal's width when narrower). Commands keep their default
+    columns within that width too; a terminal narrower than a table folds its cells."""
+    width = min(out.width, TABLE_WIDTH)
+    t = Table()
     for i, c in enumerate(columns):
         t.add_column(c, justify="right" if i >= justify_right_from else "left")
     for r in rows:
         t.add_row(*[str(x) for x in r])
-    out.print(t)
+    out.print(title, style="italic", markup=False, width=width, soft_wrap=False)
+    out.print(t, soft_wrap=False)
+    if caption:
+        out.print(caption, style="dim italic", markup=False, width=width, soft_wrap=False)

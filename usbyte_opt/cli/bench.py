@@ -18,20 +18,28 @@ from .. import console
 from . import common
 
 
-def render(result: dict[str, Any], title: str) -> None:
+#: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
+#: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
+DEFAULT_COLUMNS = ("strategy", "measured ms", "p10–p90", "predicted ms", "error", "vs DDP", "blocks")
+
+
+def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
     """Print the result table and where the files went (shared with ``demo``)."""
     from ..bench.report import COLUMNS, table_rows
 
+    keep = list(range(len(COLUMNS))) if wide else [COLUMNS.index(c) for c in DEFAULT_COLUMNS]
     c = result["comm"]
     console.table(
         f"{title}: {result['name']} on {result['world_size']} ranks, {result['network']['description']}; "
         f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, all-reduce alpha "
         f"{c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s",
-        COLUMNS, table_rows(result), justify_right_from=2,
+        [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in table_rows(result)],
+        justify_right_from=2 if wide else 1,
         caption=(f"{result['iterations']} timed iterations per strategy; error = (measured − predicted) "
                  "/ measured" + ("" if result["correct"] is None else
                                  f"; training {'matches' if result['correct'] else 'DIFFERS FROM'} "
-                                 f"{result['reference']}")))
+                                 f"{result['reference']}")
+                 + ("" if wide else "; --wide for every column")))
 
 
 def bench(
@@ -44,7 +52,7 @@ def bench(
                                             "network."),
     iterations: int = typer.Option(20, "--iterations", "-k", min=1,
                                    help="Timed steady-state iterations per strategy."),
-    strategies: str = typer.Option(",".join(("ddp", "wfbp", "bytescheduler", "usbyte", "best")),
+    strategies: str = typer.Option(", ".join(("ddp", "wfbp", "bytescheduler", "usbyte", "best")),
                                    "--strategies", "-s",
                                    help="Comma-separated; ddp is PyTorch DDP itself, the others "
                                    "run on the usbyte-opt runtime."),
@@ -54,13 +62,14 @@ def bench(
                                              help="Per-rank batch size (default: the model's own)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
                                               help="Where report.md, plot.png, result.json, traces "
-                                              "go (default: bench-results/NAME-NETWORK)."),
+                                              "go (default: NAME-NETWORK in bench-results/)."),
     rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved turns per strategy."),
     reference: bool = typer.Option(True, "--reference/--no-reference",
                                    help="Also time training without communication."),
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
     timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10.0,
                                     help="Hard limit of the ranks' run (killed past it)."),
+    wide: bool = common.Wide,
     as_json: bool = common.Json,
 ) -> None:
     """Train MODEL with DDP and with each strategy's schedule; report measured against predicted."""
@@ -78,7 +87,7 @@ def bench(
     if as_json:
         console.emit_json(result)
         return
-    render(result, "bench")
+    render(result, "bench", wide=wide)
     for n in result["notes"]:
         console.warn(n)
     console.info(f"wrote {result['report']}" + (f", {result['plot']}" if result["plot"] else "")

@@ -106,6 +106,8 @@ def output_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[
 Trace = typer.Option(None, "--trace", dir_okay=False, callback=output_file,
                      help="Write a Chrome/Perfetto trace of the predicted timeline here.")
 Json = typer.Option(False, "--json", help="Print only JSON on stdout.")
+Wide = typer.Option(False, "--wide", help="Show every column of the table (the default ones fit "
+                    "a 100-column terminal).")
 
 
 def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],

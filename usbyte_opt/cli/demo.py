@@ -11,12 +11,105 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import typer
 
 from .. import console
 from . import common
+
+
+#: Columns of :func:`explain`'s table.
+EXPLAIN_COLUMNS = ["strategy", "measured ms", "predicted ms", "off ms", "compute ms", "comm ms"]
+
+#: Measured and predicted speed-ups closer than this to 1 count as "about as fast as DDP".
+TIE = 0.02
+
+
+def _verdict(ratio: float) -> str:
+    if ratio > 1 + TIE:
+        return "faster than DDP"
+    if ratio < 1 - TIE:
+        return "slower than DDP"
+    return "about as fast as DDP"
+
+
+def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
+    """How far the prediction was off, per strategy, and what that means for the user.
+
+    Returns the rows of a table (:data:`EXPLAIN_COLUMNS`: measured, predicted, how far off,
+    and the parts of the difference that compute and communication explain, in ms) and
+    sentences: which source of error dominates and whether the verdict against DDP changes.
+
+    The compute part is the side-by-side run without communication (``no-comm``): measured
+    against the profile's forward + backward + step. It is common to every strategy, so it
+    moves all predictions together and rarely changes which one is fastest; the rest
+    (communication, and how it overlaps compute) differs per strategy and can.
+
+    Example::
+
+        >>> runs = [{"strategy": "ddp", "measured_ms": 120.0, "predicted_ms": 100.0},
+        ...         {"strategy": "best", "measured_ms": 104.0, "predicted_ms": 90.0},
+        ...         {"strategy": "no-comm", "measured_ms": 88.0, "predicted_ms": 75.0}]
+        >>> rows, lines = explain({"runs": runs})
+        >>> rows[1]
+        ['best', '104.0', '90.0', '+14.0 (+13%)', '+13.0', '+1.0']
+        >>> print("\\n".join(lines))
+        compute dominates the error: training without communication took 88.0 ms against 75.0 ms profiled (+17%); it shifts every strategy alike (the machine was busier or slower than when profiled)
+        verdict holds: best predicted 1.11x DDP's speed, measured 1.15x: faster than DDP either way
+    """
+    runs = {r["strategy"]: r for r in result["runs"]}
+    ref = runs.get("no-comm")
+    compute_off = None
+    if ref and ref.get("measured_ms") and ref.get("predicted_ms"):
+        compute_off = ref["measured_ms"] - ref["predicted_ms"]
+    rows: list[list[str]] = []
+    worst_comm = 0.0
+    for s, r in runs.items():
+        m, p = r.get("measured_ms"), r.get("predicted_ms")
+        if not m or not p:
+            continue
+        off = m - p
+        if s == "no-comm":
+            rows.append([s, f"{m:.1f}", f"{p:.1f}", f"{off:+.1f} ({100 * off / m:+.0f}%)", f"{off:+.1f}", "—"])
+            continue
+        comm = None if compute_off is None else off - compute_off
+        if comm is not None:
+            worst_comm = max(worst_comm, abs(comm))
+        rows.append([s, f"{m:.1f}", f"{p:.1f}", f"{off:+.1f} ({100 * off / m:+.0f}%)",
+                     "—" if compute_off is None else f"{compute_off:+.1f}",
+                     "—" if comm is None else f"{comm:+.1f}"])
+    lines: list[str] = []
+    if compute_off is not None:
+        share = f"{ref['measured_ms']:.1f} ms against {ref['predicted_ms']:.1f} ms profiled " \
+                f"({100 * compute_off / ref['predicted_ms']:+.0f}%)"
+        if abs(compute_off) >= worst_comm:
+            lines.append(f"compute dominates the error: training without communication took {share}; "
+                         "it shifts every strategy alike (the machine was "
+                         + ("busier or slower" if compute_off > 0 else "quieter or faster")
+                         + " than when profiled)")
+        else:
+            lines.append(f"communication dominates the error (up to {worst_comm:.1f} ms per "
+                         f"iteration; compute: {share}): all-reduce cost or its overlap with "
+                         "compute differed from the profile's, which can reorder strategies; "
+                         "`usbyte-opt bench` measures it under load (its refined prediction)")
+    else:
+        lines.append("no run without communication to split the error into compute and communication")
+    ddp = runs.get("ddp")
+    if ddp and ddp.get("measured_ms") and ddp.get("predicted_ms"):
+        for s, r in runs.items():
+            if s in ("ddp", "no-comm") or not r.get("measured_ms") or not r.get("predicted_ms"):
+                continue
+            pred = ddp["predicted_ms"] / r["predicted_ms"]
+            meas = ddp["measured_ms"] / r["measured_ms"]
+            a, b = _verdict(pred), _verdict(meas)
+            if a == b:
+                lines.append(f"verdict holds: {s} predicted {pred:.2f}x DDP's speed, measured "
+                             f"{meas:.2f}x: {b} either way")
+            else:
+                lines.append(f"verdict changes: {s} predicted {pred:.2f}x DDP's speed ({a}), "
+                             f"measured {meas:.2f}x ({b}): on this machine, trust the measurement")
+    return rows, lines
 
 
 def demo(
@@ -31,9 +124,16 @@ def demo(
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
                                               help="Keep the report, plot, traces and schedules here "
                                               "(default: nothing is written)."),
+    wide: bool = common.Wide,
     as_json: bool = common.Json,
 ) -> None:
-    """Profile, plan and train a small model on 2 local ranks; print predicted and measured."""
+    """Profile, plan and train a small model on 2 local ranks; print predicted and measured,
+    how far the prediction was off (compute or communication) and whether the verdict
+    against DDP holds.
+
+    Besides the strategies, the model also trains without communication (no-comm), which
+    measures the compute the prediction assumed.
+    """
     from ..bench import BenchConfig, run_bench
 
     keep = output_dir is not None
@@ -42,7 +142,7 @@ def demo(
     out = output_dir if keep else Path(tempfile.mkdtemp(prefix="usbyte-demo-"))
     cfg = BenchConfig(model=model, nproc=2, iterations=iterations, batch_size=batch_size,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
-                      out_dir=out, rounds=2, warmup=1, reference=False, plot=keep, trace=keep,
+                      out_dir=out, rounds=2, warmup=1, reference=True, plot=keep, trace=keep,
                       profile_warmup=2, profile_repeats=5, comm_points=8, comm_repeats=3,
                       timeout_s=600.0, extra={"probe_points": 3, "probe_repeats": 2})
     try:
@@ -63,14 +163,14 @@ def demo(
         return
     from .bench import render
 
-    render(result, "demo")
-    runs = {r["strategy"]: r for r in result["runs"]}
-    if "ddp" in runs:
-        for s, r in runs.items():
-            if s != "ddp" and r["speedup_vs_ddp"]:
-                console.info(f"{s}: {r['speedup_vs_ddp']:.2f}x DDP's speed measured, "
-                             f"{r['predicted_speedup_vs_ddp']:.2f}x predicted; prediction "
-                             f"{100 * abs(r['error']):.0f}% off")
+    render(result, "demo", wide=wide)
+    rows, lines = explain(result)
+    console.table("how far the prediction was off (measured − predicted, per iteration)",
+                  EXPLAIN_COLUMNS, rows, justify_right_from=1,
+                  caption="compute: the run without communication against the profile, common "
+                  "to every strategy; comm: the rest")
+    for line in lines:
+        console.out.print(line, markup=False)
     console.info("next: `usbyte-opt bench lab-cnn --bandwidth 200mbit` (as root) trains on an "
                  "emulated 200 Mbit/s network" + (f"; files in {out}" if keep else ""))
 

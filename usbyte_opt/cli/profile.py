@@ -42,7 +42,7 @@ def profile(
     warmup: int = typer.Option(3, "--warmup", help="Untimed iterations before timing."),
     repeats: int = typer.Option(10, "--repeats", help="Timed iterations; medians are kept."),
     device: Optional[Device] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file (default: profiles/NAME.json)."),
+    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file (default: NAME.json in profiles/, NAME the profile's name)."),
     name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: from MODEL)."),
     optimizer: Optim = typer.Option(Optim.sgd, "--optimizer", help="Optimizer whose step gives update_ms "
                                     "(sgd = SGD with momentum)."),
