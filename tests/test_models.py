@@ -204,3 +204,13 @@ def test_install_hints_keep_the_installed_torch():
     assert install_hint("torchvision", "2.13.0+cpu").endswith("--index-url https://download.pytorch.org/whl/cpu")
     assert "torchvision==0.28.*" in install_hint("torchvision", "2.13.0+cpu")
     assert install_hint("torchvision", "2.13.0") == "pip install 'torchvision==0.28.*'"
+
+
+def test_lab_models_are_builtin_names_with_the_benchs_batches():
+    from usbyte_opt.bench.models import LAB_MODELS
+
+    for name, (spec, batch) in LAB_MODELS.items():
+        factory, default = resolve(name)
+        assert default == batch
+        a, b = build(name, 2)[0], build(spec, 2)[0]
+        assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]

@@ -3,7 +3,9 @@
 ``MODEL`` is one of:
 
 - a built-in name: ``mlp``, ``cnn``, ``transformer`` (small models that run on a CPU in a
-  fraction of a second: for the demo and the tests); ``resnet50``, ``resnet152``, ``vgg16``,
+  fraction of a second: for the demo and the tests); ``lab-cnn``, ``lab-vgg``,
+  ``lab-transformer`` (sized for ``usbyte-opt bench``'s emulated network,
+  :mod:`usbyte_opt.bench.models`); ``resnet50``, ``resnet152``, ``vgg16``,
   ``densenet201`` (the architectures of the shipped profiles, defined in
   :mod:`usbyte_opt.architectures` tensor for tensor as torchvision's, without torchvision);
   ``torchvision:NAME`` for any other torchvision classification model (when torchvision is
@@ -189,6 +191,19 @@ def architecture_factory(name: str, image_size: int = 224) -> Factory:
     return factory
 
 
+def _lab(name: str) -> Factory:
+    """A built-in name for a lab model of :mod:`usbyte_opt.bench.models` (imported at first use:
+    that module builds on this one)."""
+
+    def factory(batch_size: int) -> Built:
+        from .bench import models as lab
+
+        return getattr(lab, name)(batch_size)
+
+    factory.__name__ = name.replace("_", "-")
+    return factory
+
+
 # --------------------------------------------------------------------------------------------
 # Real architectures: torchvision and transformers, when installed
 # --------------------------------------------------------------------------------------------
@@ -318,6 +333,10 @@ BUILTIN: dict[str, BuiltinModel] = {
     "mlp": BuiltinModel(_mlp, 64, "4-layer MLP, 10.5 M parameters"),
     "cnn": BuiltinModel(_cnn, 16, "small communication-heavy CNN on 32x32 images, 9.5 M parameters"),
     "transformer": BuiltinModel(_transformer, 8, "4-layer causal transformer with tied embedding, 4.2 M parameters"),
+    "lab-cnn": BuiltinModel(_lab("lab_cnn"), 16, "CNN sized for the 200 Mbit/s lab, 1.1 M parameters"),
+    "lab-vgg": BuiltinModel(_lab("lab_vgg"), 12, "VGG-style CNN sized for the lab, 1.2 M parameters"),
+    "lab-transformer": BuiltinModel(_lab("lab_transformer"), 12,
+                                    "untied 4-layer transformer sized for the lab, 2.6 M parameters"),
     "resnet50": BuiltinModel(architecture_factory("resnet50"), 64, "ResNet-50 on 224x224 images, 25.6 M parameters"),
     "resnet152": BuiltinModel(architecture_factory("resnet152"), 32, "ResNet-152 on 224x224 images, 60.2 M parameters"),
     "vgg16": BuiltinModel(architecture_factory("vgg16"), 32, "VGG-16 on 224x224 images, 138.4 M parameters"),
@@ -367,7 +386,7 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
         >>> resolve("nope")
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, cnn, transformer, resnet50, resnet152, vgg16, densenet201, bert-base, ...) or package.module:factory
+        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, cnn, transformer, lab-cnn, lab-vgg, lab-transformer, resnet50, resnet152, vgg16, densenet201, bert-base, ...) or package.module:factory
     """
     if callable(spec):
         return spec, 32

@@ -20,8 +20,8 @@ At 1 Gbit/s the same models are compute-bound.
   of 2048: 2.6 M parameters (10.3 MB); the token embedding is needed first in forward and ready
   last in backward, the head the other way round.
 
-Name them as ``lab-cnn`` / ``lab-transformer`` to ``usbyte-opt bench``, or anywhere as
-``usbyte_opt.bench.models:lab_cnn`` (the factory protocol of :mod:`usbyte_opt.models`).
+Name them as ``lab-cnn`` / ``lab-vgg`` / ``lab-transformer`` anywhere a model is named
+(built-in names of :mod:`usbyte_opt.models`), or as ``usbyte_opt.bench.models:lab_cnn``.
 
 Example::
 
@@ -119,7 +119,9 @@ def lab_transformer(batch_size: int, seq: int = 64) -> Built:
     return m, (ids,), RandomTargetLoss(2048, (batch_size, seq))
 
 
-#: Short names ``bench`` and ``demo`` accept: name -> (factory spec, default batch size).
+#: The lab models by their built-in names (in :data:`usbyte_opt.models.BUILTIN`, so that
+#: ``usbyte-opt profile``, ``bench``, ``demo`` and ``examples/train.py`` all take them):
+#: name -> (factory spec, default batch size).
 LAB_MODELS: dict[str, tuple[str, int]] = {
     "lab-cnn": ("usbyte_opt.bench.models:lab_cnn", 16),
     "lab-vgg": ("usbyte_opt.bench.models:lab_vgg", 12),
