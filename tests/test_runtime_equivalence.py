@@ -840,3 +840,41 @@ def test_world_size_mismatch_warns_on_rank0(results: list[dict[str, dict]]) -> N
 
 def test_default_plan_warns(results: list[dict[str, dict]]) -> None:
     assert any("no schedule given" in m for m in results[0]["default_plan"]["warnings"])
+
+
+def case_compiled(rank: int, ws: int) -> dict:
+    """``torch.compile``: DDP compiled against the runtime with the model compiled before and
+    after wrapping (the compiled module itself may also be passed to the runtime)."""
+    import usbyte_opt.runtime.forward as fw
+
+    torch._dynamo.reset()
+    calls = []
+    real_pre = fw._compiled_pre
+    fw._compiled_pre = lambda gates: (calls.append(1), real_pre(gates))[1]
+    ref, mod = twins(lambda: SmallCNN(bn=True))
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    cddp = torch.compile(DDP(ref))
+    cmod = torch.compile(mod)
+    o_usb = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), cmod,
+                                 schedule=sched_two_phase(mod, ws))
+    for step in range(LOOP_STEPS):
+        x, y = image_batch(rank, step)
+        for net, o in ((cddp, o_ref), (cmod, o_usb)):
+            mse(net(x), y).backward()
+            o.step()
+            o.zero_grad()
+    o_usb.synchronize()
+    fw._compiled_pre = real_pre
+    xe, _ = image_batch(99, 0)
+    ref.eval(); mod.eval()
+    with torch.no_grad():
+        out = (ref(xe) - mod(xe)).abs().max().item()
+    return {"diff": max(max_diff(ref, mod), out if rank == 0 else 0.0), "compiled_calls": len(calls)}
+
+
+def test_torch_compile_matches_ddp() -> None:
+    res = run_local(case_compiled, 2, timeout_s=400, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        assert r.value["diff"] <= TOL, r.value
+        assert r.value["compiled_calls"] == LOOP_STEPS, r.value  # the runtime's model ran compiled

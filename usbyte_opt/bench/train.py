@@ -100,7 +100,7 @@ class Trainee:
         else:
             raise ValueError(f"kind: expected ddp, runtime or local, got {kind!r}")
         self.steps = 0
-        self.losses: list[float] = []
+        self._losses: list[torch.Tensor] = []
         self.durations_ms: list[float] = []
 
     def iteration(self) -> None:
@@ -109,8 +109,13 @@ class Trainee:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad()
-        self.losses.append(float(loss.detach()))
+        self._losses.append(loss.detach())  # read later: float() would wait for the GPU
         self.steps += 1
+
+    @property
+    def losses(self) -> list[float]:
+        """Every iteration's loss so far."""
+        return [float(x) for x in self._losses]
 
     def drain(self) -> None:
         """Finish pending communication and updates (the runtime's lazy updates)."""
@@ -123,23 +128,31 @@ class Trainee:
                           for p in self.plain.parameters() if p.requires_grad])
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
-    """One turn of ``t``: untimed warm-up, ``timed`` timed iterations, drain, barrier."""
+    """One turn of ``t``: untimed warm-up, ``timed`` timed iterations, drain, barrier.
+
+    An iteration's time is from its start to the next one's, in steady state. On CUDA the
+    stamps are events on the current stream, read after the turn: a host synchronize per
+    iteration would wait for NCCL as well and turn the runtime's overlap into a fence."""
     for _ in range(warmup):
         t.iteration()
-    stamps = []
-    for _ in range(timed + 1):
-        _sync(device)
-        stamps.append(time.perf_counter())
-        t.iteration()
-    t.drain()
-    _sync(device)
-    t.durations_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    if device.type == "cuda":
+        events = []
+        for _ in range(timed + 1):
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record(torch.cuda.current_stream(device))
+            events.append(ev)
+            t.iteration()
+        t.drain()
+        torch.cuda.synchronize(device)
+        t.durations_ms += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+    else:
+        stamps = []
+        for _ in range(timed + 1):
+            stamps.append(time.perf_counter())
+            t.iteration()
+        t.drain()
+        t.durations_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     dist.barrier()
 
 

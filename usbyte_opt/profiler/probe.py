@@ -20,7 +20,7 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from ..runtime.comm import sum_issuer
+from ..runtime.comm import backend_for, sum_issuer
 from .comm import CHAIN, default_sizes
 from .timing import median
 
@@ -94,8 +94,19 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     """
     solo: list[float] = []      # iterations with nothing in flight
     step_ms: list[float] = []   # iterations while an all-reduce is in flight
+    dev = torch.device(device)
+    # Buffers on the GPU when NCCL reduces GPU tensors on this group; else on the host.
+    if not (dev.type == "cuda" and backend_for(group, dev) == "nccl"):
+        dev = torch.device("cpu")
+    # On CUDA every time is a pair of CUDA events, read once the sample is over: the host runs
+    # ahead of the GPU, NCCL's futures complete at enqueue, and a host synchronize would wait
+    # for the collective as well.
+    clock = _EventClock(dev) if dev.type == "cuda" else None
 
     def timed_step(into: list[float]) -> None:
+        if clock is not None:
+            clock.span(step, into)
+            return
         t = time.perf_counter()
         step()
         into.append((time.perf_counter() - t) * 1e3)
@@ -103,12 +114,11 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     dist.barrier(group=group)
     for _ in range(alone):
         timed_step(solo)
+    if clock is not None:
+        clock.resolve()
 
     done_at: list[float] = []
     out = []
-    dev = torch.device(device)
-    if dist.get_backend(group) != "nccl":
-        dev = torch.device("cpu")
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
     raw: list[list[float]] = []
     lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
@@ -125,6 +135,12 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
         first = len(step_ms)
         for _ in range(repeats):
             dist.barrier(group=group)
+            if clock is not None:
+                times.append(clock.collective(lambda: [issue(x) for x in xs],
+                                              lambda: timed_step(step_ms)))
+                timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
+                clock.resolve()
+                continue
             done_at.clear()
             t0 = time.perf_counter()
             ws = [issue(x) for x in xs]
@@ -151,6 +167,53 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
     alone_ms, per_mb, per_block = mine.cpu().tolist()
     return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block))
+
+
+class _EventClock:
+    """Times on one CUDA device with events (:func:`comm_under_compute` on NCCL)."""
+
+    #: Training iterations issued beside one collective at most (the host runs ahead).
+    MAX_STEPS = 50
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.spans: list[tuple[Any, Any, list[float]]] = []
+
+    def _event(self) -> Any:
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def span(self, fn: Callable[[], None], into: list[float]) -> None:
+        """Run ``fn``; its GPU time goes to ``into`` at :meth:`resolve`."""
+        a = self._event()
+        fn()
+        self.spans.append((a, self._event(), into))
+
+    def collective(self, issue: Callable[[], list[Any]], step: Callable[[], None]) -> float:
+        """Issue the collectives, run ``step`` until they are done on the GPU (or
+        :data:`MAX_STEPS` times), and return issue-to-completion in ms."""
+        start = self._event()
+        works = issue()
+        done = torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self.side):
+            for w in works:
+                w.wait()          # the side stream waits for the collective
+            done.record(self.side)
+        n = 0
+        while n < self.MAX_STEPS and (n == 0 or not done.query()):
+            step()
+            n += 1
+        done.synchronize()
+        return start.elapsed_time(done)
+
+    def resolve(self) -> None:
+        """Wait for the GPU, then hand every span's time to its list."""
+        torch.cuda.synchronize(self.device)
+        for a, b, into in self.spans:
+            into.append(a.elapsed_time(b))
+        self.spans.clear()
 
 
 def fit_cpu_cost(lost_ms: Sequence[float], blocks: Sequence[int], mb: Sequence[float]) -> tuple[float, float]:

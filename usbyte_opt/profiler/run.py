@@ -35,6 +35,7 @@ from .. import __version__
 from ..errors import DistributedError, UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, Profile, TensorSpec
 from ..models import Factory, build, model_name, resolve
+from ..runtime.comm import backend_for
 from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from .timing import IterationTimer, Progress, summarize
 
@@ -303,12 +304,10 @@ def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any],
     sizes, parts = probe_sizes(total)
     repeats = 4
 
-    def step() -> None:
+    def step() -> None:  # no host synchronize: on CUDA the probe times with events
         loss_fn(net(*inputs)).backward()
         opt.step()
         opt.zero_grad()
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
 
     if progress is not None:
         progress("all-reduce under compute", 0, 1)
@@ -328,16 +327,8 @@ def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any],
     }
 
 
-def comm_backend(group: Any, device: torch.device) -> str:
-    """The backend that all-reduces ``device`` tensors on ``group``, as a profile names it.
-
-    A group made with ``"cpu:gloo,cuda:nccl"`` reports both; the device decides.
-    """
-    name = str(dist.get_backend(group)).lower()
-    if "," in name or ":" in name:
-        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
-        name = pairs.get(device.type, next(iter(pairs.values()), name))
-    return name
+#: The backend that all-reduces a device's tensors on a group, as a profile names it.
+comm_backend = backend_for
 
 
 def barrier(group: Any, device: torch.device, backend: str) -> None:

@@ -1,4 +1,4 @@
-"""The runtime: apply a schedule in data-parallel training (DESIGN.md §5).
+"""The runtime: apply a schedule in data-parallel training (docs/design.md §5, docs/runtime.md).
 
 :class:`DistributedOptimizer` wraps the user's optimizer, Horovod-style::
 
@@ -9,10 +9,14 @@
         opt.zero_grad()
     opt.synchronize()
 
-Modules, by concern: :mod:`.optimizer` (the protocol: hooks, issue order, lazy updates),
-:mod:`.buffers` (flat gradient buffers), :mod:`.comm` (collectives, streams, averaging),
-:mod:`.checks` (start-up checks), :mod:`.default_plan` (a plan without a profile) and
-:mod:`.local` (several ranks on this machine, for tests, examples and benchmarks).
+Modules, by concern: :mod:`.optimizer` (the user-facing class), :mod:`.backward` (one step's
+communication: hooks, issue order, end of backward, the update rule), :mod:`.updates`
+(pending updates, on the host or on a CUDA update stream), :mod:`.forward` (forward gates,
+module buffers, ``torch.compile``), :mod:`.amp` (GradScaler), :mod:`.buffers` (flat gradient
+buffers), :mod:`.comm` (collectives, streams, averaging), :mod:`.checks` (start-up checks),
+:mod:`.exit_hook` (optimizers left open at exit), :mod:`.default_plan` (a plan without a
+profile), :mod:`.trace` (the measured timeline) and :mod:`.local` (several ranks on this
+machine, for tests, examples and benchmarks).
 """
 
 from .checks import SCHEDULE_ENV, UsbyteWarning

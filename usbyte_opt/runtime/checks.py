@@ -1,4 +1,4 @@
-"""Start-up checks of the runtime (DESIGN.md §5), run before any training collective.
+"""Start-up checks of the runtime (docs/design.md §5.1), run before any training collective.
 
 1. :func:`resolve_schedule`: the schedule from the argument, else ``USBYTE_SCHEDULE``, else
    the default plan (with a warning).

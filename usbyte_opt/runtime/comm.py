@@ -87,11 +87,22 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), opts)
 
 
+def backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:
+    """The backend that all-reduces ``device`` tensors on ``group`` (``"nccl"``, ``"gloo"``,
+    ...). A group made with ``"cpu:gloo,cuda:nccl"`` (what ``init_process_group()`` gives
+    without a backend) reports both; the device decides."""
+    name = str(dist.get_backend(group)).lower()
+    if "," in name or ":" in name:
+        pairs = dict(part.split(":", 1) for part in name.split(",") if ":" in part)
+        name = pairs.get(device.type, next(iter(pairs.values()), name))
+    return name
+
+
 def wants_serial(group: dist.ProcessGroup | None, device: torch.device) -> bool:
     """Whether blocks of ``device`` tensors go through :func:`serial_group`: CPU tensors on
     gloo with more than one rank."""
     return (device.type != "cuda" and dist.get_world_size(group) > 1
-            and "gloo" in str(dist.get_backend(group)))
+            and backend_for(group, device) == "gloo")
 
 
 def sum_issuer(group: dist.ProcessGroup | None,
@@ -113,7 +124,7 @@ def block_issuer(group: dist.ProcessGroup | None, device: torch.device,
     if wants_serial(group, device):
         return sum_issuer(group, serial_group(group, timeout)), \
             "gloo, one collective at a time (runtime channel)"
-    return sum_issuer(group), f"{dist.get_backend(group)} process group"
+    return sum_issuer(group), f"{backend_for(group, device)} process group"
 
 
 def _closed(x: torch.Tensor) -> dist.Work:

@@ -70,8 +70,14 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backen
         os.environ["MASTER_PORT"] = str(port)
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world_size)
         os.environ["LOCAL_RANK"] = str(rank)
+        kwargs: dict[str, Any] = {}
+        if "nccl" in backend:  # one GPU per rank, by local rank, as torchrun users do
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
         dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
+                                **kwargs)
         try:
             res.value = fn(rank, world_size, *args)
         finally:

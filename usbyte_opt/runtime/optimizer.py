@@ -147,6 +147,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  find_unused_parameters: bool = True, timeout: float | timedelta | None = None,
                  one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
+        if type(model).__name__ == "OptimizedModule" and isinstance(
+                getattr(model, "_orig_mod", None), torch.nn.Module):
+            model = model._orig_mod  # torch.compile(model): the hooks go on the module it runs
         self._opt = optimizer
         self._model = model
         if not dist.is_available() or not dist.is_initialized():

@@ -10,10 +10,18 @@ a :class:`Recorder` notes, on every rank, with ``time.perf_counter``:
   (a done-callback on the work's future, so the real completion time, not the time the
   runtime happened to wait for it);
 * each **forward gate**: a module's pre-hook that waited for the blocks of its tensors
-  (``wait``), then applied their update (``update``), nested in the forward slice.
+  (``wait``), then applied their update (``update``), nested in the forward slice (on the
+  host path; on CUDA the updates run on their own stream and gates only wait for events).
+
+On CUDA every time is a CUDA event, not a host clock: the host runs ahead of the GPU, a
+collective's future completes when it is enqueued on NCCL, and ``torch.cuda.synchronize()``
+would wait for NCCL and so change what is measured. Events are recorded on the current stream
+(forward, ``step()``, issue) or, for a block's finish, on a side stream that waits for the
+collective; they are turned into times when the trace is written, against one reference
+event whose host time is known.
 
 On the all-reduce track a block is drawn from ``max(issue, finish of the previous block)``
-to its finish, the single channel of DESIGN.md §2; its arguments keep the issue time and
+to its finish, the single channel of docs/design.md §2.4; its arguments keep the issue time and
 how long it queued. Timestamps are ``perf_counter`` microseconds, the same clock in every
 process of the machine, so the ranks of one run line up (one ``pid`` per rank).
 
@@ -75,7 +83,8 @@ class Recorder:
     """
 
     def __init__(self, path: str, rank: int, names: Sequence[str], block_bytes: Sequence[int],
-                 block_tensors: Sequence[Sequence[int]], label: str | None = None):
+                 block_tensors: Sequence[Sequence[int]], label: str | None = None,
+                 device: Any = None):
         self.path = path
         self.rank = rank
         self.names = list(names)
@@ -85,29 +94,33 @@ class Recorder:
         self.records: list[tuple] = []
         self.handles: list[Any] = []
         self.written = False
+        self.clock = _CudaClock(device) if getattr(device, "type", None) == "cuda" else None
 
     # -- recording (called by the runtime) ---------------------------------------------------
 
-    @staticmethod
-    def now() -> float:
-        return time.perf_counter()
+    def now(self) -> Any:
+        """A time stamp: ``perf_counter`` seconds, or a CUDA event on the current stream."""
+        return self.clock.mark() if self.clock is not None else time.perf_counter()
 
     def _add(self, rec: tuple) -> None:
         if len(self.records) < MAX_RECORDS:
             self.records.append(rec)  # list.append is atomic: safe from the comm threads
 
     def forward_begin(self, module: Any, args: Any) -> None:
-        self._add(("F0", time.perf_counter()))
+        self._add(("F0", self.now()))
 
     def forward_end(self, module: Any, args: Any, output: Any) -> None:
-        self._add(("F1", time.perf_counter()))
+        self._add(("F1", self.now()))
 
     def step(self) -> None:
-        self._add(("S", time.perf_counter()))
+        self._add(("S", self.now()))
 
     def issue(self, k: int, work: Any) -> None:
         """Block ``k`` was handed to the collective ``work``."""
-        self._add(("I", k, time.perf_counter()))
+        self._add(("I", k, self.now()))
+        if self.clock is not None:
+            self._add(("D", k, self.clock.done(work)))
+            return
         try:
             work.get_future().add_done_callback(lambda _f, k=k: self._add(("D", k, time.perf_counter())))
         except Exception:  # noqa: BLE001 - a backend without futures: issue times only
@@ -126,6 +139,8 @@ class Recorder:
 
     def chrome(self) -> dict[str, Any]:
         """The Chrome trace-event document of what was recorded so far."""
+        if self.clock is not None:
+            self.records = self.clock.resolve(self.records)
         us = 1e6
         pid = self.rank + 1
         ev: list[dict[str, Any]] = [
@@ -189,7 +204,9 @@ class Recorder:
             blocks.append((k, t_issue, t_done))
         return {"traceEvents": ev, "displayTimeUnit": "ms",
                 "otherData": {"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
-                              "clock": "time.perf_counter, microseconds",
+                              "clock": ("CUDA events against a reference event, microseconds"
+                                        if self.clock is not None
+                                        else "time.perf_counter, microseconds"),
                               "forward_begin_us": [t * us for t in f0s],
                               "forward_end_us": [t * us for t in f1s],
                               "step_us": [t * us for t in steps],
@@ -227,7 +244,7 @@ def attach(optimizer: Any, model: Any) -> Recorder | None:
     sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
     rec = Recorder(path_for_rank(path, rank), rank, list(g.names), sizes,
                    [list(ts) for ts in g.block_tensors],
-                   f"rank {rank} (measured, {sched.strategy})")
+                   f"rank {rank} (measured, {sched.strategy})", device=optimizer._chan.device)
     rec.install(model)
     with _lock:
         _recorders.add(rec)
@@ -245,6 +262,44 @@ def flush_all() -> list[Path]:
         if p is not None:
             out.append(p)
     return out
+
+
+class _CudaClock:
+    """Time stamps as CUDA events (see the module's notes), resolved when the trace is made."""
+
+    def __init__(self, device: Any):
+        import torch
+
+        self.torch = torch
+        self.device = device
+        self.side = torch.cuda.Stream(device)
+        self.ref = torch.cuda.Event(enable_timing=True)
+        self.ref.record(torch.cuda.current_stream(device))
+        self.ref_host = time.perf_counter()
+
+    def mark(self) -> Any:
+        ev = self.torch.cuda.Event(enable_timing=True)
+        ev.record(self.torch.cuda.current_stream(self.device))
+        return ev
+
+    def done(self, work: Any) -> Any:
+        """An event that completes when ``work`` does (recorded on a side stream that waits
+        for the collective)."""
+        ev = self.torch.cuda.Event(enable_timing=True)
+        with self.torch.cuda.stream(self.side):
+            work.wait()
+            ev.record(self.side)
+        return ev
+
+    def resolve(self, records: list[tuple]) -> list[tuple]:
+        """Replace every event in ``records`` by its time (seconds on the host clock)."""
+        self.torch.cuda.synchronize(self.device)
+        ref, base = self.ref, self.ref_host
+        out = []
+        for rec in records:
+            out.append(tuple(base + ref.elapsed_time(v) / 1e3
+                             if isinstance(v, self.torch.cuda.Event) else v for v in rec))
+        return out
 
 
 __all__ = ["MAX_RECORDS", "Recorder", "TRACE_ENV", "attach", "flush_all", "path_for_rank"]
