@@ -1,9 +1,13 @@
-"""The NCCL path on one GPU (world size 1): streams, bf16 autocast, GradScaler.
+"""The NCCL path on one GPU (world size 1): streams, update stream, AMP, fence mode.
 
-Skipped without CUDA. With one rank the all-reduce is an identity, so the reference is the
-plain optimizer; what is tested is that the stream handling (stream waits instead of host
-waits, gradients finished on side streams, lazy updates queued on the forward's stream) gives
-exactly the plain optimizer's parameters.
+Skipped without CUDA (``benchmarks/gpu_check.py`` runs them on a lent GPU). With one rank the
+all-reduce is an identity, so the reference is the plain optimizer. What these tests catch:
+stream handling that corrupts values (stream waits instead of host waits, gradients finished
+on side streams, updates enqueued on the update stream and waited for by the forward's
+events), AMP paths (GradScaler with a host verdict, or a fused optimizer given ``found_inf``),
+fence mode, ``channels_last`` gradient views. What they cannot catch: anything that needs a
+second rank (issue order across ranks, a race with a transfer that takes time); the gloo
+two-rank part of ``gpu_check.py`` covers the latter over gloo's CUDA transport.
 """
 
 from __future__ import annotations
@@ -150,4 +154,66 @@ def test_grad_scaler_unscale_then_clip(nccl):
             sc.update()
             o.zero_grad()
     opt.synchronize()
+    assert_same(ref, m)
+
+
+def test_fused_adamw_grad_scaler_needs_no_host_read(nccl):
+    """A fused optimizer skips a non-finite step on the device: the runtime hands it the
+    scaler's found_inf instead of reading it on the host."""
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    opt = DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=True), m,
+                               schedule=schedule(m))
+    s_ref = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    s_usb = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
+    for step in range(STEPS):
+        x, y = batch(step)
+        if step == 4:
+            x = x * float("inf")
+        for net, o, sc in ((ref, o_ref, s_ref), (m, opt, s_usb)):
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(net(x), y)
+            sc.scale(loss).backward()
+            sc.step(o)
+            sc.update()
+            o.zero_grad()
+    opt.synchronize()
+    assert s_ref.get_scale() == s_usb.get_scale()
+    assert_same(ref, m)
+
+
+def test_fence_mode_and_channels_last(nccl):
+    import dataclasses
+
+    ref = model().to(memory_format=torch.channels_last)
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), m,
+                               schedule=dataclasses.replace(schedule(m), mode="fence"))
+    for step in range(STEPS):
+        x, y = batch(step)
+        x = x.to(memory_format=torch.channels_last)
+        nn.functional.cross_entropy(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward()
+        assert m[0].weight.grad.stride() == m[0].weight.stride()
+        opt.step(); opt.zero_grad()
+    opt.synchronize()
+    assert_same(ref, m)
+
+
+def test_updates_grouped_on_the_update_stream(nccl):
+    """Overlap mode on CUDA: step() enqueues the updates in at most update_groups optimizer
+    calls, whatever the number of modules."""
+    ref = model()
+    m = copy.deepcopy(ref)
+    o_ref = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    opt = DistributedOptimizer(torch.optim.Adam(m.parameters(), lr=1e-3), m,
+                               schedule=schedule(m), update_groups=3)
+    for step in range(STEPS):
+        x, y = batch(step)
+        nn.functional.cross_entropy(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        nn.functional.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()
+    opt.synchronize()
+    assert opt.optimizer_calls <= 3 * STEPS
     assert_same(ref, m)
