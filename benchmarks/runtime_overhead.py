@@ -19,7 +19,6 @@ modules.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import statistics
@@ -32,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from usbyte_opt.models import build
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule, profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
@@ -41,12 +41,15 @@ HERE = Path(__file__).resolve().parent
 OUT = HERE / "runtime_overhead.md"
 
 
-def _examples():
-    spec = importlib.util.spec_from_file_location("usbyte_examples_train",
-                                                  HERE.parent / "examples" / "train.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)  # type: ignore[union-attr]
-    return mod
+def _batches(inputs: tuple, rank: int, count: int) -> list[tuple]:
+    """``count`` batches shaped like ``inputs``, different on every rank."""
+    out = []
+    for j in range(count):
+        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
+        out.append(tuple(torch.randn(x.shape, generator=g) if x.is_floating_point()
+                         else torch.randint(int(x.max()) + 1, x.shape, generator=g)
+                         for x in inputs))
+    return out
 
 
 def schedule_for(kind: str, model: nn.Module, ws: int):
@@ -67,26 +70,26 @@ def schedule_for(kind: str, model: nn.Module, ws: int):
 
 
 def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule: str,
-                 pairs: int, rounds: int, per_round: int) -> dict:
+                 pairs: int, rounds: int, per_round: int, compiled: bool = False) -> dict:
     """Both arms in these processes. ``pairs``: one DDP iteration and one runtime iteration
     followed by ``synchronize()`` (fence mode: no overlap with the next forward, the update
     inside the timed region), alternating, so that load on the machine hits both alike.
-    ``rounds``: blocks of ``per_round`` iterations each, steady state with overlap."""
-    ex = _examples()
+    ``rounds``: blocks of ``per_round`` iterations each, steady state with overlap. With
+    ``compiled``, both models go through ``torch.compile`` (DDP as ``torch.compile(DDP(m))``)."""
     torch.manual_seed(0)
-    base = ex.MODELS[model_name]()
+    base, inputs, loss_fn = build(model_name, batch_size)
     torch.manual_seed(0)
-    twin = ex.MODELS[model_name]()
+    twin, _, _ = build(model_name, batch_size)
     ddp = nn.parallel.DistributedDataParallel(base)
-    o_ddp = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+    o_ddp = torch.optim.AdamW(base.parameters(), lr=1e-3)
     o_usb = DistributedOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-3), twin,
                                  schedule=schedule_for(schedule, twin, ws))
-    cpu = torch.device("cpu")
-    batches = [ex.batch(model_name, batch_size, s, rank, cpu) for s in range(per_round)]
+    net_ddp, net_usb = (torch.compile(ddp), torch.compile(twin)) if compiled else (ddp, twin)
+    batches = [(x, None) for x in _batches(inputs, rank, per_round)]
 
     def one(net, opt, x, y, fence):
         t0, c0 = time.perf_counter(), time.process_time()
-        ex.loss_of(net(x), y).backward()
+        loss_fn(net(*x)).backward()
         opt.step()
         opt.zero_grad()
         if fence:
@@ -99,21 +102,21 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
     pair_cpu: list[float] = []
     for i in range(pairs + 2):
         x, y = batches[i % per_round]
-        arms = [(ddp, o_ddp, False), (twin, o_usb, True)]
+        arms = [(net_ddp, o_ddp, False), (net_usb, o_usb, True)]
         if i % 2:
             arms.reverse()
         dist.barrier()
         got = {id(net): one(net, opt, x, y, fence) for net, opt, fence in arms}
         if i >= 2:
-            pair_ratio.append(got[id(twin)][0] / got[id(ddp)][0])
-            pair_cpu.append(got[id(twin)][1] / got[id(ddp)][1])
+            pair_ratio.append(got[id(net_usb)][0] / got[id(net_ddp)][0])
+            pair_cpu.append(got[id(net_usb)][1] / got[id(net_ddp)][1])
 
     # 2. Blocks, steady state.
     block_ratio: list[float] = []
     times: dict[str, list[float]] = {"ddp": [], "usbyte": []}
     for r in range(rounds + 1):  # round 0: warm-up
         cur: dict[str, list[float]] = {"ddp": [], "usbyte": []}
-        order = [("ddp", ddp, o_ddp), ("usbyte", twin, o_usb)]
+        order = [("ddp", net_ddp, o_ddp), ("usbyte", net_usb, o_usb)]
         if r % 2:
             order.reverse()
         for key, net, opt in order:
@@ -215,21 +218,24 @@ def main() -> None:
     a = ap.parse_args()
     pairs, rounds = (8, 2) if a.quick else (a.pairs, a.rounds)
     per_round = 6
-    configs = [("cnn", 16, "default"), ("cnn", 16, "split4-forward"),
-               ("transformer", 4, "default"), ("transformer", 4, "split4-forward")]
+    configs = [("lab-cnn", 16, "default", False), ("lab-cnn", 16, "split4-forward", False),
+               ("transformer", 4, "default", False), ("transformer", 4, "split4-forward", False),
+               ("lab-cnn", 16, "default", True), ("transformer", 4, "default", True)]
     load_before = os.getloadavg()[0]
     rows = []
-    for model, bs, sched in configs:
-        res = values(run_local(side_by_side, 2, args=(model, bs, sched, pairs, rounds, per_round),
+    for model, bs, sched, compiled in configs:
+        res = values(run_local(side_by_side, 2,
+                               args=(model, bs, sched, pairs, rounds, per_round, compiled),
                                timeout_s=1800, threads=1))
         pair = _summary(res[0]["pairs"] + res[1]["pairs"])
         cpu = _summary(res[0]["pairs_cpu"] + res[1]["pairs_cpu"])
         block = _summary(res[0]["blocks"] + res[1]["blocks"])
         ddp = statistics.median(res[0]["ddp"] + res[1]["ddp"])
         usb = statistics.median(res[0]["usbyte"] + res[1]["usbyte"])
-        rows.append((model, bs, sched, res[0]["tensors"], res[0]["nblocks"], res[0]["params"],
+        label = f"{model} (compiled)" if compiled else model
+        rows.append((label, bs, sched, res[0]["tensors"], res[0]["nblocks"], res[0]["params"],
                      pair, block, ddp, usb, cpu))
-        print(f"{model:12s} batch {bs:2d} {sched:15s} {res[0]['tensors']:3d} tensors "
+        print(f"{label:22s} batch {bs:2d} {sched:15s} {res[0]['tensors']:3d} tensors "
               f"{res[0]['nblocks']:4d} blocks | fence pairs {pair[0]:.3f} [{pair[1]:.3f}, "
               f"{pair[2]:.3f}] cpu {cpu[0]:.3f} [{cpu[1]:.3f}, {cpu[2]:.3f}] | blocks {block[0]:.3f} [{block[1]:.3f}, {block[2]:.3f}] "
               f"(DDP {ddp:.1f} ms, runtime {usb:.1f} ms)", flush=True)
@@ -249,7 +255,10 @@ def main() -> None:
         "the end: the machine was shared with other jobs).",
         "",
         "Two gloo ranks on loopback, no emulated bandwidth limit, one compute thread per rank, "
-        "AdamW, the models of `examples/train.py`. Both arms live in the same two processes "
+        "AdamW, built-in models of `usbyte_opt.models` (those `examples/train.py` trains). "
+        "Rows marked compiled run both arms through `torch.compile` (DDP as "
+        "`torch.compile(DDP(model))`; the runtime applies every pending update before a "
+        "compiled forward, so its updates do not overlap it). Both arms live in the same two processes "
         "and are timed side by side in one run, so that load on the (shared) machine falls on "
         "both alike:",
         "",
