@@ -58,70 +58,127 @@ def test_a_negative_cost_is_a_one_line_error(tmp_path):
     assert "\n" not in str(e.value)
 
 
-def test_hand_computed_overlap_and_fence():
+def test_hand_computed_one_rule_in_both_modes():
     pb = Problem.from_profile(two_tensors(per_block=1.0, per_mb=10.0))
     lay = pb.layout()
-    blocks = [lay.whole(0), lay.whole(1)]
-    # Overlap: 2 MB x 10 + 2 blocks x 1 = 22 ms over 10 ms of compute: everything x 3.2.
-    assert pb.stretch(2) == pytest.approx(3.2)
-    tl = simulate_blocks(pb, lay, blocks)
-    assert [b.start_ms for b in tl.blocks] == pytest.approx([6.4, 19.2])
-    # Forward reaches "inp" at max(B' = 19.2, its block's finish 21.2), then runs F' = 12.8.
-    assert tl.iteration_ms == pytest.approx(21.2 + 12.8)
-    # Fence: backward 6 + the "out" block (started at 2, done at 4, all before backward ends:
-    # 1 + 1 MB x 10) = 17; the "inp" block starts at 17 >= B, so it costs nothing.
-    fence = simulate_blocks(pb, lay, blocks, "fence")
-    assert fence.backward_ms == pytest.approx(17.0)
-    assert fence.iteration_ms == pytest.approx(max(17.0, 8.0) + 4.0)
-    # Without the option both are the plain model.
+    # Each block costs the training thread 1 + 10 x 1 MB = 11 ms over its 2 ms on the wire.
+    assert pb.block_cpu_ms(1_000_000) == pytest.approx(11.0)
+    out_first = [lay.whole(0), lay.whole(1)]
+    # Without the charge: "out" [2, 4] inside backward, "inp" [6, 8] while the thread waits
+    # (for it in overlap mode, for every block in fence mode). Backward pays 11 ms in both
+    # modes: 6 ms become 17, "out" is ready at 2 x 17 / 6 and "inp" at 17.
+    for mode in ("overlap", "fence"):
+        tl = simulate_blocks(pb, lay, out_first, mode)
+        assert tl.meta["cpu_charge_ms"] == pytest.approx({"backward": 11.0, "forward": 0.0})
+        assert tl.backward_ms == pytest.approx(17.0)
+        assert [b.start_ms for b in tl.blocks] == pytest.approx([2 * 17 / 6, 17.0])
+        assert tl.iteration_ms == pytest.approx(19.0 + 4.0)   # "inp" done at 19, then forward
+    # "inp" first: [6, 8], then "out" [8, 10]. Overlap mode: the forward waits for "inp" until
+    # 8, then computes while "out" is on the wire: forward pays 11 ms (4 ms become 15).
+    inp_first = [lay.whole(1), lay.whole(0)]
+    tl = simulate_blocks(pb, lay, inp_first)
+    assert tl.meta["cpu_charge_ms"] == pytest.approx({"backward": 0.0, "forward": 11.0})
+    assert tl.iteration_ms == pytest.approx(8.0 + 15.0)
+    # Fence mode: both blocks go while the thread waits for them, so nothing is charged.
+    fence = simulate_blocks(pb, lay, inp_first, "fence")
+    assert fence.meta["cpu_charge_ms"] == pytest.approx({"backward": 0.0, "forward": 0.0})
+    assert fence.iteration_ms == pytest.approx(10.0 + 4.0)
+    # The fast scorer agrees, and without the option both are the plain model.
+    for blocks in (out_first, inp_first):
+        for mode in ("overlap", "fence"):
+            assert evaluate(pb, lay, blocks, mode) == pytest.approx(
+                simulate_blocks(pb, lay, blocks, mode).iteration_ms)
     plain = Problem.from_profile(two_tensors())
-    assert simulate_blocks(plain, lay, blocks).iteration_ms == pytest.approx(12.0)
+    assert simulate_blocks(plain, lay, out_first).iteration_ms == pytest.approx(12.0)
+    assert "cpu_charge_ms" not in simulate_blocks(plain, lay, out_first).meta
 
 
-@settings(max_examples=30, deadline=None)
-@given(seed=st.integers(0, 10_000), n=st.integers(1, 20), cuts=st.integers(0, 20),
-       per_block=st.floats(0.0, 3.0), per_mb=st.floats(0.0, 20.0))
-def test_fast_scorer_equals_simulator_with_the_option(seed, n, cuts, per_block, per_mb):
+costs = st.tuples(st.sampled_from([0.0, 0.1, 0.7, 3.0]) | st.floats(0.0, 3.0),
+                  st.sampled_from([0.0, 1.0, 6.0, 20.0]) | st.floats(0.0, 20.0))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 20), cuts=st.integers(0, 20), cost=costs)
+def test_fast_scorer_equals_simulator_and_bound_holds_with_the_option(seed, n, cuts, cost):
+    per_block, per_mb = cost
     rng = random.Random(seed)
     pb = Problem.from_profile(with_cpu(random_profile(rng, n, dtypes=("float32", "bfloat16")),
                                        per_block, per_mb))
     plain = Problem.from_profile(random_profile(random.Random(seed), n, dtypes=("float32", "bfloat16")))
     lay = pb.layout()
     blocks = random_blocks(rng, lay, cuts)
+    lb = lower_bound(pb)
     for mode in ("overlap", "fence"):
         full = simulate_blocks(pb, lay, blocks, mode).iteration_ms
         assert evaluate(pb, lay, blocks, mode) == pytest.approx(full, rel=1e-12, abs=1e-9)
-        # Charging compute never makes an iteration faster.
+        # Charging compute never makes an iteration faster, and the bound holds in both modes.
         assert full >= simulate_blocks(plain, lay, blocks, mode).iteration_ms - 1e-9
-    assert lower_bound(pb) <= evaluate(pb, lay, blocks) + 1e-9
+        assert lb <= full + 1e-9
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(1, 25), cost=costs,
+       ratio=st.sampled_from([0.3, 1.0, 3.0]), alpha=st.sampled_from([0.0, 0.05, 1.3]))
+def test_best_at_most_every_strategy_and_bound_at_most_every_prediction(seed, n, cost, ratio, alpha):
+    prof = with_cpu(random_profile(random.Random(seed), n, comm_ratio=ratio, alpha_ms=alpha,
+                                   dtypes=("float32", "float16")), *cost)
+    report = compare(prof)
+    best = report.results["best"]
+    pb = Problem.from_profile(prof)
+    for name, r in report.results.items():
+        # best weighs every other plan in both modes, so it is at most each in either mode
+        assert best.iteration_ms <= min(r.overlap_ms, r.fence_ms) + 1e-9, name
+        assert report.lower_bound_ms <= min(r.overlap_ms, r.fence_ms) + 1e-9, name
+        assert r.iteration_ms == (r.fence_ms if r.mode == "fence" else r.overlap_ms)
+        assert r.iteration_ms == pytest.approx(evaluate(pb, r.plan.layout, r.plan.blocks, r.mode))
+    sched = report.schedule("best")
+    assert sched.mode == best.mode
+    assert sched.predicted["iteration_ms"] == best.iteration_ms
+    assert sched.predicted["iteration_ms"] <= report.results["ddp"].iteration_ms + 1e-9
+
+
+@settings(max_examples=15, deadline=None)
+@given(seed=st.integers(0, 100_000), n=st.integers(1, 12), cost=costs)
+def test_usbyte_and_bytescheduler_weigh_their_candidates_with_the_option(seed, n, cost):
+    """Each returns its grid's best under the option: no tried unit (usbyte, forward-order
+    priority) or partition/credit pair (bytescheduler) is predicted faster than its plan."""
+    from usbyte_opt.strategies import bytescheduler, usbyte
+
+    pb = Problem.from_profile(with_cpu(random_profile(random.Random(seed), n), *cost))
+    lay = pb.layout()
+    plan = usbyte.plan(pb, search_priority=False)
+    T = evaluate(pb, plan.layout, plan.blocks)
+    assert plan.info["iteration_ms"] == pytest.approx(T)
+    model = usbyte.USByte(pb)
+    units = usbyte.unit_candidates(model.numel) + [usbyte.DEFAULT_UNIT]
+    for s in units:
+        out = model.simulate(s, model.forward_priority())
+        assert T <= evaluate(pb, lay, model.blocks(out)) + 1e-9, s
+    plan = bytescheduler.plan(pb, grid_points=4)
+    T = evaluate(pb, plan.layout, plan.blocks)
+    assert plan.info["iteration_ms"] == pytest.approx(T)
+    tail = [u + pb.F - nd for u, nd in zip(pb.update, pb.need)]
+    for P in bytescheduler.log_grid(*bytescheduler.PARTITION_RANGE, 4):
+        parts = bytescheduler._Parts(pb, lay, P, tail)
+        for C in bytescheduler.log_grid(*bytescheduler.CREDIT_RANGE, 4):
+            order = bytescheduler.replay(parts, C)
+            assert T <= evaluate(pb, lay, [parts.blocks[k] for k in order]) + 1e-9, (P, C)
 
 
 def test_best_cuts_fewer_blocks_when_each_costs_compute():
     rng = random.Random(7)
     prof = random_profile(rng, 40, comm_ratio=0.6, alpha_ms=0.05)
     free = compare(prof, ["wfbp", "ddp", "best"])
-    costly_prof = with_cpu(prof, per_block=2.0, per_mb=0.0)
-    costly = compare(costly_prof, ["wfbp", "ddp", "best"])
+    costly = compare(with_cpu(prof, per_block=2.0, per_mb=0.0), ["wfbp", "ddp", "best"])
     assert costly.results["best"].blocks < free.results["best"].blocks
-    pb = Problem.from_profile(costly_prof)
-    for name, r in costly.results.items():
-        # Every prediction charges the option, and best stays the best of them in overlap mode
-        # (the runtime's). Fence mode charges only what overlaps backward, so a fence
-        # schedule that sends after backward may be predicted faster, as measured in the lab.
-        assert r.overlap_ms == pytest.approx(evaluate(pb, r.plan.layout, r.plan.blocks))
-        assert r.fence_ms == pytest.approx(evaluate(pb, r.plan.layout, r.plan.blocks, "fence"))
-        assert costly.results["best"].overlap_ms <= r.overlap_ms + 1e-9
-    assert costly.lower_bound_ms <= costly.results["best"].overlap_ms + 1e-9
-    # The schedule records the prediction under the option.
-    sched = costly.schedule("best")
-    assert sched.predicted["iteration_ms"] == pytest.approx(costly.results["best"].overlap_ms)
 
 
-def test_usbyte_and_bytescheduler_are_scored_under_the_option():
-    prof = with_cpu(random_profile(random.Random(3), 12), per_block=0.7, per_mb=3.0)
-    pb = Problem.from_profile(prof)
-    for name in ("usbyte", "bytescheduler"):
-        plan = get(name).plan(pb)
-        T = evaluate(pb, plan.layout, plan.blocks)
-        assert T == pytest.approx(simulate_blocks(pb, plan.layout, plan.blocks).iteration_ms)
-        assert T >= pb.stretch(len(plan.blocks)) * (pb.B + pb.F) - 1e-9
+def test_a_fence_plan_wins_where_overlap_pays_for_the_forward():
+    # Random profiles where communication costs a lot of compute: the forward of overlap mode
+    # pays for every block it runs beside, fence mode's does not, and best takes fence.
+    prof = with_cpu(random_profile(random.Random(18), 4, comm_ratio=1.0, alpha_ms=0.5), 1.5, 12.0)
+    report = compare(prof)
+    best = report.results["best"]
+    assert best.mode == "fence" and best.iteration_ms == best.fence_ms < best.overlap_ms
+    sched = report.schedule("best")
+    assert sched.mode == "fence" and sched.predicted["iteration_ms"] == best.fence_ms

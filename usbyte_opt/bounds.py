@@ -1,8 +1,9 @@
-"""A lower bound on the overlap-mode iteration time of *any* schedule of a profile.
+"""A lower bound on the iteration time of *any* schedule of a profile, in either mode.
 
 Notation (docs/design.md §2.5, and :mod:`usbyte_opt.fastsim` for the closed form): tensor p has
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
-``q_p = update_p + F - need_p``. For every schedule,
+``q_p = update_p + F - need_p``. For every schedule in overlap mode without the compute-cost
+option,
 
     T = max(B + F, finish_last, max_p (finish of the last block covering p) + q_p).
 
@@ -39,6 +40,30 @@ programme over S in release order, ``g(b) = min_a max(g(a), r_b) + alpha + W(a..
 evaluated for ``S = {p : q_p >= theta}`` over up to 48 quantiles ``theta`` of the tails.
 Claim 2 is what counts the per-block latency where the first claim counts at most two.
 
+**Fence mode and the compute-cost option.** For the same blocks, fence mode is never faster
+than overlap mode without the option (``max(B, L) + sum(update) + F`` is at least ``B + F``,
+``L`` and every ``finish_k + q_k``), and the option only lengthens compute
+(:mod:`usbyte_opt.fastsim`: ready times, tails and ``B + F`` grow, and T is nondecreasing in
+each), so claims 1 and 2, taken without the option, hold for every schedule in both modes.
+
+**Claim 3 (compute cost).** With the option, block k costs the training thread
+``c_k = cpu_ms_per_block + cpu_ms_per_mb * MB_k`` over its wire time ``d_k = alpha +
+bytes_k * beta``, and the thread pays ``rho_k O_k`` where ``rho_k = c_k / d_k`` and ``O_k`` is
+the part of ``d_k`` that overlaps its compute in the timeline without the charge. Then for
+every schedule, with ``W = alpha + beta * (all gradient bytes)`` and ``rho`` the smallest rate
+any block can have,
+
+    T >= B + F + W * rho / (1 + rho).
+
+*Proof.* Let ``O = sum_k O_k`` and ``D = sum_k d_k >= W`` (at least one block carries all
+bytes). (a) The charged iteration lengthens backward and forward by what they paid, so
+``T >= B + F + sum_k rho_k O_k >= B + F + rho O``. (b) The uncharged timeline is no longer
+than the charged one; in it the thread computes for at least ``B + F`` within ``[0, T]``, the
+wire's intervals are disjoint and within ``[0, T]``, and ``D - O`` of wire time falls outside
+compute, so ``T >= B + F + D - O >= B + F + W - O``. The larger of (a) and (b) is smallest when
+``rho O = W - O``. ``rho_k`` is a ratio of two affine functions of the bytes, so monotone in
+them: ``rho = min(cpu_ms_per_block / alpha, rate of one block of every byte)``. ∎
+
 With ``S = {the last-ready tensor}`` this gives the classic bound
 ``B + alpha + w_first + F - need_first`` when the input layer is ready last (backward must
 end, its gradient cross the network, and the whole forward follow), which is stronger than
@@ -63,16 +88,17 @@ import numpy as np
 
 from .problem import Problem
 
+#: Claim 1 evaluates at most this many release thresholds (rows) and this many row x tensor
+#: cells: 256 rows up to 4,000 tensors, fewer beyond (64 at 16,000), never under 32.
+ROWS = 256
+CELLS = 1 << 20
+#: Items of claim 2's sets at most (larger sets are coarsened, :func:`_batching_bound`).
+GROUPS = 512
+
 
 def lower_bound(problem: Problem) -> float:
-    """The lower bound of the module docstring, in ms (overlap mode; without the compute-cost
-    option fence mode is never lower).
-
-    With the compute-cost option the bound is taken on the problem stretched for one block:
-    a schedule has at least one, and stretching compute never makes a schedule faster.
-    """
-    if problem.charges_cpu:
-        problem = problem.stretched(problem.stretch(1))
+    """The lower bound of the module docstring, in ms: claims 1 and 2 on the problem without
+    the compute-cost option, and claim 3 with it. Valid for every schedule in both modes."""
     r = np.asarray(problem.ready, dtype=float)
     q = np.asarray([u + problem.F - nd for u, nd in zip(problem.update, problem.need)], dtype=float)
     w = np.asarray([problem.nbytes(i) for i in range(problem.n)], dtype=float)
@@ -80,15 +106,32 @@ def lower_bound(problem: Problem) -> float:
     alpha = problem.cost.alpha_ms
     best = problem.B + problem.F
 
+    best = max(best, _set_bound(r, q, w, alpha))
+    return max(best, _batching_bound(r, q, w, alpha), _compute_cost_bound(problem))
+
+
+def _set_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,
+               max_rows: int | None = None) -> float:
+    """Claim 1 over the sets ``S(i, k)``: rows are release thresholds (every distinct release
+    up to ``max_rows``, by default :data:`ROWS` within :data:`CELLS`; beyond, the latest
+    quarter of them and quantiles of the rest, since a subset of valid sets still gives a
+    valid bound), columns the tensors by descending tail."""
+    if max_rows is None:
+        max_rows = max(32, min(ROWS, CELLS // max(len(r), 1)))
     order = np.argsort(-q, kind="stable")  # columns: tensors by descending tail
     r_c, q_c, w_c = r[order], q[order], w[order]
     thresholds = np.unique(r)
-    # Rows: release thresholds. Chunked so memory stays small for very large models.
-    for lo in range(0, len(thresholds), 256):
-        th = thresholds[lo:lo + 256, None]
+    if len(thresholds) > max_rows:
+        late = max_rows // 4
+        spread = np.quantile(thresholds[:-late], np.linspace(0, 1, max_rows - late), method="lower")
+        thresholds = np.unique(np.concatenate([spread, thresholds[-late:]]))
+    best = -np.inf
+    # Chunked so that memory stays small for very large models.
+    chunk = max(1, (1 << 22) // max(len(r), 1))
+    for lo in range(0, len(thresholds), chunk):
+        th = thresholds[lo:lo + chunk, None]
         member = r_c[None, :] >= th                      # p in S(i, .) before the tail cut
         W = np.cumsum(np.where(member, w_c[None, :], 0.0), axis=1)
-        count = np.cumsum(member, axis=1)
         rmax = np.maximum.accumulate(np.where(member, r_c[None, :], -np.inf), axis=1)
         # max tail of S: the first member in descending-tail order.
         first = np.argmax(member, axis=1)
@@ -98,23 +141,53 @@ def lower_bound(problem: Problem) -> float:
         one_block = rmax + alpha + qmax
         two_blocks = th + 2 * alpha + q_c[None, :]
         val = W + np.minimum(one_block, two_blocks)
-        val = np.where(count > 0, val, -np.inf)
+        val = np.where(rmax > -np.inf, val, -np.inf)
         best = max(best, float(val.max()))
-    return max(best, _batching_bound(r, q, w, alpha))
+    return best
+
+
+def _compute_cost_bound(problem: Problem) -> float:
+    """Claim 3 (``-inf`` without the compute-cost option)."""
+    if not problem.charges_cpu:
+        return -np.inf
+    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    total = float(problem.total_bytes)
+    W = alpha + beta * total
+    whole = problem.block_cpu_ms(total) / W if W > 0 else np.inf
+    if alpha > 0:
+        small = problem.cpu_ms_per_block / alpha
+    else:
+        small = np.inf if problem.cpu_ms_per_block > 0 else problem.cpu_ms_per_mb / (1e6 * beta)
+    rho = min(small, whole)
+    share = 1.0 if rho == np.inf else rho / (1.0 + rho)
+    return problem.B + problem.F + W * share
 
 
 def _batching_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,
-                    n_theta: int = 48) -> float:
-    """Claim 2 over ``S = {q >= theta}`` for up to ``n_theta`` tail thresholds."""
+                    n_theta: int = 48, groups: int = GROUPS) -> float:
+    """Claim 2 over ``S = {q >= theta}`` for up to ``n_theta`` tail thresholds.
+
+    A set of more than ``groups`` tensors is first coarsened: releases are bucketed by
+    ``delta = (latest release) / groups``, and each bucket becomes one item released at its
+    earliest member with their bytes. Releasing bytes earlier never slows the best schedule,
+    so ``C*`` of the coarse set is still a lower bound, and it is at most ``delta`` below the
+    fine one (delaying the coarse optimum by ``delta`` makes it feasible)."""
     thetas = np.unique(q)
     if len(thetas) > n_theta:
         thetas = np.unique(np.quantile(q, np.linspace(0, 1, n_theta), method="lower"))
+    order = np.argsort(r, kind="stable")
+    r, q, w = r[order], q[order], w[order]
+    delta = float(r[-1]) / groups if len(r) else 0.0
     best = -np.inf
     for theta in thetas:
         sel = q >= theta
-        order = np.argsort(r[sel], kind="stable")
-        best = max(best, _batch_makespan(r[sel][order].tolist(), w[sel][order].tolist(), alpha)
-                   + float(theta))
+        rs, ws = r[sel], w[sel]
+        if len(rs) > groups and delta > 0:
+            bucket = np.floor(rs / delta)
+            cut = np.flatnonzero(np.diff(bucket)) + 1
+            starts = np.concatenate([[0], cut])
+            rs, ws = rs[starts], np.add.reduceat(ws, starts)
+        best = max(best, _batch_makespan(rs.tolist(), ws.tolist(), alpha) + float(theta))
     return float(best)
 
 

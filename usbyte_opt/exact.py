@@ -76,9 +76,11 @@ def _candidates(grids: list[list[int]]) -> list[tuple[Block, tuple[int, int, int
 
 def solve_exact(problem: Problem, layout: Layout, units_per_tensor: int = 1,
                 time_limit_s: float = 30.0) -> ExactResult | None:
-    """Optimal overlap-mode schedule on the unit grid, by MILP (pulp + CBC).
+    """Optimal overlap-mode schedule on the unit grid, by MILP (pulp + CBC, :func:`cbc`),
+    without the compute-cost option.
 
-    Returns ``None`` when the solver found no feasible plan within the time limit.
+    Returns ``None`` when the solver found no feasible plan within the time limit, or when
+    no CBC is installed.
     """
     import pulp
 
@@ -88,11 +90,12 @@ def solve_exact(problem: Problem, layout: Layout, units_per_tensor: int = 1,
     n_units = sum(len(p) - 1 for p in grids)
     K = n_units
     m = pulp.LpProblem("usbyte_exact", pulp.LpMinimize)
+    var = _variables(pulp, m)
     # 1. variables
-    x = {(k, c): pulp.LpVariable(f"x_{k}_{c}", cat="Binary") for k in range(K) for c in range(len(cands))}
-    s = [pulp.LpVariable(f"s_{k}", lowBound=0) for k in range(K)]
-    f = [pulp.LpVariable(f"f_{k}", lowBound=0) for k in range(K)]
-    T = pulp.LpVariable("T", lowBound=problem.B + problem.F)
+    x = {(k, c): var(f"x_{k}_{c}", 0, 1, pulp.LpBinary) for k in range(K) for c in range(len(cands))}
+    s = [var(f"s_{k}", 0) for k in range(K)]
+    f = [var(f"f_{k}", 0) for k in range(K)]
+    T = var("T", problem.B + problem.F)
     # 2. objective
     m += T
     # 3(a) each unit exactly once
@@ -112,7 +115,10 @@ def solve_exact(problem: Problem, layout: Layout, units_per_tensor: int = 1,
             m += s[k] >= f[k - 1]
         m += f[k] == s[k] + pulp.lpSum(stats[c][1] * x[k, c] for c in range(len(cands)))
         m += T >= f[k] + pulp.lpSum(stats[c][2] * x[k, c] for c in range(len(cands)))
-    status = m.solve(pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s))
+    solver = cbc(time_limit_s)
+    if solver is None:
+        return None
+    status = m.solve(solver)
     if pulp.LpStatus[status] not in ("Optimal", "Not Solved") and m.sol_status not in (1, 2):
         return None
     blocks = []
@@ -125,6 +131,38 @@ def solve_exact(problem: Problem, layout: Layout, units_per_tensor: int = 1,
         return None
     T_val = score(block_stats(problem, layout, blocks), problem.B, problem.F)
     return ExactResult(blocks, T_val, pulp.LpStatus[status] == "Optimal" and m.sol_status == 1)
+
+
+def _variables(pulp, model):
+    """``var(name, low, up=None, cat=continuous)``: PuLP's ``LpProblem.add_variable`` (variables
+    owned by the model, the API of PuLP 3 and 4), or ``LpVariable`` where it is missing."""
+    add = getattr(model, "add_variable", None)
+
+    def var(name: str, low: float | None = None, up: float | None = None,
+            cat: str = pulp.LpContinuous):
+        if add is not None:
+            return add(name, low, up, cat)
+        return pulp.LpVariable(name, low, up, cat)
+
+    return var
+
+
+def cbc(time_limit_s: float):
+    """PuLP's CBC solver (``COIN_CMD``): the ``cbc`` on the PATH (``pip install pulp[cbc]``
+    provides one), else the CBC binary that PuLP < 4 ships; ``None`` when there is neither."""
+    import pulp
+
+    solver = pulp.COIN_CMD(msg=False, timeLimit=time_limit_s)
+    if solver.available():
+        return solver
+    from pulp.apis import coin_api
+
+    bundled = getattr(coin_api, "pulp_cbc_path", None)
+    if bundled:
+        solver = pulp.COIN_CMD(msg=False, timeLimit=time_limit_s, path=bundled)
+        if solver.available():
+            return solver
+    return None
 
 
 def solve_brute(problem: Problem, layout: Layout, units_per_tensor: int = 1,

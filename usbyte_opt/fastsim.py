@@ -1,6 +1,9 @@
-"""Fast scoring for search loops: the same numbers as :mod:`usbyte_opt.simulate`, no timeline.
+"""The one scorer: every strategy, ``best``'s search and the bench's refinement score plans here.
 
-Unrolling the forward walk of docs/design.md §2.5 gives a closed form for overlap mode:
+Same numbers as the step-by-step simulator of :mod:`usbyte_opt.simulate` (tests check it on
+random schedules in both modes, with and without the compute-cost option), no timeline.
+
+**Closed form.** Unrolling the forward walk of docs/design.md §2.5 gives, for overlap mode,
 
     forward end = max(B + F, max_p (avail_p + F - need_p))
 
@@ -12,10 +15,26 @@ covering p, and ``max_p`` can be taken over every block covering p. So with a pe
     T_overlap = max(B + F, finish_last, max_k (finish_k + q_k))
     T_fence   = max(B, finish_last) + sum(update) + F
 
-Tests check these against the full simulator on random schedules. With the compute-cost
-option (:meth:`Problem.stretch`), overlap mode scores the problem stretched for the schedule's
-block count, and fence mode lengthens ``B`` by the blocks started and the bytes on the wire
-before it ends, as :func:`usbyte_opt.simulate.simulate_blocks` does.
+and the channel recurrence unrolls to ``finish_k = C_k + max_{j<=k} (r_j - C_{j-1})`` with
+``C`` the prefix sum of block costs: O(blocks) with numpy.
+
+**Compute cost of communication (the option; one rule in both modes).** Where the profile
+carries ``comm.cpu_ms_per_block`` / ``comm.cpu_ms_per_mb``, block k costs the training thread
+``c_k = cpu_ms_per_block + cpu_ms_per_mb * MB_k`` (:meth:`Problem.block_cpu_ms`), spread
+evenly over its time on the wire, and the thread pays the part of it that overlaps its own
+compute; while the thread waits (for a block in the next forward in overlap mode, for every
+block before the step in fence mode, or after its work is done) communication costs it
+nothing. Read off the timeline without the charge:
+
+    X_B = sum_k c_k |wire_k ∩ backward| / |wire_k|     X_F = sum_k c_k |wire_k ∩ forward compute| / |wire_k|
+
+and each phase is lengthened by what it paid: backward's times (``ready``, ``B``) times
+``1 + X_B / B``, forward's (``need``, ``update``, ``F``) times ``1 + X_F / F``
+(:meth:`Problem.stretched`); the closed form above then gives T. In fence mode the forward
+starts after the last block, so only backward pays. Forward compute in overlap mode: with the
+tensors in need order, forward reaches the i-th at ``t_i = need_i + M_i``,
+``M_i = max(B, max_{j<=i} (avail_j - need_j))``; it computes during
+``[need_i + M_i, need_{i+1} + M_i]`` and waits from there to ``t_{i+1}``.
 
 Example::
 
@@ -26,13 +45,18 @@ Example::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
-from .formats import Block
+import numpy as np
+
+from .formats import SCHEDULE_MODES, Block
 from .problem import Layout, Problem
 
 BlockStat = tuple[float, float, float]
 """``(ready_ms, cost_ms, tail_ms)`` of one block."""
+
+MODES = SCHEDULE_MODES
 
 
 def tails(problem: Problem) -> list[float]:
@@ -41,21 +65,10 @@ def tails(problem: Problem) -> list[float]:
     return [u + F - nd for u, nd in zip(problem.update, problem.need)]
 
 
-def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
-                tail: Sequence[float] | None = None) -> list[BlockStat]:
-    tail = tails(problem) if tail is None else tail
-    ready, cost = problem.ready, problem.cost
-    out = []
-    for k in blocks:
-        idx = layout.tensors_of(k.buffer, k.start, k.end)
-        out.append((max(ready[i] for i in idx), cost((k.end - k.start) * layout.itemsize[k.buffer]),
-                    max(tail[i] for i in idx)))
-    return out
-
-
 def score(stats: Sequence[BlockStat], B: float, F: float, mode: str = "overlap",
           total_update: float = 0.0) -> float:
-    """Iteration time of blocks given as ``(ready, cost, tail)`` in issue order."""
+    """Iteration time of blocks given as ``(ready, cost, tail)`` in issue order, without the
+    compute-cost option (the closed form of the module docstring, one block at a time)."""
     t = 0.0
     worst = B + F
     for r, c, q in stats:
@@ -67,25 +80,252 @@ def score(stats: Sequence[BlockStat], B: float, F: float, mode: str = "overlap",
     return (B if B > t else t) + total_update + F
 
 
-def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> float:
-    """Iteration time of ``blocks`` on ``problem`` (same value as the full simulator)."""
-    if problem.charges_cpu:
+@dataclass(slots=True)
+class Stats:
+    """Blocks as arrays, in issue order: what :meth:`Scorer.score` reads.
+
+    ``lo``/``hi``: the layout positions (:attr:`Scorer.member`) of the first and one past the
+    last tensor the block touches; ``gs``: its first element in the layout's global element
+    space (buffers one after the other)."""
+
+    R: np.ndarray
+    C: np.ndarray
+    Q: np.ndarray
+    nbytes: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    gs: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.R)
+
+    def take(self, order: Sequence[int] | np.ndarray) -> "Stats":
+        """These blocks in another issue order (indices into this one)."""
+        o = np.asarray(order, dtype=np.int64)
+        return Stats(self.R[o], self.C[o], self.Q[o], self.nbytes[o], self.lo[o], self.hi[o],
+                     self.gs[o])
+
+    def splice(self, a: int, b: int, mid: "Stats") -> "Stats":
+        """These blocks with positions ``[a, b)`` replaced by ``mid``."""
+        return Stats(*(np.concatenate([x[:a], m, x[b:]])
+                       for x, m in zip(self._arrays(), mid._arrays())))
+
+    def _arrays(self) -> tuple[np.ndarray, ...]:
+        return self.R, self.C, self.Q, self.nbytes, self.lo, self.hi, self.gs
+
+    @staticmethod
+    def concat(parts: Sequence["Stats"]) -> "Stats":
+        return Stats(*(np.concatenate(col) for col in zip(*(p._arrays() for p in parts))))
+
+
+class _RangeMax:
+    """Sparse table: the maximum of ``values[lo:hi]`` for many ranges at once, O(1) each."""
+
+    def __init__(self, values: np.ndarray):
+        levels = [np.asarray(values, dtype=float)]
+        k = 1
+        while 2 * k <= len(values):
+            prev = levels[-1]
+            levels.append(np.maximum(prev[:-k], prev[k:]))
+            k *= 2
+        self.levels = levels
+
+    def __call__(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        span = hi - lo
+        out = np.empty(len(lo))
+        lvl = np.zeros(len(lo), dtype=np.int64)
+        np.floor(np.log2(np.maximum(span, 1)), out=out)
+        lvl[:] = out
+        res = np.empty(len(lo))
+        for L in np.unique(lvl):
+            m = lvl == L
+            tab = self.levels[int(L)]
+            a, b = lo[m], hi[m] - (1 << int(L))
+            res[m] = np.maximum(tab[a], tab[b])
+        return res
+
+
+class Scorer:
+    """The one scorer of a problem and a layout (see the module docstring).
+
+    Example::
+
+        >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+        >>> prof = Profile("toy", forward_ms=4.0, backward_ms=6.0,
+        ...     tensors=(TensorSpec("out", (250_000,), "float32", ready_ms=2.0, need_ms=3.0),
+        ...              TensorSpec("inp", (250_000,), "float32", ready_ms=6.0, need_ms=0.0)),
+        ...     comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0))
+        >>> pb = Problem.from_profile(prof); lay = pb.layout()
+        >>> sc = Scorer(pb, lay)
+        >>> st = sc.stats([lay.whole(0), lay.whole(1)])
+        >>> sc.score(st), sc.score(st, "fence")      # blocks [2, 4] and [6, 8]; forward 4 ms
+        (12.0, 12.0)
+    """
+
+    def __init__(self, problem: Problem, layout: Layout):
+        self.problem, self.layout = problem, layout
+        self.alpha = problem.cost.alpha_ms
+        self.beta = problem.cost.beta_ms_per_byte
+        self.B, self.F = problem.B, problem.F
+        self.total_update = float(sum(problem.update))
+        self.charges = problem.charges_cpu
+        #: Tensor index at each layout position (buffers one after the other).
+        self.member = np.fromiter((i for m in layout.members for i in m), dtype=np.int64,
+                                  count=sum(len(m) for m in layout.members))
+        numel = np.asarray(layout.numel, dtype=np.int64)
+        self.buf_off = np.concatenate([[0], np.cumsum(numel)[:-1]]).astype(np.int64)
+        #: First element of each layout position in the global element space, and the end.
+        self.gstart = np.fromiter((self.buf_off[b] + st for b, sts in enumerate(layout.starts)
+                                   for st in sts), dtype=np.int64, count=len(self.member))
+        self.gend = np.append(self.gstart[1:], int(numel.sum()))
+        self.itemsize = np.asarray(layout.itemsize, dtype=float)
+        ready = np.asarray(problem.ready, dtype=float)
+        tail = np.asarray(tails(problem), dtype=float)
+        self._rmax = _RangeMax(ready[self.member])
+        self._qmax = _RangeMax(tail[self.member])
+        if self.charges:
+            self.cpb, self.cpm = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+            need = np.asarray(problem.need, dtype=float)
+            upd = np.asarray(problem.update, dtype=float)
+            # Layout positions in the forward's need order (ties as Problem.need_order).
+            pos_of = np.empty(problem.n, dtype=np.int64)
+            pos_of[self.member] = np.arange(len(self.member))
+            order = np.asarray(problem.need_order(), dtype=np.int64)
+            self._need_pos = pos_of[order]
+            self._need_sorted = need[order]
+            self._upd_layout = upd[self.member]
+
+    # ----------------------------------------------------------------------------------------
+
+    def stats(self, blocks: Sequence[Block]) -> Stats:
+        """Arrays of ``blocks`` (issue order)."""
+        k = len(blocks)
+        buf = np.fromiter((b.buffer for b in blocks), dtype=np.int64, count=k)
+        s = np.fromiter((b.start for b in blocks), dtype=np.int64, count=k)
+        e = np.fromiter((b.end for b in blocks), dtype=np.int64, count=k)
+        return self.stats_arrays(buf, s, e)
+
+    def stats_arrays(self, buf: np.ndarray, start: np.ndarray, end: np.ndarray) -> Stats:
+        """Arrays of the blocks ``(buf[k], start[k], end[k])`` in issue order."""
+        off = self.buf_off[buf]
+        gs, ge = off + start, off + end
+        lo = np.searchsorted(self.gstart, gs, side="right") - 1
+        hi = np.searchsorted(self.gstart, ge, side="left")
+        nbytes = (end - start) * self.itemsize[buf]
+        C = self.alpha + nbytes * self.beta
+        return Stats(self._rmax(lo, hi), C, self._qmax(lo, hi), nbytes, lo, hi, gs)
+
+    # ----------------------------------------------------------------------------------------
+
+    @staticmethod
+    def finishes(R: np.ndarray, C: np.ndarray) -> np.ndarray:
+        """Finish time of every block: ``finish_k = C_k + max_{j<=k} (r_j - C_{j-1})``."""
+        cum = np.cumsum(C)
+        return cum + np.maximum.accumulate(R - (cum - C))
+
+    def score(self, st: Stats, mode: str = "overlap") -> float:
+        """Iteration time of the blocks ``st`` in ``mode`` (the one rule, module docstring)."""
+        if len(st) == 0:
+            return self.B + self.F + (self.total_update if mode == "fence" else 0.0)
+        fin = self.finishes(st.R, st.C)
+        if not self.charges:
+            return self._closed(fin, st.Q, mode, 1.0, 1.0)
+        sb, sf = self.stretch(st, fin, mode)
+        if sb != 1.0:
+            fin = self.finishes(st.R * sb, st.C)
+        return self._closed(fin, st.Q, mode, sb, sf)
+
+    def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: str, sb: float, sf: float) -> float:
+        last = float(fin[-1])
         if mode == "overlap":
-            problem = problem.stretched(problem.stretch(len(blocks)))
-        else:
-            return _fence_cpu(problem, block_stats(problem, layout, blocks), layout, blocks)
-    return score(block_stats(problem, layout, blocks), problem.B, problem.F, mode,
-                 sum(problem.update))
+            floor = self.B * sb + self.F * sf
+            worst = float((fin + Q * sf).max()) if sf != 1.0 else float((fin + Q).max())
+            return max(floor, last, worst)
+        if mode == "fence":
+            B = self.B * sb
+            return (B if B > last else last) + self.total_update + self.F
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+    def stretch(self, st: Stats, fin: np.ndarray | None = None,
+                mode: str = "overlap") -> tuple[float, float]:
+        """``(backward factor, forward factor)`` that the compute-cost option applies to the
+        blocks ``st`` in ``mode``; ``(1, 1)`` without the option."""
+        if not self.charges:
+            return 1.0, 1.0
+        if fin is None:
+            fin = self.finishes(st.R, st.C)
+        start = fin - st.C
+        rate = (self.cpb + self.cpm * st.nbytes / 1e6) / np.maximum(st.C, 1e-300)
+        B, F = self.B, self.F
+        bwd = np.clip(np.minimum(fin, B) - start, 0.0, None)
+        sb = 1.0 + float(rate @ bwd) / B if B > 0 else 1.0
+        if mode == "fence" or F <= 0 or fin[-1] <= B:
+            return sb, 1.0
+        done = self.forward_progress(st, fin, np.concatenate([start, fin]))
+        fwd = done[len(fin):] - done[:len(fin)]
+        return sb, 1.0 + float(rate @ fwd) / F
+
+    def forward_progress(self, st: Stats, fin: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Forward compute done by each wall time in ``at`` (overlap mode, no charge)."""
+        # Finish of the last block covering each layout position: the blocks in element order,
+        # a position's blocks are a contiguous run of them.
+        by_pos = np.argsort(st.gs, kind="stable")
+        gsort = st.gs[by_pos]
+        fsort = np.append(fin[by_pos], -np.inf)
+        a = np.searchsorted(gsort, self.gstart, side="right") - 1
+        b = np.searchsorted(gsort, self.gend, side="left")
+        idx = np.empty(2 * len(a), dtype=np.int64)
+        idx[0::2], idx[1::2] = a, b
+        last = np.maximum.reduceat(fsort, idx)[0::2]
+        avail = (last + self._upd_layout)[self._need_pos]
+        need = self._need_sorted
+        M = np.maximum.accumulate(np.maximum(avail - need, self.B))
+        M = np.concatenate([[self.B], M])                  # M_0 = B before the first gate
+        need0 = np.concatenate([[0.0], need])               # need_0 = 0
+        need1 = np.concatenate([need, [self.F]])            # the next gate's need (F at the end)
+        S = need0 + M                                       # where each compute window starts
+        j = np.searchsorted(S, at, side="right") - 1
+        jc = np.maximum(j, 0)
+        done = np.minimum(at - M[jc], need1[jc])
+        return np.where(j < 0, 0.0, done)
 
 
-def _fence_cpu(problem: Problem, stats: Sequence[BlockStat], layout: Layout,
-               blocks: Sequence[Block]) -> float:
-    """Fence mode with backward lengthened by the communication it overlaps
-    (:meth:`Problem.fence_backward`)."""
-    t = 0.0
-    spans = []
-    for (r, c, _), k in zip(stats, blocks):
-        start = r if r > t else t
-        t = start + c
-        spans.append((start, t, (k.end - k.start) * layout.itemsize[k.buffer]))
-    return max(problem.fence_backward(spans), t) + sum(problem.update) + problem.F
+def scorer_for(problem: Problem, layout: Layout) -> Scorer:
+    """The :class:`Scorer` of ``problem`` and ``layout``, built once per pair (kept in
+    ``problem.cache``; strategies share the default layout)."""
+    key = ("scorer", id(layout))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not layout:
+        hit = problem.cache[key] = (layout, Scorer(problem, layout))
+    return hit[1]
+
+
+def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
+                tail: Sequence[float] | None = None) -> list[BlockStat]:
+    """``(ready, cost, tail)`` of every block, as Python tuples (for small instances)."""
+    tail = tails(problem) if tail is None else tail
+    ready, cost = problem.ready, problem.cost
+    out = []
+    for k in blocks:
+        idx = layout.tensors_of(k.buffer, k.start, k.end)
+        out.append((max(ready[i] for i in idx), cost((k.end - k.start) * layout.itemsize[k.buffer]),
+                    max(tail[i] for i in idx)))
+    return out
+
+
+def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> float:
+    """Iteration time of ``blocks`` on ``problem`` in ``mode`` (same value as the simulator)."""
+    if mode not in MODES:
+        raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    sc = scorer_for(problem, layout)
+    return sc.score(sc.stats(blocks), mode)
+
+
+def charged(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> Problem:
+    """``problem`` with each compute phase lengthened by what ``blocks`` cost it in ``mode``
+    (the module docstring's rule); ``problem`` itself without the compute-cost option."""
+    if not problem.charges_cpu:
+        return problem
+    sc = scorer_for(problem, layout)
+    sb, sf = sc.stretch(sc.stats(blocks), mode=mode)
+    return problem.stretched(sb, sf)

@@ -1,6 +1,9 @@
 """Run the strategies on a profile, score them side by side, and build the chosen schedule.
 
-This is the domain code behind ``usbyte-opt optimize``: no printing, no torch.
+This is the domain code behind ``usbyte-opt optimize``: no printing, no torch. Every plan
+carries the mode its schedule runs in (fence: every block, then every update, as DDP;
+overlap: each update gated in the next forward), and every prediction is the one scorer's
+(:class:`usbyte_opt.fastsim.Scorer`) in that mode.
 
 Example::
 
@@ -9,9 +12,11 @@ Example::
     >>> report = compare(random_profile(random.Random(0), 30))
     >>> list(report.results)
     ['wfbp', 'ddp', 'mgwfbp', 'bytescheduler', 'usbyte', 'best']
-    >>> report.results["best"].overlap_ms <= min(r.iteration_ms for r in report.results.values())
+    >>> [r.mode for r in report.results.values()]
+    ['fence', 'fence', 'fence', 'overlap', 'overlap', 'overlap']
+    >>> report.results["best"].iteration_ms <= min(r.iteration_ms for r in report.results.values())
     True
-    >>> report.schedule("best").predicted["iteration_ms"] == report.results["best"].overlap_ms
+    >>> report.schedule("best").predicted["iteration_ms"] == report.results["best"].iteration_ms
     True
 """
 
@@ -19,15 +24,19 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from .bounds import lower_bound
 from .cost import CostModel, retarget
 from .errors import UsbyteError
-from .fastsim import evaluate
+from .fastsim import scorer_for
 from .formats import Profile, Schedule
 from .problem import Problem
 from .strategies import Plan, load_builtin
+
+#: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
+#: lower bound, named ``"lower bound"``) runs and ``("done", name, seconds)`` after it.
+Progress = Callable[[str, str, float], None]
 
 
 @dataclass(slots=True)
@@ -36,9 +45,10 @@ class StrategyResult:
 
     name: str
     plan: Plan
-    native_mode: str
+    mode: str
+    """The mode the plan's schedule runs in (``plan.mode``)."""
     iteration_ms: float
-    """Predicted time in the strategy's native mode."""
+    """Predicted time in that mode: what the schedule is predicted to take."""
     overlap_ms: float
     fence_ms: float
     solve_s: float
@@ -53,27 +63,31 @@ class Report:
     problem: Problem
     lower_bound_ms: float
     results: dict[str, StrategyResult] = field(default_factory=dict)
+    bound_s: float = 0.0
+    """Time taken by the lower bound."""
 
     @property
     def compute_ms(self) -> float:
         return self.problem.B + self.problem.F
 
     def baselines(self) -> dict[str, float]:
-        """Every strategy's predicted ms in its native mode."""
+        """Every strategy's predicted ms, each in its plan's mode."""
         return {n: r.iteration_ms for n, r in self.results.items()}
 
-    def schedule(self, name: str) -> Schedule:
-        """The schedule of strategy ``name``; ``predicted.iteration_ms`` is in overlap mode,
-        the way the runtime runs every schedule."""
+    def schedule(self, name: str, profile_digest: str | None = None) -> Schedule:
+        """The schedule of strategy ``name``, in its plan's mode; ``predicted.iteration_ms``
+        is the prediction in that mode. ``profile_digest``: the digest to record (default:
+        the planned profile's; a retargeted plan records the file's)."""
         r = self.results[name]
         lb = self.lower_bound_ms
         predicted = {
-            "iteration_ms": r.overlap_ms,
+            "iteration_ms": r.iteration_ms,
+            "mode": r.mode,
             "lower_bound_ms": lb,
-            "gap": max(0.0, (r.overlap_ms - lb) / lb) if lb > 0 else 0.0,
+            "gap": max(0.0, (r.iteration_ms - lb) / lb) if lb > 0 else 0.0,
             "compute_ms": self.compute_ms,
-            "native_mode": r.native_mode,
-            "native_ms": r.iteration_ms,
+            "overlap_ms": r.overlap_ms,
+            "fence_ms": r.fence_ms,
             "baselines": self.baselines(),
         }
         comm = self.problem.profile.comm
@@ -83,7 +97,8 @@ class Report:
         if self.problem.charges_cpu:
             extra["comm"].update(cpu_ms_per_block=comm.cpu_ms_per_block,
                                  cpu_ms_per_mb=comm.cpu_ms_per_mb)
-        return self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra)
+        return self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
+                                     mode=r.mode, profile_digest=profile_digest)
 
 
 def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: float | None = None,
@@ -93,20 +108,27 @@ def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: 
 
 
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
-            options: Mapping[str, Mapping[str, Any]] | None = None) -> Report:
+            options: Mapping[str, Mapping[str, Any]] | None = None,
+            progress: Progress | None = None) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
-    ``best`` is seeded with every other plan, so it is never predicted slower than any of
-    them in overlap mode (and, without the profile's compute-cost option, in fence mode
-    either: see docs/planner.md). ``options`` maps a strategy name to keyword arguments of its plan.
+    ``best`` is seeded with every other plan and searches both modes, so it is never
+    predicted slower than any of them (DDP included), whatever the profile's compute-cost
+    fields. ``options`` maps a strategy name to keyword arguments of its plan; ``progress``
+    is told when each strategy starts and ends (:data:`Progress`).
     """
     registry = load_builtin()
     names = list(strategies) if strategies is not None else list(registry)
     for n in names:
         if n not in registry:
             raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)}")
+    say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, CostModel.from_comm(profile.comm))
+    say("start", "lower bound", 0.0)
+    t0 = time.perf_counter()
     report = Report(problem, lower_bound(problem))
+    report.bound_s = time.perf_counter() - t0
+    say("done", "lower bound", report.bound_s)
     options = options or {}
     ordered = [n for n in names if n != "best"] + (["best"] if "best" in names else [])
     for n in ordered:
@@ -114,14 +136,17 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         kw = dict(options.get(n, {}))
         if n == "best":
             kw.setdefault("seeds", [r.plan for r in report.results.values()])
+        say("start", n, 0.0)
         t0 = time.perf_counter()
         plan = st.plan(problem, **kw)
         solve = time.perf_counter() - t0
         plan.info.setdefault("strategy", n)
-        ov = evaluate(problem, plan.layout, plan.blocks, "overlap")
-        fe = evaluate(problem, plan.layout, plan.blocks, "fence")
-        native = fe if st.native_mode == "fence" else ov
-        report.results[n] = StrategyResult(n, plan, st.native_mode, native, ov, fe, solve)
+        sc = scorer_for(problem, plan.layout)
+        stats = sc.stats(plan.blocks)
+        ov, fe = sc.score(stats, "overlap"), sc.score(stats, "fence")
+        T = fe if plan.mode == "fence" else ov
+        report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve)
+        say("done", n, solve)
     # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names}
     return report

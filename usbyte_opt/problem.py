@@ -20,7 +20,7 @@ Example::
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping, Sequence
 
 from .cost import CostModel
@@ -74,6 +74,10 @@ class Problem:
     """Training-thread time per MB all-reduced (the profile's ``comm.cpu_ms_per_mb``)."""
     total_bytes: int = 0
     """Bytes of all gradients (one iteration's all-reduce)."""
+    _ready_order: list[int] | None = None
+    _need_order: list[int] | None = None
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False)
+    """Derived data computed once per problem (the default layout, scorers)."""
 
     @classmethod
     def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> "Problem":
@@ -101,45 +105,29 @@ class Problem:
         """Whether communication costs the training thread here (the compute-cost option)."""
         return self.cpu_ms_per_block > 0 or self.cpu_ms_per_mb > 0
 
-    def stretch(self, blocks: int) -> float:
-        """Overlap mode's compute stretch for a schedule of ``blocks`` blocks.
-
-        The runtime issues every block from the training thread and the wire runs during
-        backward and the next forward, so one iteration's all-reduce costs compute
-        ``cpu_ms_per_mb`` x the gradient's MB plus ``cpu_ms_per_block`` x ``blocks``, spread
-        evenly over forward, backward and the updates: every compute time is multiplied by
-        ``1 + extra / (B + F)``. 1.0 without the option.
+    def block_cpu_ms(self, nbytes: float) -> float:
+        """Training-thread time one block of ``nbytes`` costs while compute runs beside it:
+        ``cpu_ms_per_block + cpu_ms_per_mb * MB`` (0 without the compute-cost option). How much
+        of it an iteration pays is the one rule of :mod:`usbyte_opt.fastsim`.
 
         Example::
 
             >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
             >>> prof = Profile("t", 40.0, 60.0, (TensorSpec("w", (250_000,), "float32", 30.0, 20.0),),
             ...                CommSpec("gloo", 2, 0.1, 1.0, cpu_ms_per_block=0.5, cpu_ms_per_mb=10.0))
-            >>> Problem.from_profile(prof).stretch(4)      # (10 x 1 MB + 0.5 x 4) / 100 ms
-            1.12
+            >>> Problem.from_profile(prof).block_cpu_ms(2_000_000)     # 0.5 + 10 x 2 MB
+            20.5
         """
-        if not self.charges_cpu:
-            return 1.0
-        compute = self.B + self.F
-        extra = self.cpu_ms_per_mb * self.total_bytes / 1e6 + self.cpu_ms_per_block * blocks
-        return 1.0 + extra / compute if compute > 0 else 1.0
+        return self.cpu_ms_per_block + self.cpu_ms_per_mb * nbytes / 1e6
 
-    def fence_backward(self, spans: Iterable[tuple[float, float, int]]) -> float:
-        """Fence mode's backward under the compute-cost option: ``B`` plus, for every block
-        ``(start_ms, finish_ms, bytes)`` started before ``B`` ends, ``cpu_ms_per_block`` and
-        ``cpu_ms_per_mb`` x its bytes on the wire until then (after backward the training
-        thread only waits). ``B`` without the option."""
-        B = self.B
-        return B + sum(self.cpu_ms_per_block + self.cpu_ms_per_mb * n / 1e6 * (min(f, B) - s)
-                       / max(f - s, 1e-12) for s, f, n in spans if s < B)
-
-    def stretched(self, factor: float) -> "Problem":
-        """This problem with every compute time (ready, need, update, B, F) times ``factor``
-        and the compute-cost option off (the stretch is its charge, applied once)."""
-        return Problem(self.profile, self.cost, self.names, [r * factor for r in self.ready],
-                       [x * factor for x in self.need], [u * factor for u in self.update],
-                       self.numel, self.itemsize, self.dtype, self.index, self.B * factor,
-                       self.F * factor, total_bytes=self.total_bytes)
+    def stretched(self, backward: float = 1.0, forward: float = 1.0) -> "Problem":
+        """This problem with the backward's times (``ready``, ``B``) times ``backward``, the
+        forward's (``need``, ``update``, ``F``) times ``forward``, and the compute-cost option
+        off: how :mod:`usbyte_opt.fastsim` applies what communication cost each phase."""
+        return Problem(self.profile, self.cost, self.names, [r * backward for r in self.ready],
+                       [x * forward for x in self.need], [u * forward for u in self.update],
+                       self.numel, self.itemsize, self.dtype, self.index, self.B * backward,
+                       self.F * forward, total_bytes=self.total_bytes)
 
     @property
     def n(self) -> int:
@@ -149,12 +137,18 @@ class Problem:
         return self.numel[i] * self.itemsize[i]
 
     def ready_order(self) -> list[int]:
-        """Tensor indices by ascending ready time (ties: profile order)."""
-        return sorted(range(self.n), key=lambda i: (self.ready[i], i))
+        """Tensor indices by ascending ready time (ties: profile order); a new list each call,
+        sorted once per problem."""
+        if self._ready_order is None:
+            self._ready_order = sorted(range(self.n), key=lambda i: (self.ready[i], i))
+        return list(self._ready_order)
 
     def need_order(self) -> list[int]:
-        """Tensor indices by ascending need time, i.e. forward order (ties: reverse ready)."""
-        return sorted(range(self.n), key=lambda i: (self.need[i], -self.ready[i], i))
+        """Tensor indices by ascending need time, i.e. forward order (ties: reverse ready); a
+        new list each call, sorted once per problem."""
+        if self._need_order is None:
+            self._need_order = sorted(range(self.n), key=lambda i: (self.need[i], -self.ready[i], i))
+        return list(self._need_order)
 
     def default_buffers(self, order: Sequence[int] | None = None) -> tuple[Buffer, ...]:
         """One buffer per dtype, tensors in ``order`` (default: ascending ready)."""
@@ -165,7 +159,15 @@ class Problem:
         return tuple(Buffer(dt, tuple(ns)) for dt, ns in groups.items())
 
     def layout(self, buffers: Sequence[Buffer] | None = None) -> Layout:
-        buffers = tuple(buffers) if buffers is not None else self.default_buffers()
+        """Where every tensor lies in ``buffers`` (default: :meth:`default_buffers`, built
+        once per problem and shared: callers only read a layout)."""
+        if buffers is None:
+            if "layout" not in self.cache:
+                self.cache["layout"] = self._layout(self.default_buffers())
+            return self.cache["layout"]
+        return self._layout(tuple(buffers))
+
+    def _layout(self, buffers: tuple[Buffer, ...]) -> Layout:
         members, starts, numel, itemsize = [], [], [], []
         pos: list[tuple[int, int, int]] = [(-1, 0, 0)] * self.n
         for b, buf in enumerate(buffers):
@@ -183,11 +185,14 @@ class Problem:
 
     def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                 check: bool = True) -> Schedule:
-        """Build (and by default validate) a :class:`Schedule` for this problem.
+                 check: bool = True, mode: str = "overlap",
+                 profile_digest: str | None = None) -> Schedule:
+        """Build (and by default validate) a :class:`Schedule` for this problem, to run in
+        ``mode`` (``"overlap"`` or ``"fence"``, :data:`usbyte_opt.formats.SCHEDULE_MODES`).
 
         The schedule records every tensor's shape (extra field ``shapes``), so that the runtime
-        can name the exact tensor whose shape differs from the model's.
+        can name the exact tensor whose shape differs from the model's, and the digest of the
+        profile it was planned from (``profile_digest``, default: this problem's profile).
         """
         blocks = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         prof = self.profile
@@ -195,7 +200,7 @@ class Problem:
         sched = Schedule(
             strategy=strategy,
             profile_name=prof.name,
-            profile_digest=prof.digest(),
+            profile_digest=profile_digest if profile_digest is not None else prof.digest(),
             fingerprint=prof.fingerprint(),
             world_size=prof.comm.world_size,
             buffers=layout.buffers,
@@ -203,6 +208,7 @@ class Problem:
             predicted=dict(predicted or {}),
             buffer_numel=tuple(layout.numel),
             extra=extra,
+            mode=mode,
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")

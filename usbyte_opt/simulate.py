@@ -11,11 +11,14 @@ Time origin is the start of backward; milliseconds and bytes.
   ``t_last + F - need_last``. ``T = max(forward end, finish(last block))``.
 * Fence mode (DDP, Horovod, WFBP, MG-WFBP): ``T = max(B, finish(last)) + sum(update) + F``.
 * Compute cost of communication (an option, on when the profile's ``comm`` carries
-  ``cpu_ms_per_block`` / ``cpu_ms_per_mb``; see docs/planner.md). Overlap mode: every compute
-  time is stretched by :meth:`Problem.stretch` for the schedule's block count (the runtime
-  issues from the training thread and the wire runs during backward and the next forward).
-  Fence mode: backward is lengthened by the blocks started before it ends and the bytes on the
-  wire until then; after backward the training thread only waits.
+  ``cpu_ms_per_block`` / ``cpu_ms_per_mb``; see docs/planner.md), one rule in both modes: a
+  block costs the training thread :meth:`Problem.block_cpu_ms`, spread over its time on the
+  wire, and the thread pays the part that overlaps its own compute (backward, and in overlap
+  mode the forward's compute between its waits); waiting costs nothing. The timeline without
+  the charge gives what each phase paid; backward's and forward's times are lengthened by it
+  (:meth:`Problem.stretched`) and the iteration is simulated again. This module reads the
+  overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.fastsim` computes
+  the same in closed form (tests check they agree).
 
 Deterministic, no torch import. :func:`chrome_trace` turns a :class:`Timeline` into a trace
 that Perfetto (ui.perfetto.dev) or ``chrome://tracing`` opens.
@@ -41,14 +44,15 @@ Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from .errors import MismatchError
-from .formats import Block, Profile, Schedule, check_against
+from .formats import SCHEDULE_MODES, Block, Profile, Schedule, check_against
 from .problem import Layout, Problem
 
-MODES = ("overlap", "fence")
+MODES = SCHEDULE_MODES
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,12 +105,69 @@ class Timeline:
 
 def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
                     mode: str = "overlap") -> Timeline:
-    """Simulate ``blocks`` (issue order) over ``layout``; blocks must cover every buffer once."""
+    """Simulate ``blocks`` (issue order) over ``layout``; blocks must cover every buffer once.
+
+    With the compute-cost option the timeline is that of the charged iteration, and its
+    ``meta["cpu_charge_ms"]`` holds what backward and forward paid."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    fence_cpu = mode == "fence" and problem.charges_cpu
-    if mode == "overlap" and problem.charges_cpu:
-        problem = problem.stretched(problem.stretch(len(blocks)))
+    tl = _walk(problem, layout, blocks, mode)
+    if not problem.charges_cpu:
+        return tl
+    xb, xf = compute_charge(problem, tl)
+    sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
+    sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
+    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode)
+    return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": {"backward": xb, "forward": xf}})
+
+
+def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
+    """The intervals in which the training thread computes, in time order: backward, then the
+    forward's segments between its waits (overlap mode), or the step and the forward after
+    the fence."""
+    out = [(0.0, timeline.backward_ms)]
+    if timeline.mode == "fence":
+        out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_end_ms))
+        return out
+    t = timeline.forward_start_ms
+    for g in timeline.forward:
+        arrive = g.reach_ms - g.wait_ms
+        if arrive > t:
+            out.append((t, arrive))
+        t = g.reach_ms
+    if timeline.forward_end_ms > t:
+        out.append((t, timeline.forward_end_ms))
+    return out
+
+
+def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
+    """``(backward ms, forward ms)`` that the blocks of ``timeline`` (simulated without the
+    charge) cost the training thread: each block's :meth:`Problem.block_cpu_ms` times the
+    share of its wire time that overlaps a compute window (:func:`compute_windows`)."""
+    wins = compute_windows(timeline)
+    xb = xf = 0.0
+    w = 0
+    for b in timeline.blocks:
+        dur = b.finish_ms - b.start_ms
+        if dur <= 0:
+            continue
+        rate = problem.block_cpu_ms(b.nbytes) / dur
+        while w < len(wins) and wins[w][1] <= b.start_ms:
+            w += 1
+        j = w
+        while j < len(wins) and wins[j][0] < b.finish_ms:
+            lo, hi = max(wins[j][0], b.start_ms), min(wins[j][1], b.finish_ms)
+            if hi > lo:
+                if j == 0:
+                    xb += rate * (hi - lo)
+                else:
+                    xf += rate * (hi - lo)
+            j += 1
+    return xb, (xf if timeline.mode == "overlap" else 0.0)
+
+
+def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str) -> Timeline:
+    """The step-by-step timeline of the module docstring, without the compute-cost option."""
     cost, ready, names = problem.cost, problem.ready, problem.names
     n = problem.n
     last = [-1.0] * n
@@ -130,8 +191,6 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
         missing = names[last.index(-1.0)]
         raise MismatchError(f"tensor {missing!r} is covered by no block")
     B, F = problem.B, problem.F
-    if fence_cpu:
-        B = problem.fence_backward((b.start_ms, b.finish_ms, b.nbytes) for b in timings)
     upd = problem.update
     gates = []
     if mode == "overlap":
@@ -157,14 +216,15 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates), total_upd)
 
 
-def simulate(profile: Profile | Problem, schedule: Schedule, mode: str = "overlap",
+def simulate(profile: Profile | Problem, schedule: Schedule, mode: str | None = None,
              check: bool = True, source: str = "<schedule>") -> Timeline:
-    """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted)."""
+    """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted), in
+    ``mode`` (default: the schedule's own, the one the runtime runs it in)."""
     problem = profile if isinstance(profile, Problem) else Problem.from_profile(profile)
     if check:
         check_against(schedule, problem.profile, source)
     layout = problem.layout(schedule.buffers)
-    return simulate_blocks(problem, layout, schedule.blocks, mode)
+    return simulate_blocks(problem, layout, schedule.blocks, mode or schedule.mode)
 
 
 def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any]:

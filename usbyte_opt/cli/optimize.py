@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
+import threading
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Any, Iterator, Optional
 
 import typer
 
 from .. import console
 from ..formats import save_schedule
-from ..planner import compare
+from ..planner import Progress, compare
 from ..simulate import simulate
 from ..strategies import load_builtin
 from . import common
@@ -30,33 +31,42 @@ def optimize(
     bucket_cap_mb: float = typer.Option(25.0, "--bucket-cap-mb", min=0.001,
                                         help="Bucket size of the ddp strategy, MiB (PyTorch's default 25)."),
     time_budget: float = typer.Option(0.6, "--time-budget", min=0.0,
-                                      help="Seconds of local search for best."),
+                                      help="Seconds of local search for best, at most (it stops "
+                                      "earlier when no move helps)."),
     trace: Optional[Path] = common.Trace,
     as_json: bool = common.Json,
+    wide: bool = common.Wide,
 ) -> None:
     """Plan PROFILE with every strategy, compare them, write the schedule of --strategy.
 
     The schedule (default: best's) is what `usbyte-opt launch` and DistributedOptimizer use.
-    Times are predicted by the simulator of docs/design.md §2: "native" is each strategy's own mode
-    (fence for wfbp, ddp, mgwfbp: all blocks before the optimizer step; overlap for the others:
-    updates gated per tensor in the next forward); "overlap" is the same plan run the way
-    usbyte-opt's runtime runs it.
+    Each plan runs in a mode, written into its schedule: fence (every block, then every
+    update, as DDP: wfbp, ddp, mgwfbp) or overlap (each update gated in the next forward:
+    bytescheduler, usbyte); best takes whichever mode is faster for its blocks. "predicted ms"
+    is the one scorer's prediction in that mode (docs/planner.md), with the profile's
+    compute-cost fields when it has them; best is never predicted slower than any other
+    strategy, DDP included. --wide adds both modes' times, the speedup over wfbp and the
+    exposed communication. On a terminal, planning that takes over a second shows its progress
+    on stderr, one line per strategy.
     """
     registry = load_builtin()
     if strategy not in registry:
         raise typer.BadParameter(f"expected one of {', '.join(registry)}", param_hint="--strategy")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
-    report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
-                                    "best": {"time_budget_s": time_budget}})
-    sched = report.schedule(strategy)
-    sched = dataclasses.replace(sched, profile_digest=original.digest())
+    with progress_display(enabled=not as_json) as say:
+        report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
+                                        "best": {"time_budget_s": time_budget}},
+                         progress=say)
+    sched = report.schedule(strategy, profile_digest=original.digest())
     out = output if output is not None else Path("schedules") / f"{original.name}.json"
     save_schedule(sched, out)
     if trace is not None:
         common.write_trace(trace, simulate(report.problem, sched, check=False),
-                           f"{original.name} / {strategy} (predicted)")
+                           f"{original.name} / {strategy} ({sched.mode}, predicted)")
     res = report.results
     lb = report.lower_bound_ms
+    chosen = res[strategy]
+    slower = chosen.iteration_ms > res["ddp"].iteration_ms * (1 + 1e-9)
     if as_json:
         console.emit_json({
             "profile": original.name,
@@ -66,13 +76,15 @@ def optimize(
             "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
             "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
             "compute_ms": report.compute_ms,
-            "strategies": {n: {"iteration_ms": r.iteration_ms, "native_mode": r.native_mode,
+            "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
                                "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
                                "blocks": r.blocks, "solve_s": r.solve_s}
                            for n, r in res.items()},
             "lower_bound_ms": lb,
+            "lower_bound_s": report.bound_s,
             "gap": sched.predicted["gap"],
             "chosen": strategy,
+            "mode": sched.mode,
             "output": str(out),
             "trace": str(trace) if trace else None,
         })
@@ -82,21 +94,78 @@ def optimize(
     rows = []
     for n, r in res.items():
         mark = " *" if n == strategy else ""
-        rows.append([n + mark, r.native_mode, f"{r.iteration_ms:.2f}", f"{r.overlap_ms:.2f}",
-                     f"{wfbp / r.iteration_ms:.3f}x", f"{ddp / r.iteration_ms:.3f}x",
-                     f"{r.iteration_ms - report.compute_ms:.2f}", r.blocks, f"{r.solve_s:.3f}"])
+        row = [n + mark, r.mode, f"{r.iteration_ms:.2f}", f"{ddp / r.iteration_ms:.3f}x", r.blocks,
+               f"{r.solve_s:.3f}"]
+        if wide:
+            row[4:4] = [f"{r.overlap_ms:.2f}", f"{r.fence_ms:.2f}", f"{wfbp / r.iteration_ms:.3f}x",
+                        f"{r.iteration_ms - report.compute_ms:.2f}"]
+        rows.append(row)
+    columns = ["strategy", "mode", "predicted ms", "vs ddp", "blocks", "solve s"]
+    if wide:
+        columns[4:4] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
     c = prof.comm
     console.table(
         f"{original.name}: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms "
         f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {c.world_size} ranks, "
         f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s" + common.cpu_cost_note(c),
-        ["strategy", "mode", "native ms", "overlap ms", "vs wfbp", "vs ddp", "exposed ms",
-         "blocks", "solve s"],
+        columns,
         rows,
         justify_right_from=2,
-        caption=f"lower bound {lb:.2f} ms; {strategy} is {100 * sched.predicted['gap']:.2f}% above it",
+        caption=f"lower bound {lb:.2f} ms; {strategy} ({sched.mode} mode) is "
+                f"{100 * sched.predicted['gap']:.2f}% above it",
     )
+    if slower:
+        console.warn(f"{strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
+                     "best is never slower than ddp (--strategy best)")
     console.info(f"wrote {out}" + (f" and {trace}" if trace else ""))
+
+
+@contextmanager
+def progress_display(enabled: bool = True, after_s: float = 1.0) -> Iterator[Progress]:
+    """A :data:`usbyte_opt.planner.Progress` callback that shows rich's progress display on
+    stderr, one line per strategy, once planning has run ``after_s`` seconds; nothing when
+    not ``enabled`` or when stderr is not a terminal."""
+    if not enabled or not console.err.is_terminal:
+        yield lambda event, name, seconds: None
+        return
+    from rich.progress import Progress as Bar, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    lock = threading.Lock()
+    state: dict[str, Any] = {"bar": None, "events": [], "tasks": {}}
+
+    def apply(bar: Any, event: str, name: str, seconds: float) -> None:
+        tasks = state["tasks"]
+        if event == "start":
+            tasks[name] = bar.add_task(name, total=1)
+        elif name in tasks:
+            bar.update(tasks[name], completed=1, description=f"{name}: {seconds:.2f} s")
+
+    def start() -> None:
+        with lock:
+            bar = Bar(SpinnerColumn(finished_text="✓"), TextColumn("{task.description}"),
+                      TimeElapsedColumn(), console=console.err, transient=True)
+            bar.start()
+            for ev in state["events"]:
+                apply(bar, *ev)
+            state["bar"] = bar
+
+    def say(event: str, name: str, seconds: float) -> None:
+        with lock:
+            if state["bar"] is None:
+                state["events"].append((event, name, seconds))
+            else:
+                apply(state["bar"], event, name, seconds)
+
+    timer = threading.Timer(after_s, start)
+    timer.daemon = True
+    timer.start()
+    try:
+        yield say
+    finally:
+        timer.cancel()
+        with lock:
+            if state["bar"] is not None:
+                state["bar"].stop()
 
 
 def register(app: typer.Typer) -> None:

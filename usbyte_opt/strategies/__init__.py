@@ -2,7 +2,8 @@
 
 A strategy module registers itself with :func:`register`; :data:`STRATEGIES` maps names to
 :class:`Strategy` entries in the order they are reported. All strategies emit blocks in the
-same language and are scored by the one simulator (:mod:`usbyte_opt.simulate`).
+same language, and every candidate they weigh is scored by the one scorer
+(:class:`usbyte_opt.fastsim.Scorer`, equal to the simulator of :mod:`usbyte_opt.simulate`).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ class Plan:
 
     layout: Layout
     blocks: list[Block]
-    native_mode: str
-    """"fence" for strategies that wait for every block before the step, else "overlap"."""
+    mode: str
+    """The mode the schedule runs in: "fence" (every block, then every update, as DDP) or
+    "overlap" (each update gated in the next forward); the strategy's native mode, or for
+    ``best`` whichever is faster."""
     info: dict[str, Any] = field(default_factory=dict)
     """Tuned knobs and anything worth reporting (e.g. ``{"partition": 4_000_000}``)."""
 

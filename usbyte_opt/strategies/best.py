@@ -1,4 +1,4 @@
-"""``best``: our optimizer. Fusion, partition and order together, scored by the one simulator.
+"""``best``: our optimizer. Fusion, partition, order and mode together, scored by the one scorer.
 
 Why this shape. By the closed form of :mod:`usbyte_opt.fastsim`, a schedule's overlap-mode
 time is ``max(B + F, finish_last, max_k finish_k + q_k)`` with release times
@@ -14,17 +14,25 @@ cut costs more than it saves. So ``best``:
    least ``cut_min`` bytes on each side, and a block absorbs its released neighbours in the
    layout (fusion) up to ``fuse_cap`` bytes. A small grid of ``(cut_min, fuse_cap)`` in units
    of ``alpha / beta`` (the bytes one alpha could have carried) covers the regimes from
-   latency-bound (fuse a lot, never cut) to bandwidth-bound (cut freely, fuse little).
-2. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
-   the cheap baselines it computes itself, so it is never predicted slower than any of them
-   in overlap mode.
-3. **Improves** the best candidate by local search (:func:`improve`): merge two consecutive
-   blocks that are contiguous in a buffer, split a block (at a tensor boundary or in the middle
-   of a tensor), swap two consecutive blocks; first improvement, sweeps until a fixed point or
-   the time budget. Each move is scored in O(blocks) numpy with
-   ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs), which is the
-   channel recurrence unrolled.
-4. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
+   latency-bound (fuse a lot, never cut) to bandwidth-bound (cut freely, fuse little); cut
+   sizes no tensor is large enough for give the same plan and are run once, and beyond
+   :data:`FULL_GRID_TENSORS` tensors the cuts are tried at the best fusion cap only.
+2. Builds **two-phase** bucketed candidates, each phase optimal for its part by dynamic
+   programming (:func:`two_phase`), the first of them (every tensor in phase 1) the fastest
+   fence schedule of whole tensors in ready order.
+3. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
+   the cheap baselines it computes itself.
+4. Scores **every candidate in both modes** (fence: every block, then every update, as DDP;
+   overlap: each update gated in the next forward), so it is never predicted slower than any
+   strategy in the mode that strategy runs in, whatever the compute-cost fields.
+5. **Improves** the best candidate by local search in its mode (:func:`improve`): moves on the
+   block that sets T, then merge / swap / split of consecutive blocks within the stretch of
+   channel that sets T (a move elsewhere cannot lower it; with the compute-cost option every
+   block counts, and the whole schedule is searched); first improvement, to a fixed point or
+   the time budget. Each move is scored by :class:`usbyte_opt.fastsim.Scorer` in O(blocks)
+   numpy with ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs).
+   With the compute-cost option the best candidate of the other mode is improved too.
+6. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
    :mod:`usbyte_opt.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
 
 It reports the lower bound of :mod:`usbyte_opt.bounds` and its gap in ``Plan.info``.
@@ -39,7 +47,8 @@ Example::
     >>> pb = Problem.from_profile(random_profile(random.Random(1), 40))
     >>> best = get("best").plan(pb)
     >>> wfbp = get("wfbp").plan(pb)
-    >>> evaluate(pb, best.layout, best.blocks) <= evaluate(pb, wfbp.layout, wfbp.blocks, "fence")
+    >>> T = evaluate(pb, best.layout, best.blocks, best.mode)
+    >>> T <= evaluate(pb, wfbp.layout, wfbp.blocks, "fence")
     True
     >>> best.info["gap"] >= 0
     True
@@ -50,12 +59,14 @@ from __future__ import annotations
 import heapq
 import math
 import time
+from bisect import bisect_left
+from collections import deque
 from typing import Sequence
 
 import numpy as np
 
 from ..bounds import lower_bound
-from ..fastsim import evaluate, tails
+from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, STRATEGIES, register
@@ -65,6 +76,11 @@ from . import Plan, STRATEGIES, register
 #: ``fuse_cap``: largest block that fusion may build (0: no fusion).
 CUT_GRID = (0.25, 1.0, 4.0, 16.0, math.inf)
 FUSE_GRID = (0.0, 1.0, 4.0, 16.0, 64.0)
+
+#: Up to this many tensors the whole grid is built and two-phase tries 24 boundaries; beyond,
+#: the fusion caps without cuts, then the cut sizes at the best cap (each construction is
+#: O(n log n) in Python), and 8 boundaries.
+FULL_GRID_TENSORS = 2000
 
 #: Baselines cheap enough to recompute inside ``best`` when the caller passed none.
 CHEAP_SEEDS = ("wfbp", "ddp", "mgwfbp")
@@ -92,7 +108,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     for members in layout.members:
         for a, b in zip(members, members[1:]):
             next_of[a], prev_of[b] = b, a
-    rel = sorted(range(n), key=lambda i: (ready[i], i))
+    rel = problem.ready_order()
     ptr = 0
     heap: list[tuple[float, float, int]] = []
     t = 0.0
@@ -164,64 +180,96 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     return blocks
 
 
-def two_phase(problem: Problem, layout: Layout, tail: Sequence[float],
-              n_boundaries: int = 24, window: int = 2048) -> list[list[Block]]:
+def cut_grid(problem: Problem, u0: float) -> list[float]:
+    """:data:`CUT_GRID` without the cut sizes that no tensor can take (a cut leaves at least
+    ``cut_min`` bytes on each side, so ``cut_min >= largest / 2`` never cuts: same as inf)."""
+    largest = max(problem.nbytes(i) for i in range(problem.n))
+    return [c for c in CUT_GRID if c == math.inf or 2 * c * u0 < largest]
+
+
+def two_phase(problem: Problem, layout: Layout, tail: Sequence[float], n_boundaries: int = 24,
+              incumbent: float = math.inf) -> list[list[Block]]:
     """Bucketed schedules in two phases, each optimal by dynamic programming for its part.
 
     Tensors in ready order ``0..N-1`` (so fused runs of one dtype are contiguous in the default
     layout). Phase 1 sends ``[0, x)`` in ready order, fused into runs; phase 2 sends ``[x, N)``
-    in *reverse* ready order (input side first), fused into runs. Once the first phase-2 block
-    (which holds the last-ready tensor) starts, every gradient is final, so phase 2's
-    contribution is ``start + D_x(N)`` with
+    in *reverse* ready order (input side first), fused into runs. Phase 1 minimises the
+    channel's finish time, ``f(j) = min_i max(f(i), ready_{j-1}) + c(i, j)``, in O(N log N):
+    the ``i`` with ``f(i) <= ready_{j-1}`` only grow with j (the best of them is the last), the
+    others are kept in a heap by ``f(i) - P_i``. Once the first phase-2 block (which holds the
+    last-ready tensor) starts, every gradient is final, so phase 2's contribution is
+    ``start + D_x(N)`` with
 
         D_x(y) = min_z  c(z, y) + max(Q(z, y), D_x(z)),   D_x(x) = 0,
 
-    where block ``[z, y)`` goes first and ``Q`` is its largest tail. Phase 1 minimises the
-    channel's finish time: ``f(j) = min_i max(f(i), ready_{j-1}) + c(i, j)``. Returns one
-    schedule per tried boundary ``x`` (the boundaries around where phase 1 meets the end of
-    backward, plus a spread); the caller scores them with the simulator.
+    where block ``[z, y)`` goes first and ``Q`` is its largest tail, in O(N log N) by
+    :func:`_phase2`. Returns the schedule with every tensor in phase 1 (the fastest fence
+    schedule of whole tensors in ready order), then one per tried boundary ``x`` (around where
+    phase 1 meets the end of backward, plus a spread), skipping a boundary whose schedule
+    provably takes at least ``incumbent`` (its phase-1 blocks' finish plus tail, or phase 2's
+    start plus one alpha, its bytes and, for the last-ready tensor, its tail).
     """
     order = problem.ready_order()
     N = len(order)
     pos = layout.pos
     alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
-    R = np.array([problem.ready[i] for i in order])
-    Q = np.array([tail[i] for i in order])
+    R = [problem.ready[i] for i in order]
+    Q = [tail[i] for i in order]
+    Qa = np.asarray(Q)
     w = np.array([problem.nbytes(i) * beta for i in order])
-    P = np.concatenate([[0.0], np.cumsum(w)])
+    Pa = np.concatenate([[0.0], np.cumsum(w)])
+    P = Pa.tolist()
     buf = [pos[i][0] for i in order]
     run_lo = [0] * N  # first index of the single-buffer run that ends at j
     for j in range(1, N):
         run_lo[j] = run_lo[j - 1] if buf[j] == buf[j - 1] else j
-    f = np.zeros(N + 1)
+    # Phase 1: f(j) = alpha + P_j + min_i (max(f(i), R_{j-1}) - P_i), i in [run_lo[j-1], j).
+    f = [0.0] * (N + 1)
     arg = [0] * (N + 1)
+    pending: list[tuple[float, int]] = []     # (f(i), i) not yet below the current release
+    late: list[tuple[float, int]] = []        # (f(i) - P_i, i) among those, lazily cleaned
+    active = -1                               # largest i with f(i) <= the current release
     for j in range(1, N + 1):
-        lo = max(run_lo[j - 1], j - window)
-        cand = np.maximum(f[lo:j], R[j - 1]) + alpha + (P[j] - P[lo:j])
-        k = int(np.argmin(cand))
-        f[j], arg[j] = cand[k], lo + k
+        i_new = j - 1
+        heapq.heappush(pending, (f[i_new], i_new))
+        heapq.heappush(late, (f[i_new] - P[i_new], i_new))
+        r = R[j - 1]
+        while pending and pending[0][0] <= r:
+            active = max(active, heapq.heappop(pending)[1])
+        lo = run_lo[j - 1]
+        best_v, best_i = math.inf, -1
+        if active >= lo:
+            best_v, best_i = r - P[active], active
+        while late and (late[0][1] < lo or f[late[0][1]] <= r):
+            heapq.heappop(late)
+        if late and late[0][0] < best_v:
+            best_v, best_i = late[0]
+        f[j], arg[j] = alpha + P[j] + best_v, best_i
+    fa = np.asarray(f)
 
     def runs_to_blocks(runs: list[tuple[int, int]]) -> list[Block]:
         return [Block(buf[i], pos[order[i]][1], pos[order[j - 1]][2]) for i, j in runs]
 
-    x0 = int(np.searchsorted(f, R[-1], side="right")) - 1
+    def phase1_runs(x: int) -> list[tuple[int, int]]:
+        runs, j = [], x
+        while j > 0:
+            runs.append((arg[j], j))
+            j = arg[j]
+        runs.reverse()
+        return runs
+
+    out = [runs_to_blocks(phase1_runs(N))]
+    x0 = int(np.searchsorted(fa, R[-1], side="right")) - 1
     xs = set(int(v) for v in np.linspace(0, N - 1, max(n_boundaries // 2, 2)))
     xs.update(range(max(0, x0 - n_boundaries // 4), min(N - 1, x0 + n_boundaries // 4) + 1))
-    out = []
+    Rl = R[-1]
     for x in sorted(xs):
-        D = np.zeros(N + 1)
-        darg = [0] * (N + 1)
-        for y in range(x + 1, N + 1):
-            lo = max(x, run_lo[y - 1], y - window)
-            qz = np.maximum.accumulate(Q[lo:y][::-1])[::-1]
-            cand = alpha + (P[y] - P[lo:y]) + np.maximum(qz, D[lo:y])
-            k = int(np.argmin(cand))
-            D[y], darg[y] = cand[k], lo + k
-        runs1, j = [], x
-        while j > 0:
-            runs1.append((arg[j], j))
-            j = arg[j]
-        runs1.reverse()
+        runs1 = phase1_runs(x)
+        start2 = max(f[x], Rl)
+        worst1 = max((f[j] + float(Qa[i:j].max()) for i, j in runs1), default=-math.inf)
+        if max(worst1, start2 + alpha + max(P[N] - P[x], float(w[-1] + Qa[-1]))) >= incumbent:
+            continue
+        D, darg = _phase2(x, N, P, Q, run_lo, alpha)
         runs2, y = [], N
         while y > x:
             runs2.append((darg[y], y))
@@ -230,37 +278,117 @@ def two_phase(problem: Problem, layout: Layout, tail: Sequence[float],
     return out
 
 
-class _Scorer:
-    """Block stats as numpy arrays and the vectorised channel recurrence."""
+def _phase2(x: int, N: int, P: Sequence[float], Q: Sequence[float], run_lo: Sequence[int],
+            alpha: float) -> tuple[list[float], list[int]]:
+    """Phase 2 of :func:`two_phase` for boundary ``x``: ``D(y)`` and the ``z`` that attains it,
+    for ``y`` in ``(x, N]``, ``z`` in ``[max(x, run_lo[y-1]), y)``.
 
-    def __init__(self, problem: Problem, layout: Layout):
-        self.problem, self.layout = problem, layout
-        self.tail = tails(problem)
-        self.floor = problem.B + problem.F
-        self.alpha = problem.cost.alpha_ms
-        self.beta = problem.cost.beta_ms_per_byte
+    ``D`` is nondecreasing (dropping a tensor never slows the rest) and ``Q(z, y)`` falls as
+    ``z`` rises, so the ``z`` with ``Q(z, y) >= D(z)`` are a prefix ending at ``z*``, which
+    only moves right as ``y`` grows. Beyond ``z*`` the term is ``D(z) - P_z``, a sliding
+    window minimum (monotone deque). Up to ``z*`` it is ``Q(z, y) - P_z``: over the stack of
+    suffix maxima of ``Q`` (positions whose ``Q`` exceeds every later one, up to ``y - 1``)
+    that value falls from bottom to top (``Q`` falls, ``P`` rises), so the best ``z`` is
+    ``z*`` itself, with ``Q(z*, y)`` read from the stack by bisection.
+    """
+    D = [0.0] * (N + 1)
+    darg = [0] * (N + 1)
+    stack: list[int] = []          # suffix maxima of Q[.. y-1], Q strictly falling upward
+    dq: deque[int] = deque()       # z beyond z*, D(z) - P_z rising
+    zs = x - 1
+    for y in range(x + 1, N + 1):
+        j = y - 1
+        q = Q[j]
+        while stack and Q[stack[-1]] <= q:
+            stack.pop()
+        stack.append(j)
+        lo = x if x > run_lo[j] else run_lo[j]
+        if zs < lo - 1:
+            zs = lo - 1
+        while zs + 1 < y and Q[stack[bisect_left(stack, zs + 1)]] >= D[zs + 1]:
+            zs += 1
+        g = D[j] - P[j]
+        while dq and D[dq[-1]] - P[dq[-1]] >= g:
+            dq.pop()
+        dq.append(j)
+        first = zs + 1 if zs + 1 > lo else lo
+        while dq and dq[0] < first:
+            dq.popleft()
+        best, arg = math.inf, -1
+        if dq:
+            best, arg = D[dq[0]] - P[dq[0]], dq[0]
+        if zs >= lo:
+            v = Q[stack[bisect_left(stack, zs)]] - P[zs]
+            if v < best:
+                best, arg = v, zs
+        D[y] = alpha + P[y] + best
+        darg[y] = arg
+    return D, darg
 
-    def stat(self, k: Block) -> tuple[float, float, float]:
-        idx = self.layout.tensors_of(k.buffer, k.start, k.end)
-        ready, tail = self.problem.ready, self.tail
-        return (max(ready[i] for i in idx),
-                self.alpha + (k.end - k.start) * self.layout.itemsize[k.buffer] * self.beta,
-                max(tail[i] for i in idx))
 
-    def arrays(self, blocks: Sequence[Block]) -> np.ndarray:
-        return np.array([self.stat(k) for k in blocks], dtype=float).reshape(-1, 3)
+def _critical(sc: Scorer, layout: Layout, blocks: list[Block], st: Stats, cur: float,
+              eps: float = 1e-9) -> tuple[list[Block], Stats, float] | None:
+    """Overlap-mode moves aimed at the block that sets T (the largest ``finish + tail``).
 
-    def score(self, S: np.ndarray) -> float:
-        R, C, Q = S[:, 0], S[:, 1], S[:, 2]
-        f = self.problem.stretch(len(S))  # compute-cost option: ready, tails, B + F scale
-        if f != 1.0:
-            R, Q = R * f, Q * f
-        cum = np.cumsum(C)
-        fin = cum + np.maximum.accumulate(R - (cum - C))
-        return max(self.floor * f, float(fin[-1]), float((fin + Q).max()))
+    *Hoist*: issue it before one of the blocks that hold the channel when it becomes ready.
+    *Preempt*: cut such an earlier, smaller-tail block at the moment the critical block
+    becomes ready and send the rest after it — Jackson's preemption, paid with one alpha.
+    Returns the best improving move, or ``None``.
+    """
+    R, C, Q = st.R, st.C, st.Q
+    fin = sc.finishes(R, C)
+    start = fin - C
+    c = int(np.argmax(fin + Q))
+    if fin[c] + Q[c] < cur - eps:
+        return None  # T is set by the compute floor or the last finish, not by a tail
+    # Blocks before c still on the wire when c became ready, latest first.
+    # (finishes grow along the issue order, so they are the blocks just before c).
+    busy = [k for k in range(c - 1, max(c - 17, -1), -1) if fin[k] > R[c]]
+    best: tuple[list[Block], Stats, float] | None = None
+    for k in busy:
+        order = blocks[:k] + [blocks[c]] + blocks[k:c] + blocks[c + 1:]
+        st2 = st.take(np.r_[0:k, c, k:c, c + 1:len(st)])
+        v = sc.score(st2)
+        if v < cur - eps and (best is None or v < best[2]):
+            best = (order, st2, v)
+        a = blocks[k]
+        if Q[k] >= Q[c] or start[k] >= R[c]:
+            continue
+        per_el = sc.beta * layout.itemsize[a.buffer]
+        cut = a.start + int((R[c] - start[k] - sc.alpha) / per_el) if per_el > 0 else a.start
+        if not a.start < cut < a.end:
+            continue
+        k1, k2 = Block(a.buffer, a.start, cut), Block(a.buffer, cut, a.end)
+        order = blocks[:k] + [k1] + blocks[k + 1:c + 1] + [k2] + blocks[c + 1:]
+        pair = sc.stats([k1, k2])
+        st2 = Stats.concat([st.take(np.r_[0:k]), pair.take([0]), st.take(np.r_[k + 1:c + 1]),
+                            pair.take([1]), st.take(np.r_[c + 1:len(st)])])
+        v = sc.score(st2)
+        if v < cur - eps and (best is None or v < best[2]):
+            best = (order, st2, v)
+    return best
 
 
-def _splits(problem: Problem, layout: Layout, k: Block) -> list[tuple[Block, Block]]:
+def _window(sc: Scorer, st: Stats, mode: str) -> tuple[int, int]:
+    """Positions ``[a, b]`` where a move can lower T: the stretch of channel, busy without a
+    break, that ends at the block setting T (its finish plus tail, or the last finish). Moves
+    before it cannot make that block finish earlier, and moves after it cannot touch it."""
+    fin = sc.finishes(st.R, st.C)
+    start = fin - st.C
+    K = len(st)
+    if mode == "overlap":
+        terms = fin + st.Q
+        c = int(np.argmax(terms))
+        if terms[c] < fin[-1]:
+            c = K - 1
+    else:
+        c = K - 1
+    idle = np.flatnonzero(start[1:c + 1] > fin[:c])   # block j + 1 waited for its gradients
+    a = int(idle[-1]) + 1 if len(idle) else 0
+    return max(a - 1, 0), c
+
+
+def _splits(layout: Layout, k: Block) -> list[tuple[Block, Block]]:
     """Candidate ways to cut block ``k`` in two: at tensor boundaries near its ends and
     middle, or in the middle of a single tensor."""
     idx = layout.tensors_of(k.buffer, k.start, k.end)
@@ -275,122 +403,96 @@ def _splits(problem: Problem, layout: Layout, k: Block) -> list[tuple[Block, Blo
     return [(Block(k.buffer, k.start, c), Block(k.buffer, c, k.end)) for c in sorted(cuts)]
 
 
-def _critical(sc: "_Scorer", layout: Layout, blocks: list[Block], S: np.ndarray,
-              cur: float, eps: float = 1e-9) -> tuple[list[Block], np.ndarray, float] | None:
-    """Moves aimed at the block that sets T (the largest ``finish + tail``).
-
-    *Hoist*: issue it before one of the blocks that hold the channel when it becomes ready.
-    *Preempt*: cut such an earlier, smaller-tail block at the moment the critical block
-    becomes ready and send the rest after it — Jackson's preemption, paid with one alpha.
-    Returns the best improving move, or ``None``.
-    """
-    R, C, Q = S[:, 0], S[:, 1], S[:, 2]
-    cum = np.cumsum(C)
-    fin = cum + np.maximum.accumulate(R - (cum - C))
-    start = fin - C
-    c = int(np.argmax(fin + Q))
-    if fin[c] + Q[c] < cur - eps:
-        return None  # T is set by the compute floor or the last finish, not by a tail
-    # Blocks before c still on the wire when c became ready, latest first.
-    busy = [k for k in range(c - 1, -1, -1) if fin[k] > R[c]][:16]
-    best: tuple[list[Block], np.ndarray, float] | None = None
-    for k in busy:
-        order = blocks[:k] + [blocks[c]] + blocks[k:c] + blocks[c + 1:]
-        S2 = np.concatenate([S[:k], S[c:c + 1], S[k:c], S[c + 1:]])
-        v = sc.score(S2)
-        if v < cur - eps and (best is None or v < best[2]):
-            best = (order, S2, v)
-        a = blocks[k]
-        if Q[k] >= Q[c] or start[k] >= R[c]:
-            continue
-        per_el = sc.beta * layout.itemsize[a.buffer]
-        cut = a.start + int((R[c] - start[k] - sc.alpha) / per_el) if per_el > 0 else a.start
-        if not a.start < cut < a.end:
-            continue
-        k1, k2 = Block(a.buffer, a.start, cut), Block(a.buffer, cut, a.end)
-        order = blocks[:k] + [k1] + blocks[k + 1:c + 1] + [k2] + blocks[c + 1:]
-        S2 = np.concatenate([S[:k], np.array([sc.stat(k1)]), S[k + 1:c + 1],
-                             np.array([sc.stat(k2)]), S[c + 1:]])
-        v = sc.score(S2)
-        if v < cur - eps and (best is None or v < best[2]):
-            best = (order, S2, v)
-    return best
-
-
-def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: float) -> list[Block]:
-    """Local search: moves on the critical block (:func:`_critical`), then a first-improvement
-    sweep of merge / swap / split over consecutive blocks; repeated to a fixed point or the
-    deadline."""
-    sc = _Scorer(problem, layout)
+def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: float,
+            mode: str = "overlap", scorer: Scorer | None = None) -> list[Block]:
+    """Local search in ``mode``: moves on the critical block (:func:`_critical`, overlap mode),
+    then a first-improvement sweep of merge / swap / split over consecutive blocks within
+    :func:`_window` (everywhere with the compute-cost option); repeated to a fixed point or
+    the deadline."""
+    sc = scorer if scorer is not None else scorer_for(problem, layout)
     blocks = list(blocks)
-    S = sc.arrays(blocks)
-    cur = sc.score(S)
+    st = sc.stats(blocks)
+    cur = sc.score(st, mode)
     eps = 1e-9
+    every = problem.charges_cpu
+    floor = problem.B + problem.F + (sum(problem.update) if mode == "fence" else 0.0)
+    if not every and cur <= floor + eps:
+        return blocks
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        while time.perf_counter() < deadline:
-            move = _critical(sc, layout, blocks, S, cur)
+        while mode == "overlap" and time.perf_counter() < deadline:
+            move = _critical(sc, layout, blocks, st, cur)
             if move is None:
                 break
-            blocks, S, cur = move
+            blocks, st, cur = move
             improved = True
-        k = 0
-        while k < len(blocks) and time.perf_counter() < deadline:
-            a = blocks[k]
+        a, b = (0, len(blocks) - 1) if every else _window(sc, st, mode)
+        k = a
+        while k <= min(b, len(blocks) - 1) and time.perf_counter() < deadline:
+            blk = blocks[k]
             moved = False
             if k + 1 < len(blocks):
-                b = blocks[k + 1]
+                nxt = blocks[k + 1]
                 # Merge when contiguous in one buffer (either side).
-                if a.buffer == b.buffer and (a.end == b.start or b.end == a.start):
-                    m = Block(a.buffer, min(a.start, b.start), max(a.end, b.end))
-                    S2 = np.concatenate([S[:k], np.array([sc.stat(m)]), S[k + 2:]])
-                    v = sc.score(S2)
+                if blk.buffer == nxt.buffer and (blk.end == nxt.start or nxt.end == blk.start):
+                    m = Block(blk.buffer, min(blk.start, nxt.start), max(blk.end, nxt.end))
+                    st2 = st.splice(k, k + 2, sc.stats([m]))
+                    v = sc.score(st2, mode)
                     if v < cur - eps:
                         blocks[k:k + 2] = [m]
-                        S, cur, moved = S2, v, True
+                        st, cur, moved = st2, v, True
+                        b -= 1
                 if not moved:
-                    S2 = S.copy()
-                    S2[[k, k + 1]] = S2[[k + 1, k]]
-                    v = sc.score(S2)
+                    st2 = st.take(np.r_[0:k, k + 1, k, k + 2:len(st)])
+                    v = sc.score(st2, mode)
                     if v < cur - eps:
-                        blocks[k], blocks[k + 1] = b, a
-                        S, cur, moved = S2, v, True
+                        blocks[k], blocks[k + 1] = nxt, blk
+                        st, cur, moved = st2, v, True
             if not moved:
-                for x, y in _splits(problem, layout, a):
-                    sx, sy = sc.stat(x), sc.stat(y)
-                    for first, second in ((x, y), (y, x)) if sy[2] > sx[2] else ((x, y),):
-                        pair = np.array([sc.stat(first), sc.stat(second)])
-                        S2 = np.concatenate([S[:k], pair, S[k + 1:]])
-                        v = sc.score(S2)
+                for x, y in _splits(layout, blk):
+                    pair = sc.stats([x, y])
+                    options = [(x, y, pair)]
+                    if pair.Q[1] > pair.Q[0]:
+                        options.append((y, x, pair.take([1, 0])))
+                    for first, second, ps in options:
+                        st2 = st.splice(k, k + 1, ps)
+                        v = sc.score(st2, mode)
                         if v < cur - eps:
                             blocks[k:k + 1] = [first, second]
-                            S, cur, moved = S2, v, True
+                            st, cur, moved = st2, v, True
+                            b += 1
                             break
                     if moved:
                         break
             if moved:
                 improved = True
-                k = max(k - 1, 0)
+                if not every:
+                    a, b = _window(sc, st, mode)
+                    k = max(min(k - 1, b), a)
+                else:
+                    k = max(k - 1, 0)
+                    b = len(blocks) - 1
             else:
                 k += 1
     return blocks
 
 
 @register("best", "overlap", "ours: alpha-aware Jackson rule with fusion + local search, "
-          "seeded by every other strategy")
+          "seeded by every other strategy, in the faster mode")
 def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: float = 0.6,
-         exact_max_tensors: int = 6) -> Plan:
-    """Plan with fusion, partition and order chosen together (see module docstring).
+         exact_max_tensors: int = 6, lower_bound_ms: float | None = None) -> Plan:
+    """Plan with fusion, partition, order and mode chosen together (see module docstring).
 
     Args:
         seeds: plans of other strategies to start from; without them the cheap baselines
             (wfbp, ddp, mgwfbp) are computed here.
-        time_budget_s: wall-clock budget of the local search.
+        time_budget_s: wall-clock budget of the local search (it stops earlier at a fixed point).
         exact_max_tensors: also solve the exact unit-grid MILP up to this many tensors.
+        lower_bound_ms: the problem's lower bound when the caller has it (else computed).
 
     Returns:
-        A :class:`Plan` in overlap mode whose ``info`` holds the lower bound, the gap and
+        A :class:`Plan` in the faster mode; ``info`` holds the lower bound, the gap and
         where the winning candidate came from.
     """
     t0 = time.perf_counter()
@@ -399,39 +501,71 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     u0 = problem.cost.alpha_ms / problem.cost.beta_ms_per_byte
     if u0 <= 0:
         u0 = max(sum(problem.nbytes(i) for i in range(problem.n)) / (10 * problem.n), 1.0)
-    candidates: list[tuple[float, str, Layout, list[Block]]] = []
+    candidates: list[tuple[float, str, str, Layout, list[Block]]] = []
 
     def add(name: str, lay: Layout, blocks: list[Block]) -> None:
-        candidates.append((evaluate(problem, lay, blocks), name, lay, list(blocks)))
+        s = scorer_for(problem, lay)
+        st = s.stats(blocks)
+        for mode in MODES:
+            candidates.append((s.score(st, mode), mode, name, lay, list(blocks)))
 
-    for cut in CUT_GRID:
-        for fuse in FUSE_GRID:
-            add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
-                construct(problem, layout, tail, cut * u0, fuse * u0))
-    for i, blocks in enumerate(two_phase(problem, layout, tail)):
-        add(f"two-phase#{i}", layout, blocks)
     if seeds is None:
         seeds = [STRATEGIES[s].plan(problem) for s in CHEAP_SEEDS if s in STRATEGIES]
     for s in seeds:
         add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
+    cuts = cut_grid(problem, u0)
+    if problem.n <= FULL_GRID_TENSORS:
+        grid = [(c, f) for c in cuts for f in FUSE_GRID]
+    else:  # the fusion caps without cuts, then the cuts at the best cap
+        grid = [(math.inf, f) for f in FUSE_GRID]
+    tried = set()
+    for cut, fuse in grid:
+        tried.add((cut, fuse))
+        add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
+            construct(problem, layout, tail, cut * u0, fuse * u0))
+    if problem.n > FULL_GRID_TENSORS:
+        fuse = min((c for c in candidates if c[2].startswith("construct")), key=lambda c: c[0])[2]
+        f_best = float(fuse.split("fuse=")[1].rstrip(")"))
+        for cut in cuts:
+            if (cut, f_best) not in tried:
+                add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
+                    construct(problem, layout, tail, cut * u0, f_best * u0))
+    incumbent = min(c[0] for c in candidates)
+    bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
+    for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
+        add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
     if problem.n <= exact_max_tensors:
         from ..exact import solve_exact
 
         res = solve_exact(problem, layout, units_per_tensor=1, time_limit_s=2.0)
         if res is not None:
             add("exact-milp", layout, res.blocks)
-    candidates.sort(key=lambda c: c[0])
-    _, origin, lay, blocks = candidates[0]
-    deadline = time.perf_counter() + time_budget_s
-    blocks = improve(problem, lay, blocks, deadline)
-    T = evaluate(problem, lay, blocks)
-    lb = lower_bound(problem)
-    return Plan(lay, blocks, "overlap", {
+    candidates.sort(key=lambda c: (c[0], c[1] != "overlap"))
+    start_T, mode, origin, lay, blocks = candidates[0]
+    starts = [candidates[0]]
+    if problem.charges_cpu:
+        other = next((c for c in candidates if c[1] != mode), None)
+        if other is not None:
+            starts.append(other)
+    finals = []
+    t_search = time.perf_counter()
+    for j, (_, m, name, lay, blocks) in enumerate(starts):
+        share = (time_budget_s - (time.perf_counter() - t_search)) / (len(starts) - j)
+        s = scorer_for(problem, lay)
+        blocks = improve(problem, lay, blocks, time.perf_counter() + max(share, 0.0), m, s)
+        st = s.stats(blocks)
+        for mode in MODES:    # the search's mode, or the other if these blocks run faster so
+            finals.append((s.score(st, mode), mode, name, lay, blocks))
+    finals.sort(key=lambda c: (c[0], c[1] != "overlap"))
+    T, mode, origin, lay, blocks = finals[0]
+    lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
+    return Plan(lay, blocks, mode, {
         "strategy": "best",
         "origin": origin,
-        "start_ms": candidates[0][0],
+        "start_ms": start_T,
+        "iteration_ms": T,
         "lower_bound_ms": lb,
         "gap": max(0.0, (T - lb) / lb) if lb > 0 else 0.0,
-        "candidates": len(candidates),
+        "candidates": len(candidates) // len(MODES),
         "solve_s": time.perf_counter() - t0,
     })

@@ -32,8 +32,13 @@ event-driven over the profile's ready times and the finish times it computes; a 
 never starts later than ``max(its ready, previous finish)``: when the channel is idle nothing
 is outstanding, the full credit is back and anything ready is dispatched at once. So the
 replayed times equal the simulator's for that issue order, and the plan is then scored by the
-one simulator (:func:`usbyte_opt.fastsim.score`). Overlap mode: ByteScheduler lets the forward
-pass of the next iteration start before all communication ends.
+one scorer (:class:`usbyte_opt.fastsim.Scorer`, with the profile's compute-cost option when it
+has one). Overlap mode: ByteScheduler lets the forward pass of the next iteration start before
+all communication ends. The grid search skips a partition size when a lower bound on every
+issue order of its partitions (:func:`_lower`) is no better than the best plan so far, a
+credit that gives an issue order already scored, and the credits above one that never held a
+ready partition back (they all give its order); it stops raising the credit once a plan meets
+the bound. The result is the grid's best, as an exhaustive search would find it.
 
 Example::
 
@@ -52,7 +57,9 @@ import math
 from collections import deque
 from typing import Sequence
 
-from ..fastsim import score, tails
+import numpy as np
+
+from ..fastsim import scorer_for, tails
 from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, register
@@ -129,8 +136,10 @@ class _Parts:
         self.by_ready = sorted(range(len(self.blocks)), key=lambda p: (self.ready[p], self.key[p]))
 
 
-def replay(parts: _Parts, credit: float) -> list[int]:
-    """Issue order (indices into ``parts``) of ByteScheduler's credit loop on one channel."""
+def replay(parts: _Parts, credit: float, stats: dict | None = None) -> list[int]:
+    """Issue order (indices into ``parts``) of ByteScheduler's credit loop on one channel.
+    ``stats["held"]`` is set to whether the credit ever held back a ready partition (if not,
+    every larger credit gives this order too)."""
     ready, key, size, cost = parts.ready, parts.key, parts.size, parts.cost
     by_ready = parts.by_ready
     n = len(by_ready)
@@ -142,6 +151,7 @@ def replay(parts: _Parts, credit: float) -> list[int]:
     t = 0.0
     j = 0
     inf = math.inf
+    held = False
     while len(out) < n:
         while j < n and ready[by_ready[j]] <= t:
             p = by_ready[j]
@@ -157,10 +167,25 @@ def replay(parts: _Parts, credit: float) -> list[int]:
             last_fin = (last_fin if last_fin > t else t) + cost[p]
             outstanding.append((last_fin, size[p]))
             out.append(p)
+        if heap:
+            held = True
         nr = ready[by_ready[j]] if j < n else inf
         nf = outstanding[0][0] if outstanding else inf
         t = nr if nr < nf else nf
+    if stats is not None:
+        stats["held"] = held
     return out
+
+
+def _lower(problem: Problem, ready: np.ndarray, cost: np.ndarray, tail_min: float) -> float:
+    """A lower bound on the time of every issue order of blocks with these ``ready`` times and
+    ``cost`` (per block, or per tensor summed over its blocks): the channel sends every block
+    that becomes ready at or after ``r`` after ``r``, and the last block's tail is at least the
+    smallest (the compute-cost option only lengthens this)."""
+    order = np.argsort(ready, kind="stable")
+    R, C = ready[order], cost[order]
+    after = np.cumsum(C[::-1])[::-1]
+    return max(problem.B + problem.F, float((R + after).max()) + tail_min)
 
 
 @register("bytescheduler", "overlap",
@@ -184,7 +209,7 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
         >>> from usbyte_opt.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([1000, 2000, 3000]))
         >>> p = plan(pb)
-        >>> len(p.blocks), p.native_mode          # small tensors are never partitioned
+        >>> len(p.blocks), p.mode                 # small tensors are never partitioned
         (3, 'overlap')
     """
     if partition is not None and partition < 1:
@@ -193,23 +218,49 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
         raise ValueError(f"credit: expected > 0 elements, got {credit}")
     layout = problem.layout()
     tail = tails(problem)
-    B, F = problem.B, problem.F
+    sc = scorer_for(problem, layout)
     ps = [partition] if partition is not None else log_grid(*PARTITION_RANGE, grid_points)
     cs = [credit] if credit is not None else log_grid(*CREDIT_RANGE, grid_points)
     best: tuple[float, int, float, _Parts, list[int]] | None = None
-    seen: set[tuple[int, ...]] = set()
-    for P in ps:
+    # Partition sizes that cut every tensor alike give the same plan: keep the smallest.
+    numel = np.asarray(problem.numel, dtype=np.int64)
+    rows = np.asarray([max(1, min(t.shape[0] if t.shape else 1, n))
+                       for t, n in zip(problem.profile.tensors, problem.numel)], dtype=np.int64)
+    distinct: dict[bytes, tuple[int, np.ndarray]] = {}
+    for P in sorted(ps):
+        pieces = np.where(numel > P, np.minimum(-(-numel // P), rows), 1)
+        distinct.setdefault(pieces.tobytes(), (P, pieces))
+    # A lower bound per partition size (:func:`_lower`, from each tensor's piece count, before
+    # building the partitions); the most promising first, so that the bound prunes the rest.
+    ready = np.asarray(problem.ready, dtype=float)
+    tensor_cost = problem.cost.beta_ms_per_byte * np.asarray(
+        [problem.nbytes(i) for i in range(problem.n)], dtype=float)
+    tail_min = float(min(tail))
+    lows = sorted((_lower(problem, ready, pieces * problem.cost.alpha_ms + tensor_cost, tail_min), -P)
+                  for P, pieces in distinct.values())
+    for low, negP in lows:
+        P = -negP
+        if best is not None and low > best[0] + 1e-12:
+            break             # no issue order of these partitions (or later ones) beats the best
         parts = _Parts(problem, layout, P, tail)
-        # Past the largest tensor, larger partitions change nothing: skip repeats.
-        sig = tuple(k.end for k in parts.blocks)
-        if sig in seen:
-            continue
-        seen.add(sig)
-        for C in cs:
-            order = replay(parts, C)
-            T = score([parts.stat[p] for p in order], B, F)
-            if best is None or T < best[0] - 1e-12:
+        st = sc.stats(parts.blocks)
+        orders: set[tuple[int, ...]] = set()
+        above = False
+        info: dict = {}
+        for C in sorted(cs):
+            if above:
+                break         # the credit held nothing back: every larger one gives this order
+            order = replay(parts, C, info)
+            above = not info["held"]
+            key = tuple(order)
+            if key in orders:
+                continue
+            orders.add(key)
+            T = sc.score(st.take(order))
+            if best is None or T < best[0] - 1e-12 or (T < best[0] + 1e-12 and (P, C) < best[1:3]):
                 best = (T, P, C, parts, order)
+            if T <= low:
+                break         # the bound is reached: no larger credit does better
     assert best is not None
     T, P, C, parts, order = best
     blocks = [parts.blocks[p] for p in order]

@@ -41,12 +41,19 @@ computes by measuring the gap from the block's start.
 
 US-Byte never fuses tensors: every block lies inside one tensor. Overlap mode.
 
-Speed (the authors' planner takes tens of seconds on ResNet-152; the benchmark runs this on
-~600-tensor profiles many times): one run of phases 1–2 is O(n log n). The priority search
-re-runs phase 1 only from the instant the moved tensor and one it overtakes are both ready
-(earlier decisions cannot differ), from states stored per ready event, and drops a candidate as
-soon as a lower bound on its time reaches the incumbent's. Both shortcuts return exactly what a
-full run would (tests compare them).
+Speed (the authors' planner takes tens of seconds on ResNet-152; mixture-of-experts models
+have 10,000+ tensors): one run of phases 1–2 is O(n log n). The priority search re-runs phase
+1 only from the instant the moved tensor and one it overtakes are both ready (earlier decisions
+cannot differ), from states stored per ready event, and drops a candidate as soon as a lower
+bound on its time reaches the incumbent's: the worst finish plus tail so far, the last block's,
+or the channel's time now plus what is left to send plus one alpha per tensor that still needs
+a block. The bound is first read off the stored state where the candidate resumes, so a
+candidate that cannot win costs O(1); ranks and the range minima the search reads are kept in
+arrays rebuilt only when a move is kept. The unit grid drops a unit as soon as its bound
+reaches the second best so far (two finalists go on). These shortcuts return exactly what full
+runs would (tests compare them). With the profile's compute-cost option every candidate is
+scored by :class:`usbyte_opt.fastsim.Scorer` (the phase model's own time, which leaves the
+option out, is then only used as a lower bound).
 
 Example::
 
@@ -68,7 +75,9 @@ from bisect import bisect_left
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from ..fastsim import tails
+import numpy as np
+
+from ..fastsim import scorer_for, tails
 from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, register
@@ -103,6 +112,10 @@ class Outcome:
     """Phase-1 priority, highest first (tensor indices)."""
     snaps: list[tuple] = field(default_factory=list, repr=False)
     """Phase-1 state when each tensor (ready order) became ready, for resuming."""
+    done_at: list[int] = field(default_factory=list, repr=False)
+    """The ready event during which each tensor sent its last phase-1 unit (n: never)."""
+    min_tail: list[float] = field(default_factory=list, repr=False)
+    """Smallest tail among the tensors with units left when each event begins."""
 
 
 class USByte:
@@ -146,6 +159,9 @@ class USByte:
         self.floor = max([self.B + self.F] + [
             self.ready[i] + cost(problem.nbytes(i)) + self.tail[i] for i in range(n)])
         self._units: dict[int, list[int]] = {}
+        self.min_tail = min(self.tail)
+        #: The one scorer, where the compute-cost option makes it differ from the phase model.
+        self.scorer = scorer_for(problem, self.layout) if problem.charges_cpu else None
 
     def forward_priority(self) -> list[int]:
         """ByteScheduler's priority: forward order, input side first."""
@@ -156,24 +172,27 @@ class USByte:
     # ----------------------------------------------------------------------------------------
 
     def simulate(self, unit: int, priority: Sequence[int], bound: float = math.inf,
-                 resume: tuple[Outcome, int] | None = None, record: bool = True) -> Outcome | None:
+                 resume: tuple[Outcome, int] | None = None, record: bool = True,
+                 rank: Sequence[float] | None = None) -> Outcome | None:
         """Run phase 1 and phase 2 for ``unit`` (S_p) and ``priority`` (highest first).
 
         Args:
             unit: S_p, elements per unit.
-            priority: phase-1 priority, tensor indices, highest first.
+            priority: phase-1 priority, tensor indices, highest first (kept, not copied, in
+                the outcome).
             bound: give up (return ``None``) as soon as the plan provably takes at least this
-                long: a block's finish plus its tail, or the channel time plus the transfer
-                time of what is left plus one alpha per unfinished tensor, is a lower bound.
+                long (:meth:`_lower`).
             resume: ``(outcome, e)``: an earlier outcome for the same unit whose priority
                 orders every pair of tensors alike while only ``order[:e]`` are ready; the run
                 continues from its state when ``order[e]`` became ready instead of from 0.
             record: keep those states in the outcome (what ``resume`` needs).
+            rank: each tensor's place in ``priority`` (lower first), when the caller has it.
         """
         n = len(self.numel)
-        rank = [0] * n
-        for r, i in enumerate(priority):
-            rank[i] = r
+        if rank is None:
+            rank = [0] * n
+            for r, i in enumerate(priority):
+                rank[i] = r
         alpha, numel, beta_el = self.alpha, self.numel, self.beta_el
         ready, tail = self.ready, self.tail
         order = self.order
@@ -193,6 +212,7 @@ class USByte:
             worst = self.B + self.F       # max of finish + tail over the closed blocks
             snaps: list[tuple] = []
             heap: list[tuple[int, int]] = []
+            done_at = [n] * n if record else None
         else:
             prev, e0 = resume
             t, nb, lu1, lfin, rest_ms, unfinished, worst = prev.snaps[e0]
@@ -206,17 +226,22 @@ class USByte:
                 if first[b.tensor] != first[b.tensor]:
                     first[b.tensor] = b.start
             snaps = prev.snaps[:e0]
+            done_at = [d if d < e0 else n for d in prev.done_at] if record else None
             heap = [(rank[x], x) for x in order[:e0] if sent[x] < m[x]]
             heapq.heapify(heap)
         pruning = bound < math.inf
+        low = self.min_tail          # the last block's tensor has at least the smallest tail
         for e in range(e0, n):
             i = order[e]
             r = ready[i]
             if record:
                 snaps.append((t, len(blocks), last.u1 if last else 0,
                               last.finish if last else 0.0, rest_ms, unfinished, worst))
-            if pruning and (worst >= bound or t + rest_ms + alpha * (unfinished - 1) >= bound or (
-                    last is not None and last.finish + tail[last.tensor] >= bound)):
+            if pruning and (worst >= bound or (last is not None and (
+                    last.finish + tail[last.tensor] >= bound
+                    or t + rest_ms + alpha * (unfinished - (sent[last.tensor] < m[last.tensor]))
+                    + low >= bound)) or (last is None and t + rest_ms + alpha * unfinished + low
+                                         >= bound)):
                 return None
             while t < r and heap:
                 j = heap[0][1]
@@ -261,6 +286,8 @@ class USByte:
                 if sent[j] == m[j]:
                     heapq.heappop(heap)
                     unfinished -= 1
+                    if done_at is not None:
+                        done_at[j] = e
             if t < r:
                 t = r
             heapq.heappush(heap, (rank[i], i))
@@ -269,7 +296,31 @@ class USByte:
             if v > worst:
                 worst = v
         T = self._finish(worst, sent, S, t)
-        return Outcome(unit, T, blocks, sent, first, list(priority), snaps)
+        out = Outcome(unit, T, blocks, sent, first, priority, snaps)
+        if done_at is not None:
+            low = [math.inf] * (n + 1)
+            for i, d in enumerate(done_at):
+                if tail[i] < low[d]:
+                    low[d] = tail[i]
+            for e in range(n - 1, -1, -1):
+                if low[e + 1] < low[e]:
+                    low[e] = low[e + 1]
+            out.done_at, out.min_tail = done_at, low[:n]
+        return out
+
+    def _lower(self, prev: Outcome, e: int) -> float:
+        """A lower bound on the time of any plan that runs as ``prev`` until ``order[e]`` is
+        ready, read off ``prev``'s state then: the worst finish plus tail of the closed blocks,
+        the open block's, and the channel's time plus what is left to send plus one alpha per
+        tensor that still needs a block (the open block's tensor may grow it without one), and
+        then the smallest tail of those tensors (the last block carries one of them)."""
+        t, nb, lu1, lfin, rest_ms, unfinished, worst = prev.snaps[e]
+        low = prev.min_tail[e] if prev.min_tail and unfinished else 0.0
+        if not nb:
+            return max(worst, t + rest_ms + self.alpha * unfinished + low)
+        j = prev.phase1[nb - 1].tensor
+        ext = lu1 < self._units[prev.unit][j]
+        return max(worst, lfin + self.tail[j], t + rest_ms + self.alpha * (unfinished - ext) + low)
 
     def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
         """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
@@ -293,15 +344,25 @@ class USByte:
     # Algorithm 3: the priority search
     # ----------------------------------------------------------------------------------------
 
+    def value(self, out: Outcome) -> float:
+        """What the plan of ``out`` is predicted to take: the phase model's time, or with the
+        compute-cost option the one scorer's (:class:`usbyte_opt.fastsim.Scorer`)."""
+        if self.scorer is None:
+            return out.iteration_ms
+        return self.scorer.score(self.scorer.stats(self.blocks(out)))
+
     def search_priority(self, unit: int, start: Outcome | None = None) -> tuple[Outcome, int]:
         """Algorithm 3 from forward order; returns the best outcome and the moves kept."""
         cur = start if start is not None else self.simulate(unit, self.forward_priority())
+        cur_v = self.value(cur)
         order, ready_sorted, alpha = self.order, self.ready_sorted, self.alpha
         n = len(order)
         moves = 0
         p = 0
         floor = self.floor + 1e-9
-        while p < n - 1 and cur.iteration_ms > floor:
+        prio = list(cur.priority)
+        rank, by_ready, by_prio = self._ranks(prio)
+        while p < n - 1 and cur_v > floor:
             l = order[p]
             fs = cur.first_start[l]
             if fs != fs:                  # l sends nothing in phase 1
@@ -312,29 +373,45 @@ class USByte:
             if pk <= p:
                 p += 1
                 continue
-            prio = cur.priority
-            rank = {x: r for r, x in enumerate(prio)}
-            target = min(rank[x] for x in order[p + 1:pk + 1])
-            if rank[l] < target:          # l already goes ahead of all of them
-                p += 1
-                continue
+            target = int(by_ready(p + 1, pk + 1))     # min rank of order[p + 1:pk + 1]
             rl = rank[l]
-            new = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
-            # The run is unchanged until l and a tensor it overtakes are both ready.
-            e0 = max(p, min(self.pos[x] for x in prio[target:rl])) + 1
-            if e0 >= n:                   # phase 1 unchanged, and phase 2 ignores priority
+            if rl < target:               # l already goes ahead of all of them
                 p += 1
                 continue
-            cand = self.simulate(unit, new, bound=cur.iteration_ms - 1e-9, resume=(cur, e0),
-                                 record=False)
-            if cand is not None and cand.iteration_ms < cur.iteration_ms - 1e-9:
+            # The run is unchanged until l and a tensor it overtakes are both ready.
+            e0 = max(p, int(by_prio(target, rl))) + 1  # min ready position of prio[target:rl]
+            eps = 1e-9 * max(cur_v, 1.0)  # above the rounding of the running sums
+            if e0 >= n or self._lower(cur, e0) >= cur_v - eps:
+                # phase 1 unchanged (phase 2 ignores priority), or it cannot win from there
+                p += 1
+                continue
+            rank[l] = target - 0.5        # l just ahead of prio[target]: the candidate's ranks
+            cand = self.simulate(unit, prio, bound=cur_v - eps, resume=(cur, e0), record=False,
+                                 rank=rank)
+            rank[l] = rl
+            cand_v = self.value(cand) if cand is not None else math.inf
+            if cand_v < cur_v - eps:
+                prio = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
+                rank, by_ready, by_prio = self._ranks(prio)
                 # run it again keeping its states, so later candidates can resume from it
-                cur = self.simulate(unit, new, resume=(cur, e0))
+                cur = self.simulate(unit, prio, resume=(cur, e0), rank=rank)
+                cur_v = cand_v
                 moves += 1
                 p = pk + 1                # the paper continues from k - 1
             else:
                 p += 1
         return cur, moves
+
+    def _ranks(self, prio: list[int]):
+        """``(rank, by_ready, by_prio)`` for priority ``prio``: each tensor's place in it, the
+        minimum rank over ready positions ``[a, b)``, and the minimum ready position over
+        priority places ``[a, b)``, each range in O(1)."""
+        n = len(prio)
+        rank = [0.0] * n
+        for r, x in enumerate(prio):
+            rank[x] = r
+        return (rank, _RangeMin([rank[x] for x in self.order]),
+                _RangeMin([self.pos[x] for x in prio]))
 
     # ----------------------------------------------------------------------------------------
     # Blocks
@@ -352,6 +429,24 @@ class USByte:
             if out.sent[i] * S < numel[i]:
                 res.append(Block(buf, s + out.sent[i] * S, e))
         return res
+
+
+class _RangeMin:
+    """Minimum of ``values[a:b]`` in O(1) after an O(n log n) build (sparse table)."""
+
+    def __init__(self, values: Sequence[float]):
+        lv = [np.asarray(values, dtype=float)]
+        k = 1
+        while 2 * k <= len(values):
+            lv.append(np.minimum(lv[-1][:-k], lv[-1][k:]))
+            k *= 2
+        self.levels = [x.tolist() for x in lv]
+
+    def __call__(self, a: int, b: int) -> float:
+        k = (b - a).bit_length() - 1
+        tab = self.levels[k]
+        x, y = tab[a], tab[b - (1 << k)]
+        return x if x < y else y
 
 
 def unit_candidates(numel: Sequence[int], lo_ratio: float = 2.0 ** -14) -> list[int]:
@@ -420,35 +515,49 @@ def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = T
         units = unit_candidates(model.numel)
         if units[-1] <= DEFAULT_UNIT <= units[0] and DEFAULT_UNIT not in units:
             units.append(DEFAULT_UNIT)
+    keep = max(1, finalists) if search_priority else 1
     scored: dict[int, Outcome] = {}
+    value: dict[int, float] = {}    # each unit's predicted time (inf: dropped by the bound)
 
-    def run(s: int) -> float:
-        if s not in scored:
-            scored[s] = model.simulate(s, prio0)
-        return scored[s].iteration_ms
+    def rank_key(s: int) -> tuple[float, int]:
+        return value[s], -s
+
+    def run(s: int) -> None:
+        if s in value:
+            return
+        done = sorted(v for v in value.values() if v < math.inf)
+        # a unit provably slower than the keep-th best so far can be neither best nor finalist
+        bound = done[keep - 1] + 1e-6 if len(done) >= keep else math.inf
+        out = model.simulate(s, prio0, bound=bound)
+        if out is None:
+            value[s] = math.inf
+        else:
+            scored[s] = out
+            value[s] = model.value(out)
 
     for s in units:
         run(s)
     if unit is None:
         # hill climb around the best grid point on a finer log scale
-        best = min(scored, key=lambda s: (scored[s].iteration_ms, -s))
+        best = min(scored, key=rank_key)
         for f in (2 ** 0.5, 2 ** 0.25):
             for s in (int(round(best * f)), int(round(best / f))):
                 if 1 <= s <= units[0]:
                     run(s)
-            best = min(scored, key=lambda s: (scored[s].iteration_ms, -s))
-    ranked = sorted(scored, key=lambda s: (scored[s].iteration_ms, -s))
-    best_out, best_moves = scored[ranked[0]], 0
+            best = min(scored, key=rank_key)
+    ranked = sorted(scored, key=rank_key)
+    best_out, best_v, best_moves = scored[ranked[0]], value[ranked[0]], 0
     if search_priority:
-        for s in ranked[:max(1, finalists)]:
+        for s in ranked[:keep]:
             out, moves = model.search_priority(s, scored[s])
-            if out.iteration_ms < best_out.iteration_ms - 1e-9:
-                best_out, best_moves = out, moves
+            v = model.value(out)
+            if v < best_v - 1e-9:
+                best_out, best_v, best_moves = out, v, moves
     blocks = model.blocks(best_out)
     return Plan(model.layout, blocks, "overlap", {
         "unit": best_out.unit,
         "phase1_blocks": len(best_out.phase1),
         "priority_moves": best_moves,
-        "units_tried": len(scored),
-        "iteration_ms": best_out.iteration_ms,
+        "units_tried": len(value),
+        "iteration_ms": best_v,
     })

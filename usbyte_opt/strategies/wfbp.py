@@ -13,7 +13,7 @@ Example::
     >>> p = plan(pb)
     >>> [(k.start, k.end) for k in p.blocks]      # output layer (ready first) goes first
     [(0, 3000), (3000, 4000)]
-    >>> p.native_mode
+    >>> p.mode
     'fence'
 """
 
