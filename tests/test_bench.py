@@ -178,7 +178,7 @@ def test_probe_times_chains_of_blocks_on_the_given_channel():
     blocks through ``issue``, and a sample is the time of one block."""
     import torch.distributed as dist
 
-    from usbyte_opt.bench.refine import comm_under_compute
+    from usbyte_opt.profiler.probe import comm_under_compute
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:

@@ -62,7 +62,7 @@ def test_simulate_and_trace(capsys, profile, tmp_path):
     assert doc["iteration_ms"] == pytest.approx(doc["schedule_predicted_ms"])
     assert doc["lower_bound_ms"] <= doc["iteration_ms"]
     assert json.loads(trace.read_text())["traceEvents"]
-    code, out, _ = run(capsys, "simulate", str(profile), str(sched), "--fence", "--json")
+    code, out, _ = run(capsys, "simulate", str(profile), str(sched), "--mode", "fence", "--json")
     assert json.loads(out)["iteration_ms"] >= doc["iteration_ms"] - 1e-9
     code, out, _ = run(capsys, "simulate", str(profile), str(sched))
     assert "iteration" in out and code == 0

@@ -1,39 +1,34 @@
-"""Refinements of the iteration model learned from measured timelines (``usbyte-opt bench``).
+"""The bench's refined prediction: the planner's iteration model with what real training
+adds, learned from measured timelines (``usbyte-opt bench``; the report's ``refined_ms``).
 
-Two effects the simulator of docs/design.md §2 leaves out, both visible in ``USBYTE_TRACE``:
+What it scores through the planner's own code: the blocks' times and the compute cost of
+communication come from :mod:`usbyte_opt.fastsim` (:func:`usbyte_opt.fastsim.charged`, the
+one rule of both modes) and :mod:`usbyte_opt.simulate`; what it adds, on inputs the bench
+measured:
 
-1. **The optimizer step is compute** (:func:`refined_overlap`, below).
-2. **All-reduce is slower while training computes** (:func:`comm_under_compute`): on a
-   small CPU machine gloo's threads wait for a core at every step of the ring, and mid-sized
-   blocks issued during backward took up to twice the sweep's time. The bench times
-   all-reduce again while training iterations run, and fits the line on absolute residuals
-   (:func:`fit_absolute`), which weigh the large blocks an iteration is made of.
-3. **Communication costs compute**: the same cores run gloo's copies and reductions and the
-   network stack (TCP, veth, tbf), so training iterations with all-reduce in flight take
-   longer. At 1 Gbit/s ``lab-cnn`` trained without communication exactly as profiled, yet DDP
-   and every schedule ran 50-70 ms slower than predicted with only 30 ms of all-reduce per
-   iteration. The probe (:func:`usbyte_opt.profiler.probe.comm_under_compute`) measures the
-   training-thread time lost per block and per MB all-reduced; this is now the planner's own
-   compute-cost option (:meth:`usbyte_opt.problem.Problem.stretch`; DDP's fence mode: only
-   backward, by what is on the wire while it runs), and the refined model charges the values
-   the bench measured.
-4. **gloo runs two collectives at once** (:func:`lanes_finish`): an urgent small block issued
-   together with a big one shares the link with it and finishes ~3x later. Modelled as
-   processor sharing over the whole iteration it did not improve the fit (it also lets
-   latencies overlap, which the real link does not), so the refined prediction keeps one
-   channel; the effect is a change the runtime needs on gloo (one block in flight).
+1. **The optimizer step is compute** (:func:`refined_overlap`, below): in overlap mode the
+   runtime applies each tensor's update on the training thread, in the forward pre-hook that
+   first needs it, together with every other pending tensor whose blocks have finished by then.
+   Fence-mode schedules already run the whole step on the training thread before the forward
+   (the worker scores them with the simulator's fence mode).
+2. **All-reduce is slower while training computes**: on a small CPU machine gloo's threads wait
+   for a core at every step of the ring. The bench times all-reduce again while training
+   iterations run and fits the line on absolute residuals (:func:`fit_absolute`,
+   :func:`loaded_comm`), which weigh the large blocks an iteration is made of.
+3. **Compute drifts**: the profile's compute is recalibrated to the side-by-side run without
+   communication (:func:`scaled`).
 
 The optimizer step:
 
-docs/design.md §2.5 (overlap mode) charges tensor p's update only as a delay of its availability,
-``avail_p = finish_p + update_p``: when p's block finished long before the forward reaches p,
-the update costs nothing. The runtime does not work that way (``USBYTE_TRACE`` shows it): the
-update runs on the training thread, inside the forward pre-hook of the module that needs p,
-and that hook also updates every other pending tensor whose blocks have finished by then
-(one optimizer call instead of several). So the forward pays for every update, at the gate
-where it happens. On loopback, where all blocks are done before backward ends, the first
-gate of the forward applied the whole step (51 ms for ``cnn``, 8% of the iteration) and the
-prediction missed exactly that.
+docs/design.md §2.5 (overlap mode) charges tensor p's update only as a delay of its
+availability, ``avail_p = finish_p + update_p``: when p's block finished long before the
+forward reaches p, the update costs nothing. The runtime does not work that way
+(``USBYTE_TRACE`` shows it): the update runs on the training thread, inside the forward
+pre-hook of the module that needs p, and that hook also updates every other pending tensor
+whose blocks have finished by then (one optimizer call instead of several). So the forward
+pays for every update, at the gate where it happens. On loopback, where all blocks are done
+before backward ends, the first gate of the forward applied the whole step (51 ms for
+``cnn``, 8% of the iteration) and the prediction missed exactly that.
 
 :func:`refined_overlap` replays the forward with that rule: walking tensors in ``need`` order,
 the forward reaches p at ``max(t_prev + (need_p - need_prev), finish_p)`` if p is still
@@ -62,9 +57,9 @@ import dataclasses
 from typing import Sequence
 
 from ..cost import bandwidth_through
+from ..fastsim import charged
 from ..formats import Block, CommSpec, Profile
 from ..problem import Layout, Problem
-from ..profiler.probe import Probe, comm_under_compute, fit_cpu_cost  # noqa: F401 - re-exported
 from ..simulate import simulate_blocks
 
 
@@ -150,77 +145,13 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpe
     return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples))
 
 
-def lanes_finish(problem: Problem, layout: Layout, blocks: Sequence[Block], lanes: int = 2) -> list[float]:
-    """Finish time of every block when up to ``lanes`` collectives share the link at once.
-
-    gloo's process group runs collectives on two worker threads: a block issued while the
-    previous one is still on the wire starts at once and the two share the bandwidth
-    (measured in the lab: a 374 KB all-reduce alone 19 ms, issued together with a 1.7 MB one
-    57 ms; the pair 92 ms, as one 2.07 MB message). Blocks still go out in issue order, each
-    when ready and a lane is free; each pays ``alpha`` and then its bytes at
-    ``algbw / (blocks on the wire)`` (processor sharing). ``lanes=1`` is the channel of
-    docs/design.md §2.4.
-
-    Example (two 1 MB blocks ready at 0 and 0.5 ms; alpha 0, 1 GB/s)::
-
-        >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
-        >>> prof = Profile("t", 4.0, 6.0, (TensorSpec("a", (250_000,), "float32", 0.0, 1.0),
-        ...                                TensorSpec("b", (250_000,), "float32", 0.5, 0.0)),
-        ...                CommSpec("analytic", 2, 0.0, 1.0))
-        >>> pb = Problem.from_profile(prof); lay = pb.layout()
-        >>> blocks = [lay.whole(0), lay.whole(1)]
-        >>> lanes_finish(pb, lay, blocks, lanes=1), lanes_finish(pb, lay, blocks, lanes=2)
-        ([1.0, 2.0], [1.5, 2.0])
-    """
-    cost = problem.cost
-    per_byte = 1.0 / (cost.algbw_gbs * 1e6)
-    ready = []
-    work = []
-    for blk in blocks:
-        idx = layout.tensors_of(blk.buffer, blk.start, blk.end)
-        ready.append(max(problem.ready[i] for i in idx))
-        work.append((blk.end - blk.start) * layout.itemsize[blk.buffer] * per_byte)
-    n = len(blocks)
-    finish = [0.0] * n
-    active: dict[int, float] = {}  # block -> remaining ms of wire time at full bandwidth
-    latency: dict[int, float] = {}  # block -> time its alpha ends
-    t, nxt = 0.0, 0
-    while nxt < n or active:
-        # Start every block whose turn it is, that is ready and has a free lane.
-        while nxt < n and len(active) < lanes and ready[nxt] <= t + 1e-12:
-            active[nxt] = work[nxt]
-            latency[nxt] = t + cost.alpha_ms
-            nxt += 1
-        if not active:
-            t = max(t, ready[nxt])
-            continue
-        moving = [k for k in active if latency[k] <= t + 1e-12]
-        events = [latency[k] for k in active if latency[k] > t + 1e-12]
-        if nxt < n and len(active) < lanes:
-            events.append(ready[nxt])
-        share = len(moving)
-        if moving:
-            events.append(t + min(active[k] for k in moving) * share)
-        t_next = min(events)
-        for k in moving:
-            active[k] -= (t_next - t) / share
-        t = t_next
-        for k in [k for k in moving if active[k] <= 1e-9]:
-            finish[k] = t
-            del active[k], latency[k]
-    return finish
-
-
-def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
-                    lanes: int = 1) -> float:
+def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:
     """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
-    blocks on ``lanes`` concurrent collectives (:func:`lanes_finish`; 1: docs/design.md §2.4). With
-    the compute-cost option, on the problem stretched for ``blocks`` (as the simulator)."""
-    if problem.charges_cpu:
-        problem = problem.stretched(problem.stretch(len(blocks)))
+    on the problem charged for what ``blocks`` cost its compute (:func:`usbyte_opt.fastsim.charged`,
+    as the planner scores them)."""
+    problem = charged(problem, layout, blocks, "overlap")
     tl = simulate_blocks(problem, layout, blocks, "overlap")
-    fin_blocks = ([b.finish_ms for b in tl.blocks] if lanes == 1
-                  else lanes_finish(problem, layout, blocks, lanes))
+    fin_blocks = [b.finish_ms for b in tl.blocks]
     finish = [0.0] * problem.n
     index = problem.index
     for b, f in zip(tl.blocks, fin_blocks):
@@ -256,4 +187,4 @@ def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block],
     return max(fwd_end, last)
 
 
-__all__ = ["refined_overlap"]
+__all__ = ["fit_absolute", "loaded_comm", "refined_overlap", "scaled"]

@@ -5,15 +5,15 @@ Definitions, per strategy:
 
 * ``measured_ms``: the median of the steady-state iteration times (each the mean over ranks
   of one iteration, forward start to forward start); ``p10_ms``/``p90_ms`` their spread.
-* ``predicted_ms``: the planner's simulator (docs/design.md §2, with the profile's compute-cost
-  option when it carries one) on the profile: overlap mode for the runtime's strategies,
-  fence mode for PyTorch DDP; for ``no-comm`` forward + backward + optimizer step.
+* ``predicted_ms``: the planner's prediction (docs/planner.md, with the profile's compute-cost
+  option when it carries one) on the profile, in ``predicted_mode``, the mode the schedule
+  runs in (fence for PyTorch DDP); for ``no-comm`` forward + backward + optimizer step.
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
-* ``refined_ms`` / ``refined_error``: the same with the runtime's update rule, the all-reduce
-  cost measured while training computes and compute charged for what communication costs
-  the training thread (:mod:`usbyte_opt.bench.refine`), on compute recalibrated to the
-  side-by-side ``no-comm`` run (``compute_scale`` = its measured median over the profile's
-  forward + backward + step; 1 without it).
+* ``refined_ms`` / ``refined_error``: the same with the runtime's update rule (overlap mode),
+  the all-reduce cost measured while training computes and the training-thread costs the
+  bench measured, charged by the planner's rule (:mod:`usbyte_opt.bench.refine`), on compute
+  recalibrated to the side-by-side ``no-comm`` run (``compute_scale`` = its measured median
+  over the profile's forward + backward + step; 1 without it).
 * ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
   same with predictions).
 
@@ -165,10 +165,10 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
-        f"- predicted: the planner's simulator on the profile (overlap mode for the runtime, fence for "
+        f"- predicted: the planner on the profile, in the mode each schedule runs in (fence for "
         "DDP; with the profile's compute-cost option when it has one); "
         f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
-        "refined: the same with every optimizer step on the training thread, as the runtime runs it, "
+        "refined: the same with every optimizer step on the training thread (overlap mode), as the runtime runs it, "
         "the all-reduce cost measured while training computes, compute charged for what "
         "communication costs the training thread, and compute recalibrated to the side-by-side "
         f"no-comm run (x{result.get('compute_scale', 1.0):.3f})",

@@ -46,15 +46,17 @@ def _say(rank: int) -> Callable[[str], None]:
 def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
     """Plan every registered strategy on ``profile``; return the schedules and predictions
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
-    the simulator's ``ms``; :func:`refine` adds ``refined_ms`` once training has run."""
+    the planner's ``ms`` in the ``mode`` its schedule runs in (PyTorch DDP: fence);
+    :func:`refine` adds ``refined_ms`` once training has run."""
     from ..planner import compare
 
     report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
-                           "all": {n: {"overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
-                                       "native_mode": r.native_mode, "blocks": r.blocks}
+                           "all": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
+                                       "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
+                                       "blocks": r.blocks}
                                    for n, r in report.results.items()}}
     for s in strategies:
         if s == REFERENCE:
@@ -64,17 +66,17 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
         r = report.results[s]
         sched = report.schedule(s)
         out["schedules"][s] = sched
-        mode = "fence" if s == TORCH_DDP else "overlap"
-        out["predicted"][s] = {"ms": r.fence_ms if mode == "fence" else r.overlap_ms,
-                               "mode": mode, "blocks": r.blocks}
+        out["predicted"][s] = {"ms": r.iteration_ms, "mode": r.mode, "blocks": r.blocks}
     return out
 
 
 def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_scale: float = 1.0) -> None:
-    """Set ``refined_ms`` of every prediction in ``planned`` (from :func:`plan`): the runtime's
-    update rule, the all-reduce cost measured under compute and compute stretched by what
-    communication costs it (``loaded = (comm, cpu_ms_per_mb, cpu_ms_per_block)``, when probed), and compute
-    scaled by ``compute_scale`` (measured ``no-comm`` over predicted: :func:`~.refine.scaled`)."""
+    """Set ``refined_ms`` of every prediction in ``planned`` (from :func:`plan`), in the mode
+    its schedule runs in: the planner's model (with its compute-cost rule) on the all-reduce
+    cost measured under compute and the measured training-thread costs (``loaded = (comm,
+    cpu_ms_per_mb, cpu_ms_per_block)``, when probed), compute scaled by ``compute_scale``
+    (measured ``no-comm`` over predicted: :func:`~.refine.scaled`), and in overlap mode the
+    runtime's update rule (:func:`~.refine.refined_overlap`)."""
     import dataclasses
 
     from ..problem import Problem
@@ -93,7 +95,7 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
             continue
         sched = planned["schedules"][s]
         lay = rp.layout(sched.buffers)
-        if s == TORCH_DDP:  # fence mode already runs the whole step on the training thread
+        if pred["mode"] == "fence":  # the whole step already runs on the training thread
             pred["refined_ms"] = simulate_blocks(rp, lay, sched.blocks, "fence").iteration_ms
         else:
             pred["refined_ms"] = refined_overlap(rp, lay, sched.blocks)

@@ -9,7 +9,7 @@ import typer
 
 from .. import console
 from ..bounds import lower_bound
-from ..formats import load_schedule
+from ..formats import SCHEDULE_MODES, load_schedule
 from ..problem import Problem
 from ..simulate import simulate as run_simulation
 from . import common
@@ -18,24 +18,35 @@ from . import common
 def simulate(
     profile: Path = typer.Argument(..., dir_okay=False, help="Profile JSON."),
     schedule: Path = typer.Argument(..., dir_okay=False, help="Schedule JSON."),
-    fence: bool = typer.Option(False, "--fence",
-                               help="Wait for every block before the optimizer step (DDP-style) "
-                               "instead of gating each tensor in the next forward."),
+    mode: Optional[str] = typer.Option(
+        None, "--mode", help="overlap (each update gated in the next forward) or fence (every "
+        "block, then every update, as DDP); default: the schedule's own mode, the one the "
+        "runtime runs it in."),
     world_size: Optional[int] = common.WorldSize,
     bandwidth_gbps: Optional[float] = common.BandwidthGbps,
     latency_us: Optional[float] = common.LatencyUs,
     trace: Optional[Path] = common.Trace,
     as_json: bool = common.Json,
+    wide: bool = common.Wide,
 ) -> None:
     """Predict the iteration time of SCHEDULE on PROFILE (any cluster), with a trace.
 
-    --world-size, --bandwidth-gbps and --latency-us move the profile to another cluster
-    (ring all-reduce); --trace writes the predicted timeline for Perfetto.
+    The prediction is the planner's (docs/planner.md), in the schedule's mode unless --mode
+    says otherwise, with the profile's compute-cost fields when it has them. --world-size,
+    --bandwidth-gbps and --latency-us move the profile to another cluster (ring all-reduce);
+    --trace writes the predicted timeline for Perfetto; --wide adds the other mode's
+    prediction and what communication cost the compute.
     """
+    if mode is not None and mode not in SCHEDULE_MODES:
+        raise typer.BadParameter(f"expected one of {', '.join(SCHEDULE_MODES)}, got {mode!r}",
+                                 param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     sched = load_schedule(schedule)
     problem = Problem.from_profile(prof)
-    tl = run_simulation(problem, sched, mode="fence" if fence else "overlap", source=str(schedule))
+    tl = run_simulation(problem, sched, mode=mode, source=str(schedule))
+    other = "fence" if tl.mode == "overlap" else "overlap"
+    other_ms = run_simulation(problem, sched, mode=other, check=False).iteration_ms
+    charge = tl.meta.get("cpu_charge_ms", {"backward": 0.0, "forward": 0.0})
     lb = lower_bound(problem)
     if sched.profile_name != original.name:
         console.warn(f"{schedule}: made for profile {sched.profile_name!r}, simulated on "
@@ -48,7 +59,10 @@ def simulate(
             "profile": original.name,
             "strategy": sched.strategy,
             "mode": tl.mode,
+            "schedule_mode": sched.mode,
             "iteration_ms": tl.iteration_ms,
+            f"{other}_ms": other_ms,
+            "cpu_charge_ms": charge,
             "compute_ms": tl.compute_ms,
             "exposed_ms": tl.exposed_ms,
             "comm_busy_ms": tl.comm_busy_ms,
@@ -73,10 +87,16 @@ def simulate(
     ]
     if "iteration_ms" in sched.predicted:
         rows.append(["schedule's own prediction", f"{sched.predicted['iteration_ms']:.3f} ms"])
+    if wide:
+        rows.insert(1, [f"in {other} mode", f"{other_ms:.3f} ms"])
+        if problem.charges_cpu:
+            rows.insert(3, ["communication's compute cost",
+                            f"backward +{charge['backward']:.3f} ms, forward +{charge['forward']:.3f} ms"])
     if tl.mode == "overlap" and waits and waits[0].wait_ms > 0:
         rows.append(["longest forward waits",
                      ", ".join(f"{g.name} {g.wait_ms:.2f} ms" for g in waits if g.wait_ms > 0)])
-    console.table(f"{sched.strategy} schedule on {original.name} ({tl.mode} mode)",
+    console.table(f"{sched.strategy} schedule on {original.name} ({tl.mode} mode"
+                  + (")" if tl.mode == sched.mode else f"; the schedule's own is {sched.mode})"),
                   ["", "value"], rows)
     if trace:
         console.info(f"wrote {trace}")
