@@ -106,3 +106,32 @@ def test_best_fuses_where_latency_dominates_and_splits_where_bandwidth_does():
     assert len(b_lat.blocks) < len(sizes)
     w_bw = get("wfbp").plan(bw)
     assert evaluate(bw, b_bw.layout, b_bw.blocks) < evaluate(bw, w_bw.layout, w_bw.blocks)
+
+
+@settings(max_examples=300, deadline=None)
+@given(seed=st.integers(0, 10 ** 6))
+def test_two_phase_dynamic_programme_equals_brute_force(seed):
+    """Phase 2 of two_phase in O(N log N) against the definition, O(N^3)."""
+    from usbyte_opt.strategies.best import _phase2
+
+    rng = random.Random(seed)
+    N = rng.randint(1, 25)
+    P = [0.0]
+    for _ in range(N):
+        P.append(P[-1] + rng.choice([0.0, rng.uniform(0, 3)]))
+    Q = [rng.choice([rng.uniform(0, 10), float(rng.randint(0, 3))]) for _ in range(N)]
+    buf = [rng.randint(0, 1) if rng.random() < 0.3 else 0 for _ in range(N)]
+    run_lo = [0] * N
+    for j in range(1, N):
+        run_lo[j] = run_lo[j - 1] if buf[j] == buf[j - 1] else j
+    alpha = rng.choice([0.0, 0.5, 2.0])
+    x = rng.randint(0, N - 1)
+    D, arg = _phase2(x, N, P, Q, run_lo, alpha)
+    ref = [0.0] * (N + 1)
+    for y in range(x + 1, N + 1):
+        ref[y] = min(alpha + P[y] - P[z] + max(max(Q[z:y]), ref[z])
+                     for z in range(max(x, run_lo[y - 1]), y))
+        z = arg[y]
+        assert max(x, run_lo[y - 1]) <= z < y
+        assert D[y] == pytest.approx(alpha + P[y] - P[z] + max(max(Q[z:y]), D[z]), abs=1e-9)
+    assert D[x + 1:] == pytest.approx(ref[x + 1:], abs=1e-9)

@@ -25,13 +25,15 @@ cut costs more than it saves. So ``best``:
 4. Scores **every candidate in both modes** (fence: every block, then every update, as DDP;
    overlap: each update gated in the next forward), so it is never predicted slower than any
    strategy in the mode that strategy runs in, whatever the compute-cost fields.
-5. **Improves** the best candidate by local search in its mode (:func:`improve`): moves on the
+5. **Improves** the best candidates (:data:`STARTS`) by local search in their mode
+   (:func:`improve`), one after the other within the time budget: moves on the
    block that sets T, then merge / swap / split of consecutive blocks within the stretch of
    channel that sets T (a move elsewhere cannot lower it; with the compute-cost option every
    block counts, and the whole schedule is searched); first improvement, to a fixed point or
    the time budget. Each move is scored by :class:`usbyte_opt.fastsim.Scorer` in O(blocks)
    numpy with ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs).
    With the compute-cost option the best candidate of the other mode is improved too.
+   Each result is kept in whichever mode is faster for its blocks.
 6. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
    :mod:`usbyte_opt.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
 
@@ -81,6 +83,9 @@ FUSE_GRID = (0.0, 1.0, 4.0, 16.0, 64.0)
 #: the fusion caps without cuts, then the cut sizes at the best cap (each construction is
 #: O(n log n) in Python), and 8 boundaries.
 FULL_GRID_TENSORS = 2000
+
+#: Candidates the local search starts from, best first, while its time budget lasts.
+STARTS = 3
 
 #: Baselines cheap enough to recompute inside ``best`` when the caller passed none.
 CHEAP_SEEDS = ("wfbp", "ddp", "mgwfbp")
@@ -308,7 +313,7 @@ def _phase2(x: int, N: int, P: Sequence[float], Q: Sequence[float], run_lo: Sequ
         while zs + 1 < y and Q[stack[bisect_left(stack, zs + 1)]] >= D[zs + 1]:
             zs += 1
         g = D[j] - P[j]
-        while dq and D[dq[-1]] - P[dq[-1]] >= g:
+        while dq and D[dq[-1]] - P[dq[-1]] > g:    # ties keep the smaller z
             dq.pop()
         dq.append(j)
         first = zs + 1 if zs + 1 > lo else lo
@@ -319,7 +324,7 @@ def _phase2(x: int, N: int, P: Sequence[float], Q: Sequence[float], run_lo: Sequ
             best, arg = D[dq[0]] - P[dq[0]], dq[0]
         if zs >= lo:
             v = Q[stack[bisect_left(stack, zs)]] - P[zs]
-            if v < best:
+            if v <= best:                               # ties: the smaller z
                 best, arg = v, zs
         D[y] = alpha + P[y] + best
         darg[y] = arg
@@ -374,7 +379,6 @@ def _window(sc: Scorer, st: Stats, mode: str) -> tuple[int, int]:
     break, that ends at the block setting T (its finish plus tail, or the last finish). Moves
     before it cannot make that block finish earlier, and moves after it cannot touch it."""
     fin = sc.finishes(st.R, st.C)
-    start = fin - st.C
     K = len(st)
     if mode == "overlap":
         terms = fin + st.Q
@@ -383,7 +387,10 @@ def _window(sc: Scorer, st: Stats, mode: str) -> tuple[int, int]:
             c = K - 1
     else:
         c = K - 1
-    idle = np.flatnonzero(start[1:c + 1] > fin[:c])   # block j + 1 waited for its gradients
+    # Block j + 1 waited for its gradients (beyond rounding: a tie counts as busy, which only
+    # widens the stretch).
+    tol = 1e-9 * max(1.0, float(fin[-1]))
+    idle = np.flatnonzero(st.R[1:c + 1] > fin[:c] + tol)
     a = int(idle[-1]) + 1 if len(idle) else 0
     return max(a - 1, 0), c
 
@@ -542,17 +549,21 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
             add("exact-milp", layout, res.blocks)
     candidates.sort(key=lambda c: (c[0], c[1] != "overlap"))
     start_T, mode, origin, lay, blocks = candidates[0]
-    starts = [candidates[0]]
+    # The best few candidates (ties and near-ties often lead to different local optima) and,
+    # with the compute-cost option, the best of the other mode; each searched in turn.
+    starts = [c for c in candidates if c[1] == mode][:STARTS]
     if problem.charges_cpu:
         other = next((c for c in candidates if c[1] != mode), None)
         if other is not None:
-            starts.append(other)
+            starts.insert(1, other)
     finals = []
     t_search = time.perf_counter()
+    deadline = t_search + time_budget_s
     for j, (_, m, name, lay, blocks) in enumerate(starts):
-        share = (time_budget_s - (time.perf_counter() - t_search)) / (len(starts) - j)
+        if j and time.perf_counter() >= deadline:
+            break
         s = scorer_for(problem, lay)
-        blocks = improve(problem, lay, blocks, time.perf_counter() + max(share, 0.0), m, s)
+        blocks = improve(problem, lay, blocks, deadline, m, s)
         st = s.stats(blocks)
         for mode in MODES:    # the search's mode, or the other if these blocks run faster so
             finals.append((s.score(st, mode), mode, name, lay, blocks))
