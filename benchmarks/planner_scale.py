@@ -11,7 +11,7 @@ the schedule written). Per case it reports the wall time (range over ``--repeats
 the 1-minute load average before each run: the machine may be shared), the solve time of
 ``best`` and ``usbyte`` inside that run, ``best`` planned alone (in this process:
 ``compare(profile, ["best"])``, which computes its cheap seeds itself), the peak resident
-memory of the optimize process, best against DDP and against the lower bound, and whether
+memory of the optimize process (its ``VmHWM``), best against DDP and against the lower bound, and whether
 ``best`` is at or below every strategy. A least-squares line through log(wall) against
 log(tensors) gives the growth exponent. The shipped dense profiles are planned the same way.
 """
@@ -89,21 +89,40 @@ def measure(label: str, prof, repeats: int, tmp: Path) -> dict:
     return row
 
 
+#: The optimize process, as ``python -m usbyte_opt optimize ...`` runs it, reporting at exit the
+#: peak resident memory of its own image (``VmHWM``: counted from its exec, so not the memory of
+#: the benchmark process it was forked from) into the file named by ``USBYTE_PEAK_FILE``.
+CHILD = """
+import os, sys
+from usbyte_opt.cli.main import main
+code = 0
+try:
+    main(sys.argv[1:])
+except SystemExit as e:
+    code = e.code if isinstance(e.code, int) else 1
+finally:
+    with open("/proc/self/status") as f:
+        peak = next(l.split()[1] for l in f if l.startswith("VmHWM:"))
+    with open(os.environ["USBYTE_PEAK_FILE"], "w") as f:
+        f.write(peak)
+sys.exit(code)
+"""
+
+
 def run_optimize_rss(path: Path, out: Path) -> dict:
-    """Like :func:`run_optimize`, with the process's own peak RSS from ``os.wait4``."""
-    cmd = [sys.executable, "-m", "usbyte_opt", "optimize", str(path), "-o", str(out), "--json"]
-    with tempfile.TemporaryFile() as so, tempfile.TemporaryFile() as se:
+    """One ``usbyte-opt optimize --json`` in a fresh process: wall time, its peak resident
+    memory (MiB) and its JSON."""
+    with tempfile.TemporaryDirectory() as d:
+        peak_file = Path(d) / "peak"
+        cmd = [sys.executable, "-c", CHILD, "optimize", str(path), "-o", str(out), "--json"]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=so, stderr=se, cwd=ROOT)
-        _, status, usage = os.wait4(proc.pid, 0)
+        proc = subprocess.run(cmd, capture_output=True, cwd=ROOT,
+                              env={**os.environ, "USBYTE_PEAK_FILE": str(peak_file)})
         wall = time.perf_counter() - t0
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        so.seek(0)
-        se.seek(0)
         if proc.returncode != 0:
-            raise SystemExit(f"optimize failed on {path}: {se.read().decode().strip()}")
-        data = json.loads(so.read())
-    return {"wall_s": wall, "maxrss_mib": usage.ru_maxrss / 1024.0, "json": data}
+            raise SystemExit(f"optimize failed on {path}: {proc.stderr.decode().strip()}")
+        return {"wall_s": wall, "maxrss_mib": int(peak_file.read_text()) / 1024.0,
+                "json": json.loads(proc.stdout)}
 
 
 def slope(rows: list[dict]) -> float:

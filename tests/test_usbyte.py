@@ -225,3 +225,60 @@ def test_resumed_runs_equal_full_runs(prof, seed):
         res = m.simulate(unit, prio, resume=(base, e))
         assert phase1(pb, res) == phase1(pb, full)
         assert res.iteration_ms == full.iteration_ms and res.snaps == full.snaps
+
+
+def _reference_search(pb, m):
+    """Algorithm 3 without shortcuts: every candidate run from scratch, accepted when faster."""
+    order, n = m.order, pb.n
+    cur = m.simulate(m.unit, m.forward_priority())
+    p = 0
+    while p < n - 1 and cur.iteration_ms > m.floor + 1e-9:
+        l = order[p]
+        fs = cur.first_start[l]
+        if fs != fs:
+            p += 1
+            continue
+        tau = fs + m.alpha + m.beta_el[l] * m.numel[l]
+        pk = sum(r < tau for r in m.ready_sorted) - 1
+        if pk <= p:
+            p += 1
+            continue
+        rank = {x: r for r, x in enumerate(cur.priority)}
+        target = min(rank[x] for x in order[p + 1:pk + 1])
+        rl = rank[l]
+        if rl < target:
+            p += 1
+            continue
+        prio = list(cur.priority)
+        new = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
+        cand = m.simulate(m.unit, new)
+        if cand.iteration_ms < cur.iteration_ms - 1e-9 * max(cur.iteration_ms, 1.0):
+            cur, p = cand, pk + 1
+        else:
+            p += 1
+    return cur
+
+
+@settings(max_examples=30, deadline=None)
+@given(profiles, st.integers(0, 10 ** 6))
+def test_priority_search_with_its_bounds_equals_the_plain_search(prof, seed):
+    pb = Problem.from_profile(prof)
+    m = USByte(pb)
+    m.unit = max(1, max(pb.numel) // random.Random(seed).choice([1, 3, 20]))
+    fast, _ = m.search_priority(m.unit)
+    ref = _reference_search(pb, m)
+    assert fast.iteration_ms == pytest.approx(ref.iteration_ms, rel=1e-12)
+    assert phase1(pb, fast) == phase1(pb, ref)
+
+
+@settings(max_examples=20, deadline=None)
+@given(profiles)
+def test_unit_grid_with_its_bound_picks_what_scoring_every_unit_picks(prof):
+    pb = Problem.from_profile(prof)
+    plan = usbyte.plan(pb, search_priority=False)
+    m = USByte(pb)
+    units = usbyte.unit_candidates(m.numel)
+    if units[-1] <= usbyte.DEFAULT_UNIT <= units[0]:
+        units.append(usbyte.DEFAULT_UNIT)
+    best = min(m.simulate(s, m.forward_priority()).iteration_ms for s in units)
+    assert plan.info["iteration_ms"] <= best + 1e-9

@@ -95,7 +95,7 @@ def moe_profile(layers: int = 27, experts: int = 64, d_model: int = 1024, d_expe
 
         >>> p = moe_profile(layers=32, experts=8)
         >>> len(p.tensors), p.tensors[10].name, p.comm.world_size
-        (995, 'layers.0.experts.0.w2', 16)
+        (995, 'layers.0.experts.0.w3', 16)
         >>> len(moe_profile(layers=27, experts=64).tensors)
         5376
     """
