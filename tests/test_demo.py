@@ -46,7 +46,7 @@ def test_explain_splits_the_error_into_compute_and_communication():
 def test_explain_communication_dominating_and_a_verdict_that_changes():
     rows, lines = explain(runs((100.0, 100.0), (110.0, 90.0), (70.0, 71.0)))
     assert rows[1][5] == "+21.0"
-    assert lines[0].startswith("communication dominates the error (up to 21.0 ms")
+    assert lines[0].startswith("communication dominates the error: up to +21.0 ms")
     assert lines[1].startswith("verdict changes: best predicted 1.11x DDP's speed (faster than DDP), "
                                "measured 0.91x (slower than DDP)")
 

@@ -39,8 +39,13 @@ def emit_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-#: Width that titles, captions and the default columns of every table keep within.
+#: Width that titles, captions, paragraphs and the default columns of every table keep within.
 TABLE_WIDTH = 100
+
+
+def paragraph(text: str) -> None:
+    """Print ``text`` on stdout, wrapped to :data:`TABLE_WIDTH` (or a narrower terminal)."""
+    out.print(text, markup=False, width=min(out.width, TABLE_WIDTH), soft_wrap=False)
 
 
 def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_from: int = 1,

@@ -55,7 +55,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
         >>> rows[1]
         ['best', '104.0', '90.0', '+14.0 (+13%)', '+13.0', '+1.0']
         >>> print("\\n".join(lines))
-        compute dominates the error: training without communication took 88.0 ms against 75.0 ms profiled (+17%); it shifts every strategy alike (the machine was busier or slower than when profiled)
+        compute dominates the error: +13.0 ms per iteration (88.0 ms measured without communication, 75.0 ms profiled), against at most +7.0 ms from communication. It shifts every strategy alike, so it rarely changes which is fastest; the machine was busier or slower than when profiled.
         verdict holds: best predicted 1.11x DDP's speed, measured 1.15x: faster than DDP either way
     """
     runs = {r["strategy"]: r for r in result["runs"]}
@@ -64,7 +64,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     if ref and ref.get("measured_ms") and ref.get("predicted_ms"):
         compute_off = ref["measured_ms"] - ref["predicted_ms"]
     rows: list[list[str]] = []
-    worst_comm = 0.0
+    worst_comm = 0.0  # the communication part largest in size, with its sign
     for s, r in runs.items():
         m, p = r.get("measured_ms"), r.get("predicted_ms")
         if not m or not p:
@@ -74,25 +74,27 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
             rows.append([s, f"{m:.1f}", f"{p:.1f}", f"{off:+.1f} ({100 * off / m:+.0f}%)", f"{off:+.1f}", "—"])
             continue
         comm = None if compute_off is None else off - compute_off
-        if comm is not None:
-            worst_comm = max(worst_comm, abs(comm))
+        if comm is not None and abs(comm) > abs(worst_comm):
+            worst_comm = comm
         rows.append([s, f"{m:.1f}", f"{p:.1f}", f"{off:+.1f} ({100 * off / m:+.0f}%)",
                      "—" if compute_off is None else f"{compute_off:+.1f}",
                      "—" if comm is None else f"{comm:+.1f}"])
     lines: list[str] = []
     if compute_off is not None:
-        share = f"{ref['measured_ms']:.1f} ms against {ref['predicted_ms']:.1f} ms profiled " \
-                f"({100 * compute_off / ref['predicted_ms']:+.0f}%)"
-        if abs(compute_off) >= worst_comm:
-            lines.append(f"compute dominates the error: training without communication took {share}; "
-                         "it shifts every strategy alike (the machine was "
+        measured = (f"{ref['measured_ms']:.1f} ms measured without communication, "
+                    f"{ref['predicted_ms']:.1f} ms profiled")
+        if abs(compute_off) >= abs(worst_comm):
+            lines.append(f"compute dominates the error: {compute_off:+.1f} ms per iteration ({measured}), "
+                         f"against at most {worst_comm:+.1f} ms from communication. It shifts every "
+                         "strategy alike, so it rarely changes which is fastest; the machine was "
                          + ("busier or slower" if compute_off > 0 else "quieter or faster")
-                         + " than when profiled)")
+                         + " than when profiled.")
         else:
-            lines.append(f"communication dominates the error (up to {worst_comm:.1f} ms per "
-                         f"iteration; compute: {share}): all-reduce cost or its overlap with "
-                         "compute differed from the profile's, which can reorder strategies; "
-                         "`usbyte-opt bench` measures it under load (its refined prediction)")
+            lines.append(f"communication dominates the error: up to {worst_comm:+.1f} ms per iteration, "
+                         f"against {compute_off:+.1f} ms from compute ({measured}). All-reduce cost, or "
+                         "its overlap with compute, differed from the profile's; that differs per "
+                         "strategy and can reorder them (`usbyte-opt bench --wide` adds a prediction "
+                         "with the all-reduce cost measured under load: refined).")
     else:
         lines.append("no run without communication to split the error into compute and communication")
     ddp = runs.get("ddp")
@@ -108,7 +110,9 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
                              f"{meas:.2f}x: {b} either way")
             else:
                 lines.append(f"verdict changes: {s} predicted {pred:.2f}x DDP's speed ({a}), "
-                             f"measured {meas:.2f}x ({b}): on this machine, trust the measurement")
+                             f"measured {meas:.2f}x ({b}). Trust the measurement on this machine; "
+                             "a profile taken when the machine is as loaded as in training "
+                             "predicts it better.")
     return rows, lines
 
 
@@ -170,7 +174,7 @@ def demo(
                   caption="compute: the run without communication against the profile, common "
                   "to every strategy; comm: the rest")
     for line in lines:
-        console.out.print(line, markup=False)
+        console.paragraph(line)
     console.info("next: `usbyte-opt bench lab-cnn --bandwidth 200mbit` (as root) trains on an "
                  "emulated 200 Mbit/s network" + (f"; files in {out}" if keep else ""))
 
