@@ -26,7 +26,8 @@ compute; while the thread waits (for a block in the next forward in overlap mode
 block before the step in fence mode, or after its work is done) communication costs it
 nothing. Read off the timeline without the charge:
 
-    X_B = sum_k c_k |wire_k ∩ backward| / |wire_k|     X_F = sum_k c_k |wire_k ∩ forward compute| / |wire_k|
+    X_B = sum_k c_k |wire_k ∩ backward| / |wire_k|
+    X_F = sum_k c_k |wire_k ∩ forward compute| / |wire_k|
 
 and each phase is lengthened by what it paid: backward's times (``ready``, ``B``) times
 ``1 + X_B / B``, forward's (``need``, ``update``, ``F``) times ``1 + X_F / F``
@@ -313,7 +314,8 @@ def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
     return out
 
 
-def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> float:
+def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block],
+             mode: str = "overlap") -> float:
     """Iteration time of ``blocks`` on ``problem`` in ``mode`` (same value as the simulator)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -321,7 +323,8 @@ def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: st
     return sc.score(sc.stats(blocks), mode)
 
 
-def charged(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str = "overlap") -> Problem:
+def charged(problem: Problem, layout: Layout, blocks: Sequence[Block],
+            mode: str = "overlap") -> Problem:
     """``problem`` with each compute phase lengthened by what ``blocks`` cost it in ``mode``
     (the module docstring's rule); ``problem`` itself without the compute-cost option."""
     if not problem.charges_cpu:

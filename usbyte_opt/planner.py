@@ -136,6 +136,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         kw = dict(options.get(n, {}))
         if n == "best":
             kw.setdefault("seeds", [r.plan for r in report.results.values()])
+            kw.setdefault("lower_bound_ms", report.lower_bound_ms)
         say("start", n, 0.0)
         t0 = time.perf_counter()
         plan = st.plan(problem, **kw)

@@ -147,7 +147,8 @@ class Problem:
         """Tensor indices by ascending need time, i.e. forward order (ties: reverse ready); a
         new list each call, sorted once per problem."""
         if self._need_order is None:
-            self._need_order = sorted(range(self.n), key=lambda i: (self.need[i], -self.ready[i], i))
+            self._need_order = sorted(range(self.n),
+                                      key=lambda i: (self.need[i], -self.ready[i], i))
         return list(self._need_order)
 
     def default_buffers(self, order: Sequence[int] | None = None) -> tuple[Buffer, ...]:

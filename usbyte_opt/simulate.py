@@ -118,7 +118,8 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
     sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
     tl = _walk(problem.stretched(sb, sf), layout, blocks, mode)
-    return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": {"backward": xb, "forward": xf}})
+    charge = {"backward": xb, "forward": xf}
+    return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": charge})
 
 
 def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:

@@ -236,7 +236,8 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
     tensor_cost = problem.cost.beta_ms_per_byte * np.asarray(
         [problem.nbytes(i) for i in range(problem.n)], dtype=float)
     tail_min = float(min(tail))
-    lows = sorted((_lower(problem, ready, pieces * problem.cost.alpha_ms + tensor_cost, tail_min), -P)
+    alpha = problem.cost.alpha_ms
+    lows = sorted((_lower(problem, ready, pieces * alpha + tensor_cost, tail_min), -P)
                   for P, pieces in distinct.values())
     for low, negP in lows:
         P = -negP
