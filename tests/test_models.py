@@ -214,3 +214,29 @@ def test_lab_models_are_builtin_names_with_the_benchs_batches():
         assert default == batch
         a, b = build(name, 2)[0], build(spec, 2)[0]
         assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
+
+
+SHIPPED = ["resnet50", "resnet152", "vgg16", "densenet201", "bert-base", "gpt2"]
+
+
+@pytest.mark.parametrize("name", SHIPPED)
+def test_shipped_schedules_are_the_shipped_profiles_plans(name):
+    """``schedules/X.json`` is ``usbyte-opt optimize profiles/X.json``'s output for every
+    shipped profile, and the runtime accepts it on the built-in model X."""
+    from pathlib import Path
+
+    from usbyte_opt.formats import load_profile, load_schedule
+
+    root = Path(__file__).resolve().parent.parent
+    prof = load_profile(root / "profiles" / f"{name}.json")
+    sched = load_schedule(root / "schedules" / f"{name}.json")
+    assert sched.profile_name == prof.name and sched.profile_digest == prof.digest()
+    assert sched.fingerprint == prof.fingerprint()
+    if name in SHIPPED_CNNS:
+        from usbyte_opt.architectures import ARCHITECTURES
+        from usbyte_opt.runtime.checks import check_model
+        from usbyte_opt.runtime.default_plan import model_tensors
+
+        with torch.device("meta"):
+            model = ARCHITECTURES[name]()
+        check_model(sched, model_tensors(model), f"schedules/{name}.json")
