@@ -281,7 +281,7 @@ def run_plain(make: Callable[[], nn.Module], opt: Callable, schedule: Callable |
     ref, mod = twins(make)
     ddp = DDP(ref, **(ddp_kwargs or {}))
     o_ref = opt(ref.parameters())
-    kw = dict(usb_kwargs or {})
+    kw = {"verify": False, **(usb_kwargs or {})}  # the schedule under test, every step
     if schedule is not None:
         kw["schedule"] = schedule(mod, ws)
     o_usb = DistributedOptimizer(opt(mod.parameters()), mod, **kw)
@@ -654,7 +654,8 @@ def case_loop(how: str, set_to_none: bool, where: str, passes: int, rank: int, w
     ddp = DDP(ref, **(ddp_kwargs or {}))
     o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
     o_usb = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), mod,
-                                 schedule=schedule(mod, ws), backward_passes_per_step=passes)
+                                 schedule=schedule(mod, ws), backward_passes_per_step=passes,
+                                 verify=False)
     fwd = forward or (lambda m, x, step: m(x))
     batch = batch or (image_batch if make is SmallCNN else vec_batch)
     for step in range(LOOP_STEPS):

@@ -70,13 +70,15 @@ class Trainee:
         batch_size: per-rank batch size.
         device: the training device.
         optimizer: ``sgd``, ``adam`` or ``adamw`` (:func:`usbyte_opt.profiler.make_optimizer`).
-        schedule: the schedule (``runtime`` only).
+        schedule: the schedule, or ``"auto"`` (``runtime`` only).
         rank: this rank (selects its batches).
+        verify: let the runtime verify the plan against its fallback (``runtime`` only; off by
+            default, so that strategies are measured as planned).
     """
 
     def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
-                 device: torch.device, optimizer: str, schedule: Schedule | None = None,
-                 rank: int = 0):
+                 device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
+                 rank: int = 0, verify: bool = False):
         self.name, self.kind = name, kind
         model, inputs, self.loss_fn = build(spec, batch_size, device)
         self.batches = make_batches(inputs, rank)
@@ -93,7 +95,7 @@ class Trainee:
 
             self.model = model
             self.opt = DistributedOptimizer(make_optimizer(optimizer, params), model,
-                                            schedule=schedule)
+                                            schedule=schedule, verify=verify)
         elif kind == "local":
             self.model = model
             self.opt = make_optimizer(optimizer, params)

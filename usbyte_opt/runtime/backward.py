@@ -80,6 +80,10 @@ class StepComm:
         self.flushed: list[int] = []
         self.flushed_flag = [False] * n
         self.trace: Any = None
+        #: Issue nothing before the end of backward (the tuner's compute-only measurement).
+        self.defer = False
+        #: The tuner's measurement of this iteration, or None.
+        self.probe: Any = None
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -109,6 +113,8 @@ class StepComm:
                 with torch.no_grad():
                     view.mul_(scale)
             self._note(t)
+            if self.probe is not None:
+                self.probe.ready(t)
             if cuda:
                 self.streams[t] = torch.cuda.current_stream(device)
             if last:
@@ -155,12 +161,16 @@ class StepComm:
         """Autograd final callback: at the end of the step's last pass, issue the rest."""
         self.cb_queued = False
         if self.passes >= self.k and not self.issued:
+            if self.probe is not None:
+                self.probe.backward_end(self.next)
             self.finish()
 
     def mark_ready(self, t: int) -> None:
         rem = self.rem
         for k in self.grads.tensor_blocks[t]:
             rem[k] -= 1
+        if self.defer:
+            return
         nxt, m = self.next, self.m
         while nxt < m and rem[nxt] == 0:
             self.issue(nxt)

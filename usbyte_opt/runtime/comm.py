@@ -189,6 +189,23 @@ class Channel:
         opts.reduceOp = dist.ReduceOp.SUM
         return self.control.allreduce([t], opts)
 
+    def control_all_reduce_max(self, t: torch.Tensor) -> dist.Work | None:
+        """Maximum of a host tensor over the ranks, on the control group (``None`` on one rank)."""
+        if self.control is None:
+            return None
+        opts = dist.AllreduceOptions()
+        opts.reduceOp = dist.ReduceOp.MAX
+        return self.control.allreduce([t], opts)
+
+    def control_broadcast(self, t: torch.Tensor) -> dist.Work | None:
+        """Rank 0's host tensor to every rank, on the control group (``None`` on one rank)."""
+        if self.control is None:
+            return None
+        opts = dist.BroadcastOptions()
+        opts.rootRank = 0
+        opts.rootTensor = 0
+        return self.control.broadcast([t], opts)
+
     def broadcast(self, t: torch.Tensor) -> dist.Work:
         src = dist.get_global_rank(self.group, 0) if self.group is not None else 0
         return dist.broadcast(t, src, group=self.group, async_op=True)

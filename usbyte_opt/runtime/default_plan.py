@@ -159,6 +159,27 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
     return make_schedule(problem, layout, blocks, "default")
 
 
+#: The schedule argument (and ``$USBYTE_SCHEDULE`` value) that plans inside the run.
+AUTO = "auto"
+
+
+def fallback_schedule(model: torch.nn.Module, world_size: int = 1) -> Schedule:
+    """What the runtime falls back on, and compares a plan with: the DDP-like default plan in
+    fence mode (all blocks, then all updates), which trains exactly as DDP does.
+
+    Example::
+
+        >>> import torch
+        >>> s = fallback_schedule(torch.nn.Linear(3, 2))
+        >>> s.strategy, s.mode
+        ('ddp-like', 'fence')
+    """
+    import dataclasses
+
+    return dataclasses.replace(default_schedule(model, world_size), strategy="ddp-like",
+                               mode="fence")
+
+
 def make_schedule(problem: Problem, layout: Layout, blocks: Iterable[Block], strategy: str) -> Schedule:
     """``problem.schedule(...)`` (which records the per-tensor ``shapes`` the runtime uses to
     name the exact tensor whose shape differs from the model's)."""

@@ -46,6 +46,7 @@ class ForwardGates:
         self.model, self.updates, self.chan, self.buffers = model, updates, chan, buffers
         self.clear_flushed = clear_flushed
         self.buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
+        self.probe: Any = None          # the tuner's measurement of this iteration, or None
         self.learning = True            # first iteration: which tensors bypass their modules
         self.seen = [False] * len(params)
         self.root_extra: list[int] = []
@@ -82,6 +83,8 @@ class ForwardGates:
         def hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return None  # a compiled forward: the root hook applied every update
+            if self.probe is not None:
+                self.probe.need(ts)
             if upd.n_pending:
                 if pending is None or any(pending[t] for t in ts):
                     upd.gate(ts)
@@ -96,6 +99,9 @@ class ForwardGates:
             # Runs eagerly before the compiled graph. torch._dynamo is only touched here,
             # where compiling has imported it already.
             return torch._dynamo.disable(_compiled_pre)(self)
+        if self.probe is not None and module.training and torch.is_grad_enabled():
+            self.probe.forward_begin()
+            self.probe.need(self.root_owned)
         if self.buf_pending:
             self.wait_buffers()
         self.clear_flushed()
@@ -114,6 +120,8 @@ class ForwardGates:
     def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return torch._dynamo.disable(_compiled_post)(self, module)
+        if self.probe is not None and module.training and torch.is_grad_enabled():
+            self.probe.forward_end()
         self.broadcast_buffers(module)
         return None
 

@@ -46,10 +46,10 @@ from ..formats import Schedule
 from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
-from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
-                     resolve_schedule)
+from .checks import (SCHEDULE_ENV, agree, broadcast_from_rank0, check_model,
+                     check_world_size, resolve_schedule)
 from .comm import Channel
-from .default_plan import model_tensors, trainable_parameters
+from .default_plan import AUTO, fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
 from .forward import ForwardGates, _Hook
 from .trace import TRACE_ENV
@@ -92,8 +92,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Args:
         optimizer: the optimizer to wrap (it keeps the parameter state).
         model: the module being trained; its trainable parameters must match the schedule.
-        schedule: a :class:`~usbyte_opt.formats.Schedule` or the path of a schedule file;
-            default: the file named by ``$USBYTE_SCHEDULE``, else a DDP-like default plan
+        schedule: a :class:`~usbyte_opt.formats.Schedule`, the path of a schedule file, or
+            ``"auto"`` (measure and plan inside this run: no profile needed); default: what
+            ``$USBYTE_SCHEDULE`` names (a file or ``auto``), else a DDP-like default plan
             (with a warning).
         process_group: the data-parallel group (default: the whole world).
         backward_passes_per_step: backward passes per ``step()`` (gradient accumulation);
@@ -112,6 +113,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``False`` issues blocks on ``process_group`` itself.
         update_groups: on CUDA in overlap mode, the number of optimizer calls the updates of
             one step are grouped into.
+        verify: time the plan against the DDP-like fallback (DDP's buckets, fence mode) in
+            interleaved windows during the first iterations and keep it only if it is measurably
+            faster (:mod:`usbyte_opt.runtime.autotune`; every rank decides alike). Applies to a
+            schedule given (argument or ``$USBYTE_SCHEDULE``) or planned (``"auto"``).
+        auto_dir: with ``schedule="auto"``, where the measured profile and the planned
+            schedule are written (default ``$USBYTE_AUTO_DIR``; unset: not written).
+        check_every: after verification, compare the measured iteration time with the
+            prediction every this many iterations (0: never); warns once when they are more
+            than 15% apart.
+        replan_on_drift: on that warning, plan (or verify) again.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -145,7 +156,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  schedule: ScheduleArg = None, process_group: dist.ProcessGroup | None = None,
                  backward_passes_per_step: int = 1, *, broadcast_buffers: bool = True,
                  find_unused_parameters: bool = True, timeout: float | timedelta | None = None,
-                 one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS):
+                 one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS,
+                 verify: bool = True, auto_dir: str | os.PathLike | None = None,
+                 check_every: int = 200, replan_on_drift: bool = False):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         if type(model).__name__ == "OptimizedModule" and isinstance(
                 getattr(model, "_orig_mod", None), torch.nn.Module):
@@ -167,6 +180,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
             timeout = timedelta(seconds=float(timeout))
         self._group = process_group
         rank, ws = dist.get_rank(process_group), dist.get_world_size(process_group)
+        # A plan given (argument or $USBYTE_SCHEDULE) is verified against the DDP-like
+        # fallback; "auto" starts on the fallback, plans in the run, then verifies.
+        given = schedule is not None or bool(os.environ.get(SCHEDULE_ENV))
+        if schedule is None and os.environ.get(SCHEDULE_ENV) == AUTO:
+            schedule = AUTO
+        auto = isinstance(schedule, str) and schedule == AUTO
+        if auto:
+            schedule = fallback_schedule(model, ws)
+        verify = verify and given
         params = trainable_parameters(model)
         device = params[0][1].device if params else torch.device("cpu")
 
@@ -201,43 +223,87 @@ class DistributedOptimizer(torch.optim.Optimizer):
             broadcast_from_rank0(list(model.buffers()), process_group, timeout, "buffers")
 
         self._chan = Channel(process_group, device, timeout, one_in_flight)
-        self._grads = g = FlatGrads(sched, dict(params), device)
+        self._params = dict(params)
+        self._device = device
+        self._options = {"passes": backward_passes_per_step, "find_unused": find_unused_parameters,
+                         "update_groups": update_groups,
+                         "buffers": list(model.buffers()) if broadcast_buffers and ws > 1 else []}
+        self._last_include: Callable[[int], bool] = lambda t: False
+        self._steps = 0
+        self._handles: list[Any] = []
+        self._trace = None
+        self._install(sched, source)
+        self._closed = False
+        OPEN.add(self)
+        self._tuner: Any = None
+        if auto or verify:
+            from .autotune import Tuner
+
+            self._tuner = Tuner(self, auto=auto, verify=verify, auto_dir=auto_dir,
+                                check_every=check_every, replan_on_drift=replan_on_drift)
+
+    def _install(self, sched: Schedule, source: str,
+                 carried: tuple[set[str], set[str]] | None = None) -> None:
+        """Build the per-schedule state (flat buffers, the step's communication, updates,
+        forward gates) and install the hooks. ``carried``: the names of the tensors seen in
+        their modules' forward and of those used outside them, learned by a previous
+        schedule's first iteration."""
+        model, device, o = self._model, self._device, self._options
+        self.schedule = sched
+        self.schedule_source = source
+        #: ``"overlap"`` or ``"fence"`` (the schedule's mode).
+        self.mode = sched.mode
+        self._grads = g = FlatGrads(sched, self._params, device)
         self._n, self._m = g.n, len(sched.blocks)
-        self._stepper = SubsetStepper(optimizer, g, device)
+        self._stepper = SubsetStepper(self._opt, g, device)
         self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
         self._candidates = [t for t in range(g.n) if self._in_opt[t]]
         self._updates: HostUpdates | StreamUpdates
         if device.type == "cuda" and self.mode == "overlap":
             self._updates = StreamUpdates(g, self._stepper, self._chan.wait, self._what, device,
-                                          update_groups)
+                                          o["update_groups"])
         else:
             self._updates = HostUpdates(g, self._stepper, self._chan.wait, self._what)
-        buffers = list(model.buffers()) if broadcast_buffers and ws > 1 else []
-        self._comm = StepComm(sched, g, self._chan, backward_passes_per_step,
-                              find_unused_parameters, self._flush_for_backward,
-                              self._note_gradient)
-        self._gates = ForwardGates(model, g.params, self._updates, self._chan, buffers,
+        self._comm = StepComm(sched, g, self._chan, o["passes"], o["find_unused"],
+                              self._flush_for_backward, self._note_gradient)
+        self._gates = ForwardGates(model, g.params, self._updates, self._chan, o["buffers"],
                                    self._comm.clear_flushed)
-        self._last_include: Callable[[int], bool] = lambda t: False
-        self._steps = 0
-        self._handles: list[Any] = [p.register_post_accumulate_grad_hook(self._comm.hook(t))
-                                    for t, p in enumerate(g.params)]
+        if carried is not None:
+            seen, extra = carried
+            gates = self._gates
+            gates.learning = False
+            gates.seen = [n in seen for n in g.names]
+            gates.root_extra = [t for t, n in enumerate(g.names) if n in extra]
+        self._handles = [p.register_post_accumulate_grad_hook(self._comm.hook(t))
+                         for t, p in enumerate(g.params)]
         self._handles += self._gates.install()
         # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
         # only: a checkpoint may be written by rank 0 alone.
         self._handles.append(model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
         self._handles.append(model.register_load_state_dict_pre_hook(_Hook(self._settle_hook)))
-        self._closed = False
-        OPEN.add(self)
         # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
         # only then, so the runtime does not depend on it.
-        self._trace = None
         if os.environ.get(TRACE_ENV):
             from .trace import attach
 
+            if self._trace is not None:
+                self._trace.close()
             self._trace = self._comm.trace = attach(self, model)
             if isinstance(self._updates, HostUpdates):
                 self._updates.trace = self._trace
+
+    def _switch(self, sched: Schedule, source: str) -> None:
+        """Run ``sched`` from the next iteration on: finish everything of the current one,
+        then rebuild. Every rank calls it at the same step (it waits, and issues nothing)."""
+        self.synchronize()
+        gates, names = self._gates, self._grads.names
+        carried = ({names[t] for t in range(len(names)) if gates.seen[t]},
+                   {names[t] for t in gates.root_extra})
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        self._grads.detach()
+        self._install(sched, source, carried)
 
     # ------------------------------------------------------------------------------------
     # Set-up
@@ -330,7 +396,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self._grads.release()
         elif self.mode == "fence":
             comm.wait_blocks()
+            probe = comm.probe
+            if probe is not None:
+                probe.update_begin()
             self._stepper.step([t for t in self._candidates if include(t)])
+            if probe is not None:
+                probe.update_end()
             comm.expose_used()
         else:
             self._updates.start(comm.works, include, self._candidates)
@@ -338,6 +409,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._stepper.attrs = {}
         comm.reset(clear_zero_intent=self.mode == "overlap")
         self._gates.learning = False
+        if self._tuner is not None:
+            self._tuner.after_step()
         self._steps += 1
         self._opt._opt_called = True  # type: ignore[attr-defined]  # LR scheduler's check
         return loss
@@ -374,6 +447,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for t in range(self._n):
                 if not zi[t] and (include(t) or g.params[t].grad is not None):
                     zi[t] = True
+
+    def report(self) -> dict[str, Any]:
+        """What the runtime decided and measured: the schedule running, and with auto
+        planning or verification the plan, the chosen side (``"plan"`` or ``"fallback"``),
+        the measured ms per iteration of both, the prediction, and any drift warning."""
+        base = {"schedule": {"source": self.schedule_source, "strategy": self.schedule.strategy,
+                             "mode": self.mode, "blocks": self._m},
+                "steps": self._steps, "world_size": self._chan.world_size}
+        if self._tuner is not None:
+            base.update(self._tuner.report())
+        return base
+
+    def replan(self) -> None:
+        """Plan again inside the run (``schedule="auto"``), or verify the plan again, from the
+        next ``step()`` on. Call it on every rank at the same iteration."""
+        if self._tuner is None:
+            raise UsbyteError("replan(): this optimizer neither plans nor verifies (pass "
+                              "schedule=\"auto\" or a schedule with verify=True)")
+        self._tuner.replan()
 
     def synchronize(self) -> None:
         """Finish all communication and updates: call before eval, checkpoints, the end.

@@ -1,0 +1,150 @@
+"""Planning and verifying inside the user's run (schedule="auto", verify=True), 2 gloo ranks:
+every rank switches at the same iteration, decisions are identical on every rank, training
+equals DDP throughout, and what an auto run writes is a profile and schedule the CLI reads."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from usbyte_opt.errors import UsbyteError
+from usbyte_opt.formats import load_profile, load_schedule
+from usbyte_opt.runtime import DistributedOptimizer
+from usbyte_opt.runtime.autotune import CLEAN, OVERLAP, ROUNDS, WARMUP, WINDOW
+from usbyte_opt.runtime.local import run_local
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_runtime_equivalence import (OPTIMIZERS, SmallCNN, image_batch, max_diff,  # noqa: E402
+                                      mse, sched_wfbp, twins)
+
+STEPS = WARMUP + CLEAN + OVERLAP + 2 * ROUNDS * WINDOW + 4
+
+
+def train(rank: int, ws: int, kind: str, auto_dir: str | None = None,
+          skew_ms: float = 0.0) -> dict:
+    """DDP and the runtime side by side; ``kind``: "auto" or "verify" (a per-tensor plan).
+    ``skew_ms``: rank 1 sleeps this long in every iteration of the plan (verify windows)."""
+    ref, mod = twins(lambda: SmallCNN(bn=True))
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    kw = ({"schedule": "auto", "auto_dir": auto_dir} if kind == "auto"
+          else {"schedule": sched_wfbp(mod, ws)})
+    opt = DistributedOptimizer(OPTIMIZERS["adamw_wd"](mod.parameters()), mod, **kw)
+    switches = []
+    for step in range(STEPS):
+        x, y = image_batch(rank, step)
+        mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        before = opt.schedule
+        if skew_ms and rank == 1 and before.strategy != "ddp-like":
+            time.sleep(skew_ms / 1e3)
+        mse(mod(x), y).backward(); opt.step(); opt.zero_grad()
+        if opt.schedule is not before:
+            switches.append((step, opt.schedule.strategy, opt.schedule.mode))
+    opt.synchronize()
+    return {"diff": max_diff(ref, mod), "switches": switches, "report": opt.report()}
+
+
+def check_same_on_every_rank(res) -> list[dict]:
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+    vals = [r.value for r in res]
+    for v in vals:
+        assert v["diff"] <= 1e-5, v
+    assert vals[0]["switches"] == vals[1]["switches"]
+    for key in ("chosen", "measured_ms", "settled_at_step"):
+        assert vals[0]["report"][key] == vals[1]["report"][key], key
+    return vals
+
+
+def test_auto_plans_switches_everywhere_at_once_and_trains_like_ddp(tmp_path):
+    res = run_local(train, 2, args=("auto", str(tmp_path / "auto")), timeout_s=300)
+    vals = check_same_on_every_rank(res)
+    rep = vals[0]["report"]
+    assert rep["auto"] and rep["auto_settled_at_step"] == WARMUP + CLEAN + OVERLAP
+    assert rep["settled_at_step"] <= 50
+    assert rep["chosen"] in ("plan", "fallback") and rep["phase"] == "settled"
+    assert vals[0]["switches"][0][:2] == (WARMUP + CLEAN + OVERLAP - 1, "best")
+    # What it wrote is what optimize and simulate read.
+    prof = load_profile(tmp_path / "auto" / "profile.json")
+    sched = load_schedule(tmp_path / "auto" / "schedule.json")
+    assert sched.strategy == "best" and sched.fingerprint == prof.fingerprint()
+    assert prof.comm.world_size == 2 and prof.comm.samples
+
+
+def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed():
+    res = run_local(train, 2, args=("verify", None, 40.0), timeout_s=300)
+    vals = check_same_on_every_rank(res)
+    rep = vals[0]["report"]
+    assert rep["chosen"] == "fallback"          # the plan's windows were made 40 ms slower
+    assert rep["measured_ms"]["plan"] > rep["measured_ms"]["fallback"]
+    assert rep["settled_at_step"] == 2 * ROUNDS * WINDOW
+
+
+def one_rank_replan_needs_a_tuner(rank: int, ws: int) -> str:
+    m = torch.nn.Linear(3, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, verify=False)
+    try:
+        opt.replan()
+    except UsbyteError as e:
+        return str(e)
+    return ""
+
+
+def test_replan_without_planning_or_verifying_is_an_error():
+    res = run_local(one_rank_replan_needs_a_tuner, 1, timeout_s=60)
+    assert "replan(): this optimizer neither plans nor verifies" in res[0].value
+
+
+def env_auto(rank: int, ws: int) -> dict:
+    os.environ["USBYTE_SCHEDULE"] = "auto"
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+    return opt.report()
+
+
+def test_env_auto_starts_on_the_fallback():
+    res = run_local(env_auto, 2, timeout_s=120)
+    for r in res:
+        assert r.ok, r.trace
+        assert r.value["auto"] and r.value["schedule"]["strategy"] == "ddp-like"
+        assert r.value["schedule"]["mode"] == "fence"
+
+
+def drift(rank: int, ws: int) -> dict:
+    """The plan is kept (the fallback's windows are made slower on every rank); its prediction
+    is far off, so the drift check warns once on rank 0 and, asked to, verifies again."""
+    import dataclasses
+    import warnings
+
+    from usbyte_opt.runtime import default_schedule
+
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    plan = dataclasses.replace(default_schedule(m, ws), predicted={"iteration_ms": 0.01})
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.01), m, schedule=plan,
+                               check_every=5, replan_on_drift=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2 * ROUNDS * WINDOW + 6):
+            if opt.schedule.strategy == "ddp-like":
+                time.sleep(0.02)
+            m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+    rep = opt.report()
+    return {"chosen": rep["chosen"], "drift": rep.get("drift"), "phase": rep["phase"],
+            "warnings": [str(w.message) for w in caught if "off its prediction" in str(w.message)]}
+
+
+def test_drift_from_the_prediction_warns_once_and_can_replan():
+    res = run_local(drift, 2, timeout_s=180)
+    for r in res:
+        assert r.ok, r.trace
+        assert r.value["chosen"] == "plan"
+        assert r.value["drift"]["predicted_ms"] == 0.01
+        assert r.value["phase"] == "verify"      # replan_on_drift started a new verification
+    assert len(res[0].value["warnings"]) == 1 and not res[1].value["warnings"]

@@ -1,0 +1,547 @@
+"""Planning and verifying inside the user's own run: ``schedule="auto"`` and ``verify=True``.
+
+**Auto** (``schedule="auto"``, ``USBYTE_SCHEDULE=auto``, ``usbyte-opt launch --schedule
+auto``). The run starts on the fallback plan (DDP's buckets in fence mode: it trains exactly
+as DDP). Then, inside the user's loop:
+
+1. :data:`WARMUP` iterations as they are;
+2. :data:`CLEAN` iterations measured with communication held back until backward ends, so
+   that compute is timed alone: the start and end of forward and backward, the first use of
+   each tensor in forward (its module's pre-hook), when each gradient is final (its
+   post-accumulate-grad hook), the optimizer step (CUDA events on a GPU, ``perf_counter`` on
+   a CPU);
+3. :data:`OVERLAP` iterations with communication as usual, for what it costs backward (the
+   compute-cost option of the profile, on CPUs);
+4. at the next step boundary, every rank: the measurements, maximum over ranks (the control
+   group); a short all-reduce sweep on the runtime's own channel for ``alpha`` and the
+   bandwidth; rank 0 builds the profile, plans it exactly as ``usbyte-opt optimize`` does
+   (:func:`usbyte_opt.planner.compare`, its ``best``) and broadcasts the schedule; every rank
+   switches to it at the same iteration. The profile and the schedule are written to
+   ``auto_dir`` (or ``$USBYTE_AUTO_DIR``) for ``optimize``, ``simulate`` and ``bench``.
+
+**Verify** (``verify=True``, the default, for a plan given or planned). The plan and the
+fallback run in interleaved windows of :data:`WINDOW` iterations, :data:`ROUNDS` rounds, the
+order alternating; an iteration's time is the interval between two ``step()`` calls, the first
+interval of a window (the switch) dropped. Every rank's medians are summed over the ranks
+(the control group), so every rank takes the same decision, whatever its own timings: the plan
+is kept only if it is faster by more than :data:`MARGIN`. Rank 0 logs one line (chosen,
+measured for both, predicted); :meth:`Tuner.report` returns the same as a dict. Afterwards,
+every ``check_every`` iterations the measured median is compared with the prediction; more than
+:data:`DRIFT` apart, rank 0 warns once, and ``replan()`` (or ``replan_on_drift``) plans again.
+
+None of this changes the training's arithmetic: every plan sums the same gradients (with two
+ranks, bitwise; with more, as exactly as any change of DDP's buckets), holding communication
+back only delays it, and the switches happen between steps, after every update.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+import warnings
+from typing import Any, Sequence
+
+import torch
+
+from ..errors import UsbyteError
+from ..formats import Schedule
+
+#: Iterations before measuring (the first one learns the hooks' order).
+WARMUP = 2
+#: Iterations measured with communication held back until backward ends.
+CLEAN = 5
+#: Iterations measured with communication as usual.
+OVERLAP = 4
+#: Iterations per verification window, and rounds of (plan, fallback) windows.
+WINDOW = 4
+ROUNDS = 3
+#: The plan is kept only when its median is below the fallback's by more than this fraction.
+MARGIN = 0.01
+#: Measured and predicted this far apart (relative) give a warning.
+DRIFT = 0.15
+#: Default interval (iterations) of the drift check.
+CHECK_EVERY = 200
+#: Where the profile and schedule of an auto run go, unless ``auto_dir`` is given.
+AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
+
+
+class _Clock:
+    """Stamps: ``perf_counter`` seconds on CPU, CUDA events on the gradients' device."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def now(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def ms(self, a: Any, b: Any) -> float:
+        if not self.cuda:
+            return (b - a) * 1e3
+        return a.elapsed_time(b)
+
+    def settle(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+
+class Probe:
+    """One measured iteration's stamps (called from the runtime's hooks)."""
+
+    def __init__(self, n: int, clock: _Clock):
+        self.clock = clock
+        self.n = n
+        self.f0: Any = None
+        self.f1: Any = None
+        self.b1: Any = None
+        self.u0: Any = None
+        self.u1: Any = None
+        self.need_at: list[Any] = [None] * n
+        self.ready_at: list[Any] = [None] * n
+        self.issued_in_backward = 0
+
+    def forward_begin(self) -> None:
+        if self.f0 is None:
+            self.f0 = self.clock.now()
+
+    def need(self, ts: Sequence[int]) -> None:
+        if self.f0 is None or self.f1 is not None:
+            return
+        at = None
+        for t in ts:
+            if self.need_at[t] is None:
+                if at is None:
+                    at = self.clock.now()
+                self.need_at[t] = at
+
+    def forward_end(self) -> None:
+        if self.f0 is not None and self.f1 is None:
+            self.f1 = self.clock.now()
+
+    def ready(self, t: int) -> None:
+        self.ready_at[t] = self.clock.now()
+
+    def backward_end(self, issued: int) -> None:
+        self.b1 = self.clock.now()
+        self.issued_in_backward = issued
+
+    def update_begin(self) -> None:
+        self.u0 = self.clock.now()
+
+    def update_end(self) -> None:
+        self.u1 = self.clock.now()
+
+    def result(self) -> dict[str, Any] | None:
+        """Milliseconds (call after the clock settled); None if the iteration was incomplete."""
+        c = self.clock
+        if self.f0 is None or self.f1 is None or self.b1 is None:
+            return None
+        return {
+            "F": c.ms(self.f0, self.f1), "B": c.ms(self.f1, self.b1),
+            "step": c.ms(self.u0, self.u1) if self.u0 is not None and self.u1 is not None else 0.0,
+            "need": [c.ms(self.f0, x) if x is not None else math.nan for x in self.need_at],
+            "ready": [c.ms(self.f1, x) if x is not None else math.nan for x in self.ready_at],
+            "issued": self.issued_in_backward,
+        }
+
+
+class StepTimer:
+    """Iteration times: the intervals between consecutive ``step()`` calls."""
+
+    def __init__(self, clock: _Clock):
+        self.clock = clock
+        self.stamps: list[Any] = []
+
+    def mark(self) -> None:
+        self.stamps.append(self.clock.now())
+
+    def take(self, drop_first: int = 1) -> list[float]:
+        """The intervals marked so far (after the first ``drop_first``), and start afresh."""
+        self.clock.settle()
+        st, self.stamps = self.stamps, self.stamps[-1:]
+        out = [self.clock.ms(a, b) for a, b in zip(st, st[1:])]
+        return out[drop_first:]
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(x for x in xs if not math.isnan(x))
+    if not ys:
+        return math.nan
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
+
+
+class Tuner:
+    """The state machine of auto planning and verification of one optimizer (see module).
+
+    Args:
+        opt: the :class:`~usbyte_opt.runtime.DistributedOptimizer`.
+        auto: plan inside the run first.
+        verify: verify the plan against the fallback.
+        auto_dir: where an auto run writes its profile and schedule.
+        check_every: iterations between drift checks (0: none).
+        replan_on_drift: plan again (auto) when the drift check fails.
+    """
+
+    def __init__(self, opt: Any, auto: bool, verify: bool, auto_dir: str | os.PathLike | None,
+                 check_every: int = CHECK_EVERY, replan_on_drift: bool = False):
+        from .default_plan import fallback_schedule
+
+        self.opt = opt
+        self.rank = opt._chan.rank
+        self.ws = opt._chan.world_size
+        self.clock = _Clock(opt._device)
+        self.timer = StepTimer(self.clock)
+        self.fallback = fallback_schedule(opt._model, self.ws)
+        self.auto = auto
+        self.verify = verify
+        self.auto_dir = auto_dir if auto_dir is not None else os.environ.get(AUTO_DIR_ENV) or None
+        self.check_every = check_every
+        self.replan_on_drift = replan_on_drift
+        self.plan: tuple[Schedule, str] = (opt.schedule, opt.schedule_source)
+        self.steps = 0
+        self.phase = "idle"
+        self.phase_step = 0
+        self.probes: list[Probe] = []
+        self.measured: dict[str, list[dict[str, Any]]] = {"clean": [], "overlap": []}
+        self.windows: list[tuple[str, list[float]]] = []
+        self.order: list[str] = []
+        self.recent: list[float] = []
+        self.warned = False
+        self.replan_asked = False
+        self.info: dict[str, Any] = {"auto": auto, "verify": verify, "chosen": None,
+                                     "measured_ms": {}, "predicted_ms": None}
+        if self.ws < 2:
+            self.info["note"] = "world size 1: nothing to plan or verify"
+            self.phase = "settled"
+        elif auto:
+            self._begin("warmup")
+        elif verify:
+            self._begin_verify()
+        else:
+            self.phase = "settled"
+
+    # -- the state machine -----------------------------------------------------------------
+
+    def _begin(self, phase: str) -> None:
+        self.phase = phase
+        self.phase_step = 0
+        opt = self.opt
+        opt._comm.defer = phase == "clean"
+        if phase in ("clean", "overlap"):
+            self._arm()
+        else:
+            opt._comm.probe = opt._gates.probe = None
+
+    def _arm(self) -> None:
+        p = Probe(self.opt._grads.n, self.clock)
+        self.probes.append(p)
+        self.opt._comm.probe = self.opt._gates.probe = p
+
+    def _collect(self, kind: str) -> None:
+        self.clock.settle()
+        for p in self.probes:
+            r = p.result()
+            if r is not None:
+                self.measured[kind].append(r)
+        self.probes = []
+
+    def after_step(self) -> None:
+        """Called at the end of every ``step()`` (same count on every rank)."""
+        self.steps += 1
+        self.phase_step += 1
+        self.timer.mark()
+        ph = self.phase
+        if ph == "warmup":
+            if self.phase_step >= WARMUP:
+                self._begin("clean")
+        elif ph in ("clean", "overlap"):
+            n = CLEAN if ph == "clean" else OVERLAP
+            if self.phase_step >= n:
+                self._collect(ph)
+                if ph == "clean":
+                    self._begin("overlap")
+                else:
+                    self.opt._comm.probe = self.opt._gates.probe = None
+                    self._plan_now()
+            else:
+                self._arm()
+        elif ph == "verify":
+            if self.phase_step >= WINDOW:
+                self.windows.append((self.order[len(self.windows)], self.timer.take()))
+                if len(self.windows) == len(self.order):
+                    self._decide()
+                else:
+                    self._run(self.order[len(self.windows)])
+                    self.phase_step = 0
+        elif ph == "settled":
+            if self.replan_asked:
+                self.replan_asked = False
+                self._restart()
+            elif self.check_every and self.steps % self.check_every == 0:
+                self._check_drift()
+
+    def _restart(self) -> None:
+        self.measured = {"clean": [], "overlap": []}
+        self.windows = []
+        self.timer.take()
+        if self.auto:
+            self._run("fallback")
+            self._begin("warmup")
+        elif self.verify:
+            self._begin_verify()
+
+    def _run(self, which: str) -> None:
+        sched, source = (self.fallback, "<ddp-like fallback>") if which == "fallback" else self.plan
+        if self.opt.schedule is not sched:
+            self.opt._switch(sched, source)
+
+    # -- auto --------------------------------------------------------------------------------
+
+    def _plan_now(self) -> None:
+        t0 = time.perf_counter()
+        opt = self.opt
+        opt.synchronize()
+        try:
+            profile = self._profile()
+        except UsbyteError as e:  # every rank fails alike: the measurements were agreed
+            self.info["auto_error"] = str(e)
+            self._settle_on("fallback", note=f"auto planning failed: {e}")
+            return
+        sched_json = None
+        err = ""
+        if self.rank == 0:
+            try:
+                from ..planner import compare
+
+                report = compare(profile)
+                sched = report.schedule("best")
+                sched_json = json.dumps(sched.to_dict())
+            except Exception as e:  # noqa: BLE001 - shared with the other ranks below
+                err = f"{type(e).__name__}: {e}"
+        payload = self._broadcast(json.dumps({"schedule": sched_json, "error": err}))
+        msg = json.loads(payload)
+        if msg["error"]:
+            self.info["auto_error"] = msg["error"]
+            self._settle_on("fallback", note=f"auto planning failed: {msg['error']}")
+            return
+        sched = Schedule.from_dict(json.loads(msg["schedule"]), "<auto schedule>")
+        self.plan = (sched, "<auto schedule>")
+        self.info["auto_plan_s"] = time.perf_counter() - t0
+        self.info["auto_settled_at_step"] = self.steps
+        self.info["predicted_ms"] = sched.predicted.get("iteration_ms")
+        self.info["lower_bound_ms"] = sched.predicted.get("lower_bound_ms")
+        self.info["plan"] = {"strategy": sched.strategy, "mode": sched.mode,
+                             "blocks": len(sched.blocks)}
+        if self.rank == 0 and self.auto_dir:
+            self._write(profile, sched)
+        self._run("plan")
+        if self.verify:
+            self._begin_verify()
+        else:
+            self._settle_on("plan")
+
+    def _profile(self) -> Any:
+        from ..formats import CommSpec, Profile, TensorSpec
+
+        opt = self.opt
+        g = opt._grads
+        n = g.n
+        clean, over = self.measured["clean"], self.measured["overlap"]
+        if not clean:
+            raise UsbyteError("no complete iteration was measured (a forward outside the "
+                              "model's own forward, or a compiled model)")
+        F = _median([r["F"] for r in clean])
+        B = _median([r["B"] for r in clean])
+        step = _median([r["step"] for r in clean])
+        B_over = _median([r["B"] for r in over]) if over else B
+        ready = [_median([r["ready"][t] for r in clean]) for t in range(n)]
+        need = [_median([r["need"][t] for r in clean]) for t in range(n)]
+        issued = _median([float(r["issued"]) for r in over]) if over else 0.0
+        # Maximum over ranks (the slowest rank gates every collective); -1 marks "none".
+        vec = torch.tensor([F, B, step, B_over] + [x if not math.isnan(x) else -1.0 for x in ready]
+                           + [x if not math.isnan(x) else -1.0 for x in need], dtype=torch.float64)
+        work = opt._chan.control_all_reduce_max(vec)
+        if work is not None:
+            opt._chan.wait_host(work, "all-reduce of the tuner's measurements")
+        vals = vec.tolist()
+        F, B, step, B_over = (max(v, 1e-3) for v in vals[:4])
+        ready = [min(v, B) if v >= 0 else B for v in vals[4:4 + n]]
+        need = [min(v, F) if v >= 0 else F for v in vals[4 + n:]]
+        numel = [int(p.numel()) for p in g.params]
+        total = sum(numel) or 1
+        tensors = []
+        for t in range(n):
+            p = g.params[t]
+            tensors.append(TensorSpec(g.names[t], tuple(int(d) for d in p.shape),
+                                      str(p.dtype).removeprefix("torch."), ready[t], need[t],
+                                      step * numel[t] / total))
+        comm = self._sweep(sum(p.numel() * p.element_size() for p in g.params))
+        lost = B_over - B
+        bytes_bw = 0
+        if issued > 0:
+            blocks = opt.schedule.blocks
+            size = g.flats[0].element_size()
+            bytes_bw = sum((b.end - b.start) * size for b in blocks[:int(round(issued))])
+        cpu_mb = 0.0
+        if not self.clock.cuda and lost > 0.05 * B and bytes_bw > 0:
+            cpu_mb = lost / (bytes_bw / 1e6)
+        comm = CommSpec(comm.backend, comm.world_size, comm.alpha_ms, comm.algbw_gbs,
+                        comm.samples, 0.0, cpu_mb)
+        meta = {"source": "usbyte_opt.runtime auto (measured in the training run)",
+                "iterations": {"clean": len(clean), "overlap": len(over)},
+                "backward_with_comm_ms": B_over, "device": opt._device.type}
+        return Profile("auto", F, B, tuple(tensors), comm, meta)
+
+    def _sweep(self, total_bytes: int) -> Any:
+        from ..profiler.comm import default_sizes, fit_comm, sweep_allreduce
+        from .comm import backend_for
+
+        opt = self.opt
+        chan = opt._chan
+        hi = max(64 << 10, min(64 << 20, int(total_bytes)))
+        sizes = default_sizes(4 << 10, hi, 6)
+
+        def barrier() -> None:
+            x = torch.zeros(1)
+            w = chan.control_all_reduce(x)
+            if w is not None:
+                chan.wait_host(w, "tuner barrier")
+
+        sweep = sweep_allreduce(sizes, repeats=3, warmup=1, device=opt._device, group=opt._group,
+                                barrier=barrier, issue=chan._issue)
+        spec, _ = fit_comm(sweep, backend_for(opt._group, opt._device), self.ws)
+        return spec
+
+    def _broadcast(self, text: str) -> str:
+        """Rank 0's ``text`` on every rank (the control group)."""
+        chan = self.opt._chan
+        data = text.encode() if self.rank == 0 else b""
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        w = chan.control_broadcast(n)
+        if w is not None:
+            chan.wait_host(w, "broadcast of the planned schedule")
+        buf = torch.zeros(int(n.item()), dtype=torch.uint8)
+        if self.rank == 0:
+            buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        w = chan.control_broadcast(buf)
+        if w is not None:
+            chan.wait_host(w, "broadcast of the planned schedule")
+        return bytes(buf.tolist()).decode()
+
+    def _write(self, profile: Any, sched: Schedule) -> None:
+        from ..formats import save_profile, save_schedule
+
+        try:
+            os.makedirs(self.auto_dir, exist_ok=True)  # type: ignore[arg-type]
+            p = save_profile(profile, os.path.join(self.auto_dir, "profile.json"))  # type: ignore[arg-type]
+            s = save_schedule(sched, os.path.join(self.auto_dir, "schedule.json"))  # type: ignore[arg-type]
+            self.info["files"] = {"profile": str(p), "schedule": str(s)}
+        except OSError as e:
+            warnings.warn(f"{self.auto_dir}: cannot write the auto profile and schedule "
+                          f"({e.strerror})", _warning_class(), stacklevel=2)
+
+    # -- verify ------------------------------------------------------------------------------
+
+    def _begin_verify(self) -> None:
+        self.phase = "verify"
+        self.phase_step = 0
+        self.windows = []
+        self.order = []
+        for r in range(ROUNDS):
+            self.order += ["plan", "fallback"] if r % 2 == 0 else ["fallback", "plan"]
+        self.timer.take()
+        self._run(self.order[0])
+
+    def _decide(self) -> None:
+        per = {k: _median([x for w, xs in self.windows if w == k for x in xs])
+               for k in ("plan", "fallback")}
+        vec = torch.tensor([per["plan"], per["fallback"]], dtype=torch.float64)
+        work = self.opt._chan.control_all_reduce(vec)
+        if work is not None:
+            self.opt._chan.wait_host(work, "all-reduce of the verification medians")
+        plan_ms, fb_ms = (v / self.ws for v in vec.tolist())
+        keep = plan_ms < fb_ms * (1.0 - MARGIN)
+        self.info["measured_ms"] = {"plan": plan_ms, "fallback": fb_ms}
+        if self.info["predicted_ms"] is None:
+            self.info["predicted_ms"] = self.plan[0].predicted.get("iteration_ms")
+        self._settle_on("plan" if keep else "fallback")
+
+    def _settle_on(self, which: str, note: str = "") -> None:
+        self._run(which)
+        self.phase = "settled"
+        self.opt._comm.defer = False
+        self.opt._comm.probe = self.opt._gates.probe = None
+        self.info["chosen"] = which
+        self.info["settled_at_step"] = self.steps
+        self.timer.take()
+        if self.rank == 0:
+            print(self.line(note), file=sys.stderr, flush=True)
+
+    def line(self, note: str = "") -> str:
+        """The one line rank 0 logs when it settles."""
+        i = self.info
+        sched = self.plan[0]
+        what = f"{sched.strategy} ({sched.mode}, {len(sched.blocks)} blocks)"
+        m = i.get("measured_ms") or {}
+        pred = i.get("predicted_ms")
+        parts = [f"usbyte-opt: {'kept the plan' if i['chosen'] == 'plan' else 'chose the DDP-like fallback'}"
+                 f" {what if i['chosen'] == 'plan' else 'over ' + what}"]
+        if m:
+            parts.append(f"measured {m['plan']:.1f} ms/iteration planned against "
+                         f"{m['fallback']:.1f} ms fallback")
+        if pred is not None:
+            parts.append(f"predicted {pred:.1f} ms")
+        if note:
+            parts.append(note)
+        return "; ".join(parts)
+
+    # -- later -------------------------------------------------------------------------------
+
+    def _check_drift(self) -> None:
+        xs = self.timer.take(drop_first=0)
+        pred = self.info.get("predicted_ms") if self.info.get("chosen") == "plan" else None
+        med = _median(xs)
+        vec = torch.tensor([0.0 if math.isnan(med) else med], dtype=torch.float64)
+        work = self.opt._chan.control_all_reduce(vec)
+        if work is not None:
+            self.opt._chan.wait_host(work, "all-reduce of the drift check")
+        med = vec.item() / self.ws
+        self.info["last_measured_ms"] = med
+        if not pred or med <= 0:
+            return
+        off = abs(med - pred) / pred
+        if off > DRIFT:
+            self.info["drift"] = {"measured_ms": med, "predicted_ms": pred, "relative": off}
+            if self.rank == 0 and not self.warned:
+                warnings.warn(f"the plan's iterations take {med:.1f} ms, {off:.0%} off its "
+                              f"prediction of {pred:.1f} ms: call opt.replan() to plan again",
+                              _warning_class(), stacklevel=4)
+            self.warned = True
+            if self.replan_on_drift:
+                self._restart()
+
+    def replan(self) -> None:
+        """Plan (auto) or verify again from the next step on (call on every rank)."""
+        self.replan_asked = True
+
+    def report(self) -> dict[str, Any]:
+        out = dict(self.info)
+        out["phase"] = self.phase
+        out["steps"] = self.steps
+        out["schedule"] = {"strategy": self.opt.schedule.strategy, "mode": self.opt.schedule.mode,
+                           "blocks": len(self.opt.schedule.blocks)}
+        return out
+
+
+def _warning_class() -> type:
+    from .checks import UsbyteWarning
+
+    return UsbyteWarning
