@@ -114,11 +114,10 @@ def schedule_for(model: torch.nn.Module, path: Path, world: int = 2) -> Path:
 def launch(work: Path, sched: Path, script: str, *args: str, nproc: int = 2,
            debug: bool = False, **kw) -> subprocess.CompletedProcess:
     (work / "script.py").write_text(textwrap.dedent(script))
-    from usbyte_opt.runtime.local import free_port
-
+    # No --master-port: on one node torchrun binds a free port itself, which no other process
+    # on a shared machine can take between the choice and the use.
     argv = ["--debug"] if debug else []
-    argv += ["launch", "--schedule", str(sched), "--nproc-per-node", str(nproc),
-             "--master-port", str(free_port()), "script.py", *args]
+    argv += ["launch", "--schedule", str(sched), "--nproc-per-node", str(nproc), "script.py", *args]
     return cli(*argv, cwd=work, **kw)
 
 
@@ -175,12 +174,10 @@ def test_launch_ctrl_c_is_one_line_and_exit_code_130(work: Path):
             dist.all_reduce(x)
             time.sleep(0.01 * dist.get_rank())
     """))
-    from usbyte_opt.runtime.local import free_port
-
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("USBYTE_DEBUG", None)
     proc = subprocess.Popen([sys.executable, "-m", "usbyte_opt", "launch", "--schedule", str(sched),
-                             "--nproc-per-node", "2", "--master-port", str(free_port()), "script.py"],
+                             "--nproc-per-node", "2", "script.py"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, start_new_session=True)
     try:

@@ -129,12 +129,15 @@ def launch(ctx: typer.Context) -> None:
         try:
             run(args)
         except SignalException as e:
+            # torchrun's handlers stay installed: a second Ctrl-C must not interrupt the exit.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             if e.sigval == signal.SIGINT:
                 raise KeyboardInterrupt from None
             err = UsbyteError(f"launch: stopped by {signal.Signals(e.sigval).name}")
             err.exit_code = 128 + int(e.sigval)
             raise err from None
         except ChildFailedError as e:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
             raise _failure(e, script, Path(errors)) from None
         finally:
             os.environ.pop(ERRORS_ENV, None)

@@ -61,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def on_sigint(signum, frame):  # noqa: ANN001 - signal handler signature
         nonlocal interrupted
+        if interrupted:
+            return  # a second SIGINT (torchrun forwards the terminal's): already stopping
         interrupted = True
         raise KeyboardInterrupt
 
