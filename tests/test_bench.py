@@ -164,7 +164,7 @@ def test_short_lab_run(tmp_path):
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
                       strategies=("ddp", "usbyte"), out_dir=out, rounds=1, warmup=1,
                       profile_warmup=1, profile_repeats=2, comm_points=4, comm_repeats=1,
-                      timeout_s=240.0, extra={"probe_points": 2, "probe_repeats": 1})
+                      stable_s=0.0, timeout_s=240.0, extra={"probe_points": 2, "probe_repeats": 1})
     res = run_bench(cfg)
     check_result(res, out, ["ddp", "usbyte", "no-comm"])
     assert res["network"]["kind"] == "lab" and res["network"]["tbf"]["rate_bps"] == 200_000_000
@@ -193,7 +193,9 @@ def test_probe_times_chains_of_blocks_on_the_given_channel():
                                    parts=[8, 4])
     finally:
         dist.destroy_process_group()
-    assert issued == [1 << 13] * 16 + [1 << 16] * 8
+    # Round robin over the sizes, one sample of each per pass (two passes: no time for more).
+    assert issued == ([1 << 13] * 8 + [1 << 16] * 4) * 2 and probe.passes == 2
+    assert probe.spread["cpu_ms_per_mb"][0] <= probe.spread["cpu_ms_per_mb"][1]
     assert [b for b, _ in probe.samples] == [1 << 13, 1 << 16]
     assert probe.cpu_ms_per_block >= 0 and probe.cpu_ms_per_mb >= 0
     assert all(ms > 0 for _, ms in probe.samples) and probe.step_alone_ms > 0

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Appended to each README command: speed only.
 FAST = {
     "profile": ["--batch-size", "2", "--warmup", "1", "--repeats", "2", "--comm-points", "3",
-                "--comm-repeats", "1", "--comm-max-mb", "1", "--no-cpu-probe"],
+                "--comm-repeats", "1", "--comm-max-mb", "1", "--no-cpu-probe", "--stable-s", "0"],
     "optimize": [],
     "launch": ["--steps", "3", "--warmup", "1", "--batch-size", "2"],
 }

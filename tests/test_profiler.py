@@ -126,7 +126,8 @@ def two_rank_profile(edge_dir):
     out = edge_dir / "profiles" / "edge.json"
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "8",
                  "--warmup", "1", "--repeats", "5", "--comm-max-mb", "16", "--comm-points", "8",
-                 "--comm-repeats", "7", "--name", "edge", "--timeout-s", "60"], edge_dir)
+                 "--comm-repeats", "7", "--name", "edge", "--timeout-s", "60", "--stable-s", "3"],
+                edge_dir)
     assert r.returncode == 0, r.stderr
     return load_profile(out), json.loads(out.read_text()), r
 
@@ -201,7 +202,11 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     assert 0.5 <= statistics.median(ratio.values()) <= 2.0, ratio
     assert all(1 / 3 <= r <= 3.0 for b, r in ratio.items() if b >= 1 << 20), ratio
     raw = prof.meta["comm_sweep"]["raw_ms"]
-    assert [len(r) for r in raw] == [21] * 5 + [7] * 3  # 3x the repeats below 1 MiB
+    # 3x the repeats below 1 MiB, and rounds added while a median is uncertain.
+    assert all(len(r) >= n for r, n in zip(raw, [21] * 5 + [7] * 3)), [len(r) for r in raw]
+    spread = prof.meta["comm_sweep"]["spread"]
+    assert spread["alpha_ms"][0] <= spread["alpha_ms"][1]
+    assert spread["algbw_gbs"][0] <= spread["algbw_gbs"][1]
     # Timed on the channel the runtime's blocks take (gloo: one collective at a time), small
     # sizes in chains of back-to-back calls.
     assert "runtime channel" in prof.meta["comm_sweep"]["channel"]

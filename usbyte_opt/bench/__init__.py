@@ -80,6 +80,8 @@ class BenchConfig:
     profile_repeats: int = 10
     comm_points: int = 10
     comm_repeats: int = 5
+    stable_s: float = 20.0
+    """Time cap of the profile's extra sweep and probe rounds (``profile --stable-s``)."""
     time_budget_s: float = 0.6
     """Local-search seconds of ``best``."""
     timeout_s: float = 1800.0
@@ -137,6 +139,7 @@ class BenchConfig:
             "profile_repeats": self.profile_repeats,
             "comm_points": self.comm_points,
             "comm_repeats": self.comm_repeats,
+            "stable_s": self.stable_s,
             "comm_sizes": None,
             "time_budget_s": self.time_budget_s,
             "trace": self.trace,

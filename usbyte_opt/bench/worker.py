@@ -174,7 +174,8 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                                      warmup=job["profile_warmup"], repeats=job["profile_repeats"],
                                      optimizer=job["optimizer"], comm_sizes=job.get("comm_sizes"),
                                      comm_repeats=job["comm_repeats"],
-                                     cpu_probe=job.get("probe", True), progress=progress)
+                                     cpu_probe=job.get("probe", True), progress=progress,
+                                     stable_s=job.get("stable_s"))
             profile_path = str(out / "profile.json")
             if rank == 0:
                 save_profile(prof, profile_path)

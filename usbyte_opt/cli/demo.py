@@ -148,7 +148,7 @@ def demo(
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       out_dir=out, rounds=2, warmup=1, reference=True, plot=keep, trace=keep,
                       profile_warmup=2, profile_repeats=5, comm_points=8, comm_repeats=3,
-                      timeout_s=600.0, extra={"probe_points": 3, "probe_repeats": 2})
+                      stable_s=5.0, timeout_s=600.0, extra={"probe_points": 3, "probe_repeats": 2})
     try:
         result = run_bench(cfg, progress=None if as_json else console.info)
     finally:

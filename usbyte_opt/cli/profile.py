@@ -58,6 +58,9 @@ def profile(
                                    "measure what all-reduce costs the training thread (per block and "
                                    "per MB, while training runs) so that the planner charges it."),
     timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
+    stable_s: float = typer.Option(20.0, "--stable-s", min=0.0, help="Time cap (seconds) of the "
+                                   "extra rounds the all-reduce sweep and the probe each run until "
+                                   "their numbers are stable (0: none)."),
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
     from ..models import model_name
@@ -74,6 +77,7 @@ def profile(
                 "--optimizer", optimizer.value, "--comm-min-kb", repr(comm_min_kb),
                 "--comm-max-mb", repr(comm_max_mb), "--comm-points", str(comm_points),
                 "--comm-repeats", str(comm_repeats), "--timeout-s", repr(timeout_s),
+                "--stable-s", repr(stable_s),
                 "--cpu-probe" if cpu_probe else "--no-cpu-probe"]
         for flag, value in (("--batch-size", batch_size), ("--device", device and device.value),
                             ("--output", output), ("--name", name), ("--alpha-ms", alpha_ms),
@@ -117,7 +121,7 @@ def profile(
                 prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup,
                                      repeats=repeats, optimizer=optimizer.value, comm_sizes=sizes,
                                      comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-                                     cpu_probe=cpu_probe, progress=progress)
+                                     cpu_probe=cpu_probe, progress=progress, stable_s=stable_s)
             except dist.DistError as e:
                 # A rank died or timed out: every survivor lands here, so say it once, plainly.
                 first = str(e).splitlines()[0] if str(e) else ""

@@ -58,6 +58,49 @@ CHAIN = 4
 #: Issues one asynchronous sum all-reduce of a tensor on the measured channel.
 Issue = Callable[[torch.Tensor], Any]
 
+#: The sweep adds rounds while a size's median is less certain than this (relative half-width
+#: of its 95% interval), up to its time cap.
+REL_TOL = 0.05
+#: Bootstrap resamples behind a fit's stated spread.
+BOOTSTRAP = 40
+
+
+def robust(xs: Sequence[float], k: float = 5.0) -> list[float]:
+    """``xs`` without outliers: values more than ``k`` scaled median absolute deviations from
+    the median (a sample hit by a burst of load from elsewhere).
+
+    Example::
+
+        >>> robust([1.0, 1.1, 0.9, 1.05, 9.0])
+        [1.0, 1.1, 0.9, 1.05]
+    """
+    ys = [x for x in xs if x == x]
+    if len(ys) < 4:
+        return ys
+    m = median(ys)
+    mad = median([abs(x - m) for x in ys]) * 1.4826
+    if mad <= 0:
+        return ys
+    return [x for x in ys if abs(x - m) <= k * mad]
+
+
+def rel_halfwidth(xs: Sequence[float]) -> float:
+    """Relative half-width of an approximate 95% interval of the median of ``xs`` (the
+    notch of a box plot: 1.57 IQR / sqrt(n)); infinite with fewer than 4 values.
+
+    Example::
+
+        >>> round(rel_halfwidth([1.0, 1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0]), 3)
+        0.028
+    """
+    ys = sorted(xs)
+    n = len(ys)
+    if n < 4:
+        return math.inf
+    q1, q3 = ys[n // 4], ys[(3 * n) // 4]
+    m = median(ys)
+    return 1.57 * (q3 - q1) / math.sqrt(n) / m if m > 0 else math.inf
+
 
 def default_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, points: int = 12) -> list[int]:
     """``points`` log-spaced message sizes from ``min_bytes`` to ``max_bytes``, each a
@@ -125,9 +168,15 @@ class Sweep:
 def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                     device: torch.device | str = "cpu", group: Any = None,
                     progress: Progress | None = None, barrier: Callable[[], None] | None = None,
-                    issue: Issue | None = None, chain: int = CHAIN) -> Sweep:
+                    issue: Issue | None = None, chain: int = CHAIN,
+                    max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> Sweep:
     """Time all-reduces of float32 tensors of each size (a collective: every rank calls it
     with the same arguments).
+
+    After the ``repeats`` rounds, while any size's median is less certain than ``rel_tol``
+    (:func:`rel_halfwidth` of its samples, outliers removed) on any rank, that size gets
+    another round, until ``max_seconds`` have passed (0: no extra rounds). The ranks agree on
+    the sizes of each extra round (a max all-reduce), so they stay in step.
 
     ``issue`` is the channel measured: it starts one asynchronous all-reduce and returns its
     work (default: ``dist.all_reduce`` on ``group``). Below 1 MiB a sample is ``chain`` calls
@@ -181,6 +230,7 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
     sweep.raw_ms = [[] for _ in sizes]
     sweep.chains = chains
     done, total = 0, sum(counts)
+    t_start = time.perf_counter()
     for rep in range(max(counts)):
         for k, x in enumerate(views):
             if rep < counts[k]:
@@ -188,6 +238,17 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                 done += 1
         if progress:
             progress("all-reduce", done, total)
+    while max_seconds > 0 and time.perf_counter() - t_start < max_seconds:
+        unsure = torch.tensor([1.0 if rel_halfwidth(robust(ts)) > rel_tol else 0.0
+                               for ts in sweep.raw_ms], dtype=torch.float64)
+        unsure = unsure.to(device) if cuda else unsure
+        dist.all_reduce(unsure, op=dist.ReduceOp.MAX, group=group)
+        again = [k for k, u in enumerate(unsure.cpu().tolist()) if u > 0]
+        if not again:
+            break
+        for k in again:
+            sweep.raw_ms[k].append(timed(views[k], chains[k]))
+        counts = [len(ts) for ts in sweep.raw_ms]
     # The last-arriving rank's time for every sample: one MIN all-reduce of all of them.
     flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
     flat = flat.to(device) if cuda else flat
@@ -195,7 +256,7 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
     flat = flat.cpu().tolist()
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]
     sweep.raw_ms = [flat[e - c:e] for e, c in zip(ends, counts)]
-    sweep.medians_ms = [max(median(ts), 1e-6) for ts in sweep.raw_ms]
+    sweep.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sweep.raw_ms]
     return sweep
 
 
@@ -205,10 +266,14 @@ def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dic
     samples = sweep.samples()
     alpha, algbw = fit_samples(samples)
     rel = [abs(alpha + b / (algbw * 1e6) - ms) / ms for b, ms in samples]
+    spread = fit_spread(sweep)
     record = {
         "method": "barrier before each sample (below 1 MiB a chain of back-to-back calls, time per "
-                  "call); last-arriving (minimum) rank per sample; median per size; "
-                  "usbyte_opt.cost.fit_samples on the medians",
+                  "call); last-arriving (minimum) rank per sample; outliers (> 5 MADs) dropped; "
+                  "median per size, rounds added while a median's 95% interval is wider than "
+                  f"{100 * REL_TOL:.0f}%; usbyte_opt.cost.fit_samples on the medians; spread: "
+                  f"5th-95th percentiles of {BOOTSTRAP} bootstrap refits",
+        "spread": spread,
         "channel": sweep.channel,
         "sizes_bytes": sweep.sizes,
         "chain": sweep.chains,
@@ -217,3 +282,24 @@ def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dic
                 "max_rel_error": max(rel) if rel else math.nan},
     }
     return CommSpec(backend, world_size, alpha, algbw, tuple((int(b), float(m)) for b, m in samples)), record
+
+
+def fit_spread(sweep: Sweep, rounds: int = BOOTSTRAP, seed: int = 0) -> dict[str, list[float]]:
+    """The 5th and 95th percentiles of ``alpha_ms`` and ``algbw_gbs`` over ``rounds`` refits,
+    each on medians of the samples resampled with replacement: how far a repeated profile's
+    fit may move. Deterministic (seeded)."""
+    import random
+
+    rng = random.Random(seed)
+    alphas, bws = [], []
+    kept = [robust(ts) or ts for ts in sweep.raw_ms]
+    for _ in range(rounds):
+        meds = [max(median([rng.choice(ts) for _ in ts]), 1e-6) for ts in kept]
+        a, bw = fit_samples(list(zip(sweep.sizes, meds)))
+        alphas.append(a)
+        bws.append(bw)
+
+    def pct(xs: list[float]) -> list[float]:
+        ys = sorted(xs)
+        return [ys[int(0.05 * (len(ys) - 1))], ys[int(math.ceil(0.95 * (len(ys) - 1)))]]
+    return {"alpha_ms": pct(alphas), "algbw_gbs": pct(bws)}

@@ -13,6 +13,7 @@ bandwidth from the same samples.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..runtime.comm import backend_for, sum_issuer
-from .comm import CHAIN, default_sizes
+from .comm import CHAIN, default_sizes, robust
 from .timing import median
 
 #: Blocks in the chain that reads the per-block cost (4 KiB each); every other chain has the
@@ -58,6 +59,10 @@ class Probe:
     while all-reduce was in flight, less as many iterations alone, per MB moved (the part
     that grows with bytes, when ``cpu_ms_per_block`` is fitted beside it)."""
     cpu_ms_per_block: float = 0.0
+    spread: Any = None
+    """5th-95th percentiles of ``cpu_ms_per_block`` and ``cpu_ms_per_mb`` (bootstrap)."""
+    passes: int = 0
+    """Passes over the sizes that were run."""
     """Training-thread time lost per block (collective) issued, fitted beside
     ``cpu_ms_per_mb`` over the probe's sizes (non-negative least squares)."""
 
@@ -65,7 +70,7 @@ class Probe:
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
                        group: Any = None, device: Any = "cpu", alone: int = 3,
                        issue: Callable[[Any], Any] | None = None,
-                       parts: int | Sequence[int] = 1) -> Probe:
+                       parts: int | Sequence[int] = 1, max_seconds: float = 0.0) -> Probe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -91,6 +96,11 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     while a chain of blocks is on the wire and takes its core from the training thread. With
     ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
     an iteration are (one number for every size, or one per size).
+
+    Samples hit by a burst of load from elsewhere are dropped (:func:`.comm.robust`). After
+    ``repeats`` passes over the sizes, passes are added while the last one moved the fit by
+    more than :data:`STABLE`, up to ``max_seconds`` (the ranks agree on each pass), and the
+    fit's spread is stated (bootstrap, ``Probe.spread``).
     """
     solo: list[float] = []      # iterations with nothing in flight
     step_ms: list[float] = []   # iterations while an all-reduce is in flight
@@ -118,55 +128,129 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
         clock.resolve()
 
     done_at: list[float] = []
-    out = []
     buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
-    raw: list[list[float]] = []
-    lost_steps: list[list[float]] = []  # per size: the iterations that ran beside its samples
     if issue is None:
         issue = sum_issuer(group)
     counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
     if len(counts) != len(sizes):
         raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
+    chains = []
     for b, m in zip(sizes, counts):
         n = b // 4
         cuts = [n * k // m for k in range(m + 1)]
-        xs = [buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo]
-        times = []
-        first = len(step_ms)
-        for _ in range(repeats):
-            dist.barrier(group=group)
-            if clock is not None:
-                times.append(clock.collective(lambda: [issue(x) for x in xs],
-                                              lambda: timed_step(step_ms)))
-                timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
-                clock.resolve()
-                continue
+        chains.append([buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo])
+    times: list[list[float]] = [[] for _ in sizes]       # per size: issue to completion
+    beside: list[list[list[float]]] = [[] for _ in sizes]  # per size, per sample: iterations
+
+    def sample(k: int) -> None:
+        xs = chains[k]
+        dist.barrier(group=group)
+        ran: list[float] = []
+        if clock is not None:
+            times[k].append(clock.collective(lambda: [issue(x) for x in xs],
+                                             lambda: timed_step(ran)))
+            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
+            clock.resolve()
+        else:
             done_at.clear()
             t0 = time.perf_counter()
             ws = [issue(x) for x in xs]
             ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
-                timed_step(step_ms)
+                timed_step(ran)
             for w in ws:
                 w.wait()
-            times.append((done_at[0] - t0) * 1e3)
-            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
-        raw.append(times)
-        lost_steps.append(step_ms[first:])
-    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64, device=dev)
+            times[k].append((done_at[0] - t0) * 1e3)
+            timed_step(solo)
+        beside[k].append(ran)
+        step_ms.extend(ran)
+
+    def fit() -> tuple[float, float]:
+        return _fit_losses(beside, solo, counts, sizes)
+
+    t_start = time.perf_counter()
+    passes = 0
+    prev = (math.inf, math.inf)
+    while True:
+        for k in range(len(sizes)):
+            sample(k)
+        passes += 1
+        if passes < repeats:
+            continue
+        cur = fit()
+        moved = max(_moved(prev[0], cur[0]), _moved(prev[1], cur[1]))
+        prev = cur
+        # Stop when another pass no longer moves the fit, or at the time cap; every rank alike.
+        more = torch.tensor([1.0 if moved > STABLE and time.perf_counter() - t_start < max_seconds
+                             else 0.0], dtype=torch.float64, device=dev)
+        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
+        if more.item() == 0:
+            break
+    flat = torch.tensor([t for ts in times for t in ts], dtype=torch.float64, device=dev)
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
     vals = flat.cpu().tolist()
+    out = []
+    pos = 0
     for k, (b, m) in enumerate(zip(sizes, counts)):
+        mine = vals[pos:pos + len(times[k])]
+        pos += len(times[k])
         # Per block of the chain: what one block of b / parts bytes costs on the channel.
-        out.append((int(b) // m, float(median(vals[k * repeats:(k + 1) * repeats])) / m))
-    alone_ms = median(solo)
-    lost = [sum(ts) - len(ts) * alone_ms for ts in lost_steps]
-    per_block, per_mb = fit_cpu_cost(lost, [m * repeats for m in counts],
-                                     [b * repeats / 1e6 for b in sizes])
-    mine = torch.tensor([alone_ms, per_mb, per_block], dtype=torch.float64, device=dev)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
-    alone_ms, per_mb, per_block = mine.cpu().tolist()
-    return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block))
+        out.append((int(b) // m, float(median(robust(mine))) / m))
+    per_block, per_mb = fit()
+    lo_hi = _spread(beside, solo, counts, sizes)
+    mine_t = torch.tensor([median(robust(solo)), per_mb, per_block, *lo_hi], dtype=torch.float64,
+                          device=dev)
+    dist.all_reduce(mine_t, op=dist.ReduceOp.MAX, group=group)
+    alone_ms, per_mb, per_block, b_lo, b_hi, m_lo, m_hi = mine_t.cpu().tolist()
+    return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block),
+                 {"cpu_ms_per_block": [b_lo, b_hi], "cpu_ms_per_mb": [m_lo, m_hi]}, passes)
+
+
+#: The probe adds passes until one moves its fit by less than this (relative).
+STABLE = 0.10
+
+
+def _moved(a: float, b: float) -> float:
+    """Relative change from ``a`` to ``b`` (changes below 0.01 ms count as none)."""
+    if math.isinf(a):
+        return math.inf
+    d = abs(b - a)
+    return 0.0 if d < 0.01 else d / max(abs(a), abs(b), 1e-9)
+
+
+def _fit_losses(beside: Sequence[Sequence[Sequence[float]]], solo: Sequence[float],
+                counts: Sequence[int], sizes: Sequence[int]) -> tuple[float, float]:
+    """Per-block and per-MB cost fitted to each size's robust mean loss per sample."""
+    alone = median(robust(solo))
+    lost, blocks, mb = [], [], []
+    for k, samples in enumerate(beside):
+        per = robust([sum(it) - len(it) * alone for it in samples])
+        if not per:
+            continue
+        lost.append(sum(per) / len(per))
+        blocks.append(counts[k])
+        mb.append(sizes[k] / 1e6)
+    return fit_cpu_cost(lost, blocks, mb)
+
+
+def _spread(beside: Sequence[Sequence[Sequence[float]]], solo: Sequence[float],
+            counts: Sequence[int], sizes: Sequence[int], rounds: int = 40) -> list[float]:
+    """5th-95th percentiles of the per-block and per-MB costs over bootstrap refits (samples
+    resampled with replacement, per size): ``[block_lo, block_hi, mb_lo, mb_hi]``."""
+    import random
+
+    rng = random.Random(0)
+    fits = []
+    for _ in range(rounds):
+        res = [[rng.choice(ss) for _ in ss] if ss else [] for ss in beside]
+        fits.append(_fit_losses(res, [rng.choice(solo) for _ in solo], counts, sizes))
+
+    def pct(xs: list[float]) -> tuple[float, float]:
+        ys = sorted(xs)
+        return ys[int(0.05 * (len(ys) - 1))], ys[int(math.ceil(0.95 * (len(ys) - 1)))]
+    b_lo, b_hi = pct([f[0] for f in fits])
+    m_lo, m_hi = pct([f[1] for f in fits])
+    return [b_lo, b_hi, m_lo, m_hi]
 
 
 class _EventClock:

@@ -99,7 +99,7 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
                   optimizer: str = "sgd", comm_sizes: Sequence[int] | None = None,
                   comm_repeats: int = 5, alpha_ms: float | None = None, algbw_gbs: float | None = None,
                   cpu_probe: bool = True, group: Any = None,
-                  progress: Progress | None = None) -> Profile:
+                  progress: Progress | None = None, stable_s: float | None = None) -> Profile:
     """Profile ``model`` on this rank and, when a process group is initialised, on all ranks.
 
     Every rank of ``group`` must call this with the same arguments (it runs collectives).
@@ -126,6 +126,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
             ``meta.cpu_probe``.
         group: process group; default the world.
         progress: ``progress(phase, done, total)`` after each step, for a progress bar.
+        stable_s: time cap (seconds) of the extra rounds that the all-reduce sweep and the
+            probe each add until their numbers are stable; default :data:`STABLE_S`.
 
     Returns:
         The profile, identical on every rank.
@@ -206,22 +208,26 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
 
         issue, channel = block_issuer(group, dev)
         sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress,
-                                barrier=lambda: barrier(group, dev, backend), issue=issue)
+                                barrier=lambda: barrier(group, dev, backend), issue=issue,
+                                max_seconds=STABLE_S if stable_s is None else stable_s)
         sweep.channel = channel
         # The profile format knows nccl/gloo/mpi/ucc; another backend is filed under the one
         # it stands in for on this device, and meta.backend keeps its real name.
         label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
         comm, comm_record = fit_comm(sweep, label_backend, world)
         if cpu_probe:
-            probe_record = _probe(net, inputs, loss_fn, opt, dev, group, issue, timings, progress)
+            probe_record = _probe(net, inputs, loss_fn, opt, dev, group, issue, timings, progress,
+                                  STABLE_S if stable_s is None else stable_s)
             comm = dataclasses.replace(comm, cpu_ms_per_block=probe_record["cpu_ms_per_block"],
                                        cpu_ms_per_mb=probe_record["cpu_ms_per_mb"])
         del issue
         worst = comm_record["fit"]["max_rel_error"]
-        if worst > 0.5:
-            msg = (f"all-reduce medians lie up to {100 * worst:.0f}% off the fitted line: a shared "
-                   "machine or a noisy network; rerun with more --comm-repeats, or see "
-                   "meta.comm_sweep.raw_ms")
+        changed = _fit_changes_verdict(timings, F, B, ready, need, update, comm,
+                                       comm_record["spread"]) if worst > 0.5 else ""
+        if changed:
+            msg = (f"all-reduce medians lie up to {100 * worst:.0f}% off the fitted line, and "
+                   f"within the fit's spread the plan changes ({changed}): a shared machine or "
+                   "a noisy network; rerun with more --comm-repeats, or see meta.comm_sweep")
             notes.append(msg)
             warnings.warn(msg, ProfileWarning, stacklevel=2)
     else:
@@ -292,9 +298,43 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
     return Profile(name or model_name(model), _r(F), _r(B), tuple(tensors), comm, meta)
 
 
+#: Time cap (seconds) of the extra rounds the sweep and the probe run until their numbers
+#: are stable.
+STABLE_S = 20.0
+
+
+def _fit_changes_verdict(timings: Any, F: float, B: float, ready: Sequence[float],
+                         need: Sequence[float], update: Sequence[float], comm: Any,
+                         spread: dict[str, list[float]]) -> str:
+    """Whether the plan ``usbyte-opt optimize`` would choose changes anywhere within the fit's
+    spread (the corners of the alpha and bandwidth intervals): the best plan's mode, or
+    whether it beats DDP by more than 2%. Returns a description of the change, or ""."""
+    from ..planner import compare
+
+    def verdict(alpha: float, algbw: float) -> tuple[str, bool]:
+        c = dataclasses.replace(comm, alpha_ms=max(alpha, 0.0), algbw_gbs=max(algbw, 1e-6))
+        tensors = tuple(TensorSpec(n, timings.shapes[i], timings.dtypes[i], min(ready[i], B),
+                                   min(need[i], F), update[i])
+                        for i, n in enumerate(timings.names))
+        r = compare(Profile("verdict", F, B, tensors, c), ["ddp", "best"]).results
+        return r["best"].mode, r["best"].iteration_ms < 0.98 * r["ddp"].iteration_ms
+
+    try:
+        base = verdict(comm.alpha_ms, comm.algbw_gbs)
+        for a in spread.get("alpha_ms", []):
+            for bw in spread.get("algbw_gbs", []):
+                v = verdict(a, bw)
+                if v != base:
+                    return (f"alpha {a:.3g} ms, {bw:.3g} GB/s: best in {v[0]} mode"
+                            f"{'' if v[1] else ', not faster than DDP'}")
+    except Exception:  # noqa: BLE001 - the check is advice; the profile stands without it
+        return ""
+    return ""
+
+
 def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
            opt: torch.optim.Optimizer, dev: torch.device, group: Any, issue: Callable[[Any], Any],
-           timings: Any, progress: Progress | None) -> dict[str, Any]:
+           timings: Any, progress: Progress | None, stable_s: float = 0.0) -> dict[str, Any]:
     """What all-reduce costs the training thread (:func:`.probe.comm_under_compute`), on the
     runtime's channel ``issue``, as the record kept in ``meta.cpu_probe``."""
     from .probe import comm_under_compute, probe_sizes
@@ -311,7 +351,8 @@ def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any],
 
     if progress is not None:
         progress("all-reduce under compute", 0, 1)
-    pr = comm_under_compute(step, sizes, repeats, group=group, device=dev, issue=issue, parts=parts)
+    pr = comm_under_compute(step, sizes, repeats, group=group, device=dev, issue=issue, parts=parts,
+                            max_seconds=stable_s)
     if progress is not None:
         progress("all-reduce under compute", 1, 1)
     return {
@@ -323,6 +364,8 @@ def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any],
         "step_alone_ms": _r(pr.step_alone_ms),
         "chains": [{"bytes": b, "blocks": m} for b, m in zip(sizes, parts)],
         "repeats": repeats,
+        "passes": pr.passes,
+        "spread": {k: [_r(v) for v in lo_hi] for k, lo_hi in (pr.spread or {}).items()},
         "samples": [{"bytes": b, "ms": _r(ms)} for b, ms in pr.samples],
     }
 
