@@ -102,3 +102,38 @@ def test_schedule_env_name_is_the_runtimes():
     from usbyte_opt.runtime.checks import SCHEDULE_ENV
 
     assert launch_env == SCHEDULE_ENV
+
+
+AUTO_SCRIPT = textwrap.dedent("""
+    import json, os, sys, torch, torch.distributed as dist
+    from usbyte_opt.runtime import DistributedOptimizer
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 4))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01), model)
+    for step in range(40):
+        g = torch.Generator().manual_seed(dist.get_rank() * 100 + step)
+        model(torch.randn(8, 16, generator=g)).square().mean().backward()
+        opt.step(); opt.zero_grad()
+    opt.synchronize()
+    rep = opt.report()
+    with open(os.path.join(sys.argv[1], f"rank{dist.get_rank()}.json"), "w") as f:
+        json.dump({"chosen": rep["chosen"], "auto": rep["auto"], "phase": rep["phase"]}, f)
+    dist.destroy_process_group()
+""")
+
+
+def test_launch_schedule_auto_plans_in_the_run(tmp_path: Path):
+    script = tmp_path / "train.py"
+    script.write_text(AUTO_SCRIPT)
+    out, auto = tmp_path / "out", tmp_path / "auto"
+    out.mkdir()
+    res = cli("launch", "--schedule", "auto", "--auto-dir", str(auto), "--nproc-per-node", "2",
+              str(script), str(out), timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["auto"] and r["phase"] == "settled" for r in ranks)
+    assert ranks[0]["chosen"] == ranks[1]["chosen"] in ("plan", "fallback")
+    assert (auto / "profile.json").is_file() and (auto / "schedule.json").is_file()
+    assert "auto (planned in the run)" in res.stdout
+    assert "usbyte-opt: " in res.stderr       # rank 0's one line: chosen, measured, predicted

@@ -31,12 +31,20 @@ from .rank import ERRORS_ENV
 #: ``usbyte_opt.runtime.checks.SCHEDULE_ENV``, spelled out so that validating a schedule does
 #: not import torch.
 SCHEDULE_ENV = "USBYTE_SCHEDULE"
+#: ``usbyte_opt.runtime.autotune.AUTO_DIR_ENV``, likewise.
+AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
+#: ``--schedule auto``: the runtime plans inside the run (no profile, no schedule file).
+AUTO = "auto"
 
-USAGE = ("usbyte-opt launch --schedule SCHEDULE [torchrun options] SCRIPT [SCRIPT ARGS]\n\n"
+USAGE = ("usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR] [torchrun options] SCRIPT "
+         "[SCRIPT ARGS]\n\n"
          "Validate SCHEDULE, then start SCRIPT under torchrun with USBYTE_SCHEDULE set, so that\n"
-         "DistributedOptimizer(optimizer, model) in the script applies it.\n\n"
-         "Example:\n  usbyte-opt launch --schedule schedules/resnet50.json --nproc-per-node 8 "
-         "train.py --epochs 90\n")
+         "DistributedOptimizer(optimizer, model) in the script applies it. With --schedule auto\n"
+         "the runtime measures and plans inside the run (no profile needed), verifies the plan\n"
+         "against DDP's buckets, and writes the profile and schedule it built to --auto-dir.\n\n"
+         "Examples:\n  usbyte-opt launch --schedule schedules/resnet50.json --nproc-per-node 8 "
+         "train.py --epochs 90\n"
+         "  usbyte-opt launch --schedule auto --auto-dir runs/auto --nproc-per-node 8 train.py\n")
 
 
 def _parser() -> Any:
@@ -47,8 +55,11 @@ def _parser() -> Any:
     # No square brackets: the one-line error is printed with rich markup.
     parser.usage = "usbyte-opt launch --schedule SCHEDULE <torchrun options> SCRIPT <script args>"
     parser.add_argument("--schedule", required=True, metavar="SCHEDULE",
-                        help="Schedule file (from `usbyte-opt optimize`); exported to the "
-                             "script as USBYTE_SCHEDULE.")
+                        help="Schedule file (from `usbyte-opt optimize`), or `auto` to plan "
+                             "inside the run; exported to the script as USBYTE_SCHEDULE.")
+    parser.add_argument("--auto-dir", default=None, metavar="DIR",
+                        help="With --schedule auto: where the runtime writes the profile and "
+                             "schedule it built (exported as USBYTE_AUTO_DIR).")
 
     def error(message: str) -> None:
         err = UsbyteError(f"launch: {message} (usage: {parser.usage})")
@@ -88,12 +99,13 @@ def launch(ctx: typer.Context) -> None:
     from ..formats import load_schedule
 
     early = _schedule_arg(argv)
-    if early is not None:  # a bad file fails here, before torch is imported
+    if early is not None and early != AUTO:  # a bad file fails here, before torch is imported
         load_schedule(early)
     args = _parser().parse_args(argv)
-    sched = load_schedule(args.schedule)
+    auto = args.schedule == AUTO
+    sched = None if auto else load_schedule(args.schedule)
     ws = _world_size(args.nnodes, args.nproc_per_node)
-    if ws is not None and ws != sched.world_size:
+    if sched is not None and ws is not None and ws != sched.world_size:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
                      f"{ws}: the block order stays valid, its timing was predicted for the other "
                      "size")
@@ -102,7 +114,9 @@ def launch(ctx: typer.Context) -> None:
         err = UsbyteError(f"launch: {args.training_script}: expected an existing script file")
         err.exit_code = 2
         raise err
-    os.environ[SCHEDULE_ENV] = str(Path(args.schedule).resolve())
+    os.environ[SCHEDULE_ENV] = AUTO if auto else str(Path(args.schedule).resolve())
+    if args.auto_dir:
+        os.environ[AUTO_DIR_ENV] = str(Path(args.auto_dir).resolve())
     nproc = str(args.nproc_per_node)
     if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
         # torchrun would set 1 with a five-line warning; split this host's cores instead.
@@ -116,8 +130,10 @@ def launch(ctx: typer.Context) -> None:
         args.training_script_args = (["-m"] if args.module else []) + [script, *args.training_script_args]
         args.training_script, args.module = "usbyte_opt.cli.rank", True
     # On stdout, with the ranks' own output: stderr is kept for warnings and the one error line.
-    console.out.print(f"usbyte-opt: {args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, "
-                      f"world size {sched.world_size}) -> {script}", markup=False)
+    what = ("auto (planned in the run)" if sched is None else
+            f"{args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, world size "
+            f"{sched.world_size})")
+    console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import run
