@@ -235,7 +235,7 @@ def test_no_cpu_probe_leaves_the_option_out(edge_dir):
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "4",
                  "--warmup", "1", "--repeats", "2", "--comm-max-mb", "1", "--comm-points", "3",
                  "--comm-repeats", "2", "--no-cpu-probe", "--name", "noprobe", "-o", str(out),
-                 "--timeout-s", "60"], edge_dir)
+                 "--timeout-s", "60", "--stable-s", "0"], edge_dir)
     assert r.returncode == 0, r.stderr
     raw = json.loads(out.read_text())
     assert "cpu_ms_per_block" not in raw["comm"] and "cpu_probe" not in raw["meta"]
