@@ -30,7 +30,10 @@ class FormatError(UsbyteError):
         self.source, self.field, self.expected, self.got = source, field, expected, got
         msg = f"{source}: {field}: expected {expected}" if field else f"{source}: expected {expected}"
         if got is not ...:
-            shown = repr(got)
+            try:
+                shown = repr(got)
+            except ValueError:  # an integer of more digits than Python converts to text
+                shown = f"an integer of {got.bit_length()} bits" if isinstance(got, int) else "?"
             msg += f", got {shown if len(shown) <= 60 else shown[:57] + '...'}"
         super().__init__(msg)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
+from typing import Annotated
 
 import typer
 
@@ -15,8 +16,14 @@ class Kind(str, Enum):
     schedule = "schedule"
 
 
-def schema(kind: Kind = typer.Argument(..., help="Which format: profile or schedule.")) -> None:
-    """Print the JSON Schema (draft 2020-12) of the profile or schedule format."""
+def schema(kind: Annotated[Kind, typer.Argument(help="Which format: profile or schedule.")]) -> None:
+    """Print the JSON Schema (draft 2020-12) of the profile or schedule format.
+
+    It is generated from the definition every file is validated against (docs/design.md §4),
+    physical bounds included, so a file the schema accepts loads, save for the checks across
+    fields that the schema's descriptions state (ready_ms <= backward_ms, unique names, blocks
+    covering each buffer once, ...).
+    """
     console.emit_json(profile_schema() if kind is Kind.profile else schedule_schema())
 
 

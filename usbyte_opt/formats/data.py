@@ -1,0 +1,318 @@
+"""The in-memory types of the two file formats: profiles and schedules (docs/design.md §4).
+
+Frozen dataclasses with slots: the planner reads their attributes in hot loops, so they stay
+plain. What a *file* may hold (types, bounds, the JSON Schema) is defined once in
+:mod:`usbyte_opt.formats.schema`, which builds these objects after validating a file; objects
+built in code are not validated. Digests and fingerprints are computed here, from
+:meth:`Profile.to_dict` and :meth:`Schedule.to_dict`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+from ..errors import FormatError, MismatchError
+
+PROFILE_FORMAT = "usbyte-profile"
+SCHEDULE_FORMAT = "usbyte-schedule"
+VERSION = 1
+
+#: Bytes per element of the dtypes a gradient can have (names as ``str(torch.dtype)`` minus
+#: the ``torch.`` prefix, so the runtime can compute the same fingerprint from a live model).
+DTYPE_SIZES: dict[str, int] = {
+    "float64": 8,
+    "float32": 4,
+    "float16": 2,
+    "bfloat16": 2,
+    "complex64": 8,
+    "complex128": 16,
+}
+
+COMM_BACKENDS = ("nccl", "gloo", "analytic", "mpi", "ucc")
+
+#: How the runtime applies a schedule's updates: ``overlap`` (each tensor's update right
+#: before its first use in the next forward, so communication overlaps that forward) or
+#: ``fence`` (every block waited for, then every update, then the next forward, as DDP).
+SCHEDULE_MODES = ("overlap", "fence")
+
+
+# --------------------------------------------------------------------------------------------
+# Types
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    """One trainable tensor of a profile (docs/design.md §2.1, §4.1)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    ready_ms: float
+    """Offset from the start of backward at which ``p.grad`` is final."""
+    need_ms: float
+    """Offset from the start of forward at which the tensor is first used."""
+    update_ms: float = 0.0
+    """Optimizer step cost for this tensor."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.itemsize
+
+
+@dataclass(frozen=True, slots=True)
+class CommSpec:
+    """All-reduce cost of the process group: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``."""
+
+    backend: str
+    world_size: int
+    alpha_ms: float
+    algbw_gbs: float
+    samples: tuple[tuple[int, float], ...] = ()
+    """Raw measurements ``(bytes, ms)``, optional."""
+    cpu_ms_per_block: float = 0.0
+    """Training-thread time one all-reduce costs while compute runs (its hook, the issue, the
+    backend's polling on a shared core), optional: the planner's compute-cost option."""
+    cpu_ms_per_mb: float = 0.0
+    """Training-thread time per MB all-reduced while compute runs, optional (same option)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """Per-tensor timing of one model on one cluster; the planner's only input."""
+
+    name: str
+    forward_ms: float
+    backward_ms: float
+    tensors: tuple[TensorSpec, ...]
+    comm: CommSpec
+    meta: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        comm: dict[str, Any] = {
+            "backend": self.comm.backend,
+            "world_size": self.comm.world_size,
+            "alpha_ms": self.comm.alpha_ms,
+            "algbw_gbs": self.comm.algbw_gbs,
+        }
+        if self.comm.samples:
+            comm["samples"] = [{"bytes": b, "ms": ms} for b, ms in self.comm.samples]
+        if self.comm.cpu_ms_per_block:
+            comm["cpu_ms_per_block"] = self.comm.cpu_ms_per_block
+        if self.comm.cpu_ms_per_mb:
+            comm["cpu_ms_per_mb"] = self.comm.cpu_ms_per_mb
+        tensors = []
+        for t in self.tensors:
+            d: dict[str, Any] = {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": t.dtype,
+                "ready_ms": t.ready_ms,
+                "need_ms": t.need_ms,
+            }
+            if t.update_ms:
+                d["update_ms"] = t.update_ms
+            tensors.append(d)
+        return {
+            "format": PROFILE_FORMAT,
+            "version": VERSION,
+            "name": self.name,
+            "meta": dict(self.meta),
+            "forward_ms": self.forward_ms,
+            "backward_ms": self.backward_ms,
+            "tensors": tensors,
+            "comm": comm,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<profile>") -> "Profile":
+        """Validate ``data`` (a profile file's JSON value) and build the profile; a
+        :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
+        from .schema import parse_profile
+
+        return parse_profile(data, source)
+
+    def digest(self) -> str:
+        """Content digest (16 hex digits) of the canonical JSON; schedules record it."""
+        return _digest(self.to_dict())
+
+    def fingerprint(self) -> str:
+        """Digest of the sorted ``(name, shape, dtype)`` of the tensors (see :func:`fingerprint`)."""
+        return fingerprint((t.name, t.shape, t.dtype) for t in self.tensors)
+
+    def with_comm(self, comm: CommSpec) -> "Profile":
+        return Profile(self.name, self.forward_ms, self.backward_ms, self.tensors, comm, self.meta)
+
+    def tensor(self, name: str) -> TensorSpec:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+
+@dataclass(frozen=True, slots=True)
+class Buffer:
+    """One flat gradient buffer: its dtype and the tensors in layout order."""
+
+    dtype: str
+    tensors: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A contiguous element range ``[start, end)`` of buffer ``buffer``: one all-reduce."""
+
+    buffer: int
+    start: int
+    end: int
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    """A plan: buffer layout plus blocks in issue order (docs/design.md §4.2)."""
+
+    strategy: str
+    profile_name: str
+    profile_digest: str
+    fingerprint: str
+    world_size: int
+    buffers: tuple[Buffer, ...]
+    blocks: tuple[Block, ...]
+    predicted: Mapping[str, Any] = field(default_factory=dict)
+    buffer_numel: tuple[int, ...] = ()
+    """Total elements of each buffer (extra field, lets a schedule be checked on its own)."""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+    """Fields this version does not know, kept so that a round trip loses nothing."""
+    mode: str = "overlap"
+    """How the runtime applies the updates: one of :data:`SCHEDULE_MODES`."""
+
+    def to_dict(self) -> dict[str, Any]:
+        buffers = []
+        for i, b in enumerate(self.buffers):
+            d: dict[str, Any] = {"dtype": b.dtype, "tensors": list(b.tensors)}
+            if self.buffer_numel:
+                d["numel"] = self.buffer_numel[i]
+            buffers.append(d)
+        out = {
+            "format": SCHEDULE_FORMAT,
+            "version": VERSION,
+            "strategy": self.strategy,
+            "profile": {"name": self.profile_name, "digest": self.profile_digest},
+            "fingerprint": self.fingerprint,
+            "world_size": self.world_size,
+            "mode": self.mode,
+            "buffers": buffers,
+            "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in self.blocks],
+            "predicted": dict(self.predicted),
+        }
+        for k, v in self.extra.items():
+            out.setdefault(k, v)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "<schedule>") -> "Schedule":
+        """Validate ``data`` (a schedule file's JSON value) and build the schedule; a
+        :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
+        from .schema import parse_schedule
+
+        return parse_schedule(data, source)
+
+    def digest(self) -> str:
+        """Digest of what every rank must agree on: layout and blocks (not predictions)."""
+        d = self.to_dict()
+        agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
+        if self.mode != "overlap":  # the default mode is left out: it adds nothing to agree on
+            agreed["mode"] = self.mode
+        return _digest(agreed)
+
+
+# --------------------------------------------------------------------------------------------
+# Digests
+# --------------------------------------------------------------------------------------------
+
+
+def _digest(obj: Any) -> str:
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def fingerprint(tensors: Iterable[tuple[str, Sequence[int], str]]) -> str:
+    """Digest of the sorted ``(name, shape, dtype)`` triples: what a schedule was made for.
+
+    The runtime computes the same value from ``model.named_parameters()``.
+
+    Example::
+
+        >>> fingerprint([("b", (2,), "float32"), ("a", [3, 4], "float32")]) == \\
+        ...     fingerprint([("a", (3, 4), "float32"), ("b", [2], "float32")])
+        True
+    """
+    rows = sorted((str(n), [int(s) for s in shape], str(dt)) for n, shape, dt in tensors)
+    return _digest(rows)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks across fields and files
+# --------------------------------------------------------------------------------------------
+
+
+def check_coverage(schedule: Schedule, buffer_numel: Sequence[int], source: str) -> None:
+    """Raise :class:`FormatError` unless the blocks cover every buffer exactly once."""
+    per: list[list[tuple[int, int, int]]] = [[] for _ in schedule.buffers]
+    for i, k in enumerate(schedule.blocks):
+        per[k.buffer].append((k.start, k.end, i))
+    for b, spans in enumerate(per):
+        spans.sort()
+        pos = 0
+        for s, e, i in spans:
+            if s != pos:
+                what = "overlaps the block before it" if s < pos else f"leaves [{pos}, {s}) uncovered"
+                raise FormatError(source, f"blocks[{i}]", f"blocks covering buffer {b} exactly once; "
+                                  f"this one starts at {s} and {what}")
+            pos = e
+        if pos != buffer_numel[b]:
+            raise FormatError(source, f"buffers[{b}]", f"blocks covering all {buffer_numel[b]} "
+                              f"elements; they cover [0, {pos})")
+
+
+def check_against(schedule: Schedule, profile: Profile, source: str = "<schedule>") -> None:
+    """Raise :class:`MismatchError` unless ``schedule`` was made for ``profile``'s tensors.
+
+    Compares the fingerprints, then names the first differing tensor, then checks coverage
+    of every buffer with the profile's sizes.
+    """
+    specs = {t.name: t for t in profile.tensors}
+    listed = [n for b in schedule.buffers for n in b.tensors]
+    for b_i, b in enumerate(schedule.buffers):
+        for j, n in enumerate(b.tensors):
+            if n not in specs:
+                raise MismatchError(f"{source}: buffers[{b_i}].tensors[{j}]: tensor {n!r} is not "
+                                    f"in profile {profile.name!r}")
+            if specs[n].dtype != b.dtype:
+                raise MismatchError(f"{source}: buffers[{b_i}].tensors[{j}]: tensor {n!r} has dtype "
+                                    f"{specs[n].dtype} in the profile, buffer dtype is {b.dtype}")
+    in_buffers = set(listed)
+    missing = [n for n in specs if n not in in_buffers]
+    if missing:
+        raise MismatchError(f"{source}: buffers: profile tensor {missing[0]!r} is in no buffer "
+                            f"({len(missing)} missing)")
+    if schedule.fingerprint != profile.fingerprint():
+        raise MismatchError(f"{source}: fingerprint: expected {profile.fingerprint()} (profile "
+                            f"{profile.name!r}), got {schedule.fingerprint}: tensor shapes differ")
+    numel = [sum(specs[n].numel for n in b.tensors) for b in schedule.buffers]
+    if schedule.buffer_numel and tuple(numel) != tuple(schedule.buffer_numel):
+        raise MismatchError(f"{source}: buffers: numel {list(schedule.buffer_numel)} does not match "
+                            f"the profile's {numel}")
+    check_coverage(schedule, numel, source)
