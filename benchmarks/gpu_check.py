@@ -237,7 +237,7 @@ def two_ranks(rank: int, ws: int, out_dir: str) -> dict[str, Any]:
 
 
 def part_two_ranks(out_dir: str, budget_s: float) -> dict[str, Any]:
-    from usbyte_opt.runtime.local import run_local
+    from usbyte_opt.launcher import run_local
 
     res = run_local(two_ranks, 2, args=(out_dir,), timeout_s=budget_s, pg_timeout_s=120)
     return {"ranks": [r.value if r.ok else {"error": f"{r.error_type}: {r.error}",

@@ -31,7 +31,7 @@ sys.path.insert(0, str(REPO))
 
 from usbyte_opt.errors import UsbyteError  # noqa: E402
 from usbyte_opt.models import build  # noqa: E402
-from usbyte_opt.profiler.run import make_optimizer  # noqa: E402
+from usbyte_opt.profiler.optimizers import make_optimizer  # noqa: E402
 from usbyte_opt.profiler.timing import IterationTimer, median  # noqa: E402
 
 #: model -> batch size used here (small enough for a 2-core CPU).

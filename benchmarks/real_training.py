@@ -7,7 +7,7 @@
 Cases: the three lab models of :mod:`usbyte_opt.bench.models` (``lab-cnn`` and ``lab-vgg``,
 communication about the size of compute at 200 Mbit/s; ``lab-transformer``) on 2 ranks of this
 machine (each pinned to its own core), at
-200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.lab`: one network namespace per rank, tbf-shaped
+200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.bench.lab`: one network namespace per rank, tbf-shaped
 veth). Each case is one ``usbyte-opt bench`` run (:func:`usbyte_opt.bench.run_bench`): profile
 in the lab, plan, then train with DDP and with the runtime under wfbp, bytescheduler, usbyte
 and best, interleaved, plus a run without communication.
@@ -43,7 +43,7 @@ from usbyte_opt.bench import BenchConfig, run_bench  # noqa: E402
 from usbyte_opt.formats import write_json  # noqa: E402
 
 MODELS = ("lab-cnn", "lab-vgg", "lab-transformer")
-#: The issue's cases for the targets: communication about the size of compute at 200 Mbit/s.
+#: The cases the targets are set for: communication about the size of compute at 200 Mbit/s.
 TARGET_CASES = {("lab-cnn", 200_000_000), ("lab-vgg", 200_000_000)}
 RATES = ("200mbit", "1gbit")
 STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
@@ -88,7 +88,7 @@ def slim(res: dict) -> dict:
 
 
 def targets(res: dict) -> list[tuple[str, bool, str]]:
-    """The issue's targets on one result: (what, met, the numbers)."""
+    """The targets on one result: (what, met, the numbers)."""
     by = {r["strategy"]: r for r in res["runs"]}
     ddp = by["ddp"]
     out = []
@@ -120,7 +120,7 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         f"`python benchmarks/real_training.py {' '.join(argv)}` on {platform.node() or 'this machine'}: "
         f"{os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
         f"{cases[0]['torch'] if cases else '?'}; 2 ranks (one per core, 1 thread each), gloo over the "
-        "lab of `usbyte_opt.lab` (one network namespace per rank, veth pair, tbf on both ends).",
+        "lab of `usbyte_opt.bench.lab` (one network namespace per rank, veth pair, tbf on both ends).",
         "",
         "Measured: median iteration time over the timed iterations (forward start to forward "
         "start, mean of the two ranks), p10–p90 beside it; strategies take turns (interleaved "
@@ -168,8 +168,8 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
                          f"{100 * r['refined_error']:+.1f}% | {sp} | {psp} | {dp} |")
         lines.append("")
         target = (res["name"], res["network"]["rate_bps"]) in TARGET_CASES
-        lines.append(("Targets (the issue's case: communication about the size of compute): " if target
-                      else "The same checks (the issue sets them for the CNNs at 200 Mbit/s only): ")
+        lines.append(("Targets (the cases they are set for: communication about the size of compute): " if target
+                      else "The same checks (the targets are set for the CNNs at 200 Mbit/s only): ")
                      + "; ".join(f"{what}: **{'met' if ok else 'not met'}** ({nums})"
                                              for what, ok, nums in targets(res)) + ".")
         lines.append(f"Training matches DDP: {'yes' if res['correct'] else 'NO'}.")

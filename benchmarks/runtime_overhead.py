@@ -35,7 +35,7 @@ from usbyte_opt.models import build
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule, profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
-from usbyte_opt.runtime.local import run_local, values
+from usbyte_opt.launcher import run_local, values
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "runtime_overhead.md"

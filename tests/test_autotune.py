@@ -8,16 +8,14 @@ import os
 import sys
 import time
 
-import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import load_profile, load_schedule
 from usbyte_opt.runtime import DistributedOptimizer
 from usbyte_opt.runtime.autotune import CLEAN, OVERLAP, ROUNDS, WARMUP, WINDOW
-from usbyte_opt.runtime.local import run_local
+from usbyte_opt.launcher import run_local
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_runtime_equivalence import (OPTIMIZERS, SmallCNN, image_batch, max_diff,  # noqa: E402

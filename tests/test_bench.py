@@ -20,7 +20,7 @@ from usbyte_opt.bench import BenchConfig, run_bench
 from usbyte_opt.bench.report import compare_trace, markdown, stats, summarize
 from usbyte_opt.bench.train import make_batches
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.lab import list_namespaces
+from usbyte_opt.bench.lab import list_namespaces
 
 from test_lab import SKIP as LAB_SKIP
 

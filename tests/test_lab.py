@@ -16,9 +16,9 @@ import time
 
 import pytest
 
-from usbyte_opt import lab as lab_mod
+from usbyte_opt.bench import lab as lab_mod
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.lab import Lab, LabError, list_namespaces, parse_rate, preflight, remove_stale, shaping
+from usbyte_opt.bench.lab import Lab, LabError, list_namespaces, parse_rate, preflight, remove_stale, shaping
 
 PREFIX = "usbytetest-"
 
@@ -162,7 +162,7 @@ def test_removed_when_the_body_raises():
 def test_removed_when_the_process_is_interrupted(sig):
     code = textwrap.dedent(f"""
         import sys, time
-        from usbyte_opt.lab import Lab
+        from usbyte_opt.bench.lab import Lab
         with Lab(2, "200mbit", prefix={PREFIX!r}):
             print("open", flush=True)
             time.sleep(60)

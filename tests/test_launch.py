@@ -52,7 +52,7 @@ def test_launch_runs_torchrun_with_the_schedule(tmp_path: Path):
     out = tmp_path / "out"
     out.mkdir()
     res = cli("launch", "--schedule", str(sched), "--nproc-per-node", "2", "--master-port",
-              str(__import__("usbyte_opt.runtime.local", fromlist=["free_port"]).free_port()),
+              str(__import__("usbyte_opt.launcher", fromlist=["free_port"]).free_port()),
               str(script), str(out), "--schedule", "for-the-script", timeout=180)
     assert res.returncode == 0, (f"written: {sorted(p.name for p in out.iterdir())}\n"
                                  f"stdout: {res.stdout[-2000:]}\nstderr: {res.stderr[-3000:]}")

@@ -12,8 +12,9 @@ from torch import nn
 
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.profiler.comm import Sweep, analytic_comm, default_sizes, fit_comm, sweep_allreduce
-from usbyte_opt.profiler.run import comm_backend, make_optimizer
+from usbyte_opt.profiler.optimizers import make_optimizer
 from usbyte_opt.profiler.timing import IterationTimer, Timings, apportion_update, quantile, summarize
+from usbyte_opt.runtime.comm import backend_for
 
 
 def test_default_sweep_is_log_spaced_4kib_to_64mib():
@@ -68,7 +69,7 @@ def test_sweep_runs_on_a_real_group_and_counts_more_small_samples(one_rank_group
     assert [len(r) for r in sw.raw_ms] == [6, 2]
     assert all(m > 0 for m in sw.medians_ms)
     assert seen[-1] == ("all-reduce", 8, 8)
-    assert comm_backend(None, torch.device("cpu")) == "gloo"
+    assert backend_for(None, torch.device("cpu")) == "gloo"
     assert sw.chains == [4, 1]
 
 
@@ -177,7 +178,7 @@ def test_unknown_optimizer():
 
 
 def test_cuda_without_a_gpu_is_a_clear_error():
-    from usbyte_opt.profiler.run import resolve_device
+    from usbyte_opt.device import resolve_device
 
     assert resolve_device("cpu").type == "cpu"
     if torch.cuda.is_available():

@@ -29,7 +29,7 @@ from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
 from usbyte_opt.runtime.default_plan import (bucket_blocks, default_schedule, make_schedule,
                                              profile_from_model, split_blocks)
-from usbyte_opt.runtime.local import run_local
+from usbyte_opt.launcher import run_local
 
 STEPS = 20
 TOL = 1e-5

@@ -9,21 +9,23 @@ predicted beside measured) and ``logs/rank<r>.log``.
 
 Where the ranks run:
 
-* ``bandwidth`` given: in the lab (:mod:`usbyte_opt.lab`), one network namespace per rank,
-  links shaped with tbf — root only;
+* ``bandwidth`` given: in the lab (:mod:`usbyte_opt.bench.lab`), one network namespace per
+  rank, links shaped with tbf — root only;
 * otherwise on this machine's loopback (gloo, or NCCL with CUDA);
 * under torchrun (``RANK`` set), on the ranks torchrun started: every rank calls
   :func:`run_bench`, rank 0 gets the result, the others ``None``.
 
-Modules: :mod:`.worker` (what each rank runs), :mod:`.train` (timed training loops),
-:mod:`.launch` (starting the ranks), :mod:`.report` (statistics, Markdown, traces),
-:mod:`.plot` (the PNG), :mod:`.models` (models sized for the lab).
+The ranks are started by :func:`usbyte_opt.launcher.run_ranks`. Modules: :mod:`.job` (what
+every rank is asked to do), :mod:`.worker` (what each rank runs), :mod:`.train` (timed
+training loops), :mod:`.report` (statistics, Markdown, traces), :mod:`.plot` (the PNG),
+:mod:`.lab` (the shaped network), :mod:`.models` (models sized for the lab), :mod:`.refine`
+(the refined prediction).
 
 Example::
 
     >>> cfg = BenchConfig(model="cnn", iterations=4, strategies=("ddp", "best"))
-    >>> cfg.job(Path("out"))["strategies"]
-    ['ddp', 'best', 'no-comm']
+    >>> cfg.job(Path("out")).strategies
+    ('ddp', 'best', 'no-comm')
     >>> result = run_bench(cfg)                         # doctest: +SKIP
     >>> [(r["strategy"], round(r["measured_ms"])) for r in result["runs"]]   # doctest: +SKIP
     [('ddp', 231), ('best', 187), ('no-comm', 160)]
@@ -32,18 +34,35 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import shutil
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from ..errors import UsbyteError
+from ..env import TRACE_ENV
+from ..errors import DistributedError, UsbyteError
+from ..launcher import threads_per_rank
+from .job import Job
 from .worker import REFERENCE, TORCH_DDP
 
-#: What ``--strategies`` defaults to.
-DEFAULT_STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
+
+def default_strategies() -> tuple[str, ...]:
+    """What ``--strategies`` defaults to: PyTorch DDP (``ddp``), then every registered
+    strategy, in the registry's report order.
+
+    Example::
+
+        >>> s = default_strategies()
+        >>> s[0], s[-1], "usbyte" in s
+        ('ddp', 'best', True)
+    """
+    from ..strategies import load_builtin
+
+    return (TORCH_DDP, *(s for s in load_builtin() if s != TORCH_DDP))
 
 
 @dataclass(kw_only=True, slots=True)
@@ -58,7 +77,7 @@ class BenchConfig:
     """Link rate of the lab (``200mbit``); ``None``: the ordinary network."""
     iterations: int = 20
     """Timed steady-state iterations per strategy."""
-    strategies: tuple[str, ...] = DEFAULT_STRATEGIES
+    strategies: tuple[str, ...] = field(default_factory=default_strategies)
     """``ddp`` is PyTorch DDP itself; the others run on the runtime with their schedule."""
     reference: bool = True
     """Also time training without communication (the compute the prediction assumes)."""
@@ -90,6 +109,7 @@ class BenchConfig:
     """Torch threads per rank (default: cores / ranks)."""
     name: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    """Fields of the :class:`~.job.Job` that have no option here (``probe_points``, ...)."""
 
     def spec(self) -> tuple[str, int | None]:
         """The model spec the ranks build, and the default batch size of a lab model."""
@@ -115,37 +135,35 @@ class BenchConfig:
             out.append(REFERENCE)
         return out
 
-    def job(self, out_dir: Path) -> dict[str, Any]:
-        """The job file every rank reads."""
+    def job(self, out_dir: Path) -> Job:
+        """The job every rank is given."""
         spec, lab_batch = self.spec()
         if self.iterations < 1:
             raise UsbyteError(f"--iterations: expected an integer >= 1, got {self.iterations}")
-        return {
-            "model": spec,
-            "name": self.name or _model_label(self.model),
-            "batch_size": self.batch_size if self.batch_size is not None else lab_batch,
-            "strategies": self.strategy_list(),
-            "iterations": self.iterations,
-            "rounds": self.rounds,
-            "warmup": self.warmup,
-            "first_warmup": 3,
-            "profile": str(Path(self.profile).resolve()) if self.profile else None,
-            "out_dir": str(out_dir.resolve()),
-            "device": self.device,
-            "optimizer": self.optimizer,
-            "threads": self.threads or max(1, (os.cpu_count() or 1)
-                                           // int(os.environ.get("LOCAL_WORLD_SIZE", self.nproc))),
-            "profile_warmup": self.profile_warmup,
-            "profile_repeats": self.profile_repeats,
-            "comm_points": self.comm_points,
-            "comm_repeats": self.comm_repeats,
-            "stable_s": self.stable_s,
-            "comm_sizes": None,
-            "time_budget_s": self.time_budget_s,
-            "trace": self.trace,
-            "pg_timeout_s": max(300.0, self.timeout_s),
-            **self.extra,
-        }
+        job = Job(
+            model=spec,
+            name=self.name or _model_label(self.model),
+            batch_size=self.batch_size if self.batch_size is not None else lab_batch,
+            strategies=tuple(self.strategy_list()),
+            iterations=self.iterations,
+            rounds=self.rounds,
+            warmup=self.warmup,
+            profile=str(Path(self.profile).resolve()) if self.profile else None,
+            out_dir=str(out_dir.resolve()),
+            device=self.device,
+            optimizer=self.optimizer,
+            threads=self.threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE",
+                                                                        self.nproc))),
+            profile_warmup=self.profile_warmup,
+            profile_repeats=self.profile_repeats,
+            comm_points=self.comm_points,
+            comm_repeats=self.comm_repeats,
+            stable_s=self.stable_s,
+            time_budget_s=self.time_budget_s,
+            trace=self.trace,
+            pg_timeout_s=max(300.0, self.timeout_s),
+        )
+        return Job.from_dict({**job.to_dict(), **self.extra}, "BenchConfig.extra") if self.extra else job
 
 
 def _model_label(model: str) -> str:
@@ -154,10 +172,10 @@ def _model_label(model: str) -> str:
     return model_name(model)
 
 
-def network_info(cfg: BenchConfig, lab: Any = None) -> dict[str, Any]:
+def network_info(lab: Any = None) -> dict[str, Any]:
     """How the ranks were connected, for the report."""
     if lab is not None:
-        from ..lab import format_rate
+        from .lab import format_rate
 
         s = lab.shaping
         return {"kind": "lab", "rate_bps": s.rate_bps, "short": format_rate(s.rate_bps) + " lab",
@@ -173,16 +191,41 @@ def default_out_dir(cfg: BenchConfig) -> Path:
     return Path("bench-results") / f"{cfg.name or _model_label(cfg.model)}-{tag}"
 
 
-def _comm_sizes(job: dict[str, Any]) -> list[int]:
+def _comm_sizes(job: Job) -> tuple[int, ...]:
     """Sweep sizes from 4 KiB to the model's whole gradient (at least 1 MiB): a slow link
     makes 64 MiB samples cost seconds each, and no block is ever larger than all gradients."""
     from ..models import build, parameter_count
     from ..profiler.comm import default_sizes
 
-    model, _, _ = build(job["model"], job["batch_size"], "cpu")
+    model, _, _ = build(job.model, job.batch_size, "cpu")
     total = 4 * parameter_count(model)
     del model
-    return default_sizes(4 << 10, max(1 << 20, total), job["comm_points"])
+    return tuple(default_sizes(4 << 10, max(1 << 20, total), job.comm_points))
+
+
+def _run_workers(job_path: Path, nproc: int, logs: Path, lab: Any, timeout_s: float,
+                 progress: Callable[[str], None] | None) -> None:
+    """Run ``nproc`` worker ranks on the job file (every rank's stderr in
+    ``logs/rank<r>.log``, rank 0's progress lines to ``progress``) and wait for all of them.
+
+    Raises:
+        UsbyteError: a rank failed (its one-line error, naming the rank and its log).
+        DistributedError: the ranks were still running after ``timeout_s`` (stopped).
+    """
+    from ..launcher import run_ranks
+
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env.pop(TRACE_ENV, None)  # the worker sets its own per strategy
+    res = run_ranks([sys.executable, "-m", "usbyte_opt.bench.worker", str(job_path)], nproc,
+                    logs=logs, lab=lab, env=env, timeout_s=timeout_s, progress=progress,
+                    poll_s=0.1)
+    if res.timed_out:
+        raise DistributedError(f"bench: ranks still running after {timeout_s:g} s; killed "
+                               f"(logs in {logs})")
+    if res.failed:
+        r = res.failed[0]
+        msg = res.errors.get(r) or f"exited with code {res.codes[r]}"
+        raise UsbyteError(f"bench: rank {r}: {msg} (log: {logs / f'rank{r}.log'})")
 
 
 def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -> dict[str, Any] | None:
@@ -192,7 +235,6 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     from ..formats import write_json
     from ..models import resolve
     from . import report
-    from .launch import launch_ranks
     from .worker import run_rank
 
     t0 = time.perf_counter()
@@ -201,7 +243,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         raise UsbyteError(f"--nproc-per-node {cfg.nproc}: expected at least 2 ranks (a single rank "
                           "has no all-reduce to schedule)")
     job = cfg.job(out)
-    resolve(job["model"])  # a bad spec fails here, once, before any rank starts
+    resolve(job.model)  # a bad spec fails here, once, before any rank starts
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     if cfg.bandwidth and torchrun:
         raise UsbyteError("--bandwidth starts its own ranks in the lab: run `usbyte-opt bench` "
@@ -209,24 +251,24 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     for sub in ("traces", "schedules", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    if job["profile"] is None and not job.get("comm_sizes"):
-        job["comm_sizes"] = _comm_sizes(job)
-    job_path = write_json(out / "job.json", job)
+    if job.profile is None and not job.comm_sizes:
+        job = dataclasses.replace(job, comm_sizes=_comm_sizes(job))
+    job_path = write_json(out / "job.json", job.to_dict())
     lab = None
     if torchrun:
         raw = run_rank(job)
         if raw is None:
             return None
     else:
-        from ..lab import Lab
+        from .lab import Lab
 
         ctx = Lab(cfg.nproc, cfg.bandwidth) if cfg.bandwidth else contextlib.nullcontext()
         with ctx as lab:
             if lab is not None and progress:
                 progress(f"lab: {lab.describe()}")
-            launch_ranks(job_path, cfg.nproc, out / "logs", lab, cfg.timeout_s, progress)
+            _run_workers(job_path, cfg.nproc, out / "logs", lab, cfg.timeout_s, progress)
         raw = report.load_json(out / "raw.json")
-    network = network_info(cfg, lab)
+    network = network_info(lab)
     result = report.summarize(raw, network, out)
     result["wall_s"] = round(time.perf_counter() - t0, 3)
     # Side-by-side traces: the prediction beside what every rank recorded.
@@ -290,4 +332,4 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["BenchConfig", "DEFAULT_STRATEGIES", "network_info", "run_bench"]
+__all__ = ["BenchConfig", "Job", "default_strategies", "network_info", "run_bench"]

@@ -1,11 +1,11 @@
 """Models sized for the lab: communication about as long as compute at 200 Mbit/s.
 
-The built-in ``cnn`` (9.5 M parameters, 38 MB of gradients) needs 1.6 s per all-reduce at
-200 Mbit/s against ~0.2 s of compute on one core: hopelessly communication-bound, so every
-schedule looks the same. These two keep the built-ins' shapes but are sized so that, on one
-CPU thread per rank, one all-reduce of all gradients at 200 Mbit/s (~24 MB/s measured under
-gloo) takes about as long as forward plus backward — the regime where scheduling matters.
-At 1 Gbit/s the same models are compute-bound.
+The built-in ``cnn`` (9.5 M parameters, 38 MB of gradients) is hopelessly
+communication-bound at 200 Mbit/s, so every schedule looks the same. These three keep the
+built-ins' shapes but are sized so that, on one CPU thread per rank, one all-reduce of all
+gradients at 200 Mbit/s takes about as long as forward plus backward — the regime where
+scheduling matters (the measurements: ``docs/bench.md``, item 1 of "What the measurements
+show"). At 1 Gbit/s the same models are compute-bound.
 
 * :func:`lab_cnn` — the built-in CNN's convolution stack (with batch norm) and a classifier of
   one 8192x128 layer: 1.14 M parameters (4.6 MB), most of them at the output side, ready

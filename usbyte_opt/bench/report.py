@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..profiler.timing import median, quantile
+from .worker import REFERENCE, TORCH_DDP
 
 #: Largest parameter difference from the reference that still counts as "same training"
 #: (fp32; the runtime and DDP agree bitwise in practice).
 PARAM_TOLERANCE = 1e-4
 
-RUNNERS = {"ddp": "torch DDP", "no-comm": "no comm"}
+RUNNERS = {TORCH_DDP: "torch DDP", REFERENCE: "no comm"}
 
 
 def stats(durations: Sequence[float]) -> dict[str, float]:
@@ -52,9 +53,9 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
     """The result document (what ``--json`` prints) from the rank-0 ``raw`` record."""
     predicted = raw["planned"]["predicted"]
     runs = []
-    ddp = raw["runs"].get("ddp")
+    ddp = raw["runs"].get(TORCH_DDP)
     ddp_ms = stats(ddp["durations_ms"])["median_ms"] if ddp else None
-    ddp_pred = predicted["ddp"]["ms"] if "ddp" in predicted else None
+    ddp_pred = predicted[TORCH_DDP]["ms"] if TORCH_DDP in predicted else None
     for s, run in raw["runs"].items():
         st = stats(run["durations_ms"])
         p = predicted[s]
@@ -72,9 +73,9 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "error": round((m - p["ms"]) / m, 6) if m else None,
             "refined_ms": round(p.get("refined_ms", p["ms"]), 6),
             "refined_error": round((m - p.get("refined_ms", p["ms"])) / m, 6) if m else None,
-            "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != "no-comm" else None,
+            "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != REFERENCE else None,
             "predicted_speedup_vs_ddp": (round(ddp_pred / p["ms"], 6)
-                                         if ddp_pred and s != "no-comm" else None),
+                                         if ddp_pred and s != REFERENCE else None),
             "blocks": p["blocks"],
             "final_loss": run["final_loss"],
             "max_param_diff": run["max_param_diff"],
@@ -183,7 +184,7 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         verdict = "the same" if result["correct"] else "NOT the same"
         lines.append(f"Training: every run ends with {verdict} parameters as `{result['reference']}` "
                      f"(largest difference within {result['param_tolerance']:g}).")
-    ref = next((r for r in result["runs"] if r["strategy"] == "no-comm"), None)
+    ref = next((r for r in result["runs"] if r["strategy"] == REFERENCE), None)
     if ref is not None:
         lines.append(f"Compute alone (`no-comm`: every rank trains without communication, side by side): "
                      f"measured {ref['measured_ms']:.1f} ms against {ref['predicted_ms']:.1f} ms profiled.")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..formats import Schedule
 from ..models import build
-from ..profiler.run import make_optimizer
+from ..profiler.optimizers import make_optimizer
 
 #: Distinct batches each trainee cycles through (rank-dependent, same for every trainee).
 BATCHES = 4

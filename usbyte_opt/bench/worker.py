@@ -1,8 +1,9 @@
 """What every rank of ``usbyte-opt bench`` runs: profile, plan, train each strategy, report.
 
-Started by :func:`usbyte_opt.bench.launch.launch_ranks` as ``python -m usbyte_opt.bench.worker
-JOB.json`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment), or called directly with
-:func:`run_rank` by ``usbyte-opt bench`` under torchrun. Every rank:
+Started by :func:`usbyte_opt.launcher.run_ranks` as ``python -m usbyte_opt.bench.worker
+JOB.json`` (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment; the job file is read back
+as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank` by
+``usbyte-opt bench`` under torchrun. Every rank:
 
 1. joins the process group (gloo on CPU, NCCL on CUDA);
 2. profiles the model on it — the all-reduce sweep runs on this very group, so in the lab
@@ -29,8 +30,15 @@ import warnings
 from pathlib import Path
 from typing import Any, Callable
 
-#: Strategies run by PyTorch itself rather than by the runtime.
+from ..env import TRACE_ENV
+from ..launcher import PROGRESS_PREFIX
+from .job import Job
+
+#: The strategy trained by PyTorch DDP itself rather than by the runtime (its schedule is
+#: still planned, for the prediction).
 TORCH_DDP = "ddp"
+#: The planner's own strategy, which ``usbyte-opt optimize`` writes by default.
+BEST = "best"
 #: The compute-only reference run (no communication).
 REFERENCE = "no-comm"
 
@@ -38,7 +46,7 @@ REFERENCE = "no-comm"
 def _say(rank: int) -> Callable[[str], None]:
     def say(text: str) -> None:
         if rank == 0:
-            sys.stderr.write(f"@@ {text}\n")
+            sys.stderr.write(f"{PROGRESS_PREFIX}{text}\n")
             sys.stderr.flush()
     return say
 
@@ -50,7 +58,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
     :func:`refine` adds ``refined_ms`` once training has run."""
     from ..planner import compare
 
-    report = compare(profile, options={"best": {"time_budget_s": time_budget_s}})
+    report = compare(profile, options={BEST: {"time_budget_s": time_budget_s}})
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
                            "compute_ms": report.compute_ms,
                            "update_ms": sum(t.update_ms for t in profile.tensors),
@@ -127,40 +135,42 @@ def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
     return mine
 
 
-def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
-    """Run one rank of the benchmark ``job`` (see :func:`usbyte_opt.bench.make_job`);
+def run_rank(job: Job) -> dict[str, Any] | None:
+    """Run one rank of the benchmark ``job`` (made by :meth:`usbyte_opt.bench.BenchConfig.job`);
     rank 0 returns the raw result (and writes it), the others ``None``."""
     import torch
     import torch.distributed as dist
 
     from ..errors import UsbyteError
     from ..formats import load_profile, save_profile, save_schedule, write_json
-    from ..profiler.run import init_from_env, profile_model, resolve_device
+    from ..device import resolve_device
+    from ..group import init_from_env
+    from ..profiler.run import profile_model
     from ..runtime import trace as trace_mod
     from .train import Trainee, interleave
 
-    dev = resolve_device(job.get("device"))
+    dev = resolve_device(job.device)
     if dev.type == "cpu":
         pin_cores(int(os.environ.get("LOCAL_RANK", "0")),
                   int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("WORLD_SIZE", "1"))))
-    owns = init_from_env(dev, job.get("pg_timeout_s", 600.0))
+    owns = init_from_env(dev, job.pg_timeout_s)
     if not dist.is_initialized():
         raise UsbyteError("bench worker: no process group (RANK/WORLD_SIZE not set)")
     try:
-        if job.get("threads"):
-            torch.set_num_threads(int(job["threads"]))
+        if job.threads:
+            torch.set_num_threads(job.threads)
         rank, world = dist.get_rank(), dist.get_world_size()
         say = _say(rank)
-        out = Path(job["out_dir"])
-        spec = job["model"]
+        out = Path(job.out_dir)
+        spec = job.model
         t_start = time.perf_counter()
 
         # 1-2. Profile on this process group (or load one).
-        if job.get("profile"):
-            prof = load_profile(job["profile"])
-            profile_path = job["profile"]
+        if job.profile:
+            prof = load_profile(job.profile)
+            profile_path = job.profile
         else:
-            say(f"profiling {job['name']} on {world} ranks")
+            say(f"profiling {job.name} on {world} ranks")
             last = {}
 
             def progress(phase: str, done: int, total: int) -> None:
@@ -170,19 +180,18 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                prof = profile_model(spec, job.get("batch_size"), name=job["name"], device=dev,
-                                     warmup=job["profile_warmup"], repeats=job["profile_repeats"],
-                                     optimizer=job["optimizer"], comm_sizes=job.get("comm_sizes"),
-                                     comm_repeats=job["comm_repeats"],
-                                     cpu_probe=job.get("probe", True), progress=progress,
-                                     stable_s=job.get("stable_s"))
+                prof = profile_model(spec, job.batch_size, name=job.name, device=dev,
+                                     warmup=job.profile_warmup, repeats=job.profile_repeats,
+                                     optimizer=job.optimizer, comm_sizes=job.comm_sizes,
+                                     comm_repeats=job.comm_repeats, cpu_probe=job.probe,
+                                     progress=progress, stable_s=job.stable_s)
             profile_path = str(out / "profile.json")
             if rank == 0:
                 save_profile(prof, profile_path)
         t_profile = time.perf_counter() - t_start
 
         # 2b. All-reduce cost while the training thread computes (for the refined prediction).
-        batch = prof.meta.get("batch_size") if job.get("batch_size") is None else job["batch_size"]
+        batch = prof.meta.get("batch_size") if job.batch_size is None else job.batch_size
         loaded = None
         probe_samples: list[Any] = []
         step_alone: float | None = None
@@ -195,7 +204,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             loaded = (loaded_comm(prof.comm, probe_samples), float(record["cpu_ms_per_mb"]),
                       float(record["cpu_ms_per_block"]))
             step_alone = record.get("step_alone_ms")
-        elif job.get("probe", True) and world > 1:
+        elif job.probe and world > 1:
             from ..profiler.probe import comm_under_compute, probe_sizes
             from ..runtime.comm import block_issuer
             from .refine import loaded_comm
@@ -204,11 +213,11 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
             # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and
             # chains of 4 blocks up to the whole gradient (what bytes cost).
             sizes, parts = probe_sizes(sum(t.nbytes for t in prof.tensors),
-                                       job.get("probe_points", 5))
-            probe = Trainee("probe", "local", spec, batch, dev, job["optimizer"], rank=rank)
+                                       job.probe_points)
+            probe = Trainee("probe", "local", spec, batch, dev, job.optimizer, rank=rank)
             # On the runtime's channel, each size as a chain of blocks, as training sends it.
             issue, _ = block_issuer(None, dev)
-            probed = comm_under_compute(probe.iteration, sizes, job.get("probe_repeats", 4),
+            probed = comm_under_compute(probe.iteration, sizes, job.probe_repeats,
                                         device=dev, issue=issue, parts=parts)
             del issue
             probe_samples = list(probed.samples)
@@ -219,12 +228,12 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         t_probe = time.perf_counter() - t_start - t_profile
 
         # 3. Plan on rank 0; every rank gets the same schedules.
-        strategies = list(job["strategies"])
+        strategies = list(job.strategies)
         payload: list[Any] = [None]
         if rank == 0:
             say("planning " + ", ".join(s for s in strategies if s != REFERENCE))
             try:
-                payload[0] = plan(prof, strategies, job["time_budget_s"])
+                payload[0] = plan(prof, strategies, job.time_budget_s)
                 for s, sched in payload[0]["schedules"].items():
                     save_schedule(sched, out / "schedules" / f"{s}.json")
             except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
@@ -239,31 +248,31 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
         # 4. Train side by side.
         trainees = []
         traces: dict[str, str] = {}
-        saved_env = os.environ.get(trace_mod.TRACE_ENV)
+        saved_env = os.environ.get(TRACE_ENV)
         try:
             for s in strategies:
                 if s == REFERENCE:
-                    trainees.append(Trainee(s, "local", spec, batch, dev, job["optimizer"], rank=rank))
+                    trainees.append(Trainee(s, "local", spec, batch, dev, job.optimizer, rank=rank))
                 elif s == TORCH_DDP:
-                    trainees.append(Trainee(s, "ddp", spec, batch, dev, job["optimizer"], rank=rank))
+                    trainees.append(Trainee(s, "ddp", spec, batch, dev, job.optimizer, rank=rank))
                 else:
-                    if job.get("trace"):
+                    if job.trace:
                         traces[s] = str(out / "traces" / f"{s}.measured.json")
-                        os.environ[trace_mod.TRACE_ENV] = traces[s]
+                        os.environ[TRACE_ENV] = traces[s]
                     else:
-                        os.environ.pop(trace_mod.TRACE_ENV, None)
-                    trainees.append(Trainee(s, "runtime", spec, batch, dev, job["optimizer"],
+                        os.environ.pop(TRACE_ENV, None)
+                    trainees.append(Trainee(s, "runtime", spec, batch, dev, job.optimizer,
                                             planned["schedules"][s], rank=rank))
         finally:
             if saved_env is None:
-                os.environ.pop(trace_mod.TRACE_ENV, None)
+                os.environ.pop(TRACE_ENV, None)
             else:
-                os.environ[trace_mod.TRACE_ENV] = saved_env
-        say(f"training {len(trainees)} ways, {job['iterations']} timed iterations each")
-        interleave(trainees, job["iterations"], job["rounds"], job["warmup"], dev,
-                   first_warmup=job.get("first_warmup", 3), progress=say)
+                os.environ[TRACE_ENV] = saved_env
+        say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
+        interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
+                   first_warmup=job.first_warmup, progress=say)
         t_train = time.perf_counter() - t_start - t_profile - t_probe - t_plan
-        if job.get("trace"):
+        if job.trace:
             trace_mod.flush_all()
 
         # 5. Correctness against the reference, then everything to rank 0.
@@ -306,7 +315,7 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
                 compute_scale = median(runs[REFERENCE]["durations_ms"]) / expect
         refine(prof, planned, loaded, compute_scale)
         raw = {
-            "job": {k: v for k, v in job.items() if k != "comm_sizes"},
+            "job": {k: v for k, v in job.to_dict().items() if k != "comm_sizes"},
             "compute_scale": compute_scale,
             "profile": profile_path,
             "profile_name": prof.name,
@@ -355,11 +364,10 @@ def run_rank(job: dict[str, Any]) -> dict[str, Any] | None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``."""
     from ..errors import UsbyteError
-    from ..formats import read_json
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run_rank(read_json(argv[0]))
+        run_rank(Job.load(argv[0]))
     except UsbyteError as e:
         sys.stderr.write(f"error: {e}\n")
         return 1

@@ -15,6 +15,9 @@ from typing import Any, Optional
 import typer
 
 from .. import console
+from ..bench import default_strategies
+from ..bench.worker import TORCH_DDP
+from ..strategies import load_builtin
 from . import common
 
 
@@ -52,10 +55,10 @@ def bench(
                                             "network."),
     iterations: int = typer.Option(20, "--iterations", "-k", min=1,
                                    help="Timed steady-state iterations per strategy."),
-    strategies: str = typer.Option(", ".join(("ddp", "wfbp", "bytescheduler", "usbyte", "best")),
-                                   "--strategies", "-s",
-                                   help="Comma-separated; ddp is PyTorch DDP itself, the others "
-                                   "run on the usbyte-opt runtime."),
+    strategies: str = typer.Option(", ".join(default_strategies()), "--strategies", "-s",
+                                   help=f"Comma-separated, among {', '.join(load_builtin())}; "
+                                   f"{TORCH_DDP} is PyTorch DDP itself, the others run on the "
+                                   "usbyte-opt runtime."),
     profile: Optional[Path] = typer.Option(None, "--profile", "-p", dir_okay=False, exists=True,
                                            help="Use this profile instead of profiling first."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,

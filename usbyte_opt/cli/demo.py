@@ -16,6 +16,8 @@ from typing import Any, Optional
 import typer
 
 from .. import console
+from ..bench.worker import BEST, REFERENCE, TORCH_DDP
+from ..strategies import load_builtin
 from . import common
 
 
@@ -59,7 +61,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
         verdict holds: best predicted 1.11x DDP's speed, measured 1.15x: faster than DDP either way
     """
     runs = {r["strategy"]: r for r in result["runs"]}
-    ref = runs.get("no-comm")
+    ref = runs.get(REFERENCE)
     compute_off = None
     if ref and ref.get("measured_ms") and ref.get("predicted_ms"):
         compute_off = ref["measured_ms"] - ref["predicted_ms"]
@@ -70,7 +72,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
         if not m or not p:
             continue
         off = m - p
-        if s == "no-comm":
+        if s == REFERENCE:
             rows.append([s, f"{m:.1f}", f"{p:.1f}", f"{off:+.1f} ({100 * off / m:+.0f}%)", f"{off:+.1f}", "—"])
             continue
         comm = None if compute_off is None else off - compute_off
@@ -97,10 +99,10 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
                          "with the all-reduce cost measured under load: refined).")
     else:
         lines.append("no run without communication to split the error into compute and communication")
-    ddp = runs.get("ddp")
+    ddp = runs.get(TORCH_DDP)
     if ddp and ddp.get("measured_ms") and ddp.get("predicted_ms"):
         for s, r in runs.items():
-            if s in ("ddp", "no-comm") or not r.get("measured_ms") or not r.get("predicted_ms"):
+            if s in (TORCH_DDP, REFERENCE) or not r.get("measured_ms") or not r.get("predicted_ms"):
                 continue
             pred = ddp["predicted_ms"] / r["predicted_ms"]
             meas = ddp["measured_ms"] / r["measured_ms"]
@@ -123,8 +125,10 @@ def demo(
                                    help="Timed iterations per strategy."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
                                              help="Per-rank batch size (default: the model's own)."),
-    strategies: str = typer.Option("ddp,best", "--strategies", "-s",
-                                   help="Comma-separated strategies to train with."),
+    strategies: str = typer.Option(f"{TORCH_DDP},{BEST}", "--strategies", "-s",
+                                   help="Comma-separated strategies to train with, among "
+                                   f"{', '.join(load_builtin())} ({TORCH_DDP}: PyTorch DDP "
+                                   "itself)."),
     output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
                                               help="Keep the report, plot, traces and schedules here "
                                               "(default: nothing is written)."),

@@ -15,7 +15,6 @@ its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit c
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import tempfile
@@ -25,16 +24,8 @@ from typing import Any
 import typer
 
 from .. import console
+from ..env import AUTO, AUTO_DIR_ENV, DEBUG_ENV, RANK_ERRORS_ENV, SCHEDULE_ENV
 from ..errors import UsbyteError
-from .rank import ERRORS_ENV
-
-#: ``usbyte_opt.runtime.checks.SCHEDULE_ENV``, spelled out so that validating a schedule does
-#: not import torch.
-SCHEDULE_ENV = "USBYTE_SCHEDULE"
-#: ``usbyte_opt.runtime.autotune.AUTO_DIR_ENV``, likewise.
-AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
-#: ``--schedule auto``: the runtime plans inside the run (no profile, no schedule file).
-AUTO = "auto"
 
 USAGE = ("usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR] [torchrun options] SCRIPT "
          "[SCRIPT ARGS]\n\n"
@@ -117,11 +108,7 @@ def launch(ctx: typer.Context) -> None:
     os.environ[SCHEDULE_ENV] = AUTO if auto else str(Path(args.schedule).resolve())
     if args.auto_dir:
         os.environ[AUTO_DIR_ENV] = str(Path(args.auto_dir).resolve())
-    nproc = str(args.nproc_per_node)
-    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
-        # torchrun would set 1 with a five-line warning; split this host's cores instead.
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // int(nproc)))
-    debug = bool(os.environ.get("USBYTE_DEBUG"))
+    debug = bool(os.environ.get(DEBUG_ENV))
     script = args.training_script
     if wrapped:
         # Each rank runs the script through usbyte_opt.cli.rank, which turns a usbyte-opt
@@ -134,45 +121,23 @@ def launch(ctx: typer.Context) -> None:
             f"{args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, world size "
             f"{sched.world_size})")
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import run
+    from ..launcher import run_torchrun
 
-    if not debug:
-        _quiet_torchrun()
     with tempfile.TemporaryDirectory(prefix="usbyte-launch-") as errors:
-        os.environ[ERRORS_ENV] = errors
+        os.environ[RANK_ERRORS_ENV] = errors
         try:
-            run(args)
-        except SignalException as e:
-            # torchrun's handlers stay installed: a second Ctrl-C must not interrupt the exit.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            if e.sigval == signal.SIGINT:
-                raise KeyboardInterrupt from None
-            err = UsbyteError(f"launch: stopped by {signal.Signals(e.sigval).name}")
-            err.exit_code = 128 + int(e.sigval)
-            raise err from None
-        except ChildFailedError as e:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            raise _failure(e, script, Path(errors)) from None
+            failures = run_torchrun(args, quiet=not debug)
+            if failures is not None:
+                raise _failure(failures, script, Path(errors)) from None
         finally:
-            os.environ.pop(ERRORS_ENV, None)
+            os.environ.pop(RANK_ERRORS_ENV, None)
 
 
-def _quiet_torchrun() -> None:
-    """Silence torchrun's own log lines (its OMP notice, "failed (exitcode ...)", the
-    death-signal notices): launch reports the outcome itself, in one line."""
-    for name in list(logging.root.manager.loggerDict):
-        if name.startswith("torch.distributed"):
-            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
-
-
-def _failure(e: Any, script: str, errors: Path) -> BaseException:
+def _failure(failures: dict[int, Any], script: str, errors: Path) -> BaseException:
     """The one error a failed run reports: the first usbyte-opt error a rank left in
     ``errors`` (``rank N: message``, with its exit code), else the rank that exited first on
     its own (the others were stopped by torchrun after it); ``KeyboardInterrupt`` when every
     rank ended from Ctrl-C."""
-    failures = dict(e.failures) if e.failures else {}
     codes = {f.exitcode for f in failures.values()}
     if failures and codes <= {130, -signal.SIGINT, -signal.SIGTERM} and codes & {130, -signal.SIGINT}:
         return KeyboardInterrupt()

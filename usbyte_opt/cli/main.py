@@ -19,6 +19,7 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException
 
 from .. import __version__, console
+from ..env import DEBUG_ENV
 from ..errors import UsbyteError
 
 #: Subcommand modules under ``usbyte_opt.cli``, in ``--help`` order.
@@ -82,12 +83,12 @@ def main(argv: list[str] | None = None) -> None:
         if a == "--" or (argv[:1] == ["launch"] and a.endswith(".py")):
             ours = i
             break
-    debug = "--debug" in argv[:ours] or bool(os.environ.get("USBYTE_DEBUG"))
+    debug = "--debug" in argv[:ours] or bool(os.environ.get(DEBUG_ENV))
     if "--debug" in argv[:ours]:
         argv.pop(argv.index("--debug"))
         argv.insert(0, "--debug")
     if debug:
-        os.environ["USBYTE_DEBUG"] = "1"  # for the ranks `launch` and `profile` start
+        os.environ[DEBUG_ENV] = "1"  # for the ranks `launch` and `profile` start
     try:
         # Not standalone: usage errors come back here to be printed on one line, like the rest.
         code = app(args=argv, prog_name="usbyte-opt", standalone_mode=False)

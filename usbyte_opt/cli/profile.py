@@ -69,8 +69,8 @@ def profile(
     if os.environ.get("RANK", "0") == "0":
         common.check_output_file(path, "--output")  # before any work: rank 0 writes it
     if nproc_per_node is not None and "RANK" not in os.environ:
+        from ..launcher import run_command
         from ..models import resolve
-        from ..profiler.run import launch
 
         resolve(model)  # a bad spec fails here, once, before any rank starts
         argv = ["profile", model, "--warmup", str(warmup), "--repeats", str(repeats),
@@ -84,7 +84,7 @@ def profile(
                             ("--algbw-gbs", algbw_gbs)):
             if value is not None:
                 argv += [flag, str(value)]
-        code, message = launch(nproc_per_node, argv)
+        code, message = run_command(nproc_per_node, argv)
         if code:
             if message:
                 console.error(message)
@@ -94,9 +94,11 @@ def profile(
     import torch.distributed as dist
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..device import resolve_device
     from ..formats import save_profile
+    from ..group import init_from_env
     from ..profiler import comm as comm_mod
-    from ..profiler.run import init_from_env, profile_model, resolve_device
+    from ..profiler.run import profile_model
 
     if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
         raise UsbyteError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "

@@ -26,14 +26,13 @@ import signal
 import sys
 from pathlib import Path
 
-#: Folder where each failing rank leaves ``rank<N>.json`` (``{"message", "exit_code"}``).
-ERRORS_ENV = "USBYTE_RANK_ERRORS"
+from ..env import DEBUG_ENV, RANK_ERRORS_ENV
 
 
 def report(rank: str, message: str, exit_code: int) -> None:
     """Leave ``rank N: message`` for the launcher, or print it when no launcher reads it."""
     line = f"rank {rank}: {message}"
-    folder = os.environ.get(ERRORS_ENV)
+    folder = os.environ.get(RANK_ERRORS_ENV)  # where each failing rank leaves rank<N>.json
     if folder:
         try:
             path = Path(folder) / f"rank{rank}.json"
@@ -55,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     if not argv:
         sys.stderr.write("usage: python -m usbyte_opt.cli.rank [-m MODULE | SCRIPT] [ARGS]\n")
         return 2
-    debug = bool(os.environ.get("USBYTE_DEBUG"))
+    debug = bool(os.environ.get(DEBUG_ENV))
     rank = os.environ.get("RANK", "0")
     interrupted = False
 

@@ -8,9 +8,10 @@ A sample below 1 MiB is a **chain** of ``CHAIN`` all-reduces issued back to back
 and divided by their number: in an iteration the blocks follow one another on the channel,
 and what a block costs there is not what one isolated call costs. On gloo the runtime sends
 its blocks through a one-thread group (:func:`usbyte_opt.runtime.comm.serial_group`), where a
-small all-reduce right after another took 3-4 ms (lab and loopback alike) against 0.3-0.9 ms
-isolated; the profiler therefore times that same channel (``issue``), and the fitted alpha is
-what every extra block of a schedule really costs. Ranks leave a barrier at slightly
+small all-reduce right after another costs several times what it costs alone
+(``docs/bench.md``, item 10 of "What the measurements show"); the profiler therefore times
+that same channel (``issue``), and the fitted alpha is what every extra block of a schedule
+really costs. Ranks leave a barrier at slightly
 different moments, and the first one out times its wait for the others as part of the
 collective; the last one out sees only the collective itself, from "everybody has joined"
 to "done", which is what the iteration model's ``c(b)`` is (waiting for a late rank is

@@ -1,6 +1,5 @@
-"""Orchestration of a profile: build the model, time it on every rank, sweep all-reduce,
-aggregate across ranks, return a :class:`usbyte_opt.formats.Profile`. Also the process-group
-set-up used by the CLI and the launcher behind ``--nproc-per-node``.
+"""Profiling a model across ranks: build it, time it on every rank, sweep all-reduce,
+aggregate across ranks, return a :class:`usbyte_opt.formats.Profile`.
 
 Cross-rank aggregation: each rank reduces its own repeats to medians; the profile takes,
 for every number (forward, backward, each tensor's ready/need/update), the **maximum over
@@ -18,13 +17,8 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import math
-import os
 import platform
 import socket
-import subprocess
-import sys
-import tempfile
-import time
 import warnings
 from typing import Any, Callable, Sequence
 
@@ -32,62 +26,20 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..errors import DistributedError, UsbyteError
+from ..device import resolve_device
+from ..errors import UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, Profile, TensorSpec
+from ..group import barrier
 from ..models import Factory, build, model_name, resolve
-from ..runtime.comm import backend_for
+from ..runtime.checks import agree
+from ..runtime.comm import backend_for, block_issuer
 from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
+from .optimizers import OPTIMIZERS, make_optimizer
 from .timing import IterationTimer, Progress, summarize
-
-OPTIMIZERS = ("sgd", "adam", "adamw")
 
 
 class ProfileWarning(UserWarning):
     """Something the user should know about a profile (e.g. analytic comm at world size 1)."""
-
-
-def make_optimizer(name: str, params: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer whose step is timed: ``sgd`` (momentum 0.9), ``adam`` or ``adamw``,
-    with PyTorch's default implementation choice (``foreach`` on GPU, a loop on CPU).
-
-    Example::
-
-        >>> make_optimizer("adamw", [torch.nn.Parameter(torch.zeros(2))]).__class__.__name__
-        'AdamW'
-    """
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=1e-3, momentum=0.9)
-    if name == "adam":
-        return torch.optim.Adam(params, lr=1e-4)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=1e-4)
-    raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {name!r}")
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """``None`` picks CUDA when available; ``cuda`` becomes ``cuda:LOCAL_RANK`` under torchrun."""
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise UsbyteError("--device cuda: expected a CUDA device, but torch.cuda.is_available() is False "
-                              "(use --device cpu)")
-        if device.index is None:
-            device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
-    elif device.type != "cpu":
-        raise UsbyteError(f"--device: expected cpu or cuda, got {device.type!r}")
-    return device
-
-
-def _agree(error: str | None, group: Any) -> None:
-    """Raise on every rank if any rank failed, so that no rank waits forever in a collective."""
-    errors = [None] * dist.get_world_size(group)
-    dist.all_gather_object(errors, error, group=group)
-    failed = [(r, e) for r, e in enumerate(errors) if e]
-    if failed:
-        r, e = failed[0]
-        raise UsbyteError(e if error else f"rank {r}: {e}")
 
 
 def _r(x: float) -> float:
@@ -157,17 +109,17 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {optimizer!r}")
 
     # 1. Build (every rank agrees that it worked before the first timed collective).
-    error = None
+    error: UsbyteError | None = None
     try:
         net, inputs, loss_fn = build(model, batch_size, dev)
     except UsbyteError as e:
-        error = str(e)
+        error = e
     if world > 1:
-        _agree(error, group)
-    elif error:
-        raise UsbyteError(error)
+        agree(group, None, error, dev, None)
+    elif error is not None:
+        raise error
     batch = batch_size if batch_size is not None else resolve(model)[1]
-    backend = comm_backend(group, dev) if world > 1 else "none"
+    backend = backend_for(group, dev) if world > 1 else "none"
 
     # 2. Time forward/backward/step with hooks.
     def sync() -> None:
@@ -204,8 +156,6 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         sizes = list(comm_sizes) if comm_sizes else default_sizes()
         # The channel the runtime's blocks take (on gloo its one-thread group), so that alpha
         # is what one more block costs there.
-        from ..runtime.comm import block_issuer
-
         issue, channel = block_issuer(group, dev)
         sweep = sweep_allreduce(sizes, comm_repeats, 1, dev, group, progress,
                                 barrier=lambda: barrier(group, dev, backend), issue=issue,
@@ -370,124 +320,4 @@ def _probe(net: torch.nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any],
     }
 
 
-#: The backend that all-reduces a device's tensors on a group, as a profile names it.
-comm_backend = backend_for
-
-
-def barrier(group: Any, device: torch.device, backend: str) -> None:
-    """A barrier; on NCCL tied to this rank's GPU (no guessing, no warning)."""
-    if backend == "nccl" and device.type == "cuda":
-        dist.barrier(group=group, device_ids=[device.index])
-    else:
-        dist.barrier(group=group)
-
-
-# --------------------------------------------------------------------------------------------
-# Process group and launcher (used by the CLI)
-# --------------------------------------------------------------------------------------------
-
-
-def init_from_env(device: torch.device, timeout_s: float = 600.0) -> bool:
-    """Initialise the default process group from torchrun's environment (RANK, WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) when it is set and no group exists yet; return whether it
-    did (the caller then destroys it). NCCL on CUDA, gloo on CPU."""
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ or dist.is_initialized():
-        return False
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    try:
-        kwargs: dict[str, Any] = {"device_id": device} if device.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=_dt.timedelta(seconds=timeout_s), **kwargs)
-    except Exception as e:
-        raise DistributedError(f"cannot join the process group ({backend}, rank {os.environ['RANK']} of "
-                               f"{os.environ['WORLD_SIZE']}): {type(e).__name__}: {str(e).splitlines()[0]}") from None
-    return True
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(nproc: int, argv: Sequence[str], module: str = "usbyte_opt",
-           poll_s: float = 0.05) -> tuple[int, str]:
-    """Run ``python -m <module> <argv>`` as ``nproc`` ranks on this host, as torchrun would
-    (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR/PORT set; OMP_NUM_THREADS split between the
-    ranks unless set), and wait for them.
-
-    Rank 0 keeps the terminal (its progress bars and messages show); the others' output is
-    kept aside. When a rank fails the others are stopped at once, so nothing waits on a
-    collective that will never come. Returns ``(exit code, message)``: the message is the
-    failing rank's stderr when rank 0 itself did not fail (rank 0 has printed its own error).
-    """
-    if nproc < 1:
-        raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()),
-               WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0")
-    env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc)))
-    procs: list[subprocess.Popen] = []
-    logs: list[Any] = []
-    try:
-        for r in range(nproc):
-            log = None if r == 0 else tempfile.TemporaryFile(mode="w+")
-            logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", module, *argv],
-                env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
-                stdout=None if r == 0 else subprocess.DEVNULL, stderr=log))
-        codes: list[int | None] = [None] * nproc
-        culprits: list[int] = []  # ranks that failed on their own, before any was stopped
-        while any(c is None for c in codes):
-            for r, p in enumerate(procs):
-                if codes[r] is None:
-                    codes[r] = p.poll()
-            culprits = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if culprits:
-                # The others usually fail on their own a moment later (a failed build is
-                # shared with every rank); give them that moment, then stop the rest, which
-                # would otherwise wait in a collective until the timeout.
-                _stop(procs, grace_s=3.0)
-                codes = [p.wait() for p in procs]
-                break
-            time.sleep(poll_s)
-    except BaseException:
-        _stop(procs)
-        raise
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    if not culprits:
-        return 0, ""
-    first = culprits[0]
-    code = codes[first]
-    code = code if code and code > 0 else 1
-    if 0 in culprits or (codes[0] or 0) > 0:
-        return code, ""  # rank 0 failed on its own and has printed its error
-    log = logs[first]
-    log.seek(0)
-    lines = [ln for ln in log.read().splitlines() if ln.strip()]
-    errs = [ln for ln in lines if ln.startswith("error:")]
-    shown = errs[-1] if errs else (lines[-1] if lines else f"exited with code {codes[first]}")
-    return code, f"rank {first}: {shown.removeprefix('error: ')}"
-
-
-def _stop(procs: Sequence[subprocess.Popen], grace_s: float = 0.0) -> None:
-    deadline = time.monotonic() + grace_s
-    while grace_s and any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    for p in procs:
-        if p.poll() is None:
-            p.terminate()
-    deadline = time.monotonic() + 5.0
-    for p in procs:
-        try:
-            p.wait(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-
-
-__all__ = ["OPTIMIZERS", "ProfileWarning", "init_from_env", "launch", "make_optimizer",
-           "profile_model", "resolve_device"]
+__all__ = ["STABLE_S", "ProfileWarning", "profile_model"]

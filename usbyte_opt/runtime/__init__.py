@@ -15,11 +15,13 @@ communication: hooks, issue order, end of backward, the update rule), :mod:`.upd
 module buffers, ``torch.compile``), :mod:`.amp` (GradScaler), :mod:`.buffers` (flat gradient
 buffers), :mod:`.comm` (collectives, streams, averaging), :mod:`.checks` (start-up checks),
 :mod:`.exit_hook` (optimizers left open at exit), :mod:`.default_plan` (a plan without a
-profile), :mod:`.trace` (the measured timeline) and :mod:`.local` (several ranks on this
-machine, for tests, examples and benchmarks).
+profile), :mod:`.autotune` (planning inside the run) and :mod:`.trace` (the measured
+timeline). Several ranks on this machine, for tests, examples and benchmarks:
+:func:`usbyte_opt.launcher.run_local`.
 """
 
-from .checks import SCHEDULE_ENV, UsbyteWarning
+from ..env import SCHEDULE_ENV
+from .checks import UsbyteWarning
 from .default_plan import default_schedule, model_tensors, profile_from_model, split_blocks
 from .optimizer import DistributedOptimizer
 

@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..env import AUTO_DIR_ENV
 from ..errors import UsbyteError
 from ..formats import Schedule
 
@@ -64,8 +65,6 @@ MARGIN = 0.01
 DRIFT = 0.15
 #: Default interval (iterations) of the drift check.
 CHECK_EVERY = 200
-#: Where the profile and schedule of an auto run go, unless ``auto_dir`` is given.
-AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
 
 
 class _Clock:

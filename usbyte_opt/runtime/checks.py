@@ -6,13 +6,15 @@
    first tensor that differs (name, dtype, shape) and says expected vs got.
 3. :func:`agree`: every rank all-gathers one fixed-size record (schedule digest, or the error
    its own checks raised) *before any other collective*, so that a rank whose checks failed
-   still takes part, and every rank raises the same clear error instead of hanging.
+   still takes part, and every rank raises the same clear error instead of hanging. The
+   profiler agrees the same way that every rank built its model.
 4. :func:`broadcast_from_rank0`: parameters (and buffers) copied from rank 0.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import warnings
 from datetime import timedelta
@@ -22,12 +24,10 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError, MismatchError, UsbyteError
+from ..env import SCHEDULE_ENV
+from ..errors import DistributedError, MismatchError
 from ..formats import Schedule, fingerprint, load_schedule
 from .default_plan import default_schedule
-
-#: Environment variable that names the schedule file (set by ``usbyte-opt launch``).
-SCHEDULE_ENV = "USBYTE_SCHEDULE"
 
 #: Bytes of the record every rank all-gathers at start-up (digest plus a truncated error).
 RECORD_BYTES = 512
@@ -86,7 +86,7 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
         if n not in where:
             raise MismatchError(f"{source}: tensor {n!r}: the model trains it, the schedule does "
                                 f"not list it (schedule fingerprint {schedule.fingerprint}; model "
-                                f"{_fp(tensors)})")
+                                f"{fingerprint(tensors)})")
     for n, (b, j) in where.items():
         if n not in model:
             raise MismatchError(f"{source}: buffers[{b}].tensors[{j}]: tensor {n!r} is not a "
@@ -107,27 +107,16 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
                                     f"(schedule), got {list(shape)} (model)")
     if schedule.buffer_numel:
         for b, buf in enumerate(schedule.buffers):
-            got = sum(_numel(model[n][0]) for n in buf.tensors)
+            got = sum(math.prod(model[n][0]) for n in buf.tensors)
             if got != schedule.buffer_numel[b]:
                 raise MismatchError(f"{source}: buffers[{b}]: expected {schedule.buffer_numel[b]} "
                                     f"elements (schedule), got {got} (model): a shape of one of its "
                                     f"{len(buf.tensors)} {buf.dtype} tensors differs (the schedule "
                                     "records no per-tensor shapes to name it)")
-    fp = _fp(tensors)
+    fp = fingerprint(tensors)
     if fp != schedule.fingerprint:
         raise MismatchError(f"{source}: fingerprint: expected {schedule.fingerprint} (schedule), got "
                             f"{fp} (model): names and dtypes agree, so a tensor shape differs")
-
-
-def _fp(tensors: Sequence[tuple[str, tuple[int, ...], str]]) -> str:
-    return fingerprint(tensors)
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for s in shape:
-        n *= int(s)
-    return n
 
 
 def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> None:
@@ -145,14 +134,16 @@ def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> No
 
 def agree(group: dist.ProcessGroup | None, digest: str | None, error: BaseException | None,
           device: torch.device, timeout: timedelta | None) -> None:
-    """All-gather each rank's schedule digest (or start-up error) and raise on every rank alike.
+    """All-gather each rank's outcome of its start-up checks and raise on every rank alike.
 
-    Call it before any other collective. A rank whose own checks failed passes its error here
-    instead of raising at once, so the other ranks are not left waiting in a collective.
+    The one way ranks agree before they work together: the runtime passes its schedule
+    digest, the profiler only whether building the model worked (``digest=None``). Call it
+    before any other collective. A rank whose own checks failed passes its error here instead
+    of raising at once, so the other ranks are not left waiting in a collective.
 
     Raises:
         The rank's own error (if it had one); else :class:`DistributedError` naming the first
-        rank that failed, or the first rank whose schedule digest differs from rank 0's.
+        rank that failed, or the first rank whose digest differs from rank 0's.
     """
     rank, ws = dist.get_rank(group), dist.get_world_size(group)
     msg = "" if error is None else str(error)
@@ -161,8 +152,9 @@ def agree(group: dist.ProcessGroup | None, digest: str | None, error: BaseExcept
     mine[: len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
     mine = mine.to(device)
     out = [torch.empty_like(mine) for _ in range(ws)]
-    wait(dist.all_gather(out, mine, group=group, async_op=True), "start-up check (all-gather of "
-         "schedule digests)", rank, timeout)
+    what = "schedule digests" if digest is not None else "start-up errors"
+    wait(dist.all_gather(out, mine, group=group, async_op=True),
+         f"start-up check (all-gather of {what})", rank, timeout)
     recs = []
     for r, t in enumerate(out):
         raw = bytes(t.cpu().tolist()).rstrip(b"\0")

@@ -159,10 +159,6 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
     return make_schedule(problem, layout, blocks, "default")
 
 
-#: The schedule argument (and ``$USBYTE_SCHEDULE`` value) that plans inside the run.
-AUTO = "auto"
-
-
 def fallback_schedule(model: torch.nn.Module, world_size: int = 1) -> Schedule:
     """What the runtime falls back on, and compares a plan with: the DDP-like default plan in
     fence mode (all blocks, then all updates), which trains exactly as DDP does.

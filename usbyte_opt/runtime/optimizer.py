@@ -41,18 +41,18 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from ..env import AUTO, SCHEDULE_ENV, TRACE_ENV
 from ..errors import UsbyteError
 from ..formats import Schedule
 from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
-from .checks import (SCHEDULE_ENV, agree, broadcast_from_rank0, check_model,
-                     check_world_size, resolve_schedule)
+from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
+                     resolve_schedule)
 from .comm import Channel
-from .default_plan import AUTO, fallback_schedule, model_tensors, trainable_parameters
+from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
 from .forward import ForwardGates, _Hook
-from .trace import TRACE_ENV
 from .updates import STREAM_UPDATE_GROUPS, HostUpdates, StreamUpdates, SubsetStepper
 
 ScheduleArg = Schedule | str | os.PathLike | None

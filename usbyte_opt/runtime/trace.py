@@ -50,8 +50,8 @@ import weakref
 from pathlib import Path
 from typing import Any, Sequence
 
-#: Environment variable naming the trace file.
-TRACE_ENV = "USBYTE_TRACE"
+from ..env import TRACE_ENV
+
 #: Records kept per recorder at most (a long training run keeps its first ones).
 MAX_RECORDS = 200_000
 
@@ -302,4 +302,4 @@ class _CudaClock:
         return out
 
 
-__all__ = ["MAX_RECORDS", "Recorder", "TRACE_ENV", "attach", "flush_all", "path_for_rank"]
+__all__ = ["MAX_RECORDS", "Recorder", "attach", "flush_all", "path_for_rank"]

@@ -19,20 +19,18 @@ exit. A lab killed with SIGKILL leaves its namespaces behind; the next :class:`L
 those of processes that no longer exist (only names with the ``usbyte-`` prefix).
 
 MTU 9000 on every link (jumbo frames, as data-centre and HPC networks run them): at 1500
-bytes the veth + tbf + TCP path of a 2-core machine cost ~250 ms of CPU (two thirds of it in
-softirq) per 8 MB all-reduce at 200 Mbit/s, and a compute loop running beside the all-reduce
-lost 40% of its speed; at 9000 the same all-reduce cost ~50 ms of CPU and the loop lost
-nothing measurable. A real NIC does that work in hardware, so the small MTU made the lab's
-communication steal compute that a real network does not.
+bytes the veth + tbf + TCP path costs the cores that train many times more CPU per
+all-reduce, work a real NIC does in hardware, so the lab's communication would steal compute
+that a real network does not (measured in ``docs/bench.md``, "The lab").
 
 Shaping (``tbf rate R burst B latency L``), chosen by :func:`shaping`:
 
-* ``burst`` = max(16 KiB, two frames, 0.5 ms of rate): a real link sends nothing faster than its rate, and
-  tbf's bucket lets ``burst`` bytes through at memory speed after an idle spell, which makes
-  small all-reduces look faster than the line (with 64 KiB at 200 Mbit/s, 64 KiB messages ran at
-  31 MB/s on a 25 MB/s link, and the fitted ``algbw`` came out 35% too high). Smaller than
-  0.5 ms of rate starves a fast link between timer wake-ups (16 KiB at 1 Gbit/s: 70-80 MB/s of
-  125); tbf re-segments TCP's 64 KiB offload packets that exceed the burst.
+* ``burst`` = max(16 KiB, two frames, 0.5 ms of rate): a real link sends nothing faster than
+  its rate, and tbf's bucket lets ``burst`` bytes through at memory speed after an idle
+  spell, which makes small all-reduces look faster than the line and the fitted ``algbw``
+  too high; less than 0.5 ms of rate starves a fast link between timer wake-ups (both
+  measured in ``docs/bench.md``, "The lab"). tbf re-segments TCP's 64 KiB offload packets
+  that exceed the burst.
 * ``latency`` = 20 ms of queue: with one TCP flow per direction, enough to keep the link busy
   through the sender's window growth, small enough not to add bufferbloat to the few
   small messages a collective exchanges.
@@ -65,7 +63,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .errors import UsbyteError
+from ..errors import UsbyteError
 
 #: Every namespace the lab creates starts with this (stale clean-up touches nothing else).
 PREFIX = "usbyte-"
@@ -243,10 +241,6 @@ class Lab:
     @property
     def master_addr(self) -> str:
         return self.addresses[0]
-
-    @property
-    def ifname(self) -> str:
-        return IFNAME
 
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
         """``argv`` run inside rank ``rank``'s namespace."""

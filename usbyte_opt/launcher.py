@@ -1,0 +1,461 @@
+"""Starting ranks, in one place: processes on this host, the lab's namespaces, torchrun.
+
+Every rank usbyte-opt starts is told its place as torchrun tells it (:func:`rank_env`:
+``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``,
+``MASTER_PORT``), and on CUDA uses the GPU of its ``LOCAL_RANK``. Three ways to start them:
+
+- :func:`run_ranks`: a command as ``nproc`` processes on this host, on loopback or inside the
+  lab (:class:`usbyte_opt.bench.lab.Lab`: ``lab.command`` wraps each rank's command,
+  ``lab.env`` gives its address); :func:`run_command` runs ``usbyte-opt ARGS`` that way
+  (``usbyte-opt profile --nproc-per-node``), the bench its workers.
+- :func:`run_local`: a Python function on ``world_size`` spawned processes, each with its
+  process group, and a hard deadline: for tests, examples and benchmarks.
+- :func:`run_torchrun`: ``torch.distributed.run`` for ``usbyte-opt launch``, its own log
+  lines silenced, Ctrl-C and other signals turned into one outcome.
+
+Nothing hangs: when a rank fails the others are stopped (:func:`stop`, the one way ranks are
+stopped here), and past a deadline every rank is.
+
+Example::
+
+    >>> env = rank_env(1, 2, master_port=29500)
+    >>> env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]
+    ('1', '1', '2', '127.0.0.1')
+    >>> error_line("warming up\\nerror: model 'x': no such dataset\\n@@ progress\\n")
+    "model 'x': no such dataset"
+    >>> from usbyte_opt.launcher import run_local
+    >>> import torch.distributed as dist
+    >>> def world(rank, ws):          # must be importable by the child processes
+    ...     return dist.get_world_size()
+    >>> [r.value for r in run_local(world, 2)]      # doctest: +SKIP
+    [2, 2]
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import IO, Any, Callable, Mapping, Sequence
+
+from .errors import DistributedError, UsbyteError
+
+#: The address ranks on this host meet at.
+LOOPBACK = "127.0.0.1"
+#: The rendezvous port inside the lab, whose namespaces are its own: any port is free there.
+LAB_PORT = 29500
+#: Prefix of the progress lines a rank writes on stderr for :func:`run_ranks` to pass on.
+PROGRESS_PREFIX = "@@ "
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def threads_per_rank(nproc: int) -> int:
+    """This host's cores split between ``nproc`` ranks (at least one each): what
+    ``OMP_NUM_THREADS`` defaults to for the ranks started here."""
+    return max(1, (os.cpu_count() or 1) // max(1, nproc))
+
+
+def rank_env(rank: int, nproc: int, master_addr: str = LOOPBACK,
+             master_port: int | str = 0) -> dict[str, str]:
+    """torchrun's variables for rank ``rank`` of ``nproc`` ranks, all on one host."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0", "MASTER_ADDR": master_addr,
+            "MASTER_PORT": str(master_port)}
+
+
+def _running(p: Any) -> bool:
+    return p.poll() is None if isinstance(p, subprocess.Popen) else p.is_alive()
+
+
+def _wait(p: Any, timeout: float | None) -> bool:
+    """Wait for ``p`` (a :class:`subprocess.Popen` or a :mod:`multiprocessing` process) up to
+    ``timeout`` seconds; whether it has ended."""
+    if isinstance(p, subprocess.Popen):
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
+    if p.pid is not None:
+        p.join(timeout)
+    return not p.is_alive()
+
+
+def stop(procs: Sequence[Any], grace_s: float = 0.0, term_s: float = 5.0) -> None:
+    """Stop the processes of ``procs`` that still run, and wait until every one has ended.
+
+    They get ``grace_s`` to end on their own (a failure every rank shares ends them all a
+    moment later, each with its own message), then SIGTERM, then SIGKILL after ``term_s``.
+    Takes :class:`subprocess.Popen` and :mod:`multiprocessing` processes alike.
+    """
+    started = [p for p in procs if isinstance(p, subprocess.Popen) or p.pid is not None]
+    deadline = time.monotonic() + grace_s
+    while grace_s and any(_running(p) for p in started) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    for p in started:
+        if _running(p):
+            try:
+                p.terminate()
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + term_s
+    for p in started:
+        if not _wait(p, max(0.0, deadline - time.monotonic())):
+            p.kill()
+            _wait(p, None if isinstance(p, subprocess.Popen) else 5.0)
+
+
+def error_line(text: str) -> str:
+    """The one line that says why a rank failed, from its stderr: its last ``error:`` line
+    (without the prefix), else its last line that is not progress; ``""`` when it wrote
+    nothing."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    errs = [ln for ln in lines if ln.startswith("error:")]
+    if errs:
+        return errs[-1].removeprefix("error:").strip()
+    lines = [ln for ln in lines if not ln.startswith(PROGRESS_PREFIX)]
+    return lines[-1] if lines else ""
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """How the ranks of :func:`run_ranks` ended."""
+
+    codes: tuple[int, ...]
+    """Every rank's exit code (negative: the signal that ended it)."""
+    failed: tuple[int, ...] = ()
+    """The ranks that had failed on their own when the first failure was seen, in rank order
+    (the others were then stopped); empty when every rank succeeded or the deadline passed."""
+    errors: Mapping[int, str] = field(default_factory=dict)
+    """Each rank's :func:`error_line` (not for a rank on the terminal)."""
+    timed_out: bool = False
+    """The deadline passed and every rank was stopped."""
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.timed_out
+
+
+def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, terminal: bool = False,
+              lab: Any = None, env: Mapping[str, str] | None = None, timeout_s: float | None = None,
+              grace_s: float = 0.0, progress: Callable[[str], None] | None = None,
+              poll_s: float = 0.05) -> Exit:
+    """Run ``argv`` as ``nproc`` ranks on this host and wait for all of them.
+
+    Each rank's environment is ``env`` (default: this process's) with :func:`rank_env` and
+    ``OMP_NUM_THREADS`` (unless set) from :func:`threads_per_rank`. On loopback the ranks meet
+    at a free port; with ``lab`` (an open :class:`usbyte_opt.bench.lab.Lab`) each rank runs as
+    ``lab.command(rank, argv)`` with ``lab.env(rank)``, so that its bytes cross the lab's links.
+
+    Args:
+        argv: the command of every rank.
+        nproc: number of ranks.
+        logs: folder for ``rank<r>.log``, each rank's stderr (kept); ``None``: temporary files.
+        terminal: rank 0 keeps this process's terminal (its progress bars and messages show).
+        lab: an open lab, or ``None`` for loopback.
+        env: the environment the ranks' own is built on.
+        timeout_s: deadline of the whole run; past it every rank is stopped.
+        grace_s: after the first failure, how long the other ranks get to end on their own
+            (with their own messages) before they are stopped.
+        progress: receives rank 0's progress lines (``@@ text`` on its stderr; needs a log,
+            so not with ``terminal``).
+        poll_s: how often the ranks are looked at.
+
+    Returns:
+        :class:`Exit`: every rank's code, the ranks that failed on their own and their error
+        lines, whether the deadline passed.
+    """
+    if terminal and progress is not None:
+        raise ValueError("progress lines are read from rank 0's log, which terminal=True does not keep")
+    base = dict(os.environ if env is None else env)
+    base.setdefault("OMP_NUM_THREADS", str(threads_per_rank(nproc)))
+    addr, port = (LOOPBACK, free_port()) if lab is None else (lab.master_addr, LAB_PORT)
+    procs: list[subprocess.Popen] = []
+    files: list[IO[str]] = []
+    temp = None if logs is not None else Path(tempfile.mkdtemp(prefix="usbyte-ranks-"))
+    folder = logs if logs is not None else temp
+    assert folder is not None
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        for r in range(nproc):
+            rank_argv = list(argv)
+            env_r = dict(base, **rank_env(r, nproc, addr, port))
+            if lab is not None:
+                env_r.update(lab.env(r))
+                rank_argv = lab.command(r, rank_argv)
+            if terminal and r == 0:
+                procs.append(subprocess.Popen(rank_argv, env=env_r))
+                continue
+            f = open(folder / f"rank{r}.log", "w")
+            files.append(f)
+            procs.append(subprocess.Popen(rank_argv, env=env_r, stdin=subprocess.DEVNULL,
+                                          stdout=subprocess.DEVNULL, stderr=f))
+        reader = None
+        if progress is not None:
+            reader = open(folder / "rank0.log", errors="replace")
+            files.append(reader)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        codes: list[int | None] = [None] * nproc
+        failed: list[int] = []
+        timed_out = False
+        pending = ""
+        while True:
+            if reader is not None and progress is not None:
+                chunk = reader.read()
+                if chunk:
+                    pending += chunk
+                    *lines, pending = pending.split("\n")
+                    for ln in lines:
+                        if ln.startswith(PROGRESS_PREFIX):
+                            progress(ln[len(PROGRESS_PREFIX):])
+            for r, p in enumerate(procs):
+                if codes[r] is None:
+                    codes[r] = p.poll()
+            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                stop(procs, grace_s=grace_s)
+                break
+            if all(c == 0 for c in codes):
+                break
+            if deadline is not None and time.monotonic() > deadline:
+                stop(procs)
+                timed_out = True
+                break
+            time.sleep(poll_s)
+        final = tuple(int(p.wait()) for p in procs)
+        errors = {}
+        for r in range(nproc):
+            path = folder / f"rank{r}.log"
+            if not (terminal and r == 0) and path.exists():
+                errors[r] = error_line(path.read_text(errors="replace"))
+        return Exit(final, tuple(failed), errors, timed_out)
+    finally:
+        if any(p.poll() is None for p in procs):
+            stop(procs)
+        for f in files:
+            f.close()
+        if temp is not None:
+            shutil.rmtree(temp, ignore_errors=True)
+
+
+def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
+    """Run ``usbyte-opt ARGV`` (``python -m usbyte_opt``) as ``nproc`` ranks on this host, as
+    torchrun would, and wait for them.
+
+    Rank 0 keeps the terminal (its progress bars and messages show); the others' output is
+    kept aside. When a rank fails the others get a moment to fail on their own (a model that
+    fails to build fails on every rank), then are stopped, so nothing waits on a collective
+    that will never come. Returns ``(exit code, message)``: the message is the failing rank's
+    error line when rank 0 itself did not fail (rank 0 has printed its own error).
+    """
+    if nproc < 1:
+        raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
+    res = run_ranks([sys.executable, "-m", "usbyte_opt", *argv], nproc, terminal=True, grace_s=3.0)
+    if not res.failed:
+        return 0, ""
+    first = res.failed[0]
+    code = res.codes[first] if res.codes[first] > 0 else 1
+    if 0 in res.failed or res.codes[0] > 0:
+        return code, ""  # rank 0 failed on its own and has printed its error
+    shown = res.errors.get(first) or f"exited with code {res.codes[first]}"
+    return code, f"rank {first}: {shown}"
+
+
+# --------------------------------------------------------------------------------------------
+# A function on spawned ranks
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class RankResult:
+    """What one rank returned (``value``) or raised (``error_type``, ``error``, ``trace``)."""
+
+    rank: int
+    value: Any = None
+    error_type: str | None = None
+    """Qualified name of the exception class, e.g. ``usbyte_opt.errors.DistributedError``."""
+    error: str | None = None
+    trace: str | None = None
+    elapsed_s: float = 0.0
+    """Seconds from process start to the end of ``fn`` (process group set-up included)."""
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backend: str,
+           args: Sequence[Any], out: str, threads: int, pg_timeout_s: float) -> None:
+    t0 = time.perf_counter()
+    res = RankResult(rank)
+    try:
+        import torch
+        import torch.distributed as dist
+
+        if threads:
+            torch.set_num_threads(threads)
+        os.environ.update(rank_env(rank, world_size, LOOPBACK, port))
+        kwargs: dict[str, Any] = {}
+        if "nccl" in backend:  # one GPU per rank, by local rank, as torchrun users do
+            device = torch.device("cuda", rank % torch.cuda.device_count())
+            torch.cuda.set_device(device)
+            kwargs["device_id"] = device
+        dist.init_process_group(backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s),
+                                **kwargs)
+        try:
+            res.value = fn(rank, world_size, *args)
+        finally:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - the group may be broken after a failure
+                pass
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        res.error_type = f"{type(e).__module__}.{type(e).__qualname__}"
+        res.error = str(e)
+        res.trace = traceback.format_exc()
+    res.elapsed_s = time.perf_counter() - t0
+    with open(os.path.join(out, f"{rank}.tmp"), "wb") as f:
+        try:
+            pickle.dump(res, f)
+        except Exception as e:  # noqa: BLE001 - an unpicklable value
+            pickle.dump(RankResult(rank, None, type(e).__name__, f"result not picklable: {e}"), f)
+    os.replace(os.path.join(out, f"{rank}.tmp"), os.path.join(out, f"{rank}.pkl"))
+    # Skip interpreter teardown (thread pools of the process group): the result is written.
+    os._exit(0 if res.ok else 1)
+
+
+def run_local(fn: Callable[..., Any], world_size: int = 2, args: Sequence[Any] = (),
+              timeout_s: float = 120.0, backend: str = "gloo", threads: int = 1,
+              pg_timeout_s: float = 60.0) -> list[RankResult]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` local ranks; one result per rank.
+
+    Each rank is a process started with ``spawn``, with its process group initialised (TCP
+    rendezvous on a free loopback port) before ``fn`` runs and destroyed after it.
+
+    Args:
+        fn: a module-level (importable) function.
+        world_size: number of processes.
+        args: extra arguments, pickled to every rank.
+        timeout_s: hard deadline for the whole run; past it every process is killed.
+        backend: ``"gloo"`` (CPU) or ``"nccl"``.
+        threads: ``torch.set_num_threads`` in each rank (0: leave torch's default).
+        pg_timeout_s: the process group's own timeout (collectives fail after it).
+
+    Returns:
+        A :class:`RankResult` per rank, in rank order.
+
+    Raises:
+        DistributedError: the deadline passed (the processes were killed). A rank that died
+            without reporting gets a result with ``error_type == "exit"``.
+    """
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    out = tempfile.mkdtemp(prefix="usbyte-local-")
+    port = free_port()
+    procs = [ctx.Process(target=_child, args=(fn, r, world_size, port, backend, tuple(args), out,
+                                             threads, pg_timeout_s), daemon=True)
+             for r in range(world_size)]
+    try:
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        for p in procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        alive = [r for r, p in enumerate(procs) if p.is_alive()]
+        if alive:
+            raise DistributedError(f"local run of {getattr(fn, '__name__', fn)}: ranks {alive} "
+                                   f"still running after {timeout_s:g} s; killed")
+        results = []
+        for r, p in enumerate(procs):
+            path = os.path.join(out, f"{r}.pkl")
+            if not os.path.exists(path):
+                results.append(RankResult(r, None, "exit", f"rank {r} exited with code "
+                                          f"{p.exitcode} without a result"))
+                continue
+            with open(path, "rb") as f:
+                results.append(pickle.load(f))
+        return results
+    finally:
+        stop(procs, term_s=0.0)  # past the deadline: killed at once
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def values(results: Sequence[RankResult]) -> list[Any]:
+    """The values of ``results``; the first failed rank's error re-raised as
+    :class:`~usbyte_opt.errors.DistributedError` (with its traceback in the message's tail)."""
+    for r in results:
+        if not r.ok:
+            raise DistributedError(f"rank {r.rank} raised {r.error_type}: {r.error}\n{r.trace}")
+    return [r.value for r in results]
+
+
+# --------------------------------------------------------------------------------------------
+# torchrun
+# --------------------------------------------------------------------------------------------
+
+
+def _quiet_torchrun() -> None:
+    """Silence torchrun's own log lines (its OMP notice, "failed (exitcode ...)", the
+    death-signal notices): the caller reports the outcome itself, in one line."""
+    import logging
+
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed"):
+            logging.getLogger(name).setLevel(logging.CRITICAL + 1)
+
+
+def run_torchrun(args: Any, quiet: bool = True) -> dict[int, Any] | None:
+    """Run ``torch.distributed.run`` on ``args`` (parsed by its own parser) and wait.
+
+    ``OMP_NUM_THREADS`` defaults to :func:`threads_per_rank` (torchrun would set 1, with a
+    warning). Returns ``None`` when every rank succeeded, else torchrun's failures by global
+    rank (each with ``exitcode`` and ``timestamp``; empty when torchrun named none). Ctrl-C becomes :class:`KeyboardInterrupt` and any
+    other signal a :class:`UsbyteError` with exit code 128 + signal; after either, or after a
+    failure, a second Ctrl-C is ignored so that the caller's exit stays one line.
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import run
+
+    nproc = str(args.nproc_per_node)
+    if "OMP_NUM_THREADS" not in os.environ and nproc.isdigit() and int(nproc) > 1:
+        os.environ["OMP_NUM_THREADS"] = str(threads_per_rank(int(nproc)))
+    if quiet:
+        _quiet_torchrun()
+    try:
+        run(args)
+    except SignalException as e:
+        # torchrun's handlers stay installed: a second Ctrl-C must not interrupt the exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if e.sigval == signal.SIGINT:
+            raise KeyboardInterrupt from None
+        err = UsbyteError(f"launch: stopped by {signal.Signals(e.sigval).name}")
+        err.exit_code = 128 + int(e.sigval)
+        raise err from None
+    except ChildFailedError as e:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return dict(e.failures) if e.failures else {}
+    return None
+
+
+__all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankResult", "error_line", "free_port",
+           "rank_env", "run_command", "run_local", "run_ranks", "run_torchrun", "stop",
+           "threads_per_rank", "values"]
