@@ -31,25 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from usbyte_opt.models import build
+from usbyte_opt.launcher import run_local, values
+from usbyte_opt.models import build, make_batches
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule, profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
-from usbyte_opt.launcher import run_local, values
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "runtime_overhead.md"
-
-
-def _batches(inputs: tuple, rank: int, count: int) -> list[tuple]:
-    """``count`` batches shaped like ``inputs``, different on every rank."""
-    out = []
-    for j in range(count):
-        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
-        out.append(tuple(torch.randn(x.shape, generator=g) if x.is_floating_point()
-                         else torch.randint(int(x.max()) + 1, x.shape, generator=g)
-                         for x in inputs))
-    return out
 
 
 def schedule_for(kind: str, model: nn.Module, ws: int):
@@ -85,7 +74,7 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
     o_usb = DistributedOptimizer(torch.optim.AdamW(twin.parameters(), lr=1e-3), twin,
                                  schedule=schedule_for(schedule, twin, ws))
     net_ddp, net_usb = (torch.compile(ddp), torch.compile(twin)) if compiled else (ddp, twin)
-    batches = [(x, None) for x in _batches(inputs, rank, per_round)]
+    batches = [(x, None) for x in make_batches(inputs, rank, per_round)]
 
     def one(net, opt, x, y, fence):
         t0, c0 = time.perf_counter(), time.process_time()

@@ -31,24 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from usbyte_opt.models import build
-
-
-def batches(inputs: tuple, rank: int, count: int = 4) -> list[tuple]:
-    """``count`` synthetic batches shaped like ``inputs``, different on every rank: floating
-    tensors get normal noise, token ids uniform ids below the largest id of ``inputs``."""
-    out = []
-    for j in range(count):
-        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
-        batch = []
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                x = torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device)
-            elif isinstance(x, torch.Tensor) and x.dtype in (torch.int32, torch.int64) and x.numel():
-                x = torch.randint(int(x.max()) + 1, x.shape, generator=g, dtype=x.dtype).to(x.device)
-            batch.append(x)
-        out.append(tuple(batch))
-    return out
+from usbyte_opt.models import build, make_batches
 
 
 def main() -> None:
@@ -87,7 +70,7 @@ def main() -> None:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29512")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     rank = dist.get_rank()
-    data = batches(inputs, rank)
+    data = make_batches(inputs, rank)
 
     # Build: the only difference between the two modes.
     if a.mode == "ddp":

@@ -502,6 +502,34 @@ def check_loss(label: str, loss: Any) -> torch.Tensor:
     return loss.reshape(())
 
 
+def make_batches(inputs: Sequence[Any], rank: int, count: int = 4) -> list[tuple]:
+    """``count`` synthetic batches shaped like ``inputs`` (a factory's), different on every
+    rank and reproducible, for training without a dataset (the bench, ``examples/train.py``):
+    floating tensors get normal noise, integer tensors (token ids) uniform ids below the
+    largest id of the factory's own inputs, anything else is passed as is.
+
+    Example::
+
+        >>> b = make_batches((torch.zeros(2, 3), torch.tensor([[1, 5]]), "x"), rank=1, count=2)
+        >>> len(b), b[0][0].shape, int(b[1][1].max()) <= 5, b[0][2]
+        (2, torch.Size([2, 3]), True, 'x')
+    """
+    out = []
+    for j in range(count):
+        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
+        batch = []
+        for x in inputs:
+            if isinstance(x, torch.Tensor) and x.is_floating_point():
+                batch.append(torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device))
+            elif isinstance(x, torch.Tensor) and x.dtype in (torch.int64, torch.int32):
+                hi = int(x.max()) + 1 if x.numel() else 1
+                batch.append(torch.randint(hi, x.shape, generator=g, dtype=x.dtype).to(x.device))
+            else:
+                batch.append(x)
+        out.append(tuple(batch))
+    return out
+
+
 def parameter_count(model: nn.Module) -> int:
     """Trainable elements of ``model`` (tied tensors counted once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -509,5 +537,6 @@ def parameter_count(model: nn.Module) -> int:
 
 __all__ = ["BUILTIN", "HF_MODELS", "PROTOCOL", "RandomTargetLoss", "architecture_factory",
            "build", "builtin_names", "install_hint",
-           "check_loss", "model_name", "parameter_count", "resolve", "torchvision_factory",
+           "check_loss", "make_batches", "model_name", "parameter_count", "resolve",
+           "torchvision_factory",
            "transformers_factory"]

@@ -24,38 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..formats import Schedule
-from ..models import build
+from ..models import build, make_batches
 from ..profiler.optimizers import make_optimizer
 
 #: Distinct batches each trainee cycles through (rank-dependent, same for every trainee).
 BATCHES = 4
-
-
-def make_batches(inputs: Sequence[Any], rank: int, count: int = BATCHES) -> list[tuple]:
-    """``count`` batches shaped like ``inputs``, different on every rank and reproducible:
-    floating tensors get normal noise, integer tensors (token ids) uniform ids below the
-    largest id of the factory's own inputs, anything else is passed as is.
-
-    Example::
-
-        >>> b = make_batches((torch.zeros(2, 3), torch.tensor([[1, 5]]), "x"), rank=1, count=2)
-        >>> len(b), b[0][0].shape, int(b[1][1].max()) <= 5, b[0][2]
-        (2, torch.Size([2, 3]), True, 'x')
-    """
-    out = []
-    for j in range(count):
-        g = torch.Generator().manual_seed(10_007 * (rank + 1) + j)
-        batch = []
-        for x in inputs:
-            if isinstance(x, torch.Tensor) and x.is_floating_point():
-                batch.append(torch.randn(x.shape, generator=g, dtype=x.dtype).to(x.device))
-            elif isinstance(x, torch.Tensor) and x.dtype in (torch.int64, torch.int32):
-                hi = int(x.max()) + 1 if x.numel() else 1
-                batch.append(torch.randint(hi, x.shape, generator=g, dtype=x.dtype).to(x.device))
-            else:
-                batch.append(x)
-        out.append(tuple(batch))
-    return out
 
 
 class Trainee:
@@ -81,7 +54,7 @@ class Trainee:
                  rank: int = 0, verify: bool = False):
         self.name, self.kind = name, kind
         model, inputs, self.loss_fn = build(spec, batch_size, device)
-        self.batches = make_batches(inputs, rank)
+        self.batches = make_batches(inputs, rank, BATCHES)
         self.plain = model
         params = [p for p in model.parameters() if p.requires_grad]
         if kind == "ddp":
@@ -187,4 +160,4 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
             turn(t, warmup, k, device)
 
 
-__all__ = ["BATCHES", "Trainee", "interleave", "make_batches", "turn"]
+__all__ = ["BATCHES", "Trainee", "interleave", "turn"]
