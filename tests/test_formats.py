@@ -1,5 +1,5 @@
 """Profile and schedule files: round trips, validation errors that name file and field,
-atomic writes, JSON Schemas."""
+physical bounds, atomic writes, JSON Schemas (tests/test_fuzz.py mutates files at random)."""
 
 import json
 import os
@@ -7,9 +7,10 @@ import os
 import pytest
 
 from usbyte_opt.errors import FormatError, MismatchError
-from usbyte_opt.formats import (check_against, fingerprint, load_profile, load_schedule,
-                                profile_schema, save_profile, save_schedule, schedule_schema,
-                                write_json)
+from usbyte_opt.formats import (COMM_BACKENDS, DTYPE_SIZES, MAX_GRADIENT_BYTES, SCHEDULE_MODES,
+                                check_against, fingerprint, load_profile, load_schedule,
+                                profile_schema, read_json, save_profile, save_schedule,
+                                schedule_schema, write_json)
 from usbyte_opt.formats import Block
 from usbyte_opt.problem import Problem
 
@@ -79,6 +80,42 @@ def test_profile_errors_name_file_field_and_expectation(files, fn, field, expect
 
 
 @pytest.mark.parametrize("fn, field, expected", [
+    (lambda d: d["tensors"][0].update(shape=[2**31, 2**31, 2**31]), "tensors[0].shape",
+     "a shape of at most 2.5e+12 elements (1e+13 bytes of float32)"),
+    (lambda d: d["tensors"][0].update(shape=[10**13]), "tensors[0].shape",
+     "a list of integers >= 1 and <= 5e+12"),
+    (lambda d: [t.update(shape=[2 * 10**12], dtype="float16") for t in d["tensors"]], "tensors",
+     "at most 1e+13 bytes of gradients in all"),
+    (lambda d: d["comm"].update(algbw_gbs=1e300), "comm.algbw_gbs",
+     "a number > 0, from 1e-06 to 100000"),
+    (lambda d: d["comm"].update(algbw_gbs=1e-9), "comm.algbw_gbs", "from 1e-06 to 100000"),
+    (lambda d: d["comm"].update(alpha_ms=1e7), "comm.alpha_ms", "a number in [0, 3600000]"),
+    (lambda d: d.update(forward_ms=3.6e6 + 1), "forward_ms", "a number > 0 and <= 3600000"),
+    (lambda d: d["tensors"][0].update(update_ms=1e9), "tensors[0].update_ms", "in [0, 3600000]"),
+    (lambda d: d["comm"].update(world_size=10**8), "comm.world_size", "an integer >= 1 and <= 10000000"),
+    (lambda d: d["comm"].update(samples=[{"bytes": 10**14, "ms": 1.0}]), "comm.samples[0].bytes",
+     "<= 1e+13"),
+    (lambda d: d.update(backward_ms=float("nan")), "backward_ms", "a number > 0"),
+    (lambda d: d["tensors"][0].update(need_ms=float("inf")), "tensors[0].need_ms", "a number in [0, 4]"),
+    (lambda d: d["tensors"][0].update(ready_ms=True), "tensors[0].ready_ms", "a number in [0, 6]"),
+])
+def test_physical_bounds(files, fn, field, expected):
+    _, _, pp, _ = files
+    mutate(pp, fn)
+    with pytest.raises(FormatError) as e:
+        load_profile(pp)
+    assert str(e.value).startswith(f"{pp}: {field}: expected") and expected in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_the_most_bytes_allowed_load(files):
+    _, _, pp, _ = files
+    per = MAX_GRADIENT_BYTES // 2 // 3
+    mutate(pp, lambda d: [t.update(shape=[per], dtype="float16") for t in d["tensors"]])
+    assert sum(t.nbytes for t in load_profile(pp).tensors) <= MAX_GRADIENT_BYTES
+
+
+@pytest.mark.parametrize("fn, field, expected", [
     (lambda d: d["blocks"].pop(), "buffers[0]", "covering all 750000"),
     (lambda d: d["blocks"][1].update(start=10), "blocks[1]", "overlaps"),
     (lambda d: d["blocks"][1].update(start=MB_F32 + 5), "blocks[1]", "uncovered"),
@@ -87,6 +124,10 @@ def test_profile_errors_name_file_field_and_expectation(files, fn, field, expect
     (lambda d: d["blocks"][1].update(end=10 ** 9), "blocks[1].end", "<= the buffer's numel"),
     (lambda d: d["buffers"][0]["tensors"].append("out"), "buffers[0].tensors[3]", "listed once"),
     (lambda d: d.pop("fingerprint"), "fingerprint", "missing"),
+    (lambda d: d["buffers"][0].update(numel=10**15), "buffers[0].numel", "<= 5e+12"),
+    (lambda d: d["predicted"].update(iteration_ms="fast"), "predicted.iteration_ms", "a number >= 0"),
+    (lambda d: d.update(mode="sideways"), "mode", "one of overlap|fence"),
+    (lambda d: d["shapes"].update(out=[0]), "shapes.out", "a list of integers >= 1"),
 ])
 def test_schedule_errors(files, fn, field, expected):
     _, _, _, sp = files
@@ -138,6 +179,8 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
 def test_schemas_accept_written_files(files):
     jsonschema = pytest.importorskip("jsonschema")
     _, _, pp, sp = files
+    for schema in (profile_schema(), schedule_schema()):
+        jsonschema.Draft202012Validator.check_schema(schema)
     jsonschema.validate(json.loads(pp.read_text()), profile_schema())
     jsonschema.validate(json.loads(sp.read_text()), schedule_schema())
 
@@ -145,3 +188,37 @@ def test_schemas_accept_written_files(files):
 def test_schemas_are_json():
     for s in (profile_schema(), schedule_schema()):
         assert json.loads(json.dumps(s))["type"] == "object"
+        assert s["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+
+
+def test_schemas_state_the_bounds_and_names_the_code_uses():
+    p, s = profile_schema(), schedule_schema()
+    tensor, comm = p["$defs"]["TensorEntry"]["properties"], p["$defs"]["CommEntry"]["properties"]
+    assert tensor["dtype"]["enum"] == list(DTYPE_SIZES)
+    assert comm["backend"]["enum"] == list(COMM_BACKENDS)
+    assert s["properties"]["mode"]["enum"] == list(SCHEDULE_MODES)
+    assert comm["algbw_gbs"]["maximum"] == 1e5 and comm["world_size"]["maximum"] == 10**7
+    assert p["properties"]["forward_ms"] == {"exclusiveMinimum": 0, "maximum": 3.6e6,
+                                             "type": "number"}
+
+
+def test_shipped_files_load_with_their_digests():
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for name in ("resnet50", "vgg16", "densenet201", "bert-base", "gpt2", "resnet152"):
+        prof = load_profile(os.path.join(root, "profiles", f"{name}.json"))
+        sched = load_schedule(os.path.join(root, "schedules", f"{name}.json"))
+        assert sched.profile_digest == prof.digest() and sched.fingerprint == prof.fingerprint()
+        check_against(sched, prof)
+
+
+def test_unreadable_json_is_a_format_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(FormatError, match="expected a UTF-8 text file"):
+        read_json(bad)
+    bad.write_text("[" * 100_000)
+    with pytest.raises(FormatError, match="bad.json: expected valid JSON"):
+        read_json(bad)
+    bad.write_text("1" * 5000)
+    with pytest.raises(FormatError, match="bad.json: expected valid JSON"):
+        read_json(bad)

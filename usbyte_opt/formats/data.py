@@ -13,7 +13,8 @@ import hashlib
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from ..errors import FormatError, MismatchError
 
@@ -137,7 +138,7 @@ class Profile:
         }
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<profile>") -> "Profile":
+    def from_dict(cls, data: Any, source: str = "<profile>") -> Profile:
         """Validate ``data`` (a profile file's JSON value) and build the profile; a
         :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
         from .schema import parse_profile
@@ -152,7 +153,7 @@ class Profile:
         """Digest of the sorted ``(name, shape, dtype)`` of the tensors (see :func:`fingerprint`)."""
         return fingerprint((t.name, t.shape, t.dtype) for t in self.tensors)
 
-    def with_comm(self, comm: CommSpec) -> "Profile":
+    def with_comm(self, comm: CommSpec) -> Profile:
         return Profile(self.name, self.forward_ms, self.backward_ms, self.tensors, comm, self.meta)
 
     def tensor(self, name: str) -> TensorSpec:
@@ -222,7 +223,7 @@ class Schedule:
         return out
 
     @classmethod
-    def from_dict(cls, data: Any, source: str = "<schedule>") -> "Schedule":
+    def from_dict(cls, data: Any, source: str = "<schedule>") -> Schedule:
         """Validate ``data`` (a schedule file's JSON value) and build the schedule; a
         :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
         from .schema import parse_schedule

@@ -27,7 +27,8 @@ from __future__ import annotations
 import copy
 import functools
 import json
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Sequence
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
 
 from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
 from pydantic.json_schema import GenerateJsonSchema
@@ -61,8 +62,12 @@ MAX_WORLD_SIZE = 10**7
 # --------------------------------------------------------------------------------------------
 
 if TYPE_CHECKING:  # a type checker sees the plain types; pydantic, the allowed values
-    Dtype = Backend = Mode = ProfileFormat = ScheduleFormat = str
-    Version = int
+    Dtype: TypeAlias = str
+    Backend: TypeAlias = str
+    Mode: TypeAlias = str
+    ProfileFormat: TypeAlias = str
+    ScheduleFormat: TypeAlias = str
+    Version: TypeAlias = int
 else:
     Dtype = Literal[tuple(DTYPE_SIZES)]
     Backend = Literal[COMM_BACKENDS]
@@ -79,13 +84,17 @@ Shape = Annotated[list[Annotated[int, Field(ge=1, le=MAX_ELEMENTS)]],
                   Field(description=f"the tensor holds at most {MAX_GRADIENT_BYTES} bytes")]
 NonNegative = Annotated[float, Field(ge=0)]
 
-#: Every model: no coercion (``"1"`` is not a number, ``1.5`` not an integer, ``true`` neither),
-#: no NaN or infinity.
-_STRICT = dict(strict=True, allow_inf_nan=False)
+
+def _config(title: str, extra: Literal["ignore", "allow"] = "ignore") -> ConfigDict:
+    """Every model: no coercion (``"1"`` is not a number, ``1.5`` not an integer, ``true``
+    neither), no NaN or infinity; unknown fields ignored, or kept where ``extra="allow"``."""
+    return ConfigDict(strict=True, allow_inf_nan=False, title=title, extra=extra)
+
+
 _VERSION_NOTE = "the version this usbyte-opt reads"
 
 
-@with_config(ConfigDict(**_STRICT, title="tensor"))
+@with_config(_config("tensor"))
 class TensorEntry(TypedDict):
     name: Annotated[Name, Field(description="the name in model.named_parameters(); unique")]
     shape: Shape
@@ -97,13 +106,13 @@ class TensorEntry(TypedDict):
     update_ms: NotRequired[Annotated[Ms, Field(default=0.0, description="optimizer step cost")]]
 
 
-@with_config(ConfigDict(**_STRICT, title="sample"))
+@with_config(_config("sample"))
 class SampleEntry(TypedDict):
     bytes: Annotated[int, Field(ge=1, le=MAX_GRADIENT_BYTES)]
     ms: PositiveMs
 
 
-@with_config(ConfigDict(**_STRICT, title="comm"))
+@with_config(_config("comm"))
 class CommEntry(TypedDict):
     backend: Annotated[Backend, Field(description="where the cost comes from; analytic when it "
                                       "was computed, not measured")]
@@ -120,7 +129,7 @@ class CommEntry(TypedDict):
         default=0.0, description="training-thread ms per MB all-reduced under compute")]]
 
 
-@with_config(ConfigDict(**_STRICT, title="usbyte-opt profile"))
+@with_config(_config("usbyte-opt profile"))
 class ProfileFile(TypedDict):
     format: ProfileFormat
     version: Annotated[Version, Field(description=_VERSION_NOTE)]
@@ -135,13 +144,13 @@ class ProfileFile(TypedDict):
     comm: CommEntry
 
 
-@with_config(ConfigDict(**_STRICT, title="profile reference"))
+@with_config(_config("profile reference"))
 class ProfileRef(TypedDict):
     name: Name
     digest: Name
 
 
-@with_config(ConfigDict(**_STRICT, title="buffer"))
+@with_config(_config("buffer"))
 class BufferEntry(TypedDict):
     dtype: Dtype
     tensors: Annotated[list[Name], Field(min_length=1, description="tensor names in layout "
@@ -150,14 +159,14 @@ class BufferEntry(TypedDict):
                                             "buffer; on every buffer or on none")]]
 
 
-@with_config(ConfigDict(**_STRICT, title="block"))
+@with_config(_config("block"))
 class BlockEntry(TypedDict):
     buffer: Annotated[int, Field(ge=0, description="index into buffers")]
     start: Elements
     end: Annotated[Elements, Field(description="> start; <= the buffer's numel")]
 
 
-@with_config(ConfigDict(**_STRICT, title="prediction", extra="allow"))
+@with_config(_config("prediction", extra="allow"))
 class PredictedEntry(TypedDict, total=False):
     iteration_ms: NonNegative
     mode: Mode
@@ -169,7 +178,7 @@ class PredictedEntry(TypedDict, total=False):
     baselines: dict[str, NonNegative]
 
 
-@with_config(ConfigDict(**_STRICT, title="usbyte-opt schedule", extra="allow"))
+@with_config(_config("usbyte-opt schedule", extra="allow"))
 class ScheduleFile(TypedDict):
     format: ScheduleFormat
     version: Annotated[Version, Field(description=_VERSION_NOTE)]
