@@ -96,6 +96,8 @@ _VERSION_NOTE = "the version this usbyte-opt reads"
 
 @with_config(_config("tensor"))
 class TensorEntry(TypedDict):
+    """One trainable tensor of a profile."""
+
     name: Annotated[Name, Field(description="the name in model.named_parameters(); unique")]
     shape: Shape
     dtype: Annotated[Dtype, Field(description="the gradient's dtype; each dtype is one buffer")]
@@ -108,12 +110,16 @@ class TensorEntry(TypedDict):
 
 @with_config(_config("sample"))
 class SampleEntry(TypedDict):
+    """One all-reduce measurement: bytes and milliseconds."""
+
     bytes: Annotated[int, Field(ge=1, le=MAX_GRADIENT_BYTES)]
     ms: PositiveMs
 
 
 @with_config(_config("comm"))
 class CommEntry(TypedDict):
+    """All-reduce cost of the process group: alpha_ms + bytes / (algbw_gbs * 1e6)."""
+
     backend: Annotated[Backend, Field(description="where the cost comes from; analytic when it "
                                       "was computed, not measured")]
     world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE,
@@ -131,6 +137,8 @@ class CommEntry(TypedDict):
 
 @with_config(_config("usbyte-opt profile"))
 class ProfileFile(TypedDict):
+    """Per-tensor timing of one model on one cluster (docs/design.md §4.1)."""
+
     format: ProfileFormat
     version: Annotated[Version, Field(description=_VERSION_NOTE)]
     name: Annotated[Name, Field(description="the model's name")]
@@ -146,12 +154,16 @@ class ProfileFile(TypedDict):
 
 @with_config(_config("profile reference"))
 class ProfileRef(TypedDict):
+    """The profile a schedule was planned from."""
+
     name: Name
     digest: Name
 
 
 @with_config(_config("buffer"))
 class BufferEntry(TypedDict):
+    """One flat gradient buffer: its dtype and its tensors in layout order."""
+
     dtype: Dtype
     tensors: Annotated[list[Name], Field(min_length=1, description="tensor names in layout "
                                          "order; each tensor in exactly one buffer")]
@@ -161,6 +173,8 @@ class BufferEntry(TypedDict):
 
 @with_config(_config("block"))
 class BlockEntry(TypedDict):
+    """One all-reduce: the element range [start, end) of one buffer."""
+
     buffer: Annotated[int, Field(ge=0, description="index into buffers")]
     start: Elements
     end: Annotated[Elements, Field(description="> start; <= the buffer's numel")]
@@ -168,6 +182,8 @@ class BlockEntry(TypedDict):
 
 @with_config(_config("prediction", extra="allow"))
 class PredictedEntry(TypedDict, total=False):
+    """The planner's predictions, ms; other fields are kept."""
+
     iteration_ms: NonNegative
     mode: Mode
     lower_bound_ms: NonNegative
@@ -180,6 +196,8 @@ class PredictedEntry(TypedDict, total=False):
 
 @with_config(_config("usbyte-opt schedule", extra="allow"))
 class ScheduleFile(TypedDict):
+    """A plan: buffer layout and blocks in issue order (docs/design.md §4.2)."""
+
     format: ScheduleFormat
     version: Annotated[Version, Field(description=_VERSION_NOTE)]
     strategy: Annotated[Name, Field(description="the strategy that made it")]
