@@ -11,11 +11,12 @@ import time
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from usbyte_opt.env import AUTO, SCHEDULE_ENV
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import load_profile, load_schedule
+from usbyte_opt.launcher import run_local
 from usbyte_opt.runtime import DistributedOptimizer
 from usbyte_opt.runtime.autotune import CLEAN, OVERLAP, ROUNDS, WARMUP, WINDOW
-from usbyte_opt.launcher import run_local
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_runtime_equivalence import (OPTIMIZERS, SmallCNN, image_batch, max_diff,  # noqa: E402
@@ -100,7 +101,7 @@ def test_replan_without_planning_or_verifying_is_an_error():
 
 
 def env_auto(rank: int, ws: int) -> dict:
-    os.environ["USBYTE_SCHEDULE"] = "auto"
+    os.environ[SCHEDULE_ENV] = AUTO
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
     return opt.report()

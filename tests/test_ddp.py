@@ -14,10 +14,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import Block
+from usbyte_opt.launcher import run_local
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import profile_from_model
 from usbyte_opt.runtime.default_plan import bucket_blocks, make_schedule, split_blocks
-from usbyte_opt.launcher import run_local
 
 
 def mlp() -> nn.Module:

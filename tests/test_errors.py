@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from usbyte_opt.env import DEBUG_ENV
 from usbyte_opt.formats import save_schedule
 from usbyte_opt.runtime import default_schedule
 
@@ -28,7 +29,7 @@ PROFILE = ROOT / "profiles" / "vgg16.json"
 
 def cli(*args: str, cwd: Path, timeout: float = 180, stdout=subprocess.PIPE) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("USBYTE_DEBUG", None)
+    env.pop(DEBUG_ENV, None)
     return subprocess.run([sys.executable, "-m", "usbyte_opt", *args], cwd=cwd, env=env,
                           stdout=stdout, stderr=subprocess.PIPE, text=True, timeout=timeout)
 
@@ -175,7 +176,7 @@ def test_launch_ctrl_c_is_one_line_and_exit_code_130(work: Path):
             time.sleep(0.01 * dist.get_rank())
     """))
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    env.pop("USBYTE_DEBUG", None)
+    env.pop(DEBUG_ENV, None)
     proc = subprocess.Popen([sys.executable, "-m", "usbyte_opt", "launch", "--schedule", str(sched),
                              "--nproc-per-node", "2", "script.py"],
                             cwd=work, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

@@ -6,8 +6,8 @@ import threading
 
 import torch
 
-from usbyte_opt.runtime.comm import Channel
 from usbyte_opt.launcher import run_local
+from usbyte_opt.runtime.comm import Channel
 
 
 def completion_order(rank: int, ws: int, serial: bool) -> dict:

@@ -24,12 +24,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from usbyte_opt.env import SCHEDULE_ENV
 from usbyte_opt.formats import Block, Schedule, save_schedule
+from usbyte_opt.launcher import run_local
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
 from usbyte_opt.runtime.default_plan import (bucket_blocks, default_schedule, make_schedule,
                                              profile_from_model, split_blocks)
-from usbyte_opt.launcher import run_local
 
 STEPS = 20
 TOL = 1e-5
@@ -591,11 +592,11 @@ def case_env_schedule(rank: int, ws: int) -> dict:
     torch.manual_seed(0)
     path = os.path.join(tempfile.mkdtemp(), "s.json")
     save_schedule(sched_two_phase(SmallCNN()), path)
-    os.environ["USBYTE_SCHEDULE"] = path
+    os.environ[SCHEDULE_ENV] = path
     try:
         out = run_plain(SmallCNN, OPTIMIZERS["adam"], None, image_batch, mse, rank, ws)
     finally:
-        del os.environ["USBYTE_SCHEDULE"]
+        del os.environ[SCHEDULE_ENV]
     return out
 
 
