@@ -392,8 +392,10 @@ class Tuner:
         cpu_mb = 0.0
         if not self.clock.cuda and lost > 0.05 * B and bytes_bw > 0:
             cpu_mb = lost / (bytes_bw / 1e6)
-        comm = CommSpec(comm.backend, comm.world_size, comm.alpha_ms, comm.algbw_gbs,
-                        comm.samples, 0.0, cpu_mb)
+        from ..formats.schema import MAX_ALGBW_GBS, MAX_MS
+
+        comm = CommSpec(comm.backend, comm.world_size, min(comm.alpha_ms, MAX_MS),
+                        min(comm.algbw_gbs, MAX_ALGBW_GBS), comm.samples, 0.0, cpu_mb)
         meta = {"source": "usbyte_opt.runtime auto (measured in the training run)",
                 "iterations": {"clean": len(clean), "overlap": len(over)},
                 "backward_with_comm_ms": B_over, "device": opt._device.type}
@@ -405,7 +407,9 @@ class Tuner:
 
         opt = self.opt
         chan = opt._chan
-        hi = max(64 << 10, min(64 << 20, int(total_bytes)))
+        # Up to the whole gradient, and at least 4 MiB: below that a link's bandwidth does not
+        # show against its latency, and the fit could not tell it.
+        hi = max(4 << 20, min(64 << 20, int(total_bytes)))
         sizes = default_sizes(4 << 10, hi, 6)
 
         def barrier() -> None:
