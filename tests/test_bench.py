@@ -199,3 +199,23 @@ def test_probe_times_chains_of_blocks_on_the_given_channel():
     assert [b for b, _ in probe.samples] == [1 << 13, 1 << 16]
     assert probe.cpu_ms_per_block >= 0 and probe.cpu_ms_per_mb >= 0
     assert all(ms > 0 for _, ms in probe.samples) and probe.step_alone_ms > 0
+
+
+@pytest.mark.skipif(LAB_SKIP is not None, reason=f"lab: {LAB_SKIP}")
+def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
+    """``auto`` (the runtime planning in the run, no profile given to it) and, when the planner
+    registers it, ``ddp-tuned`` (stock DDP with the planned buckets): they run and the report
+    has their rows; timings are not checked."""
+    from usbyte_opt.strategies import load_builtin
+
+    strategies = ("ddp", "auto") + (("ddp-tuned",) if "ddp-tuned" in load_builtin() else ())
+    out = tmp_path / "lab"
+    cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
+                      strategies=strategies, out_dir=out, rounds=1, warmup=1, reference=False,
+                      profile_warmup=1, profile_repeats=2, comm_points=4, comm_repeats=1,
+                      stable_s=0.0, timeout_s=300.0, extra={"probe_points": 2, "probe_repeats": 1})
+    res = run_bench(cfg)
+    check_result(res, out, list(strategies))
+    auto = next(r for r in res["runs"] if r["strategy"] == "auto")
+    assert auto["runtime_chosen"] in ("plan", "fallback")
+    assert all(r["vs_lower_bound"] > 0 for r in res["runs"])

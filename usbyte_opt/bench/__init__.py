@@ -103,6 +103,8 @@ class BenchConfig:
     """Time cap of the profile's extra sweep and probe rounds (``profile --stable-s``)."""
     time_budget_s: float = 0.6
     """Local-search seconds of ``best``."""
+    verify: bool = False
+    """Runtime strategies verify their plan against the DDP-like fallback (``--verify``)."""
     timeout_s: float = 1800.0
     """Hard limit of the ranks' run; past it they are killed."""
     threads: int | None = None
@@ -120,13 +122,15 @@ class BenchConfig:
         return self.model, None
 
     def strategy_list(self) -> list[str]:
+        from ..env import AUTO
         from ..strategies import load_builtin
 
         registry = load_builtin()
+        known = [*registry, AUTO]
         out: list[str] = []
         for s in self.strategies:
-            if s not in registry:
-                raise UsbyteError(f"--strategies: {s!r}: expected names among {', '.join(registry)}")
+            if s not in known:
+                raise UsbyteError(f"--strategies: {s!r}: expected names among {', '.join(known)}")
             if s not in out:
                 out.append(s)
         if not out:
@@ -158,6 +162,7 @@ class BenchConfig:
             profile_repeats=self.profile_repeats,
             comm_points=self.comm_points,
             comm_repeats=self.comm_repeats,
+            verify=self.verify,
             stable_s=self.stable_s,
             time_budget_s=self.time_budget_s,
             trace=self.trace,

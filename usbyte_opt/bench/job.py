@@ -76,6 +76,9 @@ class Job:
     """Untimed iterations of each strategy's first turn."""
     probe: bool = True
     """With a profile that has no probe, measure all-reduce under compute before training."""
+    verify: bool = False
+    """Let the runtime verify its plan against the DDP-like fallback (``--verify``); off, every
+    strategy is measured as planned."""
     probe_points: int = 5
     """Sizes of that probe."""
     probe_repeats: int = 4

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from ..profiler.timing import median, quantile
-from .worker import REFERENCE, TORCH_DDP
+from .worker import DDP_TUNED, REFERENCE, TORCH_DDP
 
 #: Largest parameter difference from the reference that still counts as "same training"
 #: (fp32; the runtime and DDP agree bitwise in practice).
 PARAM_TOLERANCE = 1e-4
 
-RUNNERS = {TORCH_DDP: "torch DDP", REFERENCE: "no comm"}
+RUNNERS = {TORCH_DDP: "torch DDP", DDP_TUNED: "torch DDP", REFERENCE: "no comm"}
 
 
 def stats(durations: Sequence[float]) -> dict[str, float]:
@@ -56,10 +56,15 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
     ddp = raw["runs"].get(TORCH_DDP)
     ddp_ms = stats(ddp["durations_ms"])["median_ms"] if ddp else None
     ddp_pred = predicted[TORCH_DDP]["ms"] if TORCH_DDP in predicted else None
+    lb = raw["planned"]["lower_bound_ms"]
     for s, run in raw["runs"].items():
         st = stats(run["durations_ms"])
         p = predicted[s]
         m = st["median_ms"]
+        p_ms = p["ms"] if p["ms"] is not None else math.nan
+        refined = p.get("refined_ms")
+        refined = p_ms if refined is None else refined
+        rt = run.get("runtime") or {}
         row = {
             "strategy": s,
             "runner": RUNNERS.get(s, "runtime"),
@@ -68,14 +73,16 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "p90_ms": st["p90_ms"],
             "spread": round((st["p90_ms"] - st["p10_ms"]) / m, 6) if m else None,
             "iterations": len(run["durations_ms"]),
-            "predicted_ms": round(p["ms"], 6),
+            "predicted_ms": round(p_ms, 6),
             "predicted_mode": p["mode"],
-            "error": round((m - p["ms"]) / m, 6) if m else None,
-            "refined_ms": round(p.get("refined_ms", p["ms"]), 6),
-            "refined_error": round((m - p.get("refined_ms", p["ms"])) / m, 6) if m else None,
+            "error": round((m - p_ms) / m, 6) if m else None,
+            "refined_ms": round(refined, 6),
+            "refined_error": round((m - refined) / m, 6) if m else None,
             "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != REFERENCE else None,
-            "predicted_speedup_vs_ddp": (round(ddp_pred / p["ms"], 6)
-                                         if ddp_pred and s != REFERENCE else None),
+            "predicted_speedup_vs_ddp": (round(ddp_pred / p_ms, 6)
+                                         if ddp_pred and p_ms and s != REFERENCE else None),
+            "vs_lower_bound": round(m / lb, 6) if m and lb and s != REFERENCE else None,
+            "runtime_chosen": rt.get("chosen"),
             "blocks": p["blocks"],
             "final_loss": run["final_loss"],
             "max_param_diff": run["max_param_diff"],
@@ -135,12 +142,14 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
                      _f(r["refined_ms"]),
                      _f(None if r["refined_error"] is None else 100 * r["refined_error"], "+.1f", "%"),
                      _f(r["speedup_vs_ddp"], ".2f", "x"), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
-                     str(r["blocks"]), _f(r["max_param_diff"], ".1e")])
+                     _f(r.get("vs_lower_bound"), ".2f", "x"), str(r["blocks"]),
+                     _f(r["max_param_diff"], ".1e")])
     return rows
 
 
 COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "predicted ms", "mode", "error",
-           "refined ms", "refined error", "vs DDP", "predicted vs DDP", "blocks", "max |Δparam|"]
+           "refined ms", "refined error", "vs DDP", "predicted vs DDP", "vs bound", "blocks",
+           "max |Δparam|"]
 
 
 def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:

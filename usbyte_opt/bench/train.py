@@ -63,6 +63,12 @@ class Trainee:
             ids = [device.index] if device.type == "cuda" else None
             self.model = DDP(model, device_ids=ids)
             self.opt = make_optimizer(optimizer, params)
+        elif kind == "ddp-tuned":
+            from ..ddp import wrap
+
+            ids = [device.index] if device.type == "cuda" else None
+            self.model = wrap(model, schedule, device_ids=ids)
+            self.opt = make_optimizer(optimizer, params)
         elif kind == "runtime":
             from ..runtime import DistributedOptimizer
 
@@ -73,7 +79,7 @@ class Trainee:
             self.model = model
             self.opt = make_optimizer(optimizer, params)
         else:
-            raise ValueError(f"kind: expected ddp, runtime or local, got {kind!r}")
+            raise ValueError(f"kind: expected ddp, ddp-tuned, runtime or local, got {kind!r}")
         self.steps = 0
         self._losses: list[torch.Tensor] = []
         self.durations_ms: list[float] = []
@@ -92,6 +98,14 @@ class Trainee:
         """Every iteration's loss so far."""
         return [float(x) for x in self._losses]
 
+    def settled(self) -> bool:
+        """Whether the runtime has finished planning and verifying (always, for the others)."""
+        return self.kind != "runtime" or self.opt.report().get("phase", "settled") == "settled"
+
+    def report(self) -> dict[str, Any] | None:
+        """The runtime's report (``DistributedOptimizer.report()``); ``None`` for the others."""
+        return self.opt.report() if self.kind == "runtime" else None
+
     def drain(self) -> None:
         """Finish pending communication and updates (the runtime's lazy updates)."""
         if self.kind == "runtime":
@@ -101,6 +115,10 @@ class Trainee:
         """Every trainable parameter, flattened (after :meth:`drain`)."""
         return torch.cat([p.detach().reshape(-1).float().cpu()
                           for p in self.plain.parameters() if p.requires_grad])
+
+
+#: Iterations a planning or verifying runtime may take to settle before it is timed.
+SETTLE_CAP = 120
 
 
 def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
@@ -144,6 +162,15 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
     for t in trainees:
         for _ in range(first_warmup):
             t.iteration()
+    # A runtime that plans or verifies in the run does so before it is timed (every rank
+    # settles at the same iteration); every trainee runs as many iterations, so that their
+    # parameters stay comparable.
+    extra = 0
+    while not all(t.settled() for t in trainees) and extra < SETTLE_CAP:
+        for t in trainees:
+            t.iteration()
+        extra += 1
+    for t in trainees:
         t.drain()
         dist.barrier()
     rounds = max(1, min(rounds, iterations))

@@ -41,6 +41,8 @@ TORCH_DDP = "ddp"
 BEST = "best"
 #: The compute-only reference run (no communication).
 REFERENCE = "no-comm"
+#: Stock PyTorch DDP with the planned buckets (``usbyte_opt.ddp.wrap``).
+DDP_TUNED = "ddp-tuned"
 
 
 def _say(rank: int) -> Callable[[str], None]:
@@ -66,10 +68,15 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
                                        "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
                                        "blocks": r.blocks}
                                    for n, r in report.results.items()}}
+    from ..env import AUTO
+
     for s in strategies:
         if s == REFERENCE:
             ms = out["compute_ms"] + out["update_ms"]
             out["predicted"][s] = {"ms": ms, "mode": "compute", "blocks": 0}
+            continue
+        if s == AUTO:  # planned inside the run; its own prediction is read after training
+            out["predicted"][s] = {"ms": None, "mode": "auto", "blocks": None}
             continue
         r = report.results[s]
         sched = report.schedule(s)
@@ -100,6 +107,9 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
     for s, pred in planned["predicted"].items():
         if s == REFERENCE:
             pred["refined_ms"] = (planned["compute_ms"] + planned["update_ms"]) * compute_scale
+            continue
+        if s not in planned["schedules"]:  # auto: no schedule known ahead
+            pred["refined_ms"] = None
             continue
         sched = planned["schedules"][s]
         lay = rp.layout(sched.buffers)
@@ -255,6 +265,9 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                     trainees.append(Trainee(s, "local", spec, batch, dev, job.optimizer, rank=rank))
                 elif s == TORCH_DDP:
                     trainees.append(Trainee(s, "ddp", spec, batch, dev, job.optimizer, rank=rank))
+                elif s == DDP_TUNED:
+                    trainees.append(Trainee(s, "ddp-tuned", spec, batch, dev, job.optimizer,
+                                            planned["schedules"][s], rank=rank))
                 else:
                     if job.trace:
                         traces[s] = str(out / "traces" / f"{s}.measured.json")
@@ -262,7 +275,8 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                     else:
                         os.environ.pop(TRACE_ENV, None)
                     trainees.append(Trainee(s, "runtime", spec, batch, dev, job.optimizer,
-                                            planned["schedules"][s], rank=rank))
+                                            planned["schedules"].get(s, s), rank=rank,
+                                            verify=job.verify))
         finally:
             if saved_env is None:
                 os.environ.pop(TRACE_ENV, None)
@@ -287,7 +301,8 @@ def run_rank(job: Job) -> dict[str, Any] | None:
             elif t is ref:
                 diff = 0.0
             mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses,
-                            "steps": t.steps, "max_param_diff": diff}
+                            "steps": t.steps, "max_param_diff": diff,
+                            "runtime": t.report()}
         every: list[Any] = [None] * world
         dist.all_gather_object(every, mine)
         if rank != 0:
@@ -304,7 +319,14 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                        "final_loss": per_rank[0]["losses"][-1] if per_rank[0]["losses"] else math.nan,
                        "losses_rank0": per_rank[0]["losses"],
                        "steps": per_rank[0]["steps"],
-                       "max_param_diff": max(diffs) if diffs else None}
+                       "max_param_diff": max(diffs) if diffs else None,
+                       "runtime": per_rank[0]["runtime"]}
+            rt = per_rank[0]["runtime"] or {}
+            pred = planned["predicted"].get(s)
+            if pred is not None and pred["ms"] is None and rt.get("predicted_ms") is not None:
+                # auto: the prediction the runtime made for the plan it settled on
+                pred.update(ms=rt["predicted_ms"], mode=(rt.get("plan") or {}).get("mode", "auto"),
+                            blocks=(rt.get("plan") or {}).get("blocks"))
         # The refined prediction, with compute recalibrated to the side-by-side no-comm run.
         compute_scale = 1.0
         if REFERENCE in runs and runs[REFERENCE]["durations_ms"]:

@@ -17,13 +17,15 @@ import typer
 from .. import console
 from ..bench import default_strategies
 from ..bench.worker import TORCH_DDP
+from ..env import AUTO
 from ..strategies import load_builtin
 from . import common
 
 
 #: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
 #: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
-DEFAULT_COLUMNS = ("strategy", "measured ms", "p10–p90", "predicted ms", "error", "vs DDP", "blocks")
+DEFAULT_COLUMNS = ("strategy", "measured ms", "predicted ms", "error", "vs DDP", "vs bound",
+                   "blocks")
 
 
 def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
@@ -56,9 +58,11 @@ def bench(
     iterations: int = typer.Option(20, "--iterations", "-k", min=1,
                                    help="Timed steady-state iterations per strategy."),
     strategies: str = typer.Option(", ".join(default_strategies()), "--strategies", "-s",
-                                   help=f"Comma-separated, among {', '.join(load_builtin())}; "
-                                   f"{TORCH_DDP} is PyTorch DDP itself, the others run on the "
-                                   "usbyte-opt runtime."),
+                                   help=f"Comma-separated, among {', '.join(load_builtin())} and "
+                                   f"{AUTO}; {TORCH_DDP} is PyTorch DDP itself, ddp-tuned stock "
+                                   f"DDP with the planned buckets, {AUTO} the runtime planning in "
+                                   "the run (no profile given to it), the others the usbyte-opt "
+                                   "runtime with their schedule."),
     profile: Optional[Path] = typer.Option(None, "--profile", "-p", dir_okay=False, exists=True,
                                            help="Use this profile instead of profiling first."),
     batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
@@ -72,6 +76,10 @@ def bench(
     device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
     timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10.0,
                                     help="Hard limit of the ranks' run (killed past it)."),
+    verify: bool = typer.Option(False, "--verify/--no-verify",
+                                help="Let the runtime verify each plan against DDP's buckets in "
+                                "the run and keep the faster (off: every strategy measured as "
+                                "planned)."),
     wide: bool = common.Wide,
     as_json: bool = common.Json,
 ) -> None:
@@ -82,7 +90,7 @@ def bench(
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       profile=str(profile) if profile else None, batch_size=batch_size,
                       out_dir=output_dir, rounds=rounds, reference=reference, device=device,
-                      timeout_s=timeout_s)
+                      timeout_s=timeout_s, verify=verify)
     cfg.out_dir = common.check_output_dir(output_dir or default_out_dir(cfg), "--output-dir")
     result = run_bench(cfg, progress=None if as_json else console.info)
     if result is None:
