@@ -46,9 +46,15 @@ MODELS = ("lab-cnn", "lab-vgg", "lab-transformer")
 #: The cases the targets are set for: communication about the size of compute at 200 Mbit/s.
 TARGET_CASES = {("lab-cnn", 200_000_000), ("lab-vgg", 200_000_000)}
 RATES = ("200mbit", "1gbit")
-STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best")
+STRATEGIES = ("ddp", "wfbp", "bytescheduler", "usbyte", "best", "auto", "ddp-tuned")
 TARGET_SPEEDUP = 1.30
 TARGET_ERROR = 0.10
+#: best's measured time over the lower bound, at most (200 Mbit/s cases).
+TARGET_BOUND = 1.06
+#: auto against best planned from a profile, at most.
+TARGET_AUTO = 1.05
+#: a runtime strategy with --verify against DDP, at most.
+TARGET_VERIFY = 1.03
 
 
 def quality(result: dict) -> float:
@@ -63,16 +69,18 @@ def noise(result: dict) -> float:
     return statistics.median(r["spread"] for r in result["runs"] if r["spread"] is not None)
 
 
-def run_case(model: str, rate: str, iterations: int, rounds: int, out: Path) -> dict:
+def run_case(model: str, rate: str, iterations: int, rounds: int, out: Path,
+             strategies: tuple[str, ...] = STRATEGIES, verify: bool = False) -> dict:
     load0 = os.getloadavg()
     t0 = time.time()
     res = run_bench(BenchConfig(model=model, bandwidth=rate, iterations=iterations, rounds=rounds,
-                                warmup=1, strategies=STRATEGIES, out_dir=out),
+                                warmup=1, strategies=strategies, out_dir=out, verify=verify),
                     progress=lambda s: print(f"  {s}", file=sys.stderr) if not s.startswith("round") else None)
     res["load_before"] = [round(x, 2) for x in load0]
     res["load_after"] = [round(x, 2) for x in os.getloadavg()]
     res["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0))
     res["noise"] = noise(res)
+    res["verify"] = verify
     return res
 
 
@@ -81,7 +89,7 @@ def slim(res: dict) -> dict:
             "batch_size", "torch", "forward_ms", "backward_ms", "update_ms", "comm", "gradient_bytes",
             "allreduce_all_ms", "lower_bound_ms", "compute_scale", "loaded_comm", "iterations", "rounds",
             "correct", "phases_s",
-            "wall_s", "load_before", "load_after", "started", "noise", "out_dir")
+            "wall_s", "load_before", "load_after", "started", "noise", "out_dir", "verify")
     out = {k: res[k] for k in keep if k in res}
     out["runs"] = [{k: v for k, v in r.items() if k not in ("schedule", "trace")} for r in res["runs"]]
     return out
@@ -100,17 +108,67 @@ def targets(res: dict) -> list[tuple[str, bool, str]]:
         ok = all(a <= b * (1 + tol) for a, b in zip(order, order[1:]))
         out.append(("best >= usbyte >= bytescheduler (within noise)", ok,
                     " / ".join(f"{m:.0f}" for m in order) + " ms"))
+    rate = res["network"].get("rate_bps")
+    if "best" in by and rate == 200_000_000 and by["best"].get("vs_lower_bound"):
+        vb = by["best"]["vs_lower_bound"]
+        out.append((f"best within {100 * (TARGET_BOUND - 1):.0f}% of the lower bound",
+                    vb <= TARGET_BOUND, f"{vb:.3f}x the bound"))
+    if "auto" in by and "best" in by:
+        ratio = by["auto"]["measured_ms"] / by["best"]["measured_ms"]
+        out.append((f"auto within {100 * (TARGET_AUTO - 1):.0f}% of best planned from a profile",
+                    ratio <= TARGET_AUTO, f"{ratio:.3f}x best"))
     tol = max(ddp["spread"] or 0.0, 0.03) / 2
+    if "auto" in by:
+        sp = by["auto"]["measured_ms"] / ddp["measured_ms"]
+        out.append(("auto not slower than DDP (within noise)", sp <= 1 + tol, f"{sp:.3f}x DDP"))
+    if "ddp-tuned" in by:
+        sp = by["ddp-tuned"]["measured_ms"] / ddp["measured_ms"]
+        out.append(("ddp-tuned at least as fast as DDP (within noise)", sp <= 1 + tol,
+                    f"{sp:.3f}x DDP"))
+    if res.get("verify"):
+        worst = max((r for r in res["runs"] if r["strategy"] not in ("ddp", "ddp-tuned", "no-comm")),
+                    key=lambda r: r["measured_ms"])
+        sp = worst["measured_ms"] / ddp["measured_ms"]
+        out.append((f"with --verify, no runtime strategy more than "
+                    f"{100 * (TARGET_VERIFY - 1):.0f}% slower than DDP", sp <= TARGET_VERIFY,
+                    f"{worst['strategy']} {sp:.3f}x DDP"))
     slower = [r["strategy"] for r in res["runs"] if r["strategy"] not in ("ddp", "no-comm")
               and r["measured_ms"] > ddp["measured_ms"] * (1 + tol)]
     out.append((f"no strategy slower than DDP beyond noise (±{100 * tol:.0f}%)", not slower,
                 ", ".join(slower) or "none"))
     for key, label in (("error", "simulator"), ("refined_error", "refined")):
-        errs = [(r["strategy"], r[key]) for r in res["runs"] if r["strategy"] != "no-comm"]
+        errs = [(r["strategy"], r[key]) for r in res["runs"] if r["strategy"] != "no-comm"
+                and r[key] is not None and r[key] == r[key]]
+        if not errs:
+            continue
         worst = max(errs, key=lambda e: abs(e[1]))
         out.append((f"|error| <= {100 * TARGET_ERROR:.0f}% for every strategy ({label})",
                     abs(worst[1]) <= TARGET_ERROR, f"worst {worst[0]} {100 * worst[1]:+.1f}%"))
     return out
+
+
+def ranges(case: dict, all_runs: list[dict]) -> list[str]:
+    """Per strategy, the range over every run of this case: speedup vs DDP and measured over the
+    lower bound (each run's ratios are side by side, so they hold across runs' loads)."""
+    key = (case["name"], case["network"].get("rate_bps"))
+    runs = [r for r in all_runs if (r["name"], r["network"].get("rate_bps")) == key]
+    if len(runs) < 2:
+        return []
+    loads = [r["load_before"][0] for r in runs]
+    lines = [f"Over all {len(runs)} runs of this case (load average {min(loads):.1f}–"
+             f"{max(loads):.1f} before each):", "",
+             "| strategy | speedup vs DDP | vs lower bound | error |", "|---|---:|---:|---:|"]
+    names = [r["strategy"] for r in case["runs"] if r["strategy"] != "no-comm"]
+    for n in names:
+        rows = [next((x for x in r["runs"] if x["strategy"] == n), None) for r in runs]
+        rows = [x for x in rows if x is not None]
+
+        def span(k: str, f: str, scale: float = 1.0, unit: str = "") -> str:
+            vals = [x[k] * scale for x in rows if x.get(k) is not None and x[k] == x[k]]
+            return f"{min(vals):{f}}–{max(vals):{f}}{unit}" if vals else "—"
+        lines.append(f"| {n} | {span('speedup_vs_ddp', '.2f', unit='x')} | "
+                     f"{span('vs_lower_bound', '.2f', unit='x')} | {span('error', '+.1f', 100, '%')} |")
+    return lines + [""]
 
 
 def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
@@ -156,16 +214,17 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
             f"compute scale x{res.get('compute_scale', 1.0):.3f}.",
             "",
             "| strategy | measured ms | p10–p90 | predicted ms | error | refined ms | refined error "
-            "| speedup vs DDP | predicted speedup | max Δparam |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| speedup vs DDP | predicted speedup | vs lower bound | max Δparam |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for r in res["runs"]:
             sp = "—" if r["speedup_vs_ddp"] is None else f"{r['speedup_vs_ddp']:.2f}x"
             psp = "—" if r["predicted_speedup_vs_ddp"] is None else f"{r['predicted_speedup_vs_ddp']:.2f}x"
             dp = "—" if r["max_param_diff"] is None else f"{r['max_param_diff']:.0e}"
+            vb = "—" if r.get("vs_lower_bound") is None else f"{r['vs_lower_bound']:.2f}x"
             lines.append(f"| {r['strategy']} | {r['measured_ms']:.1f} | {r['p10_ms']:.0f}–{r['p90_ms']:.0f} | "
                          f"{r['predicted_ms']:.1f} | {100 * r['error']:+.1f}% | {r['refined_ms']:.1f} | "
-                         f"{100 * r['refined_error']:+.1f}% | {sp} | {psp} | {dp} |")
+                         f"{100 * r['refined_error']:+.1f}% | {sp} | {psp} | {vb} | {dp} |")
         lines.append("")
         target = (res["name"], res["network"]["rate_bps"]) in TARGET_CASES
         lines.append(("Targets (the cases they are set for: communication about the size of compute): " if target
@@ -174,19 +233,21 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
                                              for what, ok, nums in targets(res)) + ".")
         lines.append(f"Training matches DDP: {'yes' if res['correct'] else 'NO'}.")
         lines.append("")
+        lines += ranges(res, all_runs)
     if len(all_runs) > len(cases):
         lines += ["## Every run", "", "| case | started | load before/after | noise | compute scale "
-                  "| best vs DDP | worst error | worst refined error |",
+                  "| best (or wfbp) vs DDP | worst error | worst refined error |",
                   "|---|---|---|---:|---:|---:|---:|---:|"]
         for res in all_runs:
             by = {r["strategy"]: r for r in res["runs"]}
-            worst = max((r for r in res["runs"] if r["strategy"] != "no-comm"), key=lambda r: abs(r["error"]))
-            worst_r = max((r for r in res["runs"] if r["strategy"] != "no-comm"),
-                          key=lambda r: abs(r["refined_error"]))
+            known = [r for r in res["runs"] if r["strategy"] != "no-comm" and r["error"] == r["error"]]
+            worst = max(known, key=lambda r: abs(r["error"]))
+            worst_r = max(known, key=lambda r: abs(r["refined_error"]))
+            lead = by.get("best") or by.get("wfbp") or worst
             lines.append(f"| {res['name']} {res['network']['short']} | {res['started']} | "
                          f"{res['load_before'][0]:.1f} / {res['load_after'][0]:.1f} | {100 * res['noise']:.0f}% | "
                          f"x{res.get('compute_scale', 1.0):.2f} | "
-                         f"{by['best']['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% | "
+                         f"{lead['strategy']} {lead['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% | "
                          f"{worst_r['strategy']} {100 * worst_r['refined_error']:+.1f}% |")
         lines.append("")
     return "\n".join(lines)
@@ -202,23 +263,29 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks")
     ap.add_argument("--merge", action="store_true",
-                    help="add these runs to those already in real_training.json")
+                    help="add these runs to those already in the output's .json")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--verify", action="store_true",
+                    help="runtime strategies verify their plan against DDP's buckets in the run")
+    ap.add_argument("--name", default="real_training", help="output basename in --out")
     args = ap.parse_args()
+    strategies = tuple(x for x in args.strategies.split(",") if x)
     models, rates = args.models.split(","), args.rates.split(",")
     if args.quick:
         models, rates, args.iterations, args.rounds = models[:1], rates[:1], 6, 2
     runs_dir = ROOT / "bench-results" / "real_training"
     chosen, every = [], []
     previous: list[dict] = []
-    if args.merge and (args.out / "real_training.json").exists():
-        previous = json.loads((args.out / "real_training.json").read_text())["all_runs"]
+    if args.merge and (args.out / f"{args.name}.json").exists():
+        previous = json.loads((args.out / f"{args.name}.json").read_text())["all_runs"]
     every += previous
     for model in models:
         for rate in rates:
             for k in range(args.repeat):
                 print(f"{model} at {rate} (run {k + 1}/{args.repeat})", file=sys.stderr)
                 res = run_case(model, rate, args.iterations, args.rounds,
-                               runs_dir / f"{model}-{rate}" / time.strftime("%Y%m%d-%H%M%S"))
+                               runs_dir / f"{model}-{rate}" / time.strftime("%Y%m%d-%H%M%S"),
+                               strategies, args.verify)
                 every.append(slim(res))
     # One run per case (model, rate), in the order of MODELS and RATES.
     cases: dict[tuple, list[dict]] = {}
@@ -228,9 +295,9 @@ def main() -> None:
     for key in sorted(cases, key=lambda k: (order.get(k[0], len(order)), k[1])):
         chosen.append(min(cases[key], key=quality))
     doc = {"argv": sys.argv[1:], "cases": chosen, "all_runs": every}
-    write_json(args.out / "real_training.json", doc)
+    write_json(args.out / f"{args.name}.json", doc)
     md = markdown(doc["cases"], doc["all_runs"], sys.argv[1:])
-    path = args.out / "real_training.md"
+    path = args.out / f"{args.name}.md"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(md)
     tmp.replace(path)
