@@ -11,9 +11,9 @@ Example::
     >>> from usbyte_opt.synthetic import random_profile
     >>> report = compare(random_profile(random.Random(0), 30))
     >>> list(report.results)
-    ['wfbp', 'ddp', 'mgwfbp', 'bytescheduler', 'usbyte', 'best']
+    ['wfbp', 'ddp', 'ddp-tuned', 'mgwfbp', 'bytescheduler', 'usbyte', 'best']
     >>> [r.mode for r in report.results.values()]
-    ['fence', 'fence', 'fence', 'overlap', 'overlap', 'overlap']
+    ['fence', 'fence', 'fence', 'fence', 'overlap', 'overlap', 'overlap']
     >>> report.results["best"].iteration_ms <= min(r.iteration_ms for r in report.results.values())
     True
     >>> report.schedule("best").predicted["iteration_ms"] == report.results["best"].iteration_ms
@@ -33,6 +33,7 @@ from .fastsim import scorer_for
 from .formats import Profile, Schedule
 from .problem import Problem
 from .strategies import Plan, load_builtin
+from .strategies.ddp_tuned import NotApplicable
 
 #: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
 #: lower bound, named ``"lower bound"``) runs and ``("done", name, seconds)`` after it.
@@ -65,6 +66,9 @@ class Report:
     results: dict[str, StrategyResult] = field(default_factory=dict)
     bound_s: float = 0.0
     """Time taken by the lower bound."""
+    skipped: dict[str, str] = field(default_factory=dict)
+    """Strategies that have no plan for this profile, with the reason (one line each), e.g.
+    ``ddp-tuned`` on tensors of several dtypes."""
 
     @property
     def compute_ms(self) -> float:
@@ -115,7 +119,9 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     ``best`` is seeded with every other plan and searches both modes, so it is never
     predicted slower than any of them (DDP included), whatever the profile's compute-cost
     fields. ``options`` maps a strategy name to keyword arguments of its plan; ``progress``
-    is told when each strategy starts and ends (:data:`Progress`).
+    is told when each strategy starts and ends (:data:`Progress`). A strategy that has no
+    plan for the profile (:class:`~usbyte_opt.strategies.ddp_tuned.NotApplicable`) is left out
+    of ``results`` and named in ``skipped``.
     """
     registry = load_builtin()
     names = list(strategies) if strategies is not None else list(registry)
@@ -139,7 +145,12 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
             kw.setdefault("lower_bound_ms", report.lower_bound_ms)
         say("start", n, 0.0)
         t0 = time.perf_counter()
-        plan = st.plan(problem, **kw)
+        try:
+            plan = st.plan(problem, **kw)
+        except NotApplicable as e:
+            report.skipped[n] = str(e)
+            say("done", n, time.perf_counter() - t0)
+            continue
         solve = time.perf_counter() - t0
         plan.info.setdefault("strategy", n)
         sc = scorer_for(problem, plan.layout)
@@ -149,5 +160,5 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve)
         say("done", n, solve)
     # Keep the report in registry order.
-    report.results = {n: report.results[n] for n in names}
+    report.results = {n: report.results[n] for n in names if n in report.results}
     return report

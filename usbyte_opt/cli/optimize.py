@@ -10,6 +10,7 @@ from typing import Any, Iterator, Optional
 import typer
 
 from .. import console
+from ..errors import UsbyteError
 from ..formats import save_schedule
 from ..planner import Progress, compare
 from ..simulate import simulate
@@ -23,8 +24,10 @@ def optimize(
     output: Optional[Path] = typer.Option(None, "--output", "-o", dir_okay=False,
                                           callback=common.output_file, help="Schedule to write (default: schedules/NAME.json, NAME the profile's name)."),
     strategy: str = typer.Option("best", "--strategy", "-s",
-                                 help="Strategy whose schedule is written: wfbp, ddp, mgwfbp, "
-                                 "bytescheduler, usbyte or best."),
+                                 help="Strategy whose schedule is written: wfbp, ddp, ddp-tuned, "
+                                 "mgwfbp, bytescheduler, usbyte or best. ddp-tuned also prints "
+                                 "the bucket_cap_mb_list that gives stock PyTorch DDP its "
+                                 "buckets."),
     world_size: Optional[int] = common.WorldSize,
     bandwidth_gbps: Optional[float] = common.BandwidthGbps,
     latency_us: Optional[float] = common.LatencyUs,
@@ -41,8 +44,11 @@ def optimize(
 
     The schedule (default: best's) is what `usbyte-opt launch` and DistributedOptimizer use.
     Each plan runs in a mode, written into its schedule: fence (every block, then every
-    update, as DDP: wfbp, ddp, mgwfbp) or overlap (each update gated in the next forward:
-    bytescheduler, usbyte); best takes whichever mode is faster for its blocks. "predicted ms"
+    update, as DDP: wfbp, ddp, ddp-tuned, mgwfbp) or overlap (each update gated in the next
+    forward: bytescheduler, usbyte); best takes whichever mode is faster for its blocks.
+    ddp-tuned is stock PyTorch DDP with the best bucket sizes for the profile: with
+    --strategy ddp-tuned the command also prints them as DDP's bucket_cap_mb_list (in the JSON
+    with --json), and usbyte_opt.ddp.wrap(model, SCHEDULE) builds that DDP model. "predicted ms"
     is the one scorer's prediction in that mode (docs/planner.md), with the profile's
     compute-cost fields when it has them; best is never predicted slower than any other
     strategy, DDP included. --wide adds both modes' times, the speedup over wfbp and the
@@ -57,8 +63,15 @@ def optimize(
         report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
                                         "best": {"time_budget_s": time_budget}},
                          progress=say)
+    if strategy in report.skipped:
+        raise UsbyteError(report.skipped[strategy])
     sched = report.schedule(strategy, profile_digest=original.digest())
     out = output if output is not None else Path("schedules") / f"{original.name}.json"
+    caps = None
+    if strategy == "ddp-tuned":
+        from ..ddp import bucket_caps_mb
+
+        caps = bucket_caps_mb(sched, str(out))
     save_schedule(sched, out)
     if trace is not None:
         common.write_trace(trace, simulate(report.problem, sched, check=False),
@@ -87,6 +100,8 @@ def optimize(
             "mode": sched.mode,
             "output": str(out),
             "trace": str(trace) if trace else None,
+            **({"bucket_cap_mb_list": caps} if caps is not None else {}),
+            **({"skipped": report.skipped} if report.skipped else {}),
         })
         return
     wfbp = res["wfbp"].iteration_ms
@@ -114,10 +129,37 @@ def optimize(
         caption=f"lower bound {lb:.2f} ms; {strategy} ({sched.mode} mode) is "
                 f"{100 * sched.predicted['gap']:.2f}% above it",
     )
+    if caps is not None:
+        console.paragraph(f"Stock PyTorch DDP with these {len(caps)} buckets: "
+                          f"DistributedDataParallel(model, bucket_cap_mb_list={short_caps(caps)})")
+        console.paragraph(f'or usbyte_opt.ddp.wrap(model, "{out}"), which also checks the model '
+                          "against the schedule (docs/runtime.md)")
+    for name, why in report.skipped.items():
+        console.warn(f"{name}: no plan: {why}")
     if slower:
         console.warn(f"{strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
                      "best is never slower than ddp (--strategy best)")
     console.info(f"wrote {out}" + (f" and {trace}" if trace else ""))
+
+
+def short_caps(caps: list[float]) -> str:
+    """``caps`` (MiB) as a Python list, each in the fewest digits that DDP reads as the same
+    number of bytes (``int(cap * 1024 * 1024)``).
+
+    Example::
+
+        >>> short_caps([(4 * 2**20 - 0.5) / 2**20, (1000 - 0.5) / 2**20])
+        '[3.9999995, 0.000953]'
+    """
+    out = []
+    for c in caps:
+        want = int(c * 1024 * 1024)
+        for digits in range(1, 18):
+            text = f"{c:.{digits}g}"
+            if int(float(text) * 1024 * 1024) == want:
+                break
+        out.append(text)
+    return "[" + ", ".join(out) + "]"
 
 
 @contextmanager

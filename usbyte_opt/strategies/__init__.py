@@ -43,8 +43,9 @@ class Strategy:
 
 STRATEGIES: dict[str, Strategy] = {}
 
-#: Modules that register the built-in strategies, in report order.
-_BUILTIN = ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "best")
+#: The built-in strategies, in report order; each is registered by the module of its name
+#: (``-`` read as ``_``).
+_BUILTIN = ("wfbp", "ddp", "ddp-tuned", "mgwfbp", "bytescheduler", "usbyte", "best")
 
 
 def register(name: str, native_mode: str, summary: str) -> Callable[[PlanFn], PlanFn]:
@@ -69,8 +70,8 @@ def get(name: str) -> Strategy:
 def load_builtin() -> dict[str, Strategy]:
     """Import the built-in strategies; returns the registry in report order (built-ins first,
     in :data:`_BUILTIN` order, whatever order the modules were imported in)."""
-    for mod in _BUILTIN:
-        importlib.import_module(f"{__name__}.{mod}")
+    for name in _BUILTIN:
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
     ordered = {n: STRATEGIES[n] for n in _BUILTIN}
     ordered.update((n, s) for n, s in STRATEGIES.items() if n not in ordered)
     STRATEGIES.clear()

@@ -72,6 +72,7 @@ from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, STRATEGIES, register
+from .ddp_tuned import NotApplicable, min_finish
 
 #: Grid of the constructive heuristic, in units of alpha/beta bytes.
 #: ``cut_min``: smallest piece a preemption may leave (inf: never cut a tensor).
@@ -88,7 +89,7 @@ FULL_GRID_TENSORS = 2000
 STARTS = 3
 
 #: Baselines cheap enough to recompute inside ``best`` when the caller passed none.
-CHEAP_SEEDS = ("wfbp", "ddp", "mgwfbp")
+CHEAP_SEEDS = ("wfbp", "ddp", "ddp-tuned", "mgwfbp")
 
 
 def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: float,
@@ -229,27 +230,7 @@ def two_phase(problem: Problem, layout: Layout, tail: Sequence[float], n_boundar
     for j in range(1, N):
         run_lo[j] = run_lo[j - 1] if buf[j] == buf[j - 1] else j
     # Phase 1: f(j) = alpha + P_j + min_i (max(f(i), R_{j-1}) - P_i), i in [run_lo[j-1], j).
-    f = [0.0] * (N + 1)
-    arg = [0] * (N + 1)
-    pending: list[tuple[float, int]] = []     # (f(i), i) not yet below the current release
-    late: list[tuple[float, int]] = []        # (f(i) - P_i, i) among those, lazily cleaned
-    active = -1                               # largest i with f(i) <= the current release
-    for j in range(1, N + 1):
-        i_new = j - 1
-        heapq.heappush(pending, (f[i_new], i_new))
-        heapq.heappush(late, (f[i_new] - P[i_new], i_new))
-        r = R[j - 1]
-        while pending and pending[0][0] <= r:
-            active = max(active, heapq.heappop(pending)[1])
-        lo = run_lo[j - 1]
-        best_v, best_i = math.inf, -1
-        if active >= lo:
-            best_v, best_i = r - P[active], active
-        while late and (late[0][1] < lo or f[late[0][1]] <= r):
-            heapq.heappop(late)
-        if late and late[0][0] < best_v:
-            best_v, best_i = late[0]
-        f[j], arg[j] = alpha + P[j] + best_v, best_i
+    f, arg = min_finish(R, P, alpha, run_lo)
     fa = np.asarray(f)
 
     def runs_to_blocks(runs: list[tuple[int, int]]) -> list[Block]:
@@ -493,7 +474,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
 
     Args:
         seeds: plans of other strategies to start from; without them the cheap baselines
-            (wfbp, ddp, mgwfbp) are computed here.
+            (wfbp, ddp, ddp-tuned, mgwfbp) are computed here.
         time_budget_s: wall-clock budget of the local search (it stops earlier at a fixed point).
         exact_max_tensors: also solve the exact unit-grid MILP up to this many tensors.
         lower_bound_ms: the problem's lower bound when the caller has it (else computed).
@@ -517,7 +498,13 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
             candidates.append((s.score(st, mode), mode, name, lay, list(blocks)))
 
     if seeds is None:
-        seeds = [STRATEGIES[s].plan(problem) for s in CHEAP_SEEDS if s in STRATEGIES]
+        seeds = []
+        for name in CHEAP_SEEDS:
+            if name in STRATEGIES:
+                try:
+                    seeds.append(STRATEGIES[name].plan(problem))
+                except NotApplicable:      # e.g. ddp-tuned on several dtypes
+                    pass
     for s in seeds:
         add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
     cuts = cut_grid(problem, u0)

@@ -1,0 +1,493 @@
+"""``ddp-tuned``: stock PyTorch DDP with the best bucket boundaries for the profile.
+
+PyTorch DDP (2.13 and later) takes one size limit per bucket, ``bucket_cap_mb_list``. After
+its first iteration it rebuilds its buckets in the order gradients became ready, closing
+bucket ``i`` once it holds ``bucket_cap_mb_list[i]``, all-reduces them in that order, one at
+a time, and steps the optimizer after the last (fence mode, docs/design.md §2.6). So the
+schedules DDP can run are exactly: whole tensors, one buffer in gradient-ready order, blocks
+contiguous in that order and issued in it. This strategy picks, among those, the bucket
+boundaries with the least predicted fence-mode iteration time, by an exact dynamic
+programme over the iteration model (the one scorer's, :class:`usbyte_opt.fastsim.Scorer`,
+with the compute-cost option when the profile has it). :func:`usbyte_opt.ddp.bucket_caps_mb`
+turns the plan into the list and :func:`usbyte_opt.ddp.wrap` builds the DDP model.
+
+**Ties.** Tensors with the same ready time stay in one bucket: the profile cannot tell in
+which order DDP will see them, so a boundary between them could give DDP other buckets than
+the plan's. Without the compute-cost option this costs nothing (moving a tensor into the
+earlier bucket, whose ready time it does not raise, never delays a block).
+
+**One dtype.** DDP buckets each dtype separately but walks the *same* ``bucket_cap_mb_list``
+for every dtype, and appends the last, still open bucket of each dtype in hash-map order; one
+list cannot give several dtypes planned buckets, nor a predictable order. A profile with
+tensors of several dtypes is refused (:class:`NotApplicable`, one line); train it with the
+usbyte-opt runtime (``best``), or give the parameters one dtype.
+
+**The dynamic programme.** Tensors in ready order are grouped into *atoms* (equal ready
+times); a plan is a partition of the atoms into consecutive runs. Fence mode gives
+``T = max(B', finish_last) + sum(update) + F``.
+
+* Without the compute-cost option ``B' = B``, and ``finish(j)``, the least time at which
+  runs covering atoms ``[0, j)`` can have finished, obeys
+  ``f(j) = min_i max(f(i), r_{j-1}) + alpha + beta W(i, j)``: a later channel never helps the
+  rest, so every prefix may take its fastest partition. Solved in O(n log n)
+  (:func:`min_finish`).
+* With it, a run's charge depends on where it falls relative to the end of backward, and the
+  stretch ``s = 1 + X_B / B`` multiplies every ready time, so the prefix's fastest partition is
+  no longer always the best start. The programme keeps, per atom boundary, every partial plan
+  that no other one dominates. A partial plan is its charge so far ``X``, its channel's free
+  time without the charge ``f``, and its stretched free time as a function of the stretch
+  (an upper envelope of lines ``s r_k + cost``). Plan A dominates plan B when, for every
+  continuation, A ends no later: ``X_A + rho (min(f_B, B) - min(f_A, B))^+ <= X_B`` (a channel
+  that starts ``d`` earlier puts at most ``d`` more ms of wire inside backward, each costing at
+  most ``rho``, the highest charge per wire-ms of any run) and A's envelope is below B's for
+  every stretch B can still end with. Once a plan's channel is past the end of backward, its
+  charge is final and the envelope one number. Partial plans whose lower bound reaches the
+  best complete plan so far are dropped. The result is the exact optimum; on pathological
+  inputs the number of partial plans is capped (:data:`MAX_STATES`), and past the cap the plan
+  is the best found, ``info["exact"]`` saying so.
+
+Example::
+
+    >>> from usbyte_opt.synthetic import chain_profile
+    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.fastsim import evaluate
+    >>> from usbyte_opt.strategies import get
+    >>> pb = Problem.from_profile(chain_profile([250_000] * 8, alpha_ms=2.0, algbw_gbs=1.0))
+    >>> p = plan(pb)
+    >>> p.mode, len(p.blocks), p.info["exact"]
+    ('fence', 5, True)
+    >>> d = get("ddp").plan(pb)
+    >>> evaluate(pb, p.layout, p.blocks, "fence") <= evaluate(pb, d.layout, d.blocks, "fence")
+    True
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+from ..errors import UsbyteError
+from ..formats import Block
+from ..problem import Problem
+from . import Plan, register
+
+#: Work (partial plans built plus dominance tests) the compute-cost programme may spend before
+#: it settles for the best plan found (a few tenths of a second).
+MAX_WORK = 100_000
+
+_EPS = 1e-12
+
+
+class NotApplicable(UsbyteError):
+    """The profile has no plan of this strategy (e.g. ``ddp-tuned`` on several dtypes)."""
+
+
+def min_finish(R: Sequence[float], P: Sequence[float], alpha: float,
+               run_lo: Sequence[int] | None = None) -> tuple[list[float], list[int]]:
+    """Least finish time of runs covering items ``[0, j)``, for every ``j``.
+
+    Items in ready order: item ``k`` is ready at ``R[k]`` (nondecreasing) and ``P`` is the
+    prefix sum of their wire times (``P[0] = 0``); a run ``[i, j)`` is ready at ``R[j-1]`` and
+    costs ``alpha + P[j] - P[i]``; ``run_lo[k]``: the first item a run ending at ``k`` may start
+    at (``0`` for all). Returns ``(f, arg)`` with ``f[j] = alpha + P[j] + min_i (max(f[i],
+    R[j-1]) - P[i])`` and ``arg[j]`` the ``i`` attaining it, in O(n log n): the ``i`` with
+    ``f[i] <= R[j-1]`` only grow with ``j`` (the best of them is the last), the others are kept
+    in a heap by ``f[i] - P[i]``.
+
+    Example::
+
+        >>> f, arg = min_finish([1.0, 1.5, 9.0], [0.0, 1.0, 2.0, 3.0], alpha=1.0)
+        >>> f[3], arg[1:]            # [0, 2) ready 1.5 -> 3.5, then [2, 3) ready 9 -> 11
+        (11.0, [0, 0, 2])
+    """
+    N = len(R)
+    lo_of = run_lo if run_lo is not None else [0] * N
+    f = [0.0] * (N + 1)
+    arg = [0] * (N + 1)
+    pending: list[tuple[float, int]] = []     # (f(i), i) not yet below the current release
+    late: list[tuple[float, int]] = []        # (f(i) - P_i, i) among those, lazily cleaned
+    active = -1                               # largest i with f(i) <= the current release
+    for j in range(1, N + 1):
+        i_new = j - 1
+        heapq.heappush(pending, (f[i_new], i_new))
+        heapq.heappush(late, (f[i_new] - P[i_new], i_new))
+        r = R[j - 1]
+        while pending and pending[0][0] <= r:
+            active = max(active, heapq.heappop(pending)[1])
+        lo = lo_of[j - 1]
+        best_v, best_i = math.inf, -1
+        if active >= lo:
+            best_v, best_i = r - P[active], active
+        while late and (late[0][1] < lo or f[late[0][1]] <= r):
+            heapq.heappop(late)
+        if late and late[0][0] < best_v:
+            best_v, best_i = late[0]
+        f[j], arg[j] = alpha + P[j] + best_v, best_i
+    return f, arg
+
+
+@dataclass(slots=True)
+class _Atoms:
+    """Tensors of the one buffer in ready order, grouped by equal ready time."""
+
+    r: list[float]
+    """Ready time of each atom."""
+    nbytes: list[int]
+    end: list[int]
+    """Element offset where each atom ends (its start is the previous one's end)."""
+
+
+def _atoms(problem: Problem, members: Sequence[int], pos: Sequence[tuple[int, int, int]]) -> _Atoms:
+    r: list[float] = []
+    nb: list[int] = []
+    end: list[int] = []
+    for i in members:
+        ready = problem.ready[i]
+        if r and ready == r[-1]:
+            nb[-1] += problem.nbytes(i)
+            end[-1] = pos[i][2]
+        else:
+            r.append(ready)
+            nb.append(problem.nbytes(i))
+            end.append(pos[i][2])
+    return _Atoms(r, nb, end)
+
+
+@register("ddp-tuned", "fence", "stock DDP with the best bucket_cap_mb_list for the profile "
+          "(exact DP over bucket boundaries in ready order)")
+def plan(problem: Problem, *, max_work: int = MAX_WORK) -> Plan:
+    """Whole tensors in one ready-ordered buffer, cut into the buckets with the least
+    predicted fence-mode time (see the module docstring).
+
+    Args:
+        problem: the compiled profile; its tensors must have one dtype.
+        max_work: cap on the work of the compute-cost programme (:data:`MAX_WORK`).
+
+    Returns:
+        A fence-mode :class:`Plan` that :func:`usbyte_opt.ddp.bucket_caps_mb` accepts;
+        ``info``: ``buckets``, ``iteration_ms`` (the programme's optimum), ``exact``.
+
+    Raises:
+        NotApplicable: the profile's tensors have several dtypes.
+    """
+    dtypes = sorted(set(problem.dtype))
+    if len(dtypes) > 1:
+        raise NotApplicable(
+            f"profile {problem.profile.name!r}: tensors: expected one dtype for ddp-tuned, got "
+            f"{', '.join(dtypes)}: DDP sizes every dtype's buckets with the same "
+            "bucket_cap_mb_list and issues each dtype's last bucket in an unspecified order; "
+            "use the usbyte-opt runtime (--strategy best) or give the parameters one dtype")
+    layout = problem.layout()
+    atoms = _atoms(problem, layout.members[0], layout.pos)
+    if problem.charges_cpu:
+        cuts, T, exact = _charged(problem, atoms, max_work)
+    else:
+        cuts, T, exact = _uncharged(problem, atoms), None, True
+    blocks, start = [], 0
+    for j in cuts:
+        blocks.append(Block(0, start, atoms.end[j - 1]))
+        start = atoms.end[j - 1]
+    if T is None:
+        from ..fastsim import scorer_for
+
+        sc = scorer_for(problem, layout)
+        T = sc.score(sc.stats(blocks), "fence")
+    return Plan(layout, blocks, "fence", {"buckets": len(blocks), "iteration_ms": T,
+                                          "exact": exact})
+
+
+def _uncharged(problem: Problem, atoms: _Atoms, stretch: float = 1.0, alpha_extra: float = 0.0,
+               beta_extra: float = 0.0) -> list[int]:
+    """Run ends (atom indices, exclusive) of the partition with the least finish time; with
+    ready times times ``stretch`` and ``alpha_extra``/``beta_extra`` (ms per run, per byte)
+    added to the cost when this serves as a guess under the compute-cost option."""
+    beta = problem.cost.beta_ms_per_byte + beta_extra
+    P = [0.0]
+    for b in atoms.nbytes:
+        P.append(P[-1] + b * beta)
+    R = atoms.r if stretch == 1.0 else [x * stretch for x in atoms.r]
+    _, arg = min_finish(R, P, problem.cost.alpha_ms + alpha_extra)
+    cuts, j = [], len(atoms.r)
+    while j > 0:
+        cuts.append(j)
+        j = arg[j]
+    cuts.reverse()
+    return cuts
+
+
+# ---------------------------------------------------------------------------------------------
+# With the compute-cost option
+# ---------------------------------------------------------------------------------------------
+
+
+def _ddp_cuts(problem: Problem, atoms: _Atoms) -> list[int] | None:
+    """DDP's default buckets as run ends over the atoms (``None`` if they split an atom)."""
+    from .ddp import plan as ddp_plan
+
+    ends = {e: j + 1 for j, e in enumerate(atoms.end)}
+    cuts = [ends.get(k.end) for k in ddp_plan(problem).blocks]
+    return None if None in cuts else sorted(c for c in cuts if c is not None)
+
+
+def _improve(cuts: list[int], score, budget: int = 200_000) -> tuple[list[int], float]:
+    """Local search over run ends: remove one, move one between its neighbours, or split a
+    run in two; first improvement, to a fixed point or until ``budget`` runs were scored."""
+    cur = score(cuts)
+    spent = 0
+    improved = True
+    while improved and spent < budget:
+        improved = False
+        k = 0
+        while k < len(cuts) and spent < budget:
+            lo = cuts[k - 1] if k else 0
+            hi = cuts[k]
+            options = []
+            if k < len(cuts) - 1:
+                options.append(cuts[:k] + cuts[k + 1:])                       # remove
+                options += [cuts[:k] + [x] + cuts[k + 1:] for x in range(lo + 1, cuts[k + 1])
+                            if x != hi]                                         # move
+            options += [cuts[:k] + [x] + cuts[k:] for x in range(lo + 1, hi)]  # split
+            for c in options:
+                v = score(c)
+                spent += len(c)
+                if v < cur - _EPS * cur:
+                    cuts, cur, improved = c, v, True
+                    break
+            k += 1
+    return cuts, cur
+
+
+class _State:
+    """A partial plan: runs covering atoms ``[0, j)``."""
+
+    __slots__ = ("X", "f", "lines", "s", "parent", "j")
+
+    def __init__(self, X: float, f: float, lines: tuple[tuple[float, float], ...],
+                 s: float | None, parent: "_State | None", j: int):
+        self.X = X            # training-thread charge so far (ms)
+        self.f = f            # the channel's free time, without the charge
+        self.lines = lines    # stretched free time: max over lines (m, c) of m * s + c
+        self.s = s            # the final stretch once the channel is past backward, else None
+        self.parent, self.j = parent, j
+
+    def env(self, s: float) -> float:
+        if self.s is not None:
+            return self.lines[0][1]
+        return max((m * s + c for m, c in self.lines), default=0.0)
+
+
+def _envelope(lines: Sequence[tuple[float, float]], lo: float,
+              hi: float) -> tuple[tuple[float, float], ...]:
+    """The lines ``(m, c)`` (slopes ascending) whose maximum ``m s + c`` they reach somewhere in
+    ``[lo, hi]``: the upper hull, trimmed to the interval."""
+    hull: list[tuple[float, float]] = []
+    for m, c in lines:
+        if hull and m == hull[-1][0]:
+            if c <= hull[-1][1]:
+                continue
+            hull.pop()
+        while len(hull) >= 2:
+            (m1, c1), (m2, c2) = hull[-2], hull[-1]
+            # the middle line is never above both: the outer ones cross left of where it rises
+            if (c1 - c) * (m2 - m1) <= (c1 - c2) * (m - m1):
+                hull.pop()
+            else:
+                break
+        hull.append((m, c))
+    while len(hull) >= 2 and (hull[0][1] - hull[1][1]) / (hull[1][0] - hull[0][0]) <= lo:
+        hull.pop(0)
+    while len(hull) >= 2 and (hull[-2][1] - hull[-1][1]) / (hull[-1][0] - hull[-2][0]) >= hi:
+        hull.pop()
+    return tuple(hull)
+
+
+def _breaks(lines: Sequence[tuple[float, float]]) -> list[float]:
+    return [(c1 - c2) / (m2 - m1) for (m1, c1), (m2, c2) in zip(lines, lines[1:])]
+
+
+def _below(a: _State, b: _State, lo: float, hi: float) -> bool:
+    """Whether ``a``'s stretched free time is at most ``b``'s for every stretch in ``[lo, hi]``
+    (both piecewise linear: checking the ends and every break point suffices)."""
+    tol = _EPS * max(1.0, abs(b.env(lo)))
+    if a.env(lo) > b.env(lo) + tol:
+        return False
+    if hi <= lo:
+        return True
+    if a.env(hi) > b.env(hi) + tol:
+        return False
+    for st in (a, b):
+        if st.s is None:
+            for x in _breaks(st.lines):
+                if lo < x < hi and a.env(x) > b.env(x) + tol:
+                    return False
+    return True
+
+
+def _charged(problem: Problem, atoms: _Atoms, max_work: int) -> tuple[list[int], float, bool]:
+    """Run ends, iteration time and exactness of the best partition with the compute-cost
+    option (the module docstring's programme)."""
+    r, nb = atoms.r, atoms.nbytes
+    M = len(r)
+    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    cpb, cpm = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+    Bk = problem.B
+    rest = sum(problem.update) + problem.F        # T = T' + rest
+    Pb = [0]
+    for b in nb:
+        Pb.append(Pb[-1] + b)
+    W = Pb[-1]
+
+    def cost(nbytes: int) -> float:
+        return alpha + beta * nbytes
+
+    def charge(nbytes: int) -> float:
+        return cpb + cpm * nbytes / 1e6
+
+    rho = max(charge(b) / cost(b) for b in (min(nb), W))
+
+    def final(st: _State) -> float:
+        s = 1.0 + st.X / Bk
+        return max(s * Bk, st.env(s))
+
+    def child(st: _State, b: int) -> _State:
+        """``st`` followed by the run ``[st.j, b)``. Every later run waits for atom ``b`` at
+        least, so the channel's free times are taken as at least its ready time: partial
+        plans that differ only while the channel would idle anyway become equal."""
+        nbytes = Pb[b] - Pb[st.j]
+        C = cost(nbytes)
+        rr = r[b - 1]
+        nxt = r[b] if b < M else 0.0
+        start = st.f if st.f > rr else rr
+        fin = start + C
+        X = st.X
+        if st.s is None and start < Bk and C > 0:
+            X += charge(nbytes) * (min(fin, Bk) - start) / C
+        f = fin if fin > nxt else nxt
+        if st.s is not None or f >= Bk:
+            s = st.s if st.s is not None else 1.0 + X / Bk
+            e = max(st.env(s), s * rr) + C
+            return _State(X, f, ((0.0, max(e, s * nxt)),), s, st, b)
+        lines = [(m, c + C) for m, c in st.lines] + [(rr, C), (nxt, 0.0)]
+        return _State(X, f, _envelope(lines, 1.0 + X / Bk, s_cap[0]), None, st, b)
+
+    def score_cuts(cuts: Sequence[int]) -> float:
+        """T' of the runs ending at ``cuts`` (the scorer's fence mode, less updates and F)."""
+        t = X = 0.0
+        i = 0
+        runs = []
+        for b in cuts:
+            nbytes = Pb[b] - Pb[i]
+            C = cost(nbytes)
+            start = t if t > r[b - 1] else r[b - 1]
+            t = start + C
+            if start < Bk:
+                X += charge(nbytes) * (min(t, Bk) - start) / C
+            runs.append((r[b - 1], C))
+            i = b
+        s = 1.0 + X / Bk
+        e = 0.0
+        for rr, C in runs:
+            e = (e if e > s * rr else s * rr) + C
+        return max(s * Bk, e)
+
+    # Incumbent: the best of a few partitions (DDP's default buckets, every atom alone, all in
+    # one run, and the fastest without the charge when the charge is guessed as a stretch of
+    # the ready times and an extra cost per run and per byte), improved by moving, removing
+    # and adding single boundaries while that helps.
+    seeds = [list(range(1, M + 1)), [M]]
+    seeds += [c for c in [_ddp_cuts(problem, atoms)] if c is not None]
+    plain = _uncharged(problem, atoms)
+    s1 = score_cuts(plain) / max(score_cuts([M]), 1e-300)
+    for stretch in {1.0, max(1.0, s1)}:
+        for a_x in (0.0, cpb, 4 * cpb):
+            for b_x in (0.0, cpm / 1e6):
+                seeds.append(_uncharged(problem, atoms, stretch, a_x, b_x))
+    seeds.sort(key=score_cuts)
+    cuts0, v0 = _improve(seeds[0], score_cuts)
+    for other in seeds[1:3]:
+        c, v = _improve(other, score_cuts)
+        if v < v0:
+            cuts0, v0 = c, v
+    best_state = _State(0.0, 0.0, (), None, None, 0)
+    s_cap = [math.inf]
+    for b in cuts0:
+        best_state = child(best_state, b)
+    best_T = final(best_state)
+    s_cap[0] = best_T / Bk
+
+    fronts: list[list[_State]] = [[] for _ in range(M + 1)]
+    fronts[0].append(_State(0.0, 0.0, (), None, None, 0))
+    work = [0]
+    exact = True
+
+    c_byte = cpm / 1e6
+    last = alpha + beta * nb[M - 1]
+
+    def lower(st: _State) -> float:
+        """A lower bound on T' of every completion of ``st``: the channel's work left, and,
+        if the rest puts ``y`` byte-equivalents of wire inside backward, at least
+        ``cpm * y`` more charge (``T' >= s B + cpm y`` and ``T' >= s r_last + cpm y r_last / B
+        + alpha + beta b_last``, the last gradient's run) and at least ``beta (rest - y)`` of
+        wire after ``B`` (``T' >= max(B, f) + beta (rest - y)``), for the least ``y`` can do."""
+        s = st.s if st.s is not None else 1.0 + st.X / Bk
+        if st.j == M:
+            return max(s * Bk, st.env(s))
+        rem = W - Pb[st.j]
+        a1, a2 = s * Bk, s * r[M - 1] + last
+        lb = max(a1, a2, st.env(s) + alpha + beta * rem)
+        if st.s is None and c_byte > 0:
+            k1, k2 = c_byte, c_byte * r[M - 1] / Bk
+            d = max(Bk, st.f) + beta * rem
+            ys = [0.0, rem] + [y for y in ((d - a1) / (k1 + beta), (d - a2) / (k2 + beta))
+                               if 0.0 < y < rem]
+            lb = max(lb, min(max(a1 + k1 * y, a2 + k2 * y, d - beta * y) for y in ys))
+        return lb
+
+    def dominates(a: _State, b: _State) -> bool:
+        work[0] += 1
+        fa, fb = min(a.f, Bk), min(b.f, Bk)
+        if a.X + rho * max(0.0, fb - fa) > b.X + _EPS * max(1.0, b.X):
+            return False
+        lo = b.s if b.s is not None else 1.0 + b.X / Bk
+        hi = lo if b.s is not None else max(lo, s_cap[0])
+        return _below(a, b, lo, hi)
+
+    for j in range(M):
+        front = [st for st in fronts[j] if lower(st) < best_T - _EPS * best_T]
+        fronts[j] = []
+        for st in front:
+            s_lo = st.s if st.s is not None else 1.0 + st.X / Bk
+            e_lo = st.env(s_lo)
+            for b in range(j + 1, M + 1):
+                if b < M and (max(e_lo, s_lo * r[b - 1]) + 2 * alpha + beta * (W - Pb[j])
+                              >= best_T):
+                    b = M          # every run ending before M is bounded out: only [j, M) is left
+                ch = child(st, b)
+                work[0] += 1
+                if b == M:
+                    T = final(ch)
+                    if T < best_T:
+                        best_T, best_state = T, ch
+                        s_cap[0] = best_T / Bk
+                    break
+                if lower(ch) >= best_T - _EPS * best_T:
+                    continue
+                fr = fronts[b]
+                if any(dominates(o, ch) for o in fr):
+                    continue
+                fr[:] = [o for o in fr if not dominates(ch, o)]
+                fr.append(ch)
+            if work[0] > max_work:
+                exact = False
+                break
+        if not exact:
+            break
+    cuts = []
+    st = best_state
+    while st is not None and st.j > 0:
+        cuts.append(st.j)
+        st = st.parent
+    cuts.reverse()
+    return cuts, best_T + rest, exact
