@@ -41,10 +41,13 @@ times); a plan is a partition of the atoms into consecutive runs. Fence mode giv
   that starts ``d`` earlier puts at most ``d`` more ms of wire inside backward, each costing at
   most ``rho``, the highest charge per wire-ms of any run) and A's envelope is below B's for
   every stretch B can still end with. Once a plan's channel is past the end of backward, its
-  charge is final and the envelope one number. Partial plans whose lower bound reaches the
-  best complete plan so far are dropped. The result is the exact optimum; on pathological
-  inputs the number of partial plans is capped (:data:`MAX_STATES`), and past the cap the plan
-  is the best found, ``info["exact"]`` saying so.
+  charge is final and the envelope one number. A partial plan is dropped when a lower bound on
+  every completion reaches the best complete plan so far, which starts as the best of a few
+  guesses (DDP's default buckets, one run, every atom alone, the fastest partitions when the
+  charge is guessed as a stretch and an extra cost per run and per byte) improved by moving,
+  adding and removing single boundaries. The search is exact when it completes; its work is
+  capped (:data:`MAX_WORK`, a few tenths of a second), and past the cap the plan is the best
+  found, no slower than any of the guesses, ``info["exact"]`` saying so.
 
 Example::
 
@@ -325,7 +328,13 @@ def _below(a: _State, b: _State, lo: float, hi: float) -> bool:
     return True
 
 
-def _charged(problem: Problem, atoms: _Atoms, max_work: int) -> tuple[list[int], float, bool]:
+#: Beyond this many atoms, the compute-cost programme first solves the problem with atoms
+#: grouped into about this many runs, for a first plan to prune with.
+COARSE_ATOMS = 40
+
+
+def _charged(problem: Problem, atoms: _Atoms, max_work: int,
+             coarse: bool = True) -> tuple[list[int], float, bool]:
     """Run ends, iteration time and exactness of the best partition with the compute-cost
     option (the module docstring's programme)."""
     r, nb = atoms.r, atoms.nbytes
@@ -372,8 +381,9 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int) -> tuple[list[int],
         lines = [(m, c + C) for m, c in st.lines] + [(rr, C), (nxt, 0.0)]
         return _State(X, f, _envelope(lines, 1.0 + X / Bk, s_cap[0]), None, st, b)
 
-    def score_cuts(cuts: Sequence[int]) -> float:
-        """T' of the runs ending at ``cuts`` (the scorer's fence mode, less updates and F)."""
+    def timeline(cuts: Sequence[int]) -> tuple[float, float]:
+        """``(T', stretch)`` of the runs ending at ``cuts`` (the scorer's fence mode, less
+        updates and F)."""
         t = X = 0.0
         i = 0
         runs = []
@@ -390,7 +400,10 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int) -> tuple[list[int],
         e = 0.0
         for rr, C in runs:
             e = (e if e > s * rr else s * rr) + C
-        return max(s * Bk, e)
+        return max(s * Bk, e), s
+
+    def score_cuts(cuts: Sequence[int]) -> float:
+        return timeline(cuts)[0]
 
     # Incumbent: the best of a few partitions (DDP's default buckets, every atom alone, all in
     # one run, and the fastest without the charge when the charge is guessed as a stretch of
@@ -398,12 +411,20 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int) -> tuple[list[int],
     # and adding single boundaries while that helps.
     seeds = [list(range(1, M + 1)), [M]]
     seeds += [c for c in [_ddp_cuts(problem, atoms)] if c is not None]
-    plain = _uncharged(problem, atoms)
-    s1 = score_cuts(plain) / max(score_cuts([M]), 1e-300)
-    for stretch in {1.0, max(1.0, s1)}:
+    s1 = timeline(_uncharged(problem, atoms))[1]
+    for stretch in {1.0, s1}:
         for a_x in (0.0, cpb, 4 * cpb):
             for b_x in (0.0, cpm / 1e6):
                 seeds.append(_uncharged(problem, atoms, stretch, a_x, b_x))
+    if coarse and M > 2 * COARSE_ATOMS:
+        # the same programme over runs of ``g`` atoms: its plan is a plan of these atoms too
+        g = -(-M // COARSE_ATOMS)
+        last = [min(k + g, M) for k in range(0, M, g)]
+        grouped = _Atoms([r[e - 1] for e in last],
+                         [Pb[e] - Pb[a] for a, e in zip([0] + last[:-1], last)],
+                         [atoms.end[e - 1] for e in last])
+        cuts_g, _, _ = _charged(problem, grouped, max_work // 4, coarse=False)
+        seeds.append([last[k - 1] for k in cuts_g])
     seeds.sort(key=score_cuts)
     cuts0, v0 = _improve(seeds[0], score_cuts)
     for other in seeds[1:3]:
