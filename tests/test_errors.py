@@ -210,3 +210,12 @@ def test_rank_wrapper_runs_a_script_as_python_would(tmp_path: Path):
     res = subprocess.run([sys.executable, "-m", "usbyte_opt.cli.rank", str(script)],
                          capture_output=True, text=True, timeout=60, env=dict(os.environ, RANK="3"))
     assert res.returncode == 3 and res.stderr == "error: rank 3: m\n"
+
+
+@pytest.mark.parametrize("flag, value, field", [("--bandwidth-gbps", "1e308", "comm.algbw_gbs"),
+                                                 ("--latency-us", "1e308", "comm.alpha_ms")])
+def test_retargeting_beyond_physical_bounds_is_one_line(tmp_path, flag, value, field):
+    res = cli("optimize", str(ROOT / "profiles" / "resnet50.json"), flag, value, "-o",
+              str(tmp_path / "s.json"), cwd=tmp_path)
+    one_line(res, 2, field)
+    assert not (tmp_path / "s.json").exists()

@@ -112,9 +112,16 @@ Wide = typer.Option(False, "--wide", help="Show every column of the table (the d
 
 def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],
                     latency_us: Optional[float]) -> tuple[Profile, Profile]:
-    """``(original, retargeted)`` profile from a file."""
+    """``(original, retargeted)`` profile from a file; the retargeted one is checked against
+    the format's bounds like a file (``--bandwidth-gbps 1e308`` is a clean error)."""
     original = load_profile(path)
-    return original, retargeted(original, world_size, bandwidth_gbps, latency_us)
+    moved = retargeted(original, world_size, bandwidth_gbps, latency_us)
+    flags = "/".join(f for f, v in (("--world-size", world_size),
+                                     ("--bandwidth-gbps", bandwidth_gbps),
+                                     ("--latency-us", latency_us)) if v is not None)
+    if flags:
+        moved = Profile.from_dict(moved.to_dict(), f"{path} retargeted by {flags}")
+    return original, moved
 
 
 def write_trace(path: Path, timeline: Timeline, label: str) -> Path:

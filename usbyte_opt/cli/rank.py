@@ -97,4 +97,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    if code:
+        # A failed rank ends here, without interpreter finalization: a process group the
+        # script left behind (its gloo threads still running) can abort the process there
+        # ("terminate called without an active exception"), a second error line.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
