@@ -10,7 +10,7 @@ lab (network namespaces joined by a tbf-shaped veth link; root only). The domain
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -48,38 +48,45 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
 
 
 def bench(
-    model: str = typer.Argument(..., help="Built-in name (cnn, transformer, mlp, lab-cnn, "
-                                "lab-vgg, lab-transformer, ...) or package.module:factory."),
-    nproc_per_node: int = typer.Option(2, "--nproc-per-node", "-n", min=1,
-                                       help="Ranks to start on this machine (ignored under torchrun)."),
-    bandwidth: Optional[str] = typer.Option(None, "--bandwidth", help="Run in the lab at this link "
-                                            "rate (200mbit, 1gbit; root only). Default: the ordinary "
-                                            "network."),
-    iterations: int = typer.Option(20, "--iterations", "-k", min=1,
-                                   help="Timed steady-state iterations per strategy."),
-    strategies: str = typer.Option(", ".join(default_strategies()), "--strategies", "-s",
-                                   help=f"Comma-separated, among {', '.join(load_builtin())} and "
-                                   f"{AUTO}; {TORCH_DDP} is PyTorch DDP itself, ddp-tuned stock "
-                                   f"DDP with the planned buckets, {AUTO} the runtime planning in "
-                                   "the run (no profile given to it), the others the usbyte-opt "
-                                   "runtime with their schedule."),
-    profile: Optional[Path] = typer.Option(None, "--profile", "-p", dir_okay=False, exists=True,
-                                           help="Use this profile instead of profiling first."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
-                                             help="Per-rank batch size (default: the model's own)."),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
-                                              help="Where report.md, plot.png, result.json, traces "
-                                              "go (default: NAME-NETWORK in bench-results/)."),
-    rounds: int = typer.Option(2, "--rounds", min=1, help="Interleaved turns per strategy."),
-    reference: bool = typer.Option(True, "--reference/--no-reference",
-                                   help="Also time training without communication."),
-    device: Optional[str] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
-    timeout_s: float = typer.Option(1800.0, "--timeout-s", min=10.0,
-                                    help="Hard limit of the ranks' run (killed past it)."),
-    verify: bool = typer.Option(False, "--verify/--no-verify",
-                                help="Let the runtime verify each plan against DDP's buckets in "
-                                "the run and keep the faster (off: every strategy measured as "
-                                "planned)."),
+    model: Annotated[str, typer.Argument(
+        help="Built-in name (cnn, transformer, mlp, lab-cnn, lab-vgg, lab-transformer, ...) or "
+             "package.module:factory.")],
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", "-n", min=1, help="Ranks to start on this machine (ignored under "
+                                              "torchrun).")] = 2,
+    bandwidth: Annotated[Optional[str], typer.Option(
+        "--bandwidth", help="Run in the lab at this link rate (200mbit, 1gbit; root only). "
+                            "Default: the ordinary network.")] = None,
+    iterations: Annotated[int, typer.Option(
+        "--iterations", "-k", min=1, help="Timed steady-state iterations per strategy.")] = 20,
+    strategies: Annotated[str, typer.Option(
+        "--strategies", "-s",
+        help=f"Comma-separated, among {', '.join(load_builtin())} and {AUTO}; {TORCH_DDP} is "
+             f"PyTorch DDP itself, ddp-tuned stock DDP with the planned buckets, {AUTO} the "
+             "runtime planning in the run (no profile given to it), the others the usbyte-opt "
+             "runtime with their schedule.")] = ", ".join(default_strategies()),
+    profile: Annotated[Optional[Path], typer.Option(
+        "--profile", "-p", dir_okay=False, exists=True, help="Use this profile instead of "
+                                                             "profiling first.")] = None,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's own)."
+    )] = None,
+    output_dir: Annotated[Optional[Path], typer.Option(
+        "--output-dir", "-o", file_okay=False, help="Where report.md, plot.png, result.json, "
+                                                    "traces go (default: NAME-NETWORK in "
+                                                    "bench-results/).")] = None,
+    rounds: Annotated[int, typer.Option(
+        "--rounds", min=1, help="Interleaved turns per strategy.")] = 2,
+    reference: Annotated[bool, typer.Option(
+        "--reference/--no-reference", help="Also time training without communication.")] = True,
+    device: Annotated[Optional[str], typer.Option(
+        "--device", help="cpu or cuda (default: cuda if available).")] = None,
+    timeout_s: Annotated[float, typer.Option(
+        "--timeout-s", min=10.0, help="Hard limit of the ranks' run (killed past it).")] = 1800.0,
+    verify: Annotated[bool, typer.Option(
+        "--verify/--no-verify", help="Let the runtime verify each plan against DDP's buckets in "
+                                     "the run and keep the faster (off: every strategy measured "
+                                     "as planned).")] = False,
     wide: bool = common.Wide,
     as_json: bool = common.Json,
 ) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -119,19 +119,22 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
 
 
 def demo(
-    model: str = typer.Option("cnn", "--model", "-m", help="Model to train (a built-in CPU model: "
-                              "cnn, transformer, mlp, lab-cnn, ...)."),
-    iterations: int = typer.Option(8, "--iterations", "-k", min=1,
-                                   help="Timed iterations per strategy."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", min=1,
-                                             help="Per-rank batch size (default: the model's own)."),
-    strategies: str = typer.Option(f"{TORCH_DDP},{BEST}", "--strategies", "-s",
-                                   help="Comma-separated strategies to train with, among "
+    model: Annotated[str, typer.Option(
+        "--model", "-m", help="Model to train (a built-in CPU model: cnn, transformer, mlp, "
+                              "lab-cnn, ...).")] = "cnn",
+    iterations: Annotated[int, typer.Option(
+        "--iterations", "-k", min=1, help="Timed iterations per strategy.")] = 8,
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's own)."
+    )] = None,
+    strategies: Annotated[str, typer.Option(
+        "--strategies", "-s",
+        help="Comma-separated strategies to train with, among "
                                    f"{', '.join(load_builtin())} ({TORCH_DDP}: PyTorch DDP "
-                                   "itself)."),
-    output_dir: Optional[Path] = typer.Option(None, "--output-dir", "-o", file_okay=False,
-                                              help="Keep the report, plot, traces and schedules here "
-                                              "(default: nothing is written)."),
+                                   "itself).")] = f"{TORCH_DDP},{BEST}",
+    output_dir: Annotated[Optional[Path], typer.Option(
+        "--output-dir", "-o", file_okay=False, help="Keep the report, plot, traces and schedules "
+                                                    "here (default: nothing is written).")] = None,
     wide: bool = common.Wide,
     as_json: bool = common.Json,
 ) -> None:

@@ -11,6 +11,8 @@ import importlib
 import os
 import sys
 
+from typing import Annotated
+
 import typer
 
 try:  # typer >= 0.22 carries its own click
@@ -45,9 +47,10 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def _root(
-    debug: bool = typer.Option(False, "--debug", help="Show tracebacks instead of one-line errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True,
-                                 help="Print the version and exit."),
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Show tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option(
+        "--version", callback=_version, is_eager=True, help="Print the version and exit.")] = False,
 ) -> None:
     """usbyte-opt: profile → optimize → launch."""
 

@@ -11,7 +11,7 @@ import os
 import warnings
 from enum import Enum
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -32,35 +32,51 @@ class Optim(str, Enum):
 
 
 def profile(
-    model: str = typer.Argument(..., help="Built-in name (mlp, cnn, transformer, resnet50, bert-base, "
-                                "gpt2, ...; torchvision:NAME) or package.module:factory returning "
-                                "(model, inputs, loss_fn) for factory(batch_size)."),
-    batch_size: Optional[int] = typer.Option(None, "--batch-size", "-b", help="Per-rank batch size "
-                                             "(default: the model's own)."),
-    nproc_per_node: Optional[int] = typer.Option(None, "--nproc-per-node", help="Start this many ranks "
-                                                 "on this host (ignored under torchrun)."),
-    warmup: int = typer.Option(3, "--warmup", help="Untimed iterations before timing."),
-    repeats: int = typer.Option(10, "--repeats", help="Timed iterations; medians are kept."),
-    device: Optional[Device] = typer.Option(None, "--device", help="cpu or cuda (default: cuda if available)."),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", help="Profile file (default: NAME.json in profiles/, NAME the profile's name)."),
-    name: Optional[str] = typer.Option(None, "--name", help="Profile name (default: from MODEL)."),
-    optimizer: Optim = typer.Option(Optim.sgd, "--optimizer", help="Optimizer whose step gives update_ms "
-                                    "(sgd = SGD with momentum)."),
-    comm_min_kb: float = typer.Option(4.0, "--comm-min-kb", help="Smallest all-reduce of the sweep (KiB)."),
-    comm_max_mb: float = typer.Option(64.0, "--comm-max-mb", help="Largest all-reduce of the sweep (MiB)."),
-    comm_points: int = typer.Option(12, "--comm-points", help="Sizes in the sweep (log-spaced)."),
-    comm_repeats: int = typer.Option(5, "--comm-repeats", help="Timed all-reduces per size."),
-    alpha_ms: Optional[float] = typer.Option(None, "--alpha-ms", help="World size 1 only: analytic "
-                                             "latency (default 1.3)."),
-    algbw_gbs: Optional[float] = typer.Option(None, "--algbw-gbs", help="World size 1 only: analytic "
-                                              "bandwidth in GB/s (default 1.79: 8 workers, 25 Gbit/s)."),
-    cpu_probe: bool = typer.Option(True, "--cpu-probe/--no-cpu-probe", help="With 2+ ranks, also "
-                                   "measure what all-reduce costs the training thread (per block and "
-                                   "per MB, while training runs) so that the planner charges it."),
-    timeout_s: float = typer.Option(600.0, "--timeout-s", help="Process-group timeout (seconds)."),
-    stable_s: float = typer.Option(20.0, "--stable-s", min=0.0, help="Time cap (seconds) of the "
-                                   "extra rounds the all-reduce sweep and the probe each run until "
-                                   "their numbers are stable (0: none)."),
+    model: Annotated[str, typer.Argument(
+        help="Built-in name (mlp, cnn, transformer, resnet50, bert-base, gpt2, ...; "
+             "torchvision:NAME) or package.module:factory returning (model, inputs, loss_fn) for "
+             "factory(batch_size).")],
+    batch_size: Annotated[Optional[int], typer.Option(
+        "--batch-size", "-b", help="Per-rank batch size (default: the model's own).")] = None,
+    nproc_per_node: Annotated[Optional[int], typer.Option(
+        "--nproc-per-node", help="Start this many ranks on this host (ignored under torchrun)."
+    )] = None,
+    warmup: Annotated[int, typer.Option("--warmup", help="Untimed iterations before timing.")] = 3,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", help="Timed iterations; medians are kept.")] = 10,
+    device: Annotated[Optional[Device], typer.Option(
+        "--device", help="cpu or cuda (default: cuda if available).")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", help="Profile file (default: NAME.json in profiles/, NAME the profile's "
+                               "name).")] = None,
+    name: Annotated[Optional[str], typer.Option(
+        "--name", help="Profile name (default: from MODEL).")] = None,
+    optimizer: Annotated[Optim, typer.Option(
+        "--optimizer", help="Optimizer whose step gives update_ms (sgd = SGD with momentum)."
+    )] = Optim.sgd,
+    comm_min_kb: Annotated[float, typer.Option(
+        "--comm-min-kb", help="Smallest all-reduce of the sweep (KiB).")] = 4.0,
+    comm_max_mb: Annotated[float, typer.Option(
+        "--comm-max-mb", help="Largest all-reduce of the sweep (MiB).")] = 64.0,
+    comm_points: Annotated[int, typer.Option(
+        "--comm-points", help="Sizes in the sweep (log-spaced).")] = 12,
+    comm_repeats: Annotated[int, typer.Option(
+        "--comm-repeats", help="Timed all-reduces per size.")] = 5,
+    alpha_ms: Annotated[Optional[float], typer.Option(
+        "--alpha-ms", help="World size 1 only: analytic latency (default 1.3).")] = None,
+    algbw_gbs: Annotated[Optional[float], typer.Option(
+        "--algbw-gbs", help="World size 1 only: analytic bandwidth in GB/s (default 1.79: 8 "
+                            "workers, 25 Gbit/s).")] = None,
+    cpu_probe: Annotated[bool, typer.Option(
+        "--cpu-probe/--no-cpu-probe", help="With 2+ ranks, also measure what all-reduce costs the "
+                                           "training thread (per block and per MB, while training "
+                                           "runs) so that the planner charges it.")] = True,
+    timeout_s: Annotated[float, typer.Option(
+        "--timeout-s", help="Process-group timeout (seconds).")] = 600.0,
+    stable_s: Annotated[float, typer.Option(
+        "--stable-s", min=0.0, help="Time cap (seconds) of the extra rounds the all-reduce sweep "
+                                    "and the probe each run until their numbers are stable (0: "
+                                    "none).")] = 20.0,
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
     from ..models import model_name
