@@ -72,6 +72,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..errors import UsbyteError
+from ..fastsim import scorer_for
 from ..formats import Block
 from ..problem import Problem
 from . import Plan, register
@@ -193,8 +194,6 @@ def plan(problem: Problem, *, max_work: int = MAX_WORK) -> Plan:
         blocks.append(Block(0, start, atoms.end[j - 1]))
         start = atoms.end[j - 1]
     if T is None:
-        from ..fastsim import scorer_for
-
         sc = scorer_for(problem, layout)
         T = sc.score(sc.stats(blocks), "fence")
     return Plan(layout, blocks, "fence", {"buckets": len(blocks), "iteration_ms": T,
