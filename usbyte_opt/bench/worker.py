@@ -78,6 +78,10 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
         if s == AUTO:  # planned inside the run; its own prediction is read after training
             out["predicted"][s] = {"ms": None, "mode": "auto", "blocks": None}
             continue
+        if s not in report.results:
+            from ..errors import UsbyteError
+
+            raise UsbyteError(f"--strategies: {s}: {report.skipped.get(s, 'not planned')}")
         r = report.results[s]
         sched = report.schedule(s)
         out["schedules"][s] = sched
