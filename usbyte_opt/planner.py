@@ -95,7 +95,10 @@ class Report:
             "baselines": self.baselines(),
         }
         comm = self.problem.profile.comm
-        info = {k: v for k, v in r.plan.info.items() if isinstance(v, (int, float, str, bool))}
+        # Wall-clock figures stay out: the file depends on the profile alone, so planning it
+        # again writes the same bytes.
+        info = {k: v for k, v in r.plan.info.items()
+                if isinstance(v, (int, float, str, bool)) and k != "solve_s"}
         extra = {"comm": {"alpha_ms": comm.alpha_ms, "algbw_gbs": comm.algbw_gbs,
                           "world_size": comm.world_size}, "info": info}
         if self.problem.charges_cpu:
