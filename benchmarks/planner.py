@@ -27,11 +27,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.exact import solve_exact  # noqa: E402
-from usbyte_opt.fastsim import evaluate  # noqa: E402
 from usbyte_opt.formats import load_profile  # noqa: E402
 from usbyte_opt.planner import compare, retargeted  # noqa: E402
 from usbyte_opt.problem import Problem  # noqa: E402
-from usbyte_opt.strategies import get, load_builtin  # noqa: E402
+from usbyte_opt.strategies import load_builtin  # noqa: E402
 from usbyte_opt.synthetic import random_profile  # noqa: E402
 
 WORLD_SIZES = (8, 16, 64, 128)

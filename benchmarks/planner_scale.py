@@ -148,7 +148,8 @@ def markdown(moe: list[dict], dense: list[dict], repeats: int) -> str:
 
     def line(r: dict) -> str:
         return (f"| {r['case']} | {r['tensors']:,} | {r['gradient_gb']:.2f} | {rng_s(r['wall_s'])} | "
-                f"{rng_s(r['planning_s'])} | {rng_s(r['load1'])} | {r['solve_s']['best']:.2f} | {r['solve_s']['usbyte']:.2f} | "
+                f"{rng_s(r['planning_s'])} | {rng_s(r['load1'])} | {r['solve_s']['best']:.2f} | "
+                f"{r['solve_s']['usbyte']:.2f} | "
                 f"{r['best_alone_s']:.2f} | {max(r['maxrss_mib']):.0f} | "
                 f"{r['ddp_ms'] / r['best_ms']:.3f}x | {100 * r['gap']:.2f}% | "
                 f"{'yes' if r['best_le_all'] else 'NO'} |")

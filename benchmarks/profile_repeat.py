@@ -114,8 +114,10 @@ def main() -> None:
         lines.append(f"| {k} | {v['min']:.4f} | {v['max']:.4f} | {v['range']:.4f} | "
                      f"{sp:.4f} |" if sp is not None else f"| {k} | {v['min']:.4f} | "
                      f"{v['max']:.4f} | {v['range']:.4f} | - |")
+    said = ", ".join(f"{m} mode, " + ("beats DDP" if b else "not faster than DDP")
+                     for m, b in sorted(verdicts))
     lines += ["", f"Same verdict in every run: **{'yes' if res['same_verdict'] else 'no'}** "
-              f"({', '.join(f'{m} mode, ' + ('beats DDP' if b else 'not faster than DDP') for m, b in sorted(verdicts))}).", ""]
+              f"({said}).", ""]
     (HERE / "profile_repeat.md").write_text("\n".join(lines))
     print("\n".join(lines))
 

@@ -163,7 +163,7 @@ def ranges(case: dict, all_runs: list[dict]) -> list[str]:
         rows = [next((x for x in r["runs"] if x["strategy"] == n), None) for r in runs]
         rows = [x for x in rows if x is not None]
 
-        def span(k: str, f: str, scale: float = 1.0, unit: str = "") -> str:
+        def span(k: str, f: str, scale: float = 1.0, unit: str = "", rows: list = rows) -> str:
             vals = [x[k] * scale for x in rows if x.get(k) is not None and x[k] == x[k]]
             return f"{min(vals):{f}}–{max(vals):{f}}{unit}" if vals else "—"
         lines.append(f"| {n} | {span('speedup_vs_ddp', '.2f', unit='x')} | "
@@ -191,7 +191,8 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         "measured. Refined (`usbyte_opt/bench/refine.py`): the same with the runtime's update rule "
         "(the optimizer step runs on the training thread at the forward gates), the all-reduce "
         "bandwidth measured while training computes (alpha from the profile), and compute "
-        "recalibrated to the side-by-side `no-comm` run (the scale is given per case). `no-comm`: the same training without any communication, side by side "
+        "recalibrated to the side-by-side `no-comm` run (the scale is given per case). "
+        "`no-comm`: the same training without any communication, side by side "
         "(the compute the prediction assumes). The lab: MTU 9000, tbf on both ends of the veth "
         "pair; the runtime runs one block in flight on gloo.",
         "",
@@ -247,7 +248,8 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
             lines.append(f"| {res['name']} {res['network']['short']} | {res['started']} | "
                          f"{res['load_before'][0]:.1f} / {res['load_after'][0]:.1f} | {100 * res['noise']:.0f}% | "
                          f"x{res.get('compute_scale', 1.0):.2f} | "
-                         f"{lead['strategy']} {lead['speedup_vs_ddp']:.2f}x | {worst['strategy']} {100 * worst['error']:+.1f}% | "
+                         f"{lead['strategy']} {lead['speedup_vs_ddp']:.2f}x | "
+                         f"{worst['strategy']} {100 * worst['error']:+.1f}% | "
                          f"{worst_r['strategy']} {100 * worst_r['refined_error']:+.1f}% |")
         lines.append("")
     return "\n".join(lines)

@@ -226,7 +226,8 @@ def main() -> None:
                      pair, block, ddp, usb, cpu))
         print(f"{label:22s} batch {bs:2d} {sched:15s} {res[0]['tensors']:3d} tensors "
               f"{res[0]['nblocks']:4d} blocks | fence pairs {pair[0]:.3f} [{pair[1]:.3f}, "
-              f"{pair[2]:.3f}] cpu {cpu[0]:.3f} [{cpu[1]:.3f}, {cpu[2]:.3f}] | blocks {block[0]:.3f} [{block[1]:.3f}, {block[2]:.3f}] "
+              f"{pair[2]:.3f}] cpu {cpu[0]:.3f} [{cpu[1]:.3f}, {cpu[2]:.3f}] | "
+              f"blocks {block[0]:.3f} [{block[1]:.3f}, {block[2]:.3f}] "
               f"(DDP {ddp:.1f} ms, runtime {usb:.1f} ms)", flush=True)
     hc = hook_cost()
     print(f"hooks ({hc['n']} tensors, world size 1): post-accumulate-grad {hc['hook_us']:.2f} "

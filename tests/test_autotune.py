@@ -19,8 +19,7 @@ from usbyte_opt.runtime import DistributedOptimizer
 from usbyte_opt.runtime.autotune import CLEAN, OVERLAP, ROUNDS, WARMUP, WINDOW
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_runtime_equivalence import (OPTIMIZERS, SmallCNN, image_batch, max_diff,  # noqa: E402
-                                      mse, sched_wfbp, twins)
+from test_runtime_equivalence import OPTIMIZERS, SmallCNN, image_batch, max_diff, mse, sched_wfbp, twins  # noqa: E402
 
 STEPS = WARMUP + CLEAN + OVERLAP + 2 * ROUNDS * WINDOW + 4
 
@@ -130,7 +129,7 @@ def drift(rank: int, ws: int) -> dict:
                                check_every=5, replan_on_drift=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(2 * ROUNDS * WINDOW + 6):
+        for _ in range(2 * ROUNDS * WINDOW + 6):
             if opt.schedule.strategy == "ddp-like":
                 time.sleep(0.02)
             m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_lab import SKIP as LAB_SKIP
 
 from usbyte_opt.bench import BenchConfig, run_bench
 from usbyte_opt.bench.lab import list_namespaces
 from usbyte_opt.bench.report import compare_trace, markdown, stats, summarize
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.models import make_batches
-
-from test_lab import SKIP as LAB_SKIP
 
 REPO = Path(__file__).resolve().parents[1]
 

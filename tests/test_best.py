@@ -3,7 +3,8 @@
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from usbyte_opt.bounds import lower_bound
 from usbyte_opt.exact import solve_brute, solve_exact

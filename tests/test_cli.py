@@ -47,7 +47,7 @@ def test_optimize_json_is_pure_json(capsys, profile, tmp_path):
     assert set(doc) >= {"strategies", "lower_bound_ms", "chosen", "output"}
     assert doc["chosen"] == "usbyte" and doc["output"] == str(out_path)
     assert doc["world_size"] == 16
-    for name, r in doc["strategies"].items():
+    for r in doc["strategies"].values():
         assert set(r) >= {"iteration_ms", "overlap_ms", "blocks", "solve_s"}
         assert doc["strategies"]["best"]["overlap_ms"] <= r["iteration_ms"] + 1e-9
     assert load_schedule(out_path).world_size == 16

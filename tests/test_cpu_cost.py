@@ -6,7 +6,9 @@ import json
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import random_blocks
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from usbyte_opt.bounds import lower_bound
 from usbyte_opt.errors import FormatError
@@ -15,10 +17,7 @@ from usbyte_opt.formats import CommSpec, Profile, TensorSpec, load_profile, save
 from usbyte_opt.planner import compare, retargeted
 from usbyte_opt.problem import Problem
 from usbyte_opt.simulate import simulate_blocks
-from usbyte_opt.strategies import get
 from usbyte_opt.synthetic import random_profile
-
-from helpers import random_blocks
 
 
 def with_cpu(profile: Profile, per_block: float, per_mb: float) -> Profile:

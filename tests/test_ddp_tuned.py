@@ -12,11 +12,13 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from hypothesis import assume, given, settings, strategies as st
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from rich.console import Console
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from usbyte_opt import console, ddp as uddp
+from usbyte_opt import console
+from usbyte_opt import ddp as uddp
 from usbyte_opt.cli.main import main
 from usbyte_opt.errors import MismatchError
 from usbyte_opt.fastsim import scorer_for
@@ -116,7 +118,8 @@ def test_plans_are_exactly_what_stock_ddp_takes(seed, n, cpu):
 def test_tensors_of_equal_ready_time_share_a_bucket():
     # weight and bias of each layer become ready together; a large alpha-free channel would
     # otherwise send every tensor alone
-    T = lambda nm, n, r, nd: TensorSpec(nm, (n,), "float32", r, nd)
+    def T(nm, n, r, nd):
+        return TensorSpec(nm, (n,), "float32", r, nd)
     prof = Profile("ties", 3.0, 6.0, (T("l0.w", 250_000, 6.0, 0.0), T("l0.b", 1000, 6.0, 0.0),
                                       T("l1.w", 250_000, 4.0, 1.0), T("l1.b", 1000, 4.0, 1.0),
                                       T("l2.w", 250_000, 2.0, 2.0), T("l2.b", 1000, 2.0, 2.0)),

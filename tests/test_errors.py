@@ -201,7 +201,7 @@ def test_launch_ctrl_c_is_one_line_and_exit_code_130(work: Path):
 
 def test_rank_wrapper_runs_a_script_as_python_would(tmp_path: Path):
     script = tmp_path / "s.py"
-    script.write_text("import sys; print(__name__, sys.argv[1:], sys.path[0] == %r)\n" % str(tmp_path))
+    script.write_text(f"import sys; print(__name__, sys.argv[1:], sys.path[0] == {str(tmp_path)!r})\n")
     res = subprocess.run([sys.executable, "-m", "usbyte_opt.cli.rank", str(script), "a", "--b"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and res.stdout.split() == ["__main__", "['a',", "'--b']", "True"], res

@@ -5,16 +5,27 @@ import json
 import os
 
 import pytest
+from helpers import MB_F32, three_layer
 
 from usbyte_opt.errors import FormatError, MismatchError
-from usbyte_opt.formats import (COMM_BACKENDS, DTYPE_SIZES, MAX_GRADIENT_BYTES, SCHEDULE_MODES,
-                                check_against, fingerprint, load_profile, load_schedule,
-                                profile_schema, read_json, save_profile, save_schedule,
-                                schedule_schema, write_json)
-from usbyte_opt.formats import Block
+from usbyte_opt.formats import (
+    COMM_BACKENDS,
+    DTYPE_SIZES,
+    MAX_GRADIENT_BYTES,
+    SCHEDULE_MODES,
+    Block,
+    check_against,
+    fingerprint,
+    load_profile,
+    load_schedule,
+    profile_schema,
+    read_json,
+    save_profile,
+    save_schedule,
+    schedule_schema,
+    write_json,
+)
 from usbyte_opt.problem import Problem
-
-from helpers import MB_F32, three_layer
 
 
 @pytest.fixture

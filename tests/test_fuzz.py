@@ -32,9 +32,18 @@ from hypothesis import strategies as st
 
 from usbyte_opt.cli.main import main
 from usbyte_opt.errors import FormatError
-from usbyte_opt.formats import (MAX_GRADIENT_BYTES, MAX_MS, MIN_ALGBW_GBS, check_against,
-                                load_profile, load_schedule, parse_profile, parse_schedule,
-                                profile_schema, schedule_schema)
+from usbyte_opt.formats import (
+    MAX_GRADIENT_BYTES,
+    MAX_MS,
+    MIN_ALGBW_GBS,
+    check_against,
+    load_profile,
+    load_schedule,
+    parse_profile,
+    parse_schedule,
+    profile_schema,
+    schedule_schema,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 PROFILES = {p.stem: json.loads(p.read_text()) for p in sorted((ROOT / "profiles").glob("*.json"))}

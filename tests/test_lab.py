@@ -17,8 +17,8 @@ import time
 import pytest
 
 from usbyte_opt.bench import lab as lab_mod
-from usbyte_opt.errors import UsbyteError
 from usbyte_opt.bench.lab import Lab, LabError, list_namespaces, parse_rate, preflight, remove_stale, shaping
+from usbyte_opt.errors import UsbyteError
 
 PREFIX = "usbytetest-"
 

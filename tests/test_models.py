@@ -8,8 +8,15 @@ import pytest
 import torch
 
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.models import (BUILTIN, RandomTargetLoss, build, builtin_names, model_name,
-                               parameter_count, resolve)
+from usbyte_opt.models import (
+    BUILTIN,
+    RandomTargetLoss,
+    build,
+    builtin_names,
+    model_name,
+    parameter_count,
+    resolve,
+)
 
 
 def has(module: str) -> bool:

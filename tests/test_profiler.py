@@ -8,9 +8,9 @@ session with a hard timeout; on expiry the whole session is killed, so nothing h
 from __future__ import annotations
 
 import json
-import statistics
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import textwrap

@@ -19,8 +19,15 @@ import torch.nn.functional as F
 from usbyte_opt.errors import FormatError, MismatchError, UsbyteError
 from usbyte_opt.formats import save_schedule
 from usbyte_opt.problem import Problem
-from usbyte_opt.runtime import (SCHEDULE_ENV, DistributedOptimizer, UsbyteWarning,
-                                default_schedule, model_tensors, profile_from_model, split_blocks)
+from usbyte_opt.runtime import (
+    SCHEDULE_ENV,
+    DistributedOptimizer,
+    UsbyteWarning,
+    default_schedule,
+    model_tensors,
+    profile_from_model,
+    split_blocks,
+)
 from usbyte_opt.runtime.checks import check_model, resolve_schedule
 from usbyte_opt.runtime.default_plan import bucket_blocks, make_schedule
 
@@ -255,7 +262,7 @@ def test_parameter_used_outside_its_module_from_the_start_is_learned(pg):
 
 def test_too_many_backward_passes_raise(pg):
     m = mlp()
-    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
+    _opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
                                schedule=default_schedule(m))
     m(torch.randn(2, 4)).sum().backward()
     with pytest.raises(UsbyteError, match="backward_passes_per_step=1"):

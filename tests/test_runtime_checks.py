@@ -116,7 +116,7 @@ def outcome() -> list[dict[str, Any]]:
 
 
 def test_different_schedule_raises_on_every_rank(outcome):
-    for rank, out in enumerate(outcome):
+    for out in outcome:
         got = out["different"]
         assert got["error"] == "DistributedError", got
         assert "the schedule differs across ranks" in got["message"]

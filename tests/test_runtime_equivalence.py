@@ -15,7 +15,8 @@ import io
 import os
 import tempfile
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -29,8 +30,13 @@ from usbyte_opt.formats import Block, Schedule, save_schedule
 from usbyte_opt.launcher import run_local
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
-from usbyte_opt.runtime.default_plan import (bucket_blocks, default_schedule, make_schedule,
-                                             profile_from_model, split_blocks)
+from usbyte_opt.runtime.default_plan import (
+    bucket_blocks,
+    default_schedule,
+    make_schedule,
+    profile_from_model,
+    split_blocks,
+)
 
 STEPS = 20
 TOL = 1e-5

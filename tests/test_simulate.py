@@ -3,7 +3,9 @@
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from helpers import MB_F32, random_blocks, three_layer
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from usbyte_opt.errors import MismatchError
 from usbyte_opt.fastsim import evaluate
@@ -11,8 +13,6 @@ from usbyte_opt.formats import Block
 from usbyte_opt.problem import Problem
 from usbyte_opt.simulate import chrome_trace, simulate, simulate_blocks
 from usbyte_opt.synthetic import random_profile
-
-from helpers import MB_F32, random_blocks, three_layer
 
 
 def setup():

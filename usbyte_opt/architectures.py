@@ -23,7 +23,7 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import nn

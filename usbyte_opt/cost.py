@@ -14,8 +14,8 @@ own measurement at its own world size.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .errors import UsbyteError
 from .formats import CommSpec
@@ -42,7 +42,7 @@ class CostModel:
         return self.alpha_ms + nbytes / (self.algbw_gbs * 1e6)
 
     @classmethod
-    def from_comm(cls, comm: CommSpec) -> "CostModel":
+    def from_comm(cls, comm: CommSpec) -> CostModel:
         return cls(comm.alpha_ms, comm.algbw_gbs)
 
 

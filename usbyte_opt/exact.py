@@ -54,7 +54,7 @@ class ExactResult:
 def unit_grid(problem: Problem, layout: Layout, units_per_tensor: int) -> list[list[int]]:
     """Cut points of each buffer: tensor boundaries and ``units_per_tensor`` equal units."""
     grids = []
-    for b, members in enumerate(layout.members):
+    for members in layout.members:
         pts = [0]
         for i in members:
             _, s, e = layout.pos[i]

@@ -46,8 +46,8 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -100,13 +100,13 @@ class Stats:
     def __len__(self) -> int:
         return len(self.R)
 
-    def take(self, order: Sequence[int] | np.ndarray) -> "Stats":
+    def take(self, order: Sequence[int] | np.ndarray) -> Stats:
         """These blocks in another issue order (indices into this one)."""
         o = np.asarray(order, dtype=np.int64)
         return Stats(self.R[o], self.C[o], self.Q[o], self.nbytes[o], self.lo[o], self.hi[o],
                      self.gs[o])
 
-    def splice(self, a: int, b: int, mid: "Stats") -> "Stats":
+    def splice(self, a: int, b: int, mid: Stats) -> Stats:
         """These blocks with positions ``[a, b)`` replaced by ``mid``."""
         return Stats(*(np.concatenate([x[:a], m, x[b:]])
                        for x, m in zip(self._arrays(), mid._arrays())))
@@ -115,7 +115,7 @@ class Stats:
         return self.R, self.C, self.Q, self.nbytes, self.lo, self.hi, self.gs
 
     @staticmethod
-    def concat(parts: Sequence["Stats"]) -> "Stats":
+    def concat(parts: Sequence[Stats]) -> Stats:
         return Stats(*(np.concatenate(col) for col in zip(*(p._arrays() for p in parts))))
 
 

@@ -43,10 +43,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import IO, Any, Callable, Mapping, Sequence
+from typing import IO, Any
 
 from .errors import DistributedError, UsbyteError
 
@@ -427,9 +428,10 @@ def run_torchrun(args: Any, quiet: bool = True) -> dict[int, Any] | None:
 
     ``OMP_NUM_THREADS`` defaults to :func:`threads_per_rank` (torchrun would set 1, with a
     warning). Returns ``None`` when every rank succeeded, else torchrun's failures by global
-    rank (each with ``exitcode`` and ``timestamp``; empty when torchrun named none). Ctrl-C becomes :class:`KeyboardInterrupt` and any
-    other signal a :class:`UsbyteError` with exit code 128 + signal; after either, or after a
-    failure, a second Ctrl-C is ignored so that the caller's exit stays one line.
+    rank (each with ``exitcode`` and ``timestamp``; empty when torchrun named none). Ctrl-C
+    becomes :class:`KeyboardInterrupt` and any other signal a :class:`UsbyteError` with exit
+    code 128 + signal; after either, or after a failure, a second Ctrl-C is ignored so that
+    the caller's exit stays one line.
     """
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError

@@ -37,8 +37,9 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -383,10 +384,10 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
 
     Example::
 
-        >>> resolve("nope")
+        >>> resolve("nope")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, cnn, transformer, lab-cnn, lab-vgg, lab-transformer, resnet50, resnet152, vgg16, densenet201, bert-base, ...) or package.module:factory
+        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, ...
     """
     if callable(spec):
         return spec, 32

@@ -23,8 +23,9 @@ Example::
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .bounds import lower_bound
 from .cost import CostModel, retarget
@@ -99,8 +100,8 @@ class Report:
         # again writes the same bytes.
         info = {k: v for k, v in r.plan.info.items()
                 if isinstance(v, (int, float, str, bool)) and k != "solve_s"}
-        extra = {"comm": {"alpha_ms": comm.alpha_ms, "algbw_gbs": comm.algbw_gbs,
-                          "world_size": comm.world_size}, "info": info}
+        extra: dict[str, Any] = {"comm": {"alpha_ms": comm.alpha_ms, "algbw_gbs": comm.algbw_gbs,
+                                          "world_size": comm.world_size}, "info": info}
         if self.problem.charges_cpu:
             extra["comm"].update(cpu_ms_per_block=comm.cpu_ms_per_block,
                                  cpu_ms_per_mb=comm.cpu_ms_per_mb)

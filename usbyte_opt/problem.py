@@ -20,8 +20,9 @@ Example::
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from .cost import CostModel
 from .formats import Block, Buffer, Profile, Schedule, check_against
@@ -80,7 +81,7 @@ class Problem:
     """Derived data computed once per problem (the default layout, scorers)."""
 
     @classmethod
-    def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> "Problem":
+    def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> Problem:
         ts = profile.tensors
         return cls(
             profile=profile,
@@ -120,7 +121,7 @@ class Problem:
         """
         return self.cpu_ms_per_block + self.cpu_ms_per_mb * nbytes / 1e6
 
-    def stretched(self, backward: float = 1.0, forward: float = 1.0) -> "Problem":
+    def stretched(self, backward: float = 1.0, forward: float = 1.0) -> Problem:
         """This problem with the backward's times (``ready``, ``B``) times ``backward``, the
         forward's (``need``, ``update``, ``F``) times ``forward``, and the compute-cost option
         off: how :mod:`usbyte_opt.fastsim` applies what communication cost each phase."""
@@ -195,7 +196,7 @@ class Problem:
         can name the exact tensor whose shape differs from the model's, and the digest of the
         profile it was planned from (``profile_digest``, default: this problem's profile).
         """
-        blocks = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
+        as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         prof = self.profile
         extra = {"shapes": {t.name: list(t.shape) for t in prof.tensors}, **(extra or {})}
         sched = Schedule(
@@ -205,7 +206,7 @@ class Problem:
             fingerprint=prof.fingerprint(),
             world_size=prof.comm.world_size,
             buffers=layout.buffers,
-            blocks=blocks,
+            blocks=as_blocks,
             predicted=dict(predicted or {}),
             buffer_numel=tuple(layout.numel),
             extra=extra,

@@ -45,8 +45,9 @@ Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 from .errors import MismatchError
 from .formats import SCHEDULE_MODES, Block, Profile, Schedule, check_against
@@ -204,7 +205,7 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str) 
             gates.append(ForwardGate(names[i], problem.need[i], avail, t, t - reach_min))
             prev_need = problem.need[i]
         fwd_start = B
-        fwd_end = t + F - prev_need
+        fwd_end = (B if t is None else t) + F - prev_need
         total_upd = 0.0
     else:
         total_upd = sum(upd)

@@ -39,9 +39,10 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..env import TRACE_ENV
 from ..errors import DistributedError, UsbyteError

@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any
 
 from ..errors import FormatError
 
@@ -89,7 +90,7 @@ class Job:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     @classmethod
-    def from_dict(cls, doc: Any, source: str) -> "Job":
+    def from_dict(cls, doc: Any, source: str) -> Job:
         """The job of a JSON object; :class:`~usbyte_opt.errors.FormatError` names the field of
         ``source`` that is missing, unknown or of the wrong type."""
         if not isinstance(doc, Mapping):
@@ -114,7 +115,7 @@ class Job:
         return cls(**values)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Job":
+    def load(cls, path: str | os.PathLike) -> Job:
         """The job in the file at ``path``."""
         from ..formats import read_json
 

@@ -60,8 +60,9 @@ import shutil
 import signal
 import subprocess
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from ..errors import UsbyteError
 
@@ -261,7 +262,7 @@ class Lab:
 
     # -- life cycle --------------------------------------------------------------------------
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         preflight()
         remove_stale(self.prefix)
         self._install_signals()

@@ -11,8 +11,9 @@ time. Right panel: one steady-state iteration of the fastest runtime strategy, p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 
 def available() -> bool:

@@ -54,7 +54,7 @@ Example (two tensors; the output-side block finishes early, the input-side one a
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from collections.abc import Sequence
 
 from ..cost import bandwidth_through
 from ..fastsim import charged

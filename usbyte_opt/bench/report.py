@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..profiler.timing import median, quantile
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP

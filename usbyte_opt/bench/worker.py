@@ -27,8 +27,9 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..env import TRACE_ENV
 from ..launcher import PROGRESS_PREFIX
@@ -155,9 +156,9 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     import torch
     import torch.distributed as dist
 
+    from ..device import resolve_device
     from ..errors import UsbyteError
     from ..formats import load_profile, save_profile, save_schedule, write_json
-    from ..device import resolve_device
     from ..group import init_from_env
     from ..profiler.run import profile_model
     from ..runtime import trace as trace_mod

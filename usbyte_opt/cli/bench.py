@@ -21,7 +21,6 @@ from ..env import AUTO
 from ..strategies import load_builtin
 from . import common
 
-
 #: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
 #: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
 DEFAULT_COLUMNS = ("strategy", "measured ms", "predicted ms", "error", "vs DDP", "vs bound",
@@ -87,8 +86,8 @@ def bench(
         "--verify/--no-verify", help="Let the runtime verify each plan against DDP's buckets in "
                                      "the run and keep the faster (off: every strategy measured "
                                      "as planned).")] = False,
-    wide: bool = common.Wide,
-    as_json: bool = common.Json,
+    wide: common.Wide = False,
+    as_json: common.Json = False,
 ) -> None:
     """Train MODEL with DDP and with each strategy's schedule; report measured against predicted."""
     from ..bench import BenchConfig, default_out_dir, run_bench

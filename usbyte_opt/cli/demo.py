@@ -20,7 +20,6 @@ from ..bench.worker import BEST, REFERENCE, TORCH_DDP
 from ..strategies import load_builtin
 from . import common
 
-
 #: Columns of :func:`explain`'s table.
 EXPLAIN_COLUMNS = ["strategy", "measured ms", "predicted ms", "off ms", "compute ms", "comm ms"]
 
@@ -56,8 +55,11 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
         >>> rows, lines = explain({"runs": runs})
         >>> rows[1]
         ['best', '104.0', '90.0', '+14.0 (+13%)', '+13.0', '+1.0']
-        >>> print("\\n".join(lines))
-        compute dominates the error: +13.0 ms per iteration (88.0 ms measured without communication, 75.0 ms profiled), against at most +7.0 ms from communication. It shifts every strategy alike, so it rarely changes which is fastest; the machine was busier or slower than when profiled.
+        >>> print("\\n".join(lines))  # doctest: +NORMALIZE_WHITESPACE
+        compute dominates the error: +13.0 ms per iteration (88.0 ms measured without communication,
+        75.0 ms profiled), against at most +7.0 ms from communication. It shifts every strategy
+        alike, so it rarely changes which is fastest; the machine was busier or slower than when
+        profiled.
         verdict holds: best predicted 1.11x DDP's speed, measured 1.15x: faster than DDP either way
     """
     runs = {r["strategy"]: r for r in result["runs"]}
@@ -135,8 +137,8 @@ def demo(
     output_dir: Annotated[Optional[Path], typer.Option(
         "--output-dir", "-o", file_okay=False, help="Keep the report, plot, traces and schedules "
                                                     "here (default: nothing is written).")] = None,
-    wide: bool = common.Wide,
-    as_json: bool = common.Json,
+    wide: common.Wide = False,
+    as_json: common.Json = False,
 ) -> None:
     """Profile, plan and train a small model on 2 local ranks; print predicted and measured,
     how far the prediction was off (compute or communication) and whether the verdict

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -19,26 +20,28 @@ from . import common
 
 
 def optimize(
-    profile: Path = typer.Argument(..., help="Profile JSON (see `usbyte-opt schema profile`).",
-                                   dir_okay=False),
-    output: Optional[Path] = typer.Option(None, "--output", "-o", dir_okay=False,
-                                          callback=common.output_file, help="Schedule to write (default: schedules/NAME.json, NAME the profile's name)."),
-    strategy: str = typer.Option("best", "--strategy", "-s",
-                                 help="Strategy whose schedule is written: wfbp, ddp, ddp-tuned, "
+    profile: Annotated[Path, typer.Argument(
+        dir_okay=False, help="Profile JSON (see `usbyte-opt schema profile`).")],
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", "-o", dir_okay=False, callback=common.output_file,
+        help="Schedule to write (default: schedules/NAME.json, NAME the profile's name).")] = None,
+    strategy: Annotated[str, typer.Option(
+        "--strategy", "-s", help="Strategy whose schedule is written: wfbp, ddp, ddp-tuned, "
                                  "mgwfbp, bytescheduler, usbyte or best. ddp-tuned also prints "
                                  "the bucket_cap_mb_list that gives stock PyTorch DDP its "
-                                 "buckets."),
-    world_size: Optional[int] = common.WorldSize,
-    bandwidth_gbps: Optional[float] = common.BandwidthGbps,
-    latency_us: Optional[float] = common.LatencyUs,
-    bucket_cap_mb: float = typer.Option(25.0, "--bucket-cap-mb", min=0.001,
-                                        help="Bucket size of the ddp strategy, MiB (PyTorch's default 25)."),
-    time_budget: float = typer.Option(0.6, "--time-budget", min=0.0,
-                                      help="Seconds of local search for best, at most (it stops "
-                                      "earlier when no move helps)."),
-    trace: Optional[Path] = common.Trace,
-    as_json: bool = common.Json,
-    wide: bool = common.Wide,
+                                 "buckets.")] = "best",
+    world_size: common.WorldSize = None,
+    bandwidth_gbps: common.BandwidthGbps = None,
+    latency_us: common.LatencyUs = None,
+    bucket_cap_mb: Annotated[float, typer.Option(
+        "--bucket-cap-mb", min=0.001, help="Bucket size of the ddp strategy, MiB (PyTorch's "
+                                           "default 25).")] = 25.0,
+    time_budget: Annotated[float, typer.Option(
+        "--time-budget", min=0.0, help="Seconds of local search for best, at most (it stops "
+                                       "earlier when no move helps).")] = 0.6,
+    trace: common.Trace = None,
+    as_json: common.Json = False,
+    wide: common.Wide = False,
 ) -> None:
     """Plan PROFILE with every strategy, compare them, write the schedule of --strategy.
 
@@ -170,7 +173,8 @@ def progress_display(enabled: bool = True, after_s: float = 1.0) -> Iterator[Pro
     if not enabled or not console.err.is_terminal:
         yield lambda event, name, seconds: None
         return
-    from rich.progress import Progress as Bar, SpinnerColumn, TextColumn, TimeElapsedColumn
+    from rich.progress import Progress as Bar
+    from rich.progress import SpinnerColumn, TextColumn, TimeElapsedColumn
 
     lock = threading.Lock()
     state: dict[str, Any] = {"bar": None, "events": [], "tasks": {}}

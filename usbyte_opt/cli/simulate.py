@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 import typer
 
@@ -16,18 +16,18 @@ from . import common
 
 
 def simulate(
-    profile: Path = typer.Argument(..., dir_okay=False, help="Profile JSON."),
-    schedule: Path = typer.Argument(..., dir_okay=False, help="Schedule JSON."),
-    mode: Optional[str] = typer.Option(
-        None, "--mode", help="overlap (each update gated in the next forward) or fence (every "
-        "block, then every update, as DDP); default: the schedule's own mode, the one the "
-        "runtime runs it in."),
-    world_size: Optional[int] = common.WorldSize,
-    bandwidth_gbps: Optional[float] = common.BandwidthGbps,
-    latency_us: Optional[float] = common.LatencyUs,
-    trace: Optional[Path] = common.Trace,
-    as_json: bool = common.Json,
-    wide: bool = common.Wide,
+    profile: Annotated[Path, typer.Argument(dir_okay=False, help="Profile JSON.")],
+    schedule: Annotated[Path, typer.Argument(dir_okay=False, help="Schedule JSON.")],
+    mode: Annotated[Optional[str], typer.Option(
+        "--mode", help="overlap (each update gated in the next forward) or fence (every block, "
+                       "then every update, as DDP); default: the schedule's own mode, the one the "
+                       "runtime runs it in.")] = None,
+    world_size: common.WorldSize = None,
+    bandwidth_gbps: common.BandwidthGbps = None,
+    latency_us: common.LatencyUs = None,
+    trace: common.Trace = None,
+    as_json: common.Json = False,
+    wide: common.Wide = False,
 ) -> None:
     """Predict the iteration time of SCHEDULE on PROFILE (any cluster), with a trace.
 

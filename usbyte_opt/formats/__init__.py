@@ -22,13 +22,36 @@ Example::
     64
 """
 
-from .data import (COMM_BACKENDS, DTYPE_SIZES, PROFILE_FORMAT, SCHEDULE_FORMAT, SCHEDULE_MODES,
-                   VERSION, Block, Buffer, CommSpec, Profile, Schedule, TensorSpec,
-                   check_against, check_coverage, fingerprint)
+from .data import (
+                   COMM_BACKENDS,
+                   DTYPE_SIZES,
+                   PROFILE_FORMAT,
+                   SCHEDULE_FORMAT,
+                   SCHEDULE_MODES,
+                   VERSION,
+                   Block,
+                   Buffer,
+                   CommSpec,
+                   Profile,
+                   Schedule,
+                   TensorSpec,
+                   check_against,
+                   check_coverage,
+                   fingerprint,
+)
 from .files import load_profile, load_schedule, read_json, save_profile, save_schedule, write_json
-from .schema import (MAX_ALGBW_GBS, MAX_ELEMENTS, MAX_GRADIENT_BYTES, MAX_MS, MAX_WORLD_SIZE,
-                     MIN_ALGBW_GBS, parse_profile, parse_schedule, profile_schema,
-                     schedule_schema)
+from .schema import (
+                   MAX_ALGBW_GBS,
+                   MAX_ELEMENTS,
+                   MAX_GRADIENT_BYTES,
+                   MAX_MS,
+                   MAX_WORLD_SIZE,
+                   MIN_ALGBW_GBS,
+                   parse_profile,
+                   parse_schedule,
+                   profile_schema,
+                   schedule_schema,
+)
 
 __all__ = [
     "COMM_BACKENDS", "DTYPE_SIZES", "MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES",

@@ -35,9 +35,21 @@ from pydantic.json_schema import GenerateJsonSchema
 from typing_extensions import NotRequired, TypedDict
 
 from ..errors import FormatError
-from .data import (COMM_BACKENDS, DTYPE_SIZES, PROFILE_FORMAT, SCHEDULE_FORMAT, SCHEDULE_MODES,
-                   VERSION, Block, Buffer, CommSpec, Profile, Schedule, TensorSpec,
-                   check_coverage)
+from .data import (
+    COMM_BACKENDS,
+    DTYPE_SIZES,
+    PROFILE_FORMAT,
+    SCHEDULE_FORMAT,
+    SCHEDULE_MODES,
+    VERSION,
+    Block,
+    Buffer,
+    CommSpec,
+    Profile,
+    Schedule,
+    TensorSpec,
+    check_coverage,
+)
 
 # --------------------------------------------------------------------------------------------
 # Physical bounds: generous for any real cluster, tight enough that planning stays finite and

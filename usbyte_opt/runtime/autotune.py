@@ -42,7 +42,8 @@ import os
 import sys
 import time
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 

@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 

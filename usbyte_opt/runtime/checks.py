@@ -17,9 +17,9 @@ import json
 import math
 import os
 import warnings
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Sequence
 
 import torch
 import torch.distributed as dist
@@ -72,10 +72,10 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
         >>> from usbyte_opt.runtime.default_plan import model_tensors
         >>> s = default_schedule(torch.nn.Linear(3, 2))
         >>> check_model(s, model_tensors(torch.nn.Linear(3, 2)), "s.json")   # matches
-        >>> check_model(s, model_tensors(torch.nn.Linear(4, 2)), "s.json")
+        >>> check_model(s, model_tensors(torch.nn.Linear(4, 2)), "s.json")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.MismatchError: s.json: tensor 'weight': expected shape [2, 3] (schedule), got [2, 4] (model)
+        usbyte_opt.errors.MismatchError: s.json: tensor 'weight': expected shape [2, 3] ..., got [2, 4] (model)
     """
     model = {n: (tuple(s), d) for n, s, d in tensors}
     where: dict[str, tuple[int, int]] = {}
@@ -92,7 +92,7 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
             raise MismatchError(f"{source}: buffers[{b}].tensors[{j}]: tensor {n!r} is not a "
                                 "trainable parameter of the model (frozen, renamed or absent)")
     # Tensors in the model's registration order: "first" as the user reads the model.
-    for n, shape, dt in tensors:
+    for n, _shape, dt in tensors:
         b = where[n][0]
         if dt != schedule.buffers[b].dtype:
             raise MismatchError(f"{source}: tensor {n!r}: expected dtype "
@@ -156,7 +156,7 @@ def agree(group: dist.ProcessGroup | None, digest: str | None, error: BaseExcept
     wait(dist.all_gather(out, mine, group=group, async_op=True),
          f"start-up check (all-gather of {what})", rank, timeout)
     recs = []
-    for r, t in enumerate(out):
+    for t in out:
         raw = bytes(t.cpu().tolist()).rstrip(b"\0")
         try:
             recs.append(json.loads(raw.decode()))

@@ -38,15 +38,14 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UsbyteError
 from .checks import wait as _wait
-
 
 _SERIAL_IDS = itertools.count()
 

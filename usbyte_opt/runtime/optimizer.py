@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -47,8 +48,7 @@ from ..formats import Schedule
 from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
-from .checks import (agree, broadcast_from_rank0, check_model, check_world_size,
-                     resolve_schedule)
+from .checks import agree, broadcast_from_rank0, check_model, check_world_size, resolve_schedule
 from .comm import Channel
 from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit

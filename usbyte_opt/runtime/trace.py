@@ -47,15 +47,16 @@ import os
 import threading
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from ..env import TRACE_ENV
 
 #: Records kept per recorder at most (a long training run keeps its first ones).
 MAX_RECORDS = 200_000
 
-_recorders: "weakref.WeakSet[Recorder]" = weakref.WeakSet()
+_recorders: weakref.WeakSet[Recorder] = weakref.WeakSet()
 _atexit_done = False
 _lock = threading.Lock()
 

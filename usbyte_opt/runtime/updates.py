@@ -17,7 +17,8 @@ runs once the blocks covering it have finished. Three policies:
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist

@@ -9,11 +9,12 @@ same language, and every candidate they weigh is scored by the one scorer
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from ..formats import Block
-from ..problem import Layout, Problem
+from ..problem import Layout
 
 
 @dataclass(slots=True)

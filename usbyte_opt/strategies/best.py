@@ -63,7 +63,7 @@ import math
 import time
 from bisect import bisect_left
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -71,7 +71,7 @@ from ..bounds import lower_bound
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..formats import Block
 from ..problem import Layout, Problem
-from . import Plan, STRATEGIES, register
+from . import STRATEGIES, Plan, register
 from .ddp_tuned import NotApplicable, min_finish
 
 #: Grid of the constructive heuristic, in units of alpha/beta bytes.
@@ -518,8 +518,9 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
             construct(problem, layout, tail, cut * u0, fuse * u0))
     if problem.n > FULL_GRID_TENSORS:
-        fuse = min((c for c in candidates if c[2].startswith("construct")), key=lambda c: c[0])[2]
-        f_best = float(fuse.split("fuse=")[1].rstrip(")"))
+        best_name = min((c for c in candidates if c[2].startswith("construct")),
+                        key=lambda c: c[0])[2]
+        f_best = float(best_name.split("fuse=")[1].rstrip(")"))
         for cut in cuts:
             if (cut, f_best) not in tried:
                 add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
@@ -549,11 +550,11 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     for j, (_, m, name, lay, blocks) in enumerate(starts):
         if j and time.perf_counter() >= deadline:
             break
-        s = scorer_for(problem, lay)
-        blocks = improve(problem, lay, blocks, deadline, m, s)
-        st = s.stats(blocks)
+        scorer = scorer_for(problem, lay)
+        blocks = improve(problem, lay, blocks, deadline, m, scorer)
+        st = scorer.stats(blocks)
         for mode in MODES:    # the search's mode, or the other if these blocks run faster so
-            finals.append((s.score(st, mode), mode, name, lay, blocks))
+            finals.append((scorer.score(st, mode), mode, name, lay, blocks))
     # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
     # terms in another order).
     T_min = min(c[0] for c in finals)

@@ -55,7 +55,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

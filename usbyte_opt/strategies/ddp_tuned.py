@@ -68,8 +68,8 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from ..errors import UsbyteError
 from ..fastsim import scorer_for
@@ -267,7 +267,7 @@ class _State:
     __slots__ = ("X", "f", "lines", "s", "parent", "j")
 
     def __init__(self, X: float, f: float, lines: tuple[tuple[float, float], ...],
-                 s: float | None, parent: "_State | None", j: int):
+                 s: float | None, parent: _State | None, j: int):
         self.X = X            # training-thread charge so far (ms)
         self.f = f            # the channel's free time, without the charge
         self.lines = lines    # stretched free time: max over lines (m, c) of m * s + c
@@ -443,7 +443,7 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
     exact = True
 
     c_byte = cpm / 1e6
-    last = alpha + beta * nb[M - 1]
+    last_run = alpha + beta * nb[M - 1]
 
     def lower(st: _State) -> float:
         """A lower bound on T' of every completion of ``st``: the channel's work left, and,
@@ -455,7 +455,7 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
         if st.j == M:
             return max(s * Bk, st.env(s))
         rem = W - Pb[st.j]
-        a1, a2 = s * Bk, s * r[M - 1] + last
+        a1, a2 = s * Bk, s * r[M - 1] + last_run
         lb = max(a1, a2, st.env(s) + alpha + beta * rem)
         if st.s is None and c_byte > 0:
             k1, k2 = c_byte, c_byte * r[M - 1] / Bk
@@ -505,9 +505,9 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
         if not exact:
             break
     cuts = []
-    st = best_state
-    while st is not None and st.j > 0:
-        cuts.append(st.j)
-        st = st.parent
+    node: _State | None = best_state
+    while node is not None and node.j > 0:
+        cuts.append(node.j)
+        node = node.parent
     cuts.reverse()
     return cuts, best_T + rest, exact

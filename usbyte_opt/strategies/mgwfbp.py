@@ -32,6 +32,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..formats import Block
 from ..problem import Problem
 from . import Plan, register
@@ -60,7 +62,7 @@ def plan(problem: Problem) -> Plan:
     alpha = cost.alpha_ms
     blocks: list[Block] = []
     chan = 0.0                      # when the channel is free (finish of the last closed group)
-    grp = None                      # [buffer, start element, end element, ready of last tensor]
+    grp: list[Any] | None = None    # [buffer, start element, end element, ready of last tensor]
     for i in problem.ready_order():
         b, s, e = layout.pos[i]
         if grp is not None:

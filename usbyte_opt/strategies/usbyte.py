@@ -72,8 +72,9 @@ from __future__ import annotations
 import heapq
 import math
 from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -190,9 +191,9 @@ class USByte:
         """
         n = len(self.numel)
         if rank is None:
-            rank = [0] * n
-            for r, i in enumerate(priority):
-                rank[i] = r
+            rank = [0.0] * n
+            for place, i in enumerate(priority):
+                rank[i] = place
         alpha, numel, beta_el = self.alpha, self.numel, self.beta_el
         ready, tail = self.ready, self.tail
         order = self.order
@@ -211,7 +212,7 @@ class USByte:
             unfinished = n                # tensors with elements not yet sent
             worst = self.B + self.F       # max of finish + tail over the closed blocks
             snaps: list[tuple] = []
-            heap: list[tuple[int, int]] = []
+            heap: list[tuple[float, int]] = []
             done_at = [n] * n if record else None
         else:
             prev, e0 = resume
@@ -296,16 +297,16 @@ class USByte:
             if v > worst:
                 worst = v
         T = self._finish(worst, sent, S, t)
-        out = Outcome(unit, T, blocks, sent, first, priority, snaps)
+        out = Outcome(unit, T, blocks, sent, first, list(priority), snaps)
         if done_at is not None:
-            low = [math.inf] * (n + 1)
+            lows = [math.inf] * (n + 1)
             for i, d in enumerate(done_at):
-                if tail[i] < low[d]:
-                    low[d] = tail[i]
+                if tail[i] < lows[d]:
+                    lows[d] = tail[i]
             for e in range(n - 1, -1, -1):
-                if low[e + 1] < low[e]:
-                    low[e] = low[e + 1]
-            out.done_at, out.min_tail = done_at, low[:n]
+                if lows[e + 1] < lows[e]:
+                    lows[e] = lows[e + 1]
+            out.done_at, out.min_tail = done_at, lows[:n]
         return out
 
     def _lower(self, prev: Outcome, e: int) -> float:
@@ -353,7 +354,7 @@ class USByte:
 
     def search_priority(self, unit: int, start: Outcome | None = None) -> tuple[Outcome, int]:
         """Algorithm 3 from forward order; returns the best outcome and the moves kept."""
-        cur = start if start is not None else self.simulate(unit, self.forward_priority())
+        cur = start if start is not None else self._run(unit, self.forward_priority())
         cur_v = self.value(cur)
         order, ready_sorted, alpha = self.order, self.ready_sorted, self.alpha
         n = len(order)
@@ -394,13 +395,19 @@ class USByte:
                 prio = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
                 rank, by_ready, by_prio = self._ranks(prio)
                 # run it again keeping its states, so later candidates can resume from it
-                cur = self.simulate(unit, prio, resume=(cur, e0), rank=rank)
+                cur = self._run(unit, prio, resume=(cur, e0), rank=rank)
                 cur_v = cand_v
                 moves += 1
                 p = pk + 1                # the paper continues from k - 1
             else:
                 p += 1
         return cur, moves
+
+    def _run(self, unit: int, priority: Sequence[int], **kw: Any) -> Outcome:
+        """:meth:`simulate` without a bound: it always returns an outcome."""
+        out = self.simulate(unit, priority, **kw)
+        assert out is not None
+        return out
 
     def _ranks(self, prio: list[int]):
         """``(rank, by_ready, by_prio)`` for priority ``prio``: each tensor's place in it, the
@@ -460,7 +467,7 @@ def unit_candidates(numel: Sequence[int], lo_ratio: float = 2.0 ** -14) -> list[
         [1000, 500, 250, 125]
     """
     hi = max(numel)
-    out = []
+    out: list[int] = []
     s = float(hi)
     while s >= max(1.0, hi * lo_ratio) - 1e-9:
         v = max(1, int(round(s)))
