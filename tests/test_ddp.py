@@ -17,7 +17,8 @@ from usbyte_opt.formats import Block
 from usbyte_opt.launcher import run_local
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import profile_from_model
-from usbyte_opt.runtime.default_plan import bucket_blocks, make_schedule, split_blocks
+from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
+from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 
 def mlp() -> nn.Module:

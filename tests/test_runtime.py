@@ -29,7 +29,8 @@ from usbyte_opt.runtime import (
     split_blocks,
 )
 from usbyte_opt.runtime.checks import check_model, resolve_schedule
-from usbyte_opt.runtime.default_plan import bucket_blocks, make_schedule
+from usbyte_opt.runtime.default_plan import make_schedule
+from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 
 @pytest.fixture

@@ -31,12 +31,12 @@ from usbyte_opt.launcher import run_local
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
 from usbyte_opt.runtime.default_plan import (
-    bucket_blocks,
     default_schedule,
     make_schedule,
     profile_from_model,
     split_blocks,
 )
+from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 STEPS = 20
 TOL = 1e-5

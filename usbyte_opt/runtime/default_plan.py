@@ -26,17 +26,14 @@ Example::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from ..formats import DTYPE_SIZES, Block, CommSpec, Profile, Schedule, TensorSpec
 from ..problem import Layout, Problem
-
-#: PyTorch DDP's bucket sizes: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and
-#: ``bucket_cap_mb=25``.
-FIRST_BUCKET_BYTES = 1 << 20
-BUCKET_CAP_BYTES = 25 << 20
+from ..strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
+from ..strategies.ddp import buckets as ddp_buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,44 +95,12 @@ def profile_from_model(model: torch.nn.Module, world_size: int = 1, name: str = 
                    {"source": "usbyte_opt.runtime.default_plan"})
 
 
-def bucket_blocks(problem: Problem, layout: Layout, order: Sequence[int] | None = None,
-                  first_bucket_bytes: int = FIRST_BUCKET_BYTES,
-                  bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> list[Block]:
-    """Whole tensors fused into buckets, DDP's way: walk tensors in ``order`` (default: ready
-    order) per buffer, close a bucket once it holds at least the cap (the first bucket of the
-    model 1 MiB, then 25 MiB). Buckets are issued in the order their last tensor gets ready.
-
-    ``layout`` must place the tensors of each buffer in ``order`` (it does when both are the
-    default), so that a bucket is one contiguous range.
-    """
-    order = problem.ready_order() if order is None else list(order)
-    open_: dict[int, list[int]] = {}
-    closed: list[tuple[float, int, Block]] = []
-    cap = first_bucket_bytes
-
-    def close(b: int) -> None:
-        members = open_.pop(b)
-        s = min(layout.pos[i][1] for i in members)
-        e = max(layout.pos[i][2] for i in members)
-        last = max(problem.ready[i] for i in members)
-        closed.append((last, len(closed), Block(b, s, e)))
-
-    for i in order:
-        b = layout.pos[i][0]
-        open_.setdefault(b, []).append(i)
-        if sum(problem.nbytes(j) for j in open_[b]) >= cap:
-            close(b)
-            cap = bucket_cap_bytes
-    for b in list(open_):
-        close(b)
-    closed.sort()
-    return [k for _, _, k in closed]
-
-
 def default_schedule(model: torch.nn.Module, world_size: int = 1,
                      first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                      bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> Schedule:
-    """DDP-like schedule for ``model``: buckets of whole tensors in reverse registration order.
+    """DDP-like schedule for ``model``: DDP's buckets (:func:`usbyte_opt.strategies.ddp.buckets`,
+    one rule for the planner's ``ddp`` strategy and this plan) of whole tensors in reverse
+    registration order.
 
     Args:
         model: the module to plan for (its trainable parameters).
@@ -154,8 +119,8 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
     """
     problem = Problem.from_profile(profile_from_model(model, world_size))
     layout = problem.layout()
-    blocks = bucket_blocks(problem, layout, first_bucket_bytes=first_bucket_bytes,
-                           bucket_cap_bytes=bucket_cap_bytes)
+    blocks = ddp_buckets(problem, layout, first_bucket_bytes=first_bucket_bytes,
+                         bucket_cap_bytes=bucket_cap_bytes)
     return make_schedule(problem, layout, blocks, "default")
 
 

@@ -31,11 +31,17 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from ..formats import Block
-from ..problem import Problem
+from ..problem import Layout, Problem
 from . import Plan, register
 
 MIB = 1 << 20
+#: PyTorch DDP's bucket sizes: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES`` and
+#: ``bucket_cap_mb=25``.
+FIRST_BUCKET_BYTES = 1 << 20
+BUCKET_CAP_BYTES = 25 << 20
 
 
 @register("ddp", "fence", "PyTorch DDP buckets: whole tensors in ready order, 1 MiB then 25 MiB")
@@ -60,13 +66,35 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
     if not bucket_cap_mb > 0 or not first_bucket_mb > 0:
         raise ValueError(f"bucket sizes must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb}, "
                          f"first_bucket_mb={first_bucket_mb}")
-    limits = (int(first_bucket_mb * MIB), int(bucket_cap_mb * MIB))
     layout = problem.layout()
+    blocks = buckets(problem, layout, first_bucket_bytes=int(first_bucket_mb * MIB),
+                     bucket_cap_bytes=int(bucket_cap_mb * MIB))
+    return Plan(layout, blocks, "fence", {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
+                                          "first_bucket_mb": first_bucket_mb})
+
+
+def buckets(problem: Problem, layout: Layout | None = None, order: Sequence[int] | None = None, *,
+            first_bucket_bytes: int = FIRST_BUCKET_BYTES,
+            bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> list[Block]:
+    """DDP's buckets of ``problem`` (the rule of the module docstring), as blocks of ``layout``
+    (default: the problem's default layout, whose buffers hold their tensors in ready order),
+    walking tensors in ``order`` (default: ready order); the runtime's default plan is these.
+
+    Example::
+
+        >>> from usbyte_opt.synthetic import chain_profile
+        >>> pb = Problem.from_profile(chain_profile([100] * 4))        # 400 B each
+        >>> [(k.start, k.end) for k in buckets(pb, first_bucket_bytes=700, bucket_cap_bytes=1000)]
+        [(0, 200), (200, 400)]
+    """
+    limits = (first_bucket_bytes, bucket_cap_bytes)
+    layout = problem.layout() if layout is None else layout
+    order = problem.ready_order() if order is None else list(order)
     # Per buffer (= per dtype): [start element, end element, bytes, index into limits,
     # ready position of the last tensor added].
     open_: dict[int, list[int]] = {}
-    buckets: list[tuple[int, Block]] = []    # closed: (ready position of last tensor, block)
-    for pos, i in enumerate(problem.ready_order()):
+    closed: list[tuple[int, Block]] = []     # (ready position of last tensor, block)
+    for pos, i in enumerate(order):
         b, s, e = layout.pos[i]
         cur = open_.get(b)
         if cur is None:
@@ -78,11 +106,9 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
         cur[2] += (e - s) * layout.itemsize[b]
         cur[4] = pos
         if cur[2] >= limits[cur[3]]:
-            buckets.append((pos, Block(b, cur[0], cur[1])))
+            closed.append((pos, Block(b, cur[0], cur[1])))
             # the next bucket of this dtype uses the next limit (the last one repeats)
             open_[b] = [e, e, 0, min(cur[3] + 1, len(limits) - 1), pos]
     leftovers = sorted(((cur[4], Block(b, cur[0], cur[1])) for b, cur in open_.items()
                         if cur[1] > cur[0]), key=lambda x: x[0])
-    blocks = [blk for _, blk in buckets] + [blk for _, blk in leftovers]
-    return Plan(layout, blocks, "fence", {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
-                                          "first_bucket_mb": first_bucket_mb})
+    return [blk for _, blk in closed] + [blk for _, blk in leftovers]
