@@ -69,7 +69,7 @@ cpu_costs = st.sampled_from([(0.0, 0.0), (0.3, 3.6), (0.6, 9.6), (2.0, 0.0), (0.
 def test_the_programme_equals_brute_force(seed, n, ratio, alpha, cpu):
     prof = with_cpu(random_profile(random.Random(seed), n, comm_ratio=ratio, alpha_ms=alpha), *cpu)
     pb = Problem.from_profile(prof)
-    p = ddp_tuned.plan(pb)
+    p = ddp_tuned.plan(pb, prefer_default=0.0)   # the programme's own optimum
     T = fence(pb, p.layout, p.blocks)
     assert p.info["exact"]
     assert p.info["iteration_ms"] == pytest.approx(T, rel=1e-9)
@@ -125,7 +125,7 @@ def test_tensors_of_equal_ready_time_share_a_bucket():
                                       T("l2.w", 250_000, 2.0, 2.0), T("l2.b", 1000, 2.0, 2.0)),
                    CommSpec("analytic", 2, alpha_ms=0.0, algbw_gbs=1.0))
     pb = Problem.from_profile(prof)
-    p = ddp_tuned.plan(pb)
+    p = ddp_tuned.plan(pb, prefer_default=0.0)
     lay = p.layout
     groups = [[pb.names[i] for i in lay.tensors_of(0, k.start, k.end)] for k in p.blocks]
     assert len(groups) == 3
@@ -320,3 +320,18 @@ def test_a_profile_whose_ready_order_is_not_the_models_gives_other_buckets(tmp_p
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["mismatch"] is not None and "another order" in r.value["mismatch"]
         assert r.value["diff"] == 0.0        # DDP's arithmetic is the same whatever buckets
+
+
+def test_a_gain_within_the_models_error_keeps_ddps_own_buckets():
+    """The optimum predicted faster than DDP's buckets by less than PREFER_DEFAULT: DDP's own."""
+    from usbyte_opt.strategies import ddp
+
+    for seed in range(40):
+        pb = Problem.from_profile(random_profile(random.Random(seed), 12, comm_ratio=1.0))
+        own = ddp_tuned.plan(pb, prefer_default=0.0)
+        kept = ddp_tuned.plan(pb)
+        default = ddp.buckets(pb, kept.layout)
+        if own.info["iteration_ms"] * (1 + ddp_tuned.PREFER_DEFAULT) >= fence(pb, kept.layout, default):
+            assert kept.blocks == default and kept.info["default_buckets"]
+        else:
+            assert kept.blocks == own.blocks and not kept.info["default_buckets"]

@@ -80,6 +80,8 @@ from . import Plan, register
 #: Work (partial plans built plus dominance tests) the compute-cost programme may spend before
 #: it settles for the best plan found (a few tenths of a second).
 MAX_WORK = 100_000
+#: Predicted gain below which DDP's own buckets are kept (see :func:`plan`).
+PREFER_DEFAULT = 0.02
 
 _EPS = 1e-12
 
@@ -161,17 +163,23 @@ def _atoms(problem: Problem, members: Sequence[int], pos: Sequence[tuple[int, in
 
 @register("ddp-tuned", "fence", "stock DDP with the best bucket_cap_mb_list for the profile "
           "(exact DP over bucket boundaries in ready order)")
-def plan(problem: Problem, *, max_work: int = MAX_WORK) -> Plan:
+def plan(problem: Problem, *, max_work: int = MAX_WORK,
+         prefer_default: float = PREFER_DEFAULT) -> Plan:
     """Whole tensors in one ready-ordered buffer, cut into the buckets with the least
     predicted fence-mode time (see the module docstring).
 
     Args:
         problem: the compiled profile; its tensors must have one dtype.
         max_work: cap on the work of the compute-cost programme (:data:`MAX_WORK`).
+        prefer_default: keep DDP's own buckets (``strategies.ddp.buckets``) unless the
+            optimum is predicted faster by more than this fraction: a smaller gain is within
+            the model's error, and DDP's own buckets are as fast as DDP by construction
+            (docs/bench.md, the lab's ddp-tuned rows).
 
     Returns:
         A fence-mode :class:`Plan` that :func:`usbyte_opt.ddp.bucket_caps_mb` accepts;
-        ``info``: ``buckets``, ``iteration_ms`` (the programme's optimum), ``exact``.
+        ``info``: ``buckets``, ``iteration_ms`` (its prediction), ``exact`` (the programme
+        proved its optimum), ``default_buckets`` (DDP's own were kept).
 
     Raises:
         NotApplicable: the profile's tensors have several dtypes.
@@ -193,11 +201,19 @@ def plan(problem: Problem, *, max_work: int = MAX_WORK) -> Plan:
     for j in cuts:
         blocks.append(Block(0, start, atoms.end[j - 1]))
         start = atoms.end[j - 1]
+    sc = scorer_for(problem, layout)
     if T is None:
-        sc = scorer_for(problem, layout)
         T = sc.score(sc.stats(blocks), "fence")
+    if prefer_default > 0:
+        from .ddp import buckets as ddp_buckets
+
+        default = ddp_buckets(problem, layout)
+        T_default = sc.score(sc.stats(default), "fence")
+        if T_default <= T * (1.0 + prefer_default):
+            return Plan(layout, default, "fence", {"buckets": len(default), "iteration_ms": T_default,
+                                                   "exact": exact, "default_buckets": True})
     return Plan(layout, blocks, "fence", {"buckets": len(blocks), "iteration_ms": T,
-                                          "exact": exact})
+                                          "exact": exact, "default_buckets": False})
 
 
 def _uncharged(problem: Problem, atoms: _Atoms, stretch: float = 1.0, alpha_extra: float = 0.0,
