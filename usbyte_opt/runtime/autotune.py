@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from ..env import AUTO_DIR_ENV
 from ..errors import UsbyteError
@@ -368,7 +369,7 @@ class Tuner:
         # Maximum over ranks (the slowest rank gates every collective); -1 marks "none".
         vec = torch.tensor([F, B, step, B_over] + [x if not math.isnan(x) else -1.0 for x in ready]
                            + [x if not math.isnan(x) else -1.0 for x in need], dtype=torch.float64)
-        work = opt._chan.control_all_reduce_max(vec)
+        work = opt._chan.control_all_reduce(vec, dist.ReduceOp.MAX)
         if work is not None:
             opt._chan.wait_host(work, "all-reduce of the tuner's measurements")
         vals = vec.tolist()

@@ -180,20 +180,14 @@ class Channel:
                     cur.wait_stream(s)
         return self._issue(view)
 
-    def control_all_reduce(self, t: torch.Tensor) -> dist.Work | None:
-        """Sum a host tensor over the ranks on the control group (``None`` on one rank)."""
+    def control_all_reduce(self, t: torch.Tensor,
+                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
+        """Reduce a host tensor over the ranks (sum, or ``op``) on the control group (``None``
+        on one rank)."""
         if self.control is None:
             return None
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
-        return self.control.allreduce([t], opts)
-
-    def control_all_reduce_max(self, t: torch.Tensor) -> dist.Work | None:
-        """Maximum of a host tensor over the ranks, on the control group (``None`` on one rank)."""
-        if self.control is None:
-            return None
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
+        opts.reduceOp = op
         return self.control.allreduce([t], opts)
 
     def control_broadcast(self, t: torch.Tensor) -> dist.Work | None:
