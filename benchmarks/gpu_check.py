@@ -27,6 +27,10 @@ the same GPU. The parts, and what each can and cannot catch:
    -n 1``): the CLI flow on a real model, with DDP side by side and CUDA-event timing. Catches
    failures of the flow and a runtime overhead against DDP; at world size 1 it measures no
    communication.
+
+``--smoke`` runs parts 3 and 4 on the CPU instead (gloo, a small model, no CUDA trace): it
+checks the script itself, and the suite runs it, so that a GPU session is not spent on the
+script's own bugs. It says nothing of the CUDA path.
 """
 
 from __future__ import annotations
@@ -180,7 +184,7 @@ def _overlap_ms(trace: dict[str, Any]) -> dict[str, float]:
             "overlap_ms": inter / 1e3, "streams": len(spans)}
 
 
-def two_ranks(rank: int, ws: int, out_dir: str) -> dict[str, Any]:
+def two_ranks(rank: int, ws: int, out_dir: str, device: str = "cuda") -> dict[str, Any]:
     import copy
 
     import torch
@@ -189,15 +193,17 @@ def two_ranks(rank: int, ws: int, out_dir: str) -> dict[str, Any]:
 
     from usbyte_opt.runtime import DistributedOptimizer
 
-    dev = torch.device("cuda", 0)
-    torch.cuda.set_device(dev)
+    cuda = device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(dev)
     torch.manual_seed(0)
     base = _small_model()
     ref, mod = copy.deepcopy(base).to(dev), copy.deepcopy(base).to(dev)
     ddp = DDP(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
     opt = DistributedOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1),
-                               mod, schedule=_schedule(mod, ws))
+                               mod, schedule=_schedule(mod, ws), verify=False)
     g = torch.Generator(device="cpu").manual_seed(rank)
     batches = [(torch.randn(32, 3, 16, 16, generator=g).to(dev),
                 torch.randint(0, 10, (32,), generator=g).to(dev)) for _ in range(4)]
@@ -210,11 +216,12 @@ def two_ranks(rank: int, ws: int, out_dir: str) -> dict[str, Any]:
             calls0 = opt.optimizer_calls
         F.cross_entropy(mod(x), y).backward(); opt.step(); opt.zero_grad()
     opt.synchronize()
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     calls = (opt.optimizer_calls - calls0) / (steps - 4)   # updates of steps 4..11
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
     res: dict[str, Any] = {"diff": diff, "optimizer_calls_per_iteration": calls}
-    if rank == 0:
+    if rank == 0 and cuda:
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -236,10 +243,10 @@ def two_ranks(rank: int, ws: int, out_dir: str) -> dict[str, Any]:
     return res
 
 
-def part_two_ranks(out_dir: str, budget_s: float) -> dict[str, Any]:
+def part_two_ranks(out_dir: str, budget_s: float, device: str = "cuda") -> dict[str, Any]:
     from usbyte_opt.launcher import run_local
 
-    res = run_local(two_ranks, 2, args=(out_dir,), timeout_s=budget_s, pg_timeout_s=120)
+    res = run_local(two_ranks, 2, args=(out_dir, device), timeout_s=budget_s, pg_timeout_s=120)
     return {"ranks": [r.value if r.ok else {"error": f"{r.error_type}: {r.error}",
                                              "trace": (r.trace or "")[-2000:]} for r in res]}
 
@@ -249,11 +256,12 @@ def part_two_ranks(out_dir: str, budget_s: float) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def part_flow(out_dir: str, budget_s: float) -> dict[str, Any]:
+def part_flow(out_dir: str, budget_s: float, device: str = "cuda") -> dict[str, Any]:
     t0 = time.perf_counter()
     bench_dir = os.path.join(out_dir, "bench")
-    cmd = [sys.executable, "-m", "usbyte_opt", "bench", "resnet50", "--device", "cuda", "-n", "1",
-           "-k", "30", "-s", "ddp,best", "--rounds", "3", "--no-reference", "--json",
+    model, k = ("resnet50", "30") if device == "cuda" else ("mlp", "4")
+    cmd = [sys.executable, "-m", "usbyte_opt", "bench", model, "--device", device, "-n", "1",
+           "-k", k, "-s", "ddp,best", "--rounds", "3", "--no-reference", "--json",
            "-o", bench_dir]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=budget_s,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
@@ -264,10 +272,10 @@ def part_flow(out_dir: str, budget_s: float) -> dict[str, Any]:
         return out
     try:
         data = json.loads(proc.stdout)
-        out["measured_ms"] = {k: v.get("median_ms", v) if isinstance(v, dict) else v
-                              for k, v in data.get("measured", {}).items()}
-        out["predicted"] = data.get("predicted")
-    except (ValueError, AttributeError) as e:
+        out["measured_ms"] = {r["strategy"]: round(r["measured_ms"], 2) for r in data["runs"]}
+        out["predicted_ms"] = {r["strategy"]: round(r["predicted_ms"], 2) for r in data["runs"]}
+        out["matches_ddp"] = data.get("correct")
+    except (ValueError, KeyError, TypeError) as e:
         out["parse_error"] = str(e)
         out["stdout"] = proc.stdout[-3000:]
     return out
@@ -282,23 +290,25 @@ def report(res: dict[str, Any]) -> str:
     lines.append(f"torch {env.get('torch')}, {env.get('gpu')}, {env.get('when')}")
     lines.append("")
     p1 = res.get("tests", {})
-    lines.append(f"1. tests/test_runtime_cuda.py: {'ok' if p1.get('ok') else 'FAILED'} "
-                 f"({p1.get('summary', p1.get('error', ''))})")
+    if "tests" in res:
+        lines.append(f"1. tests/test_runtime_cuda.py: {'ok' if p1.get('ok') else 'FAILED'} "
+                     f"({p1.get('summary', p1.get('error', ''))})")
     for f in p1.get("failures", []):
         lines.append(f"   - {f}")
     p2 = res.get("sync_debug", {})
-    for mode in ("overlap", "fence"):
+    for mode in ("overlap", "fence") if "sync_debug" in res else ():
         r = p2.get(mode, {})
         state = "no host sync" if r.get("ok") else f"HOST SYNC at {r.get('where')}: {r.get('error')}"
         lines.append(f"2. sync debug mode, {mode}: {state}")
     if "error" in p2:
         lines.append(f"2. sync debug: FAILED: {p2['error']}")
     p3 = res.get("two_ranks", {})
+    transport = "gloo, CUDA tensors" if "CPU" not in str(env.get("gpu")) else "gloo, CPU"
     for r, v in enumerate(p3.get("ranks", [])):
         if "error" in v:
-            lines.append(f"3. two ranks (gloo, CUDA tensors), rank {r}: FAILED: {v['error']}")
+            lines.append(f"3. two ranks ({transport}), rank {r}: FAILED: {v['error']}")
             continue
-        lines.append(f"3. two ranks (gloo, CUDA tensors), rank {r}: max |runtime - DDP| = "
+        lines.append(f"3. two ranks ({transport}), rank {r}: max |runtime - DDP| = "
                      f"{v['diff']:.3g}; optimizer calls per iteration {v['optimizer_calls_per_iteration']:.1f}")
         if "overlap" in v:
             o = v["overlap"]
@@ -310,7 +320,8 @@ def report(res: dict[str, Any]) -> str:
     p4 = res.get("flow", {})
     if p4.get("ok"):
         lines.append(f"4. {p4.get('command')}: ok in {p4.get('seconds', 0):.0f} s; measured "
-                     f"{p4.get('measured_ms')}")
+                     f"{p4.get('measured_ms')} ms, predicted {p4.get('predicted_ms')} ms, "
+                     f"matches DDP: {p4.get('matches_ddp')}")
     else:
         lines.append(f"4. flow: FAILED: {p4.get('error') or p4.get('stderr', '')[-500:]}")
     return "\n".join(lines) + "\n"
@@ -321,17 +332,29 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-check"), help="output folder")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: "
                                                "tests,sync_debug,two_ranks,flow")
+    ap.add_argument("--smoke", action="store_true",
+                    help="run parts 3 and 4 on the CPU: a check of this script, not of CUDA")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     import torch
 
+    if args.smoke:
+        res: dict[str, Any] = {"env": {"torch": torch.__version__, "gpu": "none (--smoke, CPU)",
+                                       "when": time.strftime("%Y-%m-%d %H:%M")},
+                               "two_ranks": part_two_ranks(args.out, 120, "cpu"),
+                               "flow": part_flow(args.out, 200, "cpu")}
+        text = report(res)
+        Path(args.out, "gpu_check.md").write_text(text)
+        print(text)
+        ok = "error" not in res["two_ranks"] and res["flow"].get("ok") \
+            and all("error" not in r for r in res["two_ranks"]["ranks"])
+        return 0 if ok else 1
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA device: nothing to check", file=sys.stderr)
         return 2
     skip = set(filter(None, args.skip.split(",")))
-    res: dict[str, Any] = {"env": {"torch": torch.__version__,
-                                   "gpu": torch.cuda.get_device_name(0),
-                                   "when": time.strftime("%Y-%m-%d %H:%M")}}
+    res = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
+                   "when": time.strftime("%Y-%m-%d %H:%M")}}
     parts = [("tests", lambda: part_tests(150)), ("sync_debug", part_sync_debug),
              ("two_ranks", lambda: part_two_ranks(args.out, 150)),
              ("flow", lambda: part_flow(args.out, 200))]

@@ -1,9 +1,12 @@
-"""Small builders shared by the planner tests."""
+"""Small builders shared by the planner and CLI tests."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
+
+from usbyte_opt.cli.main import main
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
 from usbyte_opt.problem import Layout
 
@@ -29,3 +32,11 @@ def random_blocks(rng: random.Random, layout: Layout, cuts: int) -> list[Block]:
         blocks += [Block(b, s, e) for s, e in zip(pts, pts[1:])]
     rng.shuffle(blocks)
     return blocks
+
+
+def run_cli(capsys, *argv) -> tuple[int, str, str]:
+    """Run the CLI in-process: (exit code, stdout, stderr)."""
+    with pytest.raises(SystemExit) as e:
+        main(list(argv))
+    out = capsys.readouterr()
+    return e.value.code or 0, out.out, out.err

@@ -6,17 +6,10 @@ import subprocess
 import sys
 
 import pytest
+from helpers import run_cli
 
-from usbyte_opt.cli.main import main
 from usbyte_opt.formats import load_schedule, save_profile
 from usbyte_opt.synthetic import random_profile
-
-
-def run(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        main(list(argv))
-    out = capsys.readouterr()
-    return e.value.code or 0, out.out, out.err
 
 
 @pytest.fixture
@@ -28,7 +21,7 @@ def profile(tmp_path):
 
 def test_optimize_writes_default_path_and_prints_table(capsys, profile, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, out, err = run(capsys, "optimize", str(profile))
+    code, out, err = run_cli(capsys, "optimize", str(profile))
     assert code == 0
     for name in ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte", "best"):
         assert name in out
@@ -40,7 +33,7 @@ def test_optimize_writes_default_path_and_prints_table(capsys, profile, tmp_path
 
 def test_optimize_json_is_pure_json(capsys, profile, tmp_path):
     out_path = tmp_path / "s.json"
-    code, out, _ = run(capsys, "optimize", str(profile), "-o", str(out_path), "--json",
+    code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), "--json",
                        "--strategy", "usbyte", "--world-size", "16", "--bandwidth-gbps", "25")
     assert code == 0
     doc = json.loads(out)
@@ -55,21 +48,21 @@ def test_optimize_json_is_pure_json(capsys, profile, tmp_path):
 
 def test_simulate_and_trace(capsys, profile, tmp_path):
     sched, trace = tmp_path / "s.json", tmp_path / "t.json"
-    run(capsys, "optimize", str(profile), "-o", str(sched), "--json")
-    code, out, _ = run(capsys, "simulate", str(profile), str(sched), "--json", "--trace", str(trace))
+    run_cli(capsys, "optimize", str(profile), "-o", str(sched), "--json")
+    code, out, _ = run_cli(capsys, "simulate", str(profile), str(sched), "--json", "--trace", str(trace))
     assert code == 0
     doc = json.loads(out)
     assert doc["iteration_ms"] == pytest.approx(doc["schedule_predicted_ms"])
     assert doc["lower_bound_ms"] <= doc["iteration_ms"]
     assert json.loads(trace.read_text())["traceEvents"]
-    code, out, _ = run(capsys, "simulate", str(profile), str(sched), "--mode", "fence", "--json")
+    code, out, _ = run_cli(capsys, "simulate", str(profile), str(sched), "--mode", "fence", "--json")
     assert json.loads(out)["iteration_ms"] >= doc["iteration_ms"] - 1e-9
-    code, out, _ = run(capsys, "simulate", str(profile), str(sched))
+    code, out, _ = run_cli(capsys, "simulate", str(profile), str(sched))
     assert "iteration" in out and code == 0
 
 
 def test_schema(capsys):
-    code, out, _ = run(capsys, "schema", "schedule")
+    code, out, _ = run_cli(capsys, "schema", "schedule")
     assert code == 0 and json.loads(out)["title"] == "usbyte-opt schedule"
 
 
@@ -82,7 +75,7 @@ def test_schema(capsys):
 def test_bad_profile_is_one_line_and_writes_nothing(capsys, profile, tmp_path, edit, expected):
     profile.write_text(edit(profile.read_text()))
     out_path = tmp_path / "never.json"
-    code, out, err = run(capsys, "optimize", str(profile), "-o", str(out_path))
+    code, out, err = run_cli(capsys, "optimize", str(profile), "-o", str(out_path))
     assert code == 2
     assert err.count("\n") == 1 and err.startswith("error: ") and expected in err
     assert str(profile) in err and "Traceback" not in err
@@ -93,15 +86,15 @@ def test_schedule_of_another_model(capsys, profile, tmp_path):
     other = tmp_path / "other.json"
     save_profile(random_profile(random.Random(4), 12, name="other"), other)
     sched = tmp_path / "s.json"
-    run(capsys, "optimize", str(other), "-o", str(sched))
-    code, _, err = run(capsys, "simulate", str(profile), str(sched))
+    run_cli(capsys, "optimize", str(other), "-o", str(sched))
+    code, _, err = run_cli(capsys, "simulate", str(profile), str(sched))
     assert code == 3 and err.startswith("error: ") and str(sched) in err
 
 
 def test_unknown_strategy_and_bad_world_size(capsys, profile):
-    code, _, err = run(capsys, "optimize", str(profile), "--strategy", "nope")
+    code, _, err = run_cli(capsys, "optimize", str(profile), "--strategy", "nope")
     assert code == 2 and "expected one of" in err
-    code, _, err = run(capsys, "optimize", str(profile), "--world-size", "1")
+    code, _, err = run_cli(capsys, "optimize", str(profile), "--world-size", "1")
     assert code == 2
 
 

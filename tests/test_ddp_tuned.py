@@ -12,6 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
+from helpers import run_cli
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -19,7 +20,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt import console
 from usbyte_opt import ddp as uddp
-from usbyte_opt.cli.main import main
 from usbyte_opt.errors import MismatchError
 from usbyte_opt.fastsim import scorer_for
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, load_schedule, save_profile
@@ -144,11 +144,11 @@ def test_several_dtypes_are_refused_in_one_line_and_skipped_in_the_comparison(tm
     assert report.results["best"].iteration_ms <= report.results["ddp"].iteration_ms + 1e-9
     path = tmp_path / "mixed.json"
     save_profile(prof, path)
-    code, out, err = run(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"),
+    code, out, err = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"),
                          "--strategy", "ddp-tuned")
     assert code != 0 and "expected one dtype" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s.json").exists()
-    code, out, err = run(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"))
+    code, out, err = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"))
     assert code == 0 and "ddp-tuned: no plan" in err
 
 
@@ -188,11 +188,6 @@ def test_a_capped_search_still_returns_a_plan_no_slower_than_its_seeds():
 # --------------------------------------------------------------------------------------------
 
 
-def run(capsys, *argv):
-    with pytest.raises(SystemExit) as e:
-        main(list(argv))
-    out = capsys.readouterr()
-    return e.value.code or 0, out.out, out.err
 
 
 @pytest.fixture
@@ -212,7 +207,7 @@ def test_optimize_prints_the_bucket_list_and_the_wrap_line_within_100_columns(tm
     for wide in ([], ["--wide"]):
         screen.seek(0)
         screen.truncate()
-        code, _, err = run(capsys, "optimize", str(path), "-o", str(out_path),
+        code, _, err = run_cli(capsys, "optimize", str(path), "-o", str(out_path),
                            "--strategy", "ddp-tuned", *wide)
         assert code == 0, err
         text = screen.getvalue()
@@ -235,7 +230,7 @@ def test_optimize_json_has_the_bucket_list(tmp_path, capsys):
     prof = random_profile(random.Random(5), 20, name="rand", alpha_ms=1.0)
     path = tmp_path / "rand.json"
     save_profile(prof, path)
-    code, out, _ = run(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"), "--json",
+    code, out, _ = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"), "--json",
                        "--strategy", "ddp-tuned")
     assert code == 0
     doc = json.loads(out)
@@ -243,7 +238,7 @@ def test_optimize_json_has_the_bucket_list(tmp_path, capsys):
     assert doc["bucket_cap_mb_list"] == uddp.bucket_caps_mb(load_schedule(tmp_path / "s.json"))
     assert doc["strategies"]["best"]["iteration_ms"] <= \
         doc["strategies"]["ddp-tuned"]["iteration_ms"] + 1e-9
-    code, out, _ = run(capsys, "optimize", str(path), "-o", str(tmp_path / "b.json"), "--json")
+    code, out, _ = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "b.json"), "--json")
     assert "bucket_cap_mb_list" not in json.loads(out)
 
 

@@ -52,7 +52,8 @@ def bench(
              "package.module:factory.")],
     nproc_per_node: Annotated[int, typer.Option(
         "--nproc-per-node", "-n", min=1, help="Ranks to start on this machine (ignored under "
-                                              "torchrun).")] = 2,
+                                              "torchrun). One rank has nothing to schedule: it "
+                                              "checks the flow and the runtime's own cost.")] = 2,
     bandwidth: Annotated[Optional[str], typer.Option(
         "--bandwidth", help="Run in the lab at this link rate (200mbit, 1gbit; root only). "
                             "Default: the ordinary network.")] = None,
