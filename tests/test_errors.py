@@ -219,3 +219,36 @@ def test_retargeting_beyond_physical_bounds_is_one_line(tmp_path, flag, value, f
               str(tmp_path / "s.json"), cwd=tmp_path)
     one_line(res, 2, field)
     assert not (tmp_path / "s.json").exists()
+
+
+def test_profile_a_rank_dying_mid_run_is_named_with_its_cause(work: Path):
+    """Rank 1 exits during the timing; rank 0's collective fails: rank 0 says so in one line
+    and the launcher names rank 1 and how it ended. No traceback, nothing written."""
+    (work / "dying.py").write_text(textwrap.dedent("""
+        import os
+        import torch
+
+        class Net(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b, self.calls = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2), 0
+
+            def forward(self, x):
+                self.calls += 1
+                if os.environ.get("RANK") == "1" and self.calls > 4:
+                    os._exit(7)
+                return self.b(self.a(x))
+
+        def factory(batch_size):
+            return Net(), (torch.randn(batch_size, 8),), lambda out: out.sum()
+    """))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(work))
+    env.pop(DEBUG_ENV, None)
+    res = subprocess.run([sys.executable, "-m", "usbyte_opt", "profile", "dying:factory",
+                          "--nproc-per-node", "2", "--device", "cpu", "-o", "p.json"], cwd=work,
+                         env=env, capture_output=True, text=True, timeout=180)
+    lines = res.stderr.splitlines()
+    assert res.returncode != 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert lines[-1] == "error: rank 1: exited with code 7", res.stderr[-3000:]
+    assert all(ln.startswith("error: ") for ln in lines) and len(lines) <= 2, res.stderr[-3000:]
+    assert not (work / "p.json").exists()

@@ -187,3 +187,20 @@ def test_cuda_without_a_gpu_is_a_clear_error():
         resolve_device("cuda")
     with pytest.raises(UsbyteError, match="expected cpu or cuda"):
         resolve_device("meta")
+
+
+def _sweep_with_own_time_caps(rank: int, ws: int) -> int:
+    # Rank 0 is past its cap at once, rank 1 keeps asking (a tolerance no sample meets): the
+    # ranks must still take the same branches, round by round, and agree on the samples.
+    cap = 1e-6 if rank == 0 else 0.5
+    sw = sweep_allreduce([4096, 1 << 20], repeats=2, warmup=0, max_seconds=cap, rel_tol=0.0)
+    return sum(len(ts) for ts in sw.raw_ms)
+
+
+def test_sweep_rounds_are_decided_together_whatever_each_rank_clock_says():
+    from usbyte_opt.launcher import run_local, values
+    from usbyte_opt.profiler.comm import SMALL_REPEAT_FACTOR
+
+    counts = values(run_local(_sweep_with_own_time_caps, 2, timeout_s=60, pg_timeout_s=20))
+    first_rounds = 2 * SMALL_REPEAT_FACTOR + 2   # 4 KiB is below 1 MiB: more repeats
+    assert counts[0] == counts[1] > first_rounds  # rank 1's extra rounds ran on both

@@ -44,3 +44,22 @@ def barrier(group: Any, device: torch.device, backend: str) -> None:
 
 
 __all__ = ["barrier", "init_from_env"]
+
+
+def collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a collective that failed because another rank stopped or timed out:
+    torch's ``DistError`` family, or the ``RuntimeError`` gloo's transport raises (a peer
+    that closed or reset its connection, a timeout).
+
+    Example::
+
+        >>> collective_failure(RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer"))
+        True
+        >>> collective_failure(RuntimeError("shape mismatch"))
+        False
+    """
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("gloo" in text or "NCCL" in text) and any(
+        s in text for s in ("Connection", "connection", "Timed out", "timed out", "closed", "abort"))

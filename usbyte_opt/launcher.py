@@ -262,8 +262,9 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     Rank 0 keeps the terminal (its progress bars and messages show); the others' output is
     kept aside. When a rank fails the others get a moment to fail on their own (a model that
     fails to build fails on every rank), then are stopped, so nothing waits on a collective
-    that will never come. Returns ``(exit code, message)``: the message is the failing rank's
-    error line when rank 0 itself did not fail (rank 0 has printed its own error).
+    that will never come. Returns ``(exit code, message)``: the message is the error line of
+    the rank that failed first when that is not rank 0 (rank 0 prints its own; when it
+    failed only because that rank stopped, its line says so and this one gives the cause).
     """
     if nproc < 1:
         raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
@@ -272,8 +273,8 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
         return 0, ""
     first = res.failed[0]
     code = res.codes[first] if res.codes[first] > 0 else 1
-    if 0 in res.failed or res.codes[0] > 0:
-        return code, ""  # rank 0 failed on its own and has printed its error
+    if first == 0:
+        return code, ""  # rank 0 failed first, on its own, and has printed its error
     shown = res.errors.get(first) or f"exited with code {res.codes[first]}"
     return code, f"rank {first}: {shown}"
 

@@ -8,6 +8,7 @@ starts ``--nproc-per-node`` ranks on this host itself. Rank 0 shows progress and
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from enum import Enum
 from pathlib import Path
@@ -112,7 +113,7 @@ def profile(
 
     from ..device import resolve_device
     from ..formats import save_profile
-    from ..group import init_from_env
+    from ..group import collective_failure, init_from_env
     from ..profiler import comm as comm_mod
     from ..profiler.run import profile_model
 
@@ -125,7 +126,8 @@ def profile(
         rank = dist.get_rank() if dist.is_initialized() else 0
         sizes = comm_mod.default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)), comm_points)
         bar = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), console=console.err, transient=True, disable=rank != 0)
+                       TimeElapsedColumn(), console=console.err, transient=True,
+                       disable=rank != 0 or not console.err.is_terminal)
         tasks: dict[str, int] = {}
 
         def progress(phase: str, done: int, total: int) -> None:
@@ -140,9 +142,12 @@ def profile(
                                      repeats=repeats, optimizer=optimizer.value, comm_sizes=sizes,
                                      comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
                                      cpu_probe=cpu_probe, progress=progress, stable_s=stable_s)
-            except dist.DistError as e:
+            except RuntimeError as e:
+                if not collective_failure(e):
+                    raise
                 # A rank died or timed out: every survivor lands here, so say it once, plainly.
                 first = str(e).splitlines()[0] if str(e) else ""
+                first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is")[0]
                 raise DistributedError(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); "
                                        "another rank probably stopped or timed out") from e
         if rank != 0:

@@ -240,8 +240,13 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                 done += 1
         if progress:
             progress("all-reduce", done, total)
-    while max_seconds > 0 and time.perf_counter() - t_start < max_seconds:
-        unsure = torch.tensor([1.0 if rel_halfwidth(robust(ts)) > rel_tol else 0.0
+    while max_seconds > 0:
+        # Whether to run another round is decided together: a rank past its time cap asks
+        # for nothing, and the round runs while any rank asks (its own clock alone would let
+        # the ranks take different branches, each then waiting on a collective the other
+        # never issues).
+        over = time.perf_counter() - t_start >= max_seconds
+        unsure = torch.tensor([1.0 if not over and rel_halfwidth(robust(ts)) > rel_tol else 0.0
                                for ts in sweep.raw_ms], dtype=torch.float64)
         unsure = unsure.to(device) if cuda else unsure
         dist.all_reduce(unsure, op=dist.ReduceOp.MAX, group=group)
