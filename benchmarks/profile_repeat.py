@@ -68,7 +68,14 @@ def main() -> None:
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--stable-s", type=float, default=20.0)
+    ap.add_argument("--render", action="store_true",
+                    help="rewrite the .md from the committed .json; no runs")
     a = ap.parse_args()
+    if a.render:
+        old = json.loads((HERE / "profile_repeat.json").read_text())
+        a.model, a.runs = old["model"], len(old["runs"])
+        write(a, old["runs"], old["when"])
+        return
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(a.runs):
@@ -78,6 +85,11 @@ def main() -> None:
                   f"cpu {r['cpu_ms_per_block']:.3f} ms/block + {r['cpu_ms_per_mb']:.3f} ms/MB; "
                   f"best {r['best_mode']} {r['best_ms']:.1f} ms vs ddp {r['ddp_ms']:.1f} ms "
                   f"(load {r['load'][0]:.1f}); {r['wall_s']:.0f} s", flush=True)
+    write(a, runs, time.strftime("%Y-%m-%d %H:%M"))
+
+
+def write(a: argparse.Namespace, runs: list[dict], when: str) -> None:
+    """Write profile_repeat.json and .md from the runs."""
     keys = ("alpha_ms", "algbw_gbs", "cpu_ms_per_block", "cpu_ms_per_mb")
     summary = {}
     for k in keys:
@@ -87,7 +99,7 @@ def main() -> None:
                       "median_stated_spread": sorted(widths)[len(widths) // 2] if widths else None}
     verdicts = {(r["best_mode"], r["beats_ddp"]) for r in runs}
     res = {"model": a.model, "runs": runs, "summary": summary,
-           "same_verdict": len(verdicts) == 1, "when": time.strftime("%Y-%m-%d %H:%M")}
+           "same_verdict": len(verdicts) == 1, "when": when}
     (HERE / "profile_repeat.json").write_text(json.dumps(res, indent=1))
     lines = [f"# Repeated profiles of `{a.model}` (2 CPU ranks)", "",
              f"Written by `python benchmarks/profile_repeat.py --model {a.model} --runs {a.runs}` "
@@ -107,13 +119,14 @@ def main() -> None:
                      f"{fmt(r, 'algbw_gbs', 4)} | {fmt(r, 'cpu_ms_per_block', 3)} | "
                      f"{fmt(r, 'cpu_ms_per_mb', 3)} | {r['best_ms']:.1f} ({r['best_mode']}) | "
                      f"{r['ddp_ms']:.1f} | {'beats DDP' if r['beats_ddp'] else 'not faster than DDP'} |")
-    lines += ["", "| number | min | max | range over runs | median stated spread (95th - 5th) |",
-              "|---|---:|---:|---:|---:|"]
+    lines += ["", "| number | min | max | range over runs | median stated spread (95th - 5th) "
+              "| range within the spread |", "|---|---:|---:|---:|---:|---|"]
     for k, v in summary.items():
         sp = v["median_stated_spread"]
+        within = "-" if sp is None else ("yes" if v["range"] <= sp else
+                                         f"no ({v['range'] / sp:.2f}x the spread)")
         lines.append(f"| {k} | {v['min']:.4f} | {v['max']:.4f} | {v['range']:.4f} | "
-                     f"{sp:.4f} |" if sp is not None else f"| {k} | {v['min']:.4f} | "
-                     f"{v['max']:.4f} | {v['range']:.4f} | - |")
+                     f"{'-' if sp is None else f'{sp:.4f}'} | {within} |")
     said = ", ".join(f"{m} mode, " + ("beats DDP" if b else "not faster than DDP")
                      for m, b in sorted(verdicts))
     lines += ["", f"Same verdict in every run: **{'yes' if res['same_verdict'] else 'no'}** "
