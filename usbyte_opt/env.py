@@ -9,6 +9,9 @@ Every module that reads or sets one of them imports its name from here.
 - :data:`DEBUG_ENV`: set (``usbyte-opt --debug``), every rank keeps its tracebacks.
 - :data:`RANK_ERRORS_ENV`: the folder where each rank under ``usbyte-opt launch`` leaves its
   one-line error for the launcher to print.
+- :data:`LAUNCHED_ENV`: set on ranks that ``--nproc-per-node`` started on this host; a rank
+  whose collective failed because another rank stopped then exits with :data:`PEER_EXIT`
+  and leaves the one line (the other rank's cause) to the launcher.
 
 The ranks' place in the world uses torchrun's own names (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :mod:`usbyte_opt.launcher`
@@ -24,5 +27,9 @@ AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
 TRACE_ENV = "USBYTE_TRACE"
 DEBUG_ENV = "USBYTE_DEBUG"
 RANK_ERRORS_ENV = "USBYTE_RANK_ERRORS"
+LAUNCHED_ENV = "USBYTE_LAUNCHED"
+#: Exit code of a rank started by the launcher whose collective failed because of a peer.
+PEER_EXIT = 75
 
-__all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "RANK_ERRORS_ENV", "SCHEDULE_ENV", "TRACE_ENV"]
+__all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "LAUNCHED_ENV", "PEER_EXIT", "RANK_ERRORS_ENV",
+           "SCHEDULE_ENV", "TRACE_ENV"]

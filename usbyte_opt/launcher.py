@@ -268,13 +268,21 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     """
     if nproc < 1:
         raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
-    res = run_ranks([sys.executable, "-m", "usbyte_opt", *argv], nproc, terminal=True, grace_s=3.0)
+    from .env import LAUNCHED_ENV, PEER_EXIT
+
+    res = run_ranks([sys.executable, "-m", "usbyte_opt", *argv], nproc, terminal=True, grace_s=3.0,
+                    env=dict(os.environ, **{LAUNCHED_ENV: "1"}))
     if not res.failed:
         return 0, ""
-    first = res.failed[0]
+    # The cause: the first rank that failed on its own, not because a peer stopped.
+    causes = [r for r in res.failed if res.codes[r] != PEER_EXIT]
+    if not causes:
+        return 1, (f"rank {res.failed[0]}: a collective failed; another rank stopped or timed out "
+                   "without an error of its own (--debug shows the tracebacks)")
+    first = causes[0]
     code = res.codes[first] if res.codes[first] > 0 else 1
     if first == 0:
-        return code, ""  # rank 0 failed first, on its own, and has printed its error
+        return code, ""  # rank 0 failed on its own and has printed its error
     shown = res.errors.get(first) or f"exited with code {res.codes[first]}"
     return code, f"rank {first}: {shown}"
 
