@@ -198,7 +198,8 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     # to run (13 KiB measured slower than 144 KiB in one quiet run), so single small sizes are
     # not checked; and this shared host has spells of several seconds in which a core runs at
     # half speed, which moves one size's median by up to 2x.
-    ratio = {b: (c.alpha_ms + b / (c.algbw_gbs * 1e6)) / ms for b, ms in c.samples}
+    fit = prof.meta["comm_sweep"]["fit"]
+    ratio = {b: (fit["alpha_ms"] + b / (fit["algbw_gbs"] * 1e6)) / ms for b, ms in c.samples}
     assert 0.5 <= statistics.median(ratio.values()) <= 2.0, ratio
     assert all(1 / 3 <= r <= 3.0 for b, r in ratio.items() if b >= 1 << 20), ratio
     raw = prof.meta["comm_sweep"]["raw_ms"]
@@ -210,6 +211,9 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     # Timed on the channel the runtime's blocks take (gloo: one collective at a time), small
     # sizes in chains of back-to-back calls.
     assert "runtime channel" in prof.meta["comm_sweep"]["channel"]
+    # The alpha planned with: the larger of the idle sweep's and the one under training.
+    assert c.alpha_ms == pytest.approx(max(fit["alpha_ms"], prof.meta["cpu_probe"]["alpha_ms"]),
+                                       rel=1e-5, abs=1e-6)
     assert prof.meta["comm_sweep"]["chain"] == [4] * 5 + [1] * 3
 
 
