@@ -211,9 +211,8 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     # Timed on the channel the runtime's blocks take (gloo: one collective at a time), small
     # sizes in chains of back-to-back calls.
     assert "runtime channel" in prof.meta["comm_sweep"]["channel"]
-    # The alpha planned with: the larger of the idle sweep's and the one under training.
-    assert c.alpha_ms == pytest.approx(max(fit["alpha_ms"], prof.meta["cpu_probe"]["alpha_ms"]),
-                                       rel=1e-5, abs=1e-6)
+    # The alpha planned with is the sweep's; the latency under training is recorded beside it.
+    assert c.alpha_ms == fit["alpha_ms"] and prof.meta["cpu_probe"]["alpha_ms"] >= 0
     assert prof.meta["comm_sweep"]["chain"] == [4] * 5 + [1] * 3
 
 

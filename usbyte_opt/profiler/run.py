@@ -170,19 +170,13 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
         if cpu_probe:
             probe_record = _probe(net, inputs, loss_fn, opt, dev, group, issue, timings, progress,
                                   STABLE_S if stable_s is None else stable_s)
-            # A block's latency while training runs: the probe's chains sent beside training
-            # iterations. Where it exceeds the idle sweep's (gloo on cores the training
-            # threads also need: the channel's threads wait to be scheduled), it is what the
-            # blocks of a real iteration pay, so it is the alpha the planner charges.
+            # A block's latency while training runs (the probe's chains beside training
+            # iterations), recorded, not planned with: as the planning alpha it made the
+            # per-tensor strategies' predictions exact but `best` slower on lab-cnn
+            # (docs/bench.md, "alpha under training").
             loaded = [(int(x["bytes"]), float(x["ms"])) for x in probe_record["samples"]]
-            alpha_loaded = fit_samples(loaded)[0] if len(loaded) >= 2 else 0.0
-            probe_record["alpha_ms"] = _r(alpha_loaded)
-            alpha = comm.alpha_ms
-            if alpha_loaded > alpha:
-                comm_record["fit"]["alpha_under_training_ms"] = alpha_loaded
-                alpha = alpha_loaded
-            comm = dataclasses.replace(comm, alpha_ms=alpha,
-                                       cpu_ms_per_block=probe_record["cpu_ms_per_block"],
+            probe_record["alpha_ms"] = _r(fit_samples(loaded)[0]) if len(loaded) >= 2 else None
+            comm = dataclasses.replace(comm, cpu_ms_per_block=probe_record["cpu_ms_per_block"],
                                        cpu_ms_per_mb=probe_record["cpu_ms_per_mb"])
         del issue
         worst = comm_record["fit"]["max_rel_error"]
