@@ -14,6 +14,7 @@ own measurement at its own world size.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,6 +70,9 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         >>> a, bw = fit_samples(flat)       # 25 MB/s and ~0.5 ms on the large ones
         >>> round(a, 1), round(bw * 1e3, 1)
         (3.5, 25.6)
+        >>> a, bw = fit_samples([(4096, 3.0), (1 << 20, 3.0), (16 << 20, 3.0)])  # no slope at all
+        >>> bw < 10 * (16 << 20) / 3.0 / 1e6
+        True
     """
     import numpy as np
     from scipy.optimize import least_squares
@@ -91,12 +95,18 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
     # smallest message); the rest set the bandwidth.
     latency = b * beta <= alpha / 4
     latency[int(np.argmin(b))] = True
+    bw = 1.0 / (beta * 1e6)
     if (~latency).any():
         alpha = max(0.0, float(np.median(t[latency] - b[latency] * beta)))
-        bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b[~latency], t[~latency])], alpha)
-        if bw is not None:
-            return alpha, bw
-    return alpha, 1.0 / (beta * 1e6)
+        bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b[~latency], t[~latency])],
+                               alpha) or bw
+    # Large messages that took hardly longer than alpha (noise on a busy host) give a line
+    # of near-infinite bandwidth; no channel moves bytes faster than its fastest sample did
+    # counting the whole time, so the bandwidth is the line through zero there.
+    fastest = float(np.max(b / t)) / 1e6
+    if not math.isfinite(bw) or bw > 10 * fastest:
+        bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b, t)], 0.0) or fastest
+    return alpha, bw
 
 
 def bandwidth_through(samples: Sequence[tuple[float, float]], alpha_ms: float) -> float | None:

@@ -78,8 +78,12 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
-    """Write ``profile`` atomically; returns the path."""
-    return write_json(path, profile.to_dict())
+    """Validate ``profile`` as a reader would (a value out of bounds is a
+    :class:`~usbyte_opt.errors.FormatError` naming ``path`` and the field, and nothing is
+    written), then write it atomically; returns the path."""
+    data = profile.to_dict()
+    parse_profile(data, str(path))
+    return write_json(path, data)
 
 
 def load_schedule(path: str | os.PathLike) -> Schedule:
@@ -88,5 +92,8 @@ def load_schedule(path: str | os.PathLike) -> Schedule:
 
 
 def save_schedule(schedule: Schedule, path: str | os.PathLike) -> Path:
-    """Write ``schedule`` atomically; returns the path."""
-    return write_json(path, schedule.to_dict())
+    """Validate ``schedule`` as a reader would, then write it atomically (as
+    :func:`save_profile`); returns the path."""
+    data = schedule.to_dict()
+    parse_schedule(data, str(path))
+    return write_json(path, data)
