@@ -338,26 +338,21 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     import torch
 
+    when = time.strftime("%Y-%m-%d %H:%M")
     if args.smoke:
         res: dict[str, Any] = {"env": {"torch": torch.__version__, "gpu": "none (--smoke, CPU)",
-                                       "when": time.strftime("%Y-%m-%d %H:%M")},
-                               "two_ranks": part_two_ranks(args.out, 120, "cpu"),
-                               "flow": part_flow(args.out, 200, "cpu")}
-        text = report(res)
-        Path(args.out, "gpu_check.md").write_text(text)
-        print(text)
-        ok = "error" not in res["two_ranks"] and res["flow"].get("ok") \
-            and all("error" not in r for r in res["two_ranks"]["ranks"])
-        return 0 if ok else 1
-    if not torch.cuda.is_available():
+                                       "when": when}}
+        parts = [("two_ranks", lambda: part_two_ranks(args.out, 120, "cpu")),
+                 ("flow", lambda: part_flow(args.out, 200, "cpu"))]
+    elif not torch.cuda.is_available():
         print("gpu_check: no CUDA device: nothing to check", file=sys.stderr)
         return 2
+    else:
+        res = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0), "when": when}}
+        parts = [("tests", lambda: part_tests(150)), ("sync_debug", part_sync_debug),
+                 ("two_ranks", lambda: part_two_ranks(args.out, 150)),
+                 ("flow", lambda: part_flow(args.out, 200))]
     skip = set(filter(None, args.skip.split(",")))
-    res = {"env": {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(0),
-                   "when": time.strftime("%Y-%m-%d %H:%M")}}
-    parts = [("tests", lambda: part_tests(150)), ("sync_debug", part_sync_debug),
-             ("two_ranks", lambda: part_two_ranks(args.out, 150)),
-             ("flow", lambda: part_flow(args.out, 200))]
     for name, fn in parts:
         if name in skip:
             continue
@@ -372,6 +367,10 @@ def main() -> int:
     text = report(res)
     Path(args.out, "gpu_check.md").write_text(text)
     print(text)
+    if args.smoke:  # the script's own check: every part it ran must have worked
+        ranks = res.get("two_ranks", {}).get("ranks", [])
+        ok = res.get("flow", {}).get("ok") and ranks and all("error" not in r for r in ranks)
+        return 0 if ok else 1
     return 0
 
 

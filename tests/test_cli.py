@@ -34,7 +34,7 @@ def test_optimize_writes_default_path_and_prints_table(capsys, profile, tmp_path
 def test_optimize_json_is_pure_json(capsys, profile, tmp_path):
     out_path = tmp_path / "s.json"
     code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), "--json",
-                       "--strategy", "usbyte", "--world-size", "16", "--bandwidth-gbps", "25")
+                           "--strategy", "usbyte", "--world-size", "16", "--bandwidth-gbps", "25")
     assert code == 0
     doc = json.loads(out)
     assert set(doc) >= {"strategies", "lower_bound_ms", "chosen", "output"}

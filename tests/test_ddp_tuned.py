@@ -145,7 +145,7 @@ def test_several_dtypes_are_refused_in_one_line_and_skipped_in_the_comparison(tm
     path = tmp_path / "mixed.json"
     save_profile(prof, path)
     code, out, err = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"),
-                         "--strategy", "ddp-tuned")
+                             "--strategy", "ddp-tuned")
     assert code != 0 and "expected one dtype" in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "s.json").exists()
     code, out, err = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"))
@@ -188,8 +188,6 @@ def test_a_capped_search_still_returns_a_plan_no_slower_than_its_seeds():
 # --------------------------------------------------------------------------------------------
 
 
-
-
 @pytest.fixture
 def screen(monkeypatch):
     buf = io.StringIO()
@@ -208,7 +206,7 @@ def test_optimize_prints_the_bucket_list_and_the_wrap_line_within_100_columns(tm
         screen.seek(0)
         screen.truncate()
         code, _, err = run_cli(capsys, "optimize", str(path), "-o", str(out_path),
-                           "--strategy", "ddp-tuned", *wide)
+                               "--strategy", "ddp-tuned", *wide)
         assert code == 0, err
         text = screen.getvalue()
         # the default table and every line around it fit 100 columns (--wide adds columns)
@@ -231,7 +229,7 @@ def test_optimize_json_has_the_bucket_list(tmp_path, capsys):
     path = tmp_path / "rand.json"
     save_profile(prof, path)
     code, out, _ = run_cli(capsys, "optimize", str(path), "-o", str(tmp_path / "s.json"), "--json",
-                       "--strategy", "ddp-tuned")
+                           "--strategy", "ddp-tuned")
     assert code == 0
     doc = json.loads(out)
     assert doc["chosen"] == "ddp-tuned" and doc["mode"] == "fence"

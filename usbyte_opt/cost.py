@@ -101,8 +101,8 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b[~latency], t[~latency])],
                                alpha) or bw
     # Large messages that took hardly longer than alpha (noise on a busy host) give a line
-    # of near-infinite bandwidth; no channel moves bytes faster than its fastest sample did
-    # counting the whole time, so the bandwidth is the line through zero there.
+    # of near-infinite bandwidth. A bandwidth ten times what the fastest sample moved over its
+    # whole time is that, not the channel: then the line through zero stands in.
     fastest = float(np.max(b / t)) / 1e6
     if not math.isfinite(bw) or bw > 10 * fastest:
         bw = bandwidth_through([(float(x), float(y)) for x, y in zip(b, t)], 0.0) or fastest

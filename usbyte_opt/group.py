@@ -43,9 +43,6 @@ def barrier(group: Any, device: torch.device, backend: str) -> None:
         dist.barrier(group=group)
 
 
-__all__ = ["barrier", "init_from_env"]
-
-
 def collective_failure(e: BaseException) -> bool:
     """Whether ``e`` is a collective that failed because another rank stopped or timed out:
     torch's ``DistError`` family, or the ``RuntimeError`` gloo's transport raises (a peer
@@ -63,3 +60,6 @@ def collective_failure(e: BaseException) -> bool:
     text = str(e)
     return isinstance(e, RuntimeError) and ("gloo" in text or "NCCL" in text) and any(
         s in text for s in ("Connection", "connection", "Timed out", "timed out", "closed", "abort"))
+
+
+__all__ = ["barrier", "collective_failure", "init_from_env"]

@@ -49,6 +49,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
+from .env import LAUNCHED_ENV, PEER_EXIT
 from .errors import DistributedError, UsbyteError
 
 #: The address ranks on this host meet at.
@@ -262,14 +263,14 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     Rank 0 keeps the terminal (its progress bars and messages show); the others' output is
     kept aside. When a rank fails the others get a moment to fail on their own (a model that
     fails to build fails on every rank), then are stopped, so nothing waits on a collective
-    that will never come. Returns ``(exit code, message)``: the message is the error line of
-    the rank that failed first when that is not rank 0 (rank 0 prints its own; when it
-    failed only because that rank stopped, its line says so and this one gives the cause).
+    that will never come. The ranks get :data:`~usbyte_opt.env.LAUNCHED_ENV`: a rank whose
+    collective failed only because a peer stopped exits with
+    :data:`~usbyte_opt.env.PEER_EXIT` and prints nothing. Returns ``(exit code, message)``:
+    the message is the error line of the first rank that failed on its own, unless that is
+    rank 0 (which has printed its own), or says that a collective failed when none did.
     """
     if nproc < 1:
         raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
-    from .env import LAUNCHED_ENV, PEER_EXIT
-
     res = run_ranks([sys.executable, "-m", "usbyte_opt", *argv], nproc, terminal=True, grace_s=3.0,
                     env=dict(os.environ, **{LAUNCHED_ENV: "1"}))
     if not res.failed:

@@ -147,9 +147,9 @@ def profile(
                 if not collective_failure(e):
                     raise
                 # A rank died or timed out: every survivor lands here, so say it once, plainly.
-                first = str(e).splitlines()[0] if str(e) else ""
                 if os.environ.get(LAUNCHED_ENV) and not os.environ.get(DEBUG_ENV):
                     raise typer.Exit(PEER_EXIT) from None  # the launcher names the cause
+                first = str(e).splitlines()[0] if str(e) else ""
                 first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is")[0]
                 raise DistributedError(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); "
                                        "another rank probably stopped or timed out") from e

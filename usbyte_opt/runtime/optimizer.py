@@ -256,8 +256,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._grads = g = FlatGrads(sched, self._params, device)
         self._n, self._m = g.n, len(sched.blocks)
         old = getattr(self, "_stepper", None)
-        self._calls_before = getattr(self, "_calls_before", 0) + (old.calls if old is not None else 0)
-        self._stepper = SubsetStepper(self._opt, g, device)
+        self._stepper = SubsetStepper(self._opt, g, device, old.calls if old is not None else 0)
         self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
         self._candidates = [t for t in range(g.n) if self._in_opt[t]]
         self._updates: HostUpdates | StreamUpdates
@@ -350,7 +349,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def optimizer_calls(self) -> int:
         """How many times the wrapped optimizer's ``step()`` has run (subset steps included),
         over every plan this optimizer has run."""
-        return self._calls_before + self._stepper.calls
+        return self._stepper.calls
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self._opt).__name__}, schedule={self.schedule_source}"

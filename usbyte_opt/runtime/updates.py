@@ -44,7 +44,8 @@ class SubsetStepper:
     RMSprop, Adagrad, ... do).
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, grads: FlatGrads, device: torch.device):
+    def __init__(self, optimizer: torch.optim.Optimizer, grads: FlatGrads, device: torch.device,
+                 calls: int = 0):
         self.opt = optimizer
         self.grads = grads
         self.device = device
@@ -56,7 +57,8 @@ class SubsetStepper:
         self.hp: list[dict[str, Any]] = []
         #: Attributes set on the wrapped optimizer for each call (a fused optimizer's found_inf).
         self.attrs: dict[str, Any] = {}
-        self.calls = 0
+        #: Optimizer calls so far (``calls``: those of the plans this one replaces).
+        self.calls = calls
 
     def snapshot(self) -> None:
         """Record the hyperparameters in force now (at ``step()``)."""
