@@ -40,6 +40,9 @@ class StepComm:
         chan: the channel of the collectives.
         passes: backward passes per step.
         find_unused: exchange the usage map each step.
+        wait_in_backward: wait for the step's all-reduce in the end-of-backward callback, so
+            that ``p.grad`` holds the averaged gradients when ``backward()`` returns (DDP's
+            contract).
         flush: applies the previous step's pending updates; returns the tensors it applied
             without the forward having reached them (the stale-use check).
         note_gradient: called with each tensor that gets a gradient (the forward gates learn
@@ -48,9 +51,10 @@ class StepComm:
 
     def __init__(self, schedule: Schedule, grads: FlatGrads, chan: Channel, passes: int,
                  find_unused: bool, flush: Callable[[], list[int]],
-                 note_gradient: Callable[[int], None]):
+                 note_gradient: Callable[[int], None], wait_in_backward: bool = False):
         self.schedule, self.grads, self.chan, self.k = schedule, grads, chan, passes
         self.find_unused = find_unused
+        self.wait_in_backward = wait_in_backward
         self._flush, self._note = flush, note_gradient
         n, m = grads.n, len(schedule.blocks)
         self.n, self.m = n, m
@@ -66,6 +70,9 @@ class StepComm:
         self.works: list[dist.Work | None] = [None] * m
         self.streams: list[Any] = [None] * n
         self.passes = 0                 # backward passes of this step so far
+        #: Backward passes run now accumulate locally (``DistributedOptimizer.no_sync()``).
+        self.no_sync = False
+        self.last = False               # the running pass is the step's last (it communicates)
         self.cb_queued = False          # the final callback of the running pass is queued
         self.started = False            # a gradient arrived since the last step()
         self.issued = False             # every block of this step issued
@@ -92,7 +99,7 @@ class StepComm:
         """The post-accumulate-grad hook of tensor ``t``."""
         count, final, flushed = self.count, self.final, self.flushed_flag
         g = self.grads
-        view, name, k, scale = g.views[t], g.names[t], self.k, self.scale
+        view, name, scale = g.views[t], g.names[t], self.scale
         cuda, device = self.chan.cuda, self.chan.device
 
         def hook(p: torch.Tensor) -> None:
@@ -106,7 +113,7 @@ class StepComm:
                                   "modules that own it); call opt.synchronize() before such a "
                                   "forward")
             count[t] += 1
-            last = self.passes >= k
+            last = self.last
             grad = p.grad
             if grad is not view:
                 g.take(t, grad, scale if last else None)
@@ -133,14 +140,16 @@ class StepComm:
         raise UsbyteError(f"parameter {name!r} got a gradient in backward pass {self.passes} of "
                           f"a step, with backward_passes_per_step={self.k}: the step's "
                           f"all-reduce was issued at the end of pass {self.k}; call step() after "
-                          f"{self.k} backward() calls, or pass the number of backward() calls "
-                          "per step() as backward_passes_per_step")
+                          f"{self.k} backward() calls, pass the number of backward() calls "
+                          "per step() as backward_passes_per_step, or run the passes that only "
+                          "accumulate inside opt.no_sync()")
 
     def begin_pass(self) -> None:
         """First gradient of a backward pass: queue the end-of-backward callback."""
         if not self.started:
             self.begin_step()
         self.passes += 1
+        self.last = self.passes >= self.k and not self.no_sync
         torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
         self.cb_queued = True
 
@@ -161,10 +170,12 @@ class StepComm:
     def end_pass(self) -> None:
         """Autograd final callback: at the end of the step's last pass, issue the rest."""
         self.cb_queued = False
-        if self.passes >= self.k and not self.issued:
+        if self.last and not self.issued:
             if self.probe is not None:
                 self.probe.backward_end(self.next)
             self.finish()
+            if self.wait_in_backward:
+                self.complete("backward()")
 
     def mark_ready(self, t: int) -> None:
         rem = self.rem
@@ -321,6 +332,7 @@ class StepComm:
         self.rem[:] = self.rem0
         self.next = 0
         self.passes = 0
+        self.last = False
         self.cb_queued = False
         self.started = False
         self.issued = False

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import os
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import SCHEDULE_ENV
-from ..errors import DistributedError, MismatchError
+from ..errors import DistributedError, MismatchError, UsbyteError
 from ..formats import Schedule, fingerprint, load_schedule
 from .default_plan import default_schedule
 
@@ -117,6 +118,101 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
     if fp != schedule.fingerprint:
         raise MismatchError(f"{source}: fingerprint: expected {schedule.fingerprint} (schedule), got "
                             f"{fp} (model): names and dtypes agree, so a tensor shape differs")
+
+
+_HINT = ("pass the plain module and do not wrap it (the runtime averages the gradients itself, "
+         "so they would be averaged twice); for stock DDP with planned buckets use "
+         "usbyte_opt.ddp.planned_ddp_kwargs(schedule) where DDP is built, or usbyte_opt.ddp.wrap")
+
+
+def _wrapper_classes() -> dict[type, str]:
+    """The data-parallel wrapper classes of this torch, by the name an error gives them."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: dict[type, str] = {DistributedDataParallel: "DistributedDataParallel"}
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        found[FullyShardedDataParallel] = "FullyShardedDataParallel (FSDP)"
+    except ImportError:  # pragma: no cover - builds without FSDP
+        pass
+    try:
+        from torch.distributed.fsdp import FSDPModule
+
+        found[FSDPModule] = "fully_shard (FSDP2)"
+    except ImportError:  # pragma: no cover - torch before FSDP2's public home
+        pass
+    return found
+
+
+def _sharded_param(p: torch.Tensor) -> str | None:
+    if getattr(p, "_is_flat_param", False) or type(p).__name__ == "FlatParameter":
+        return "FullyShardedDataParallel (FSDP)"
+    if type(p).__name__ == "DTensor" or "DTensor" in (c.__name__ for c in type(p).__mro__):
+        return "fully_shard (FSDP2) or another DTensor sharding"
+    return None
+
+
+def check_not_wrapped(model: torch.nn.Module) -> None:
+    """Raise :class:`~usbyte_opt.errors.UsbyteError` if ``model`` is, contains, or sits inside
+    ``DistributedDataParallel`` or FSDP: the runtime averages the gradients itself.
+
+    Example::
+
+        >>> import torch
+        >>> check_not_wrapped(torch.nn.Linear(2, 2))   # a plain module
+    """
+    classes = _wrapper_classes()
+    kinds = tuple(classes)
+
+    def name_of(obj: object) -> str:
+        return next(v for k, v in classes.items() if isinstance(obj, k))
+
+    for sub_name, sub in model.named_modules():
+        if isinstance(sub, kinds):
+            where = "the model is" if sub is model else f"its submodule {sub_name!r} is"
+            raise UsbyteError(f"model: expected a plain module, but {where} wrapped in "
+                              f"{name_of(sub)}: {_HINT}")
+    for pname, p in model.named_parameters():
+        kind = _sharded_param(p)
+        if kind:
+            raise UsbyteError(f"model: parameter {pname!r} is sharded by {kind}: the runtime "
+                              "averages whole gradients of plain parameters; pass the unsharded "
+                              "module")
+    # A wrapper that already holds the model (a trainer wrapped it first).
+    verdict: dict[type, bool] = {}
+    for obj in gc.get_objects():
+        t = type(obj)  # not isinstance: no __class__ of lazy or deprecated proxies is read
+        hit = verdict.get(t)
+        if hit is None:
+            hit = verdict[t] = issubclass(t, kinds)
+        if hit and obj is not model:
+            if any(m is model for m in obj.modules()):  # type: ignore[attr-defined]
+                raise UsbyteError(f"model: it sits inside a {name_of(obj)} built before this "
+                                  f"optimizer: {_HINT}")
+
+
+def wrapped_now(model: torch.nn.Module, params: dict[str, torch.Tensor] | None) -> str:
+    """What is wrong when ``model`` runs a forward now ('' if nothing): inside a DDP forward,
+    or (with ``params``, the tensors the optimizer was built with) its parameters replaced, as
+    FSDP does when it wraps a model. Cheap: one attribute read unless ``params`` is given."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    active = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if active is not None and any(m is model for m in active.modules()):
+        return (f"the model runs inside DistributedDataParallel (wrapped after the "
+                f"DistributedOptimizer was built): {_HINT}")
+    if params is not None:
+        now = dict(model.named_parameters())
+        for name, p in params.items():
+            q = now.get(name)
+            if q is not p:
+                kind = _sharded_param(q) if q is not None else None
+                return (f"the model's parameter {name!r} is no longer the one the "
+                        f"DistributedOptimizer was built with ({'sharded by ' + kind if kind else 'replaced'} "
+                        "after it was built): build the optimizer on the module as it trains, "
+                        "not wrapped in FSDP")
+    return ""
 
 
 def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> None:

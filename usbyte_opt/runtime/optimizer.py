@@ -33,9 +33,10 @@ the release of optimizers left open at exit; :mod:`.comm` the collectives.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -48,7 +49,15 @@ from ..formats import Schedule
 from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
-from .checks import agree, broadcast_from_rank0, check_model, check_world_size, resolve_schedule
+from .checks import (
+    agree,
+    broadcast_from_rank0,
+    check_model,
+    check_not_wrapped,
+    check_world_size,
+    resolve_schedule,
+    wrapped_now,
+)
 from .comm import Channel
 from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
@@ -86,8 +95,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
       ``step()``, as under DDP.
 
+    With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
+    backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
+    holds the averaged gradients when ``backward()`` returns, for code that reads or changes
+    them without calling :meth:`synchronize` (a trainer that clips with
+    ``torch.nn.utils.clip_grad_norm_`` or logs the gradient norm). Blocks still go out during
+    backward; what is lost is their overlap with the next forward (measured in
+    ``benchmarks/runtime_overhead.md``). The trainer integrations
+    (:mod:`usbyte_opt.integrations`) turn it on.
+
     A loop that never zeroes gradients accumulates them across steps under DDP; here each
     step starts from no gradient (overlap mode).
+
+    **Not under DDP or FSDP.** The runtime averages the gradients itself: a model that is, or
+    sits inside, ``DistributedDataParallel`` or FSDP is refused at construction, and a model
+    wrapped later is refused at its first forward through the wrapper, on every rank (its
+    gradients would be averaged twice, or never).
+
+    **Gradient accumulation** runs as under DDP: backward passes inside :meth:`no_sync`
+    only accumulate, and the first backward outside it communicates; or pass
+    ``backward_passes_per_step``.
 
     Args:
         optimizer: the optimizer to wrap (it keeps the parameter state).
@@ -98,7 +125,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (with a warning).
         process_group: the data-parallel group (default: the whole world).
         backward_passes_per_step: backward passes per ``step()`` (gradient accumulation);
-            communication starts in the last one.
+            communication starts in the last one. Passes inside :meth:`no_sync` are not
+            counted as the last.
         broadcast_buffers: broadcast rank 0's module buffers after each training forward (as
             DDP's ``broadcast_buffers``).
         find_unused_parameters: exchange per-tensor usage each step so that tensors no rank
@@ -123,6 +151,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             prediction every this many iterations (0: never); warns once when they are more
             than 15% apart.
         replan_on_drift: on that warning, plan (or verify) again.
+        wait_in_backward: DDP's gradient contract: the averaged gradients are in ``p.grad``
+            when ``backward()`` returns (see *Gradient access* above).
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -158,7 +188,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  find_unused_parameters: bool = True, timeout: float | timedelta | None = None,
                  one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS,
                  verify: bool = True, auto_dir: str | os.PathLike | None = None,
-                 check_every: int = 200, replan_on_drift: bool = False):
+                 check_every: int = 200, replan_on_drift: bool = False,
+                 wait_in_backward: bool = False):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         if type(model).__name__ == "OptimizedModule" and isinstance(
                 getattr(model, "_orig_mod", None), torch.nn.Module):
@@ -205,6 +236,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                   f"({', '.join(sorted(map(str, devices)))}); expected one "
                                   "device per rank")
             sched, source = resolve_schedule(schedule, model, ws, warn=rank == 0)
+            check_not_wrapped(model)
             check_model(sched, model_tensors(model), source)
             self._check_optimizer()
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
@@ -226,7 +258,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = dict(params)
         self._device = device
         self._options = {"passes": backward_passes_per_step, "find_unused": find_unused_parameters,
-                         "update_groups": update_groups,
+                         "update_groups": update_groups, "wait_in_backward": bool(wait_in_backward),
                          "buffers": list(model.buffers()) if broadcast_buffers and ws > 1 else []}
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
@@ -265,8 +297,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                           o["update_groups"])
         else:
             self._updates = HostUpdates(g, self._stepper, self._chan.wait, self._what)
+        no_sync = getattr(self, "_comm", None) is not None and self._comm.no_sync
         self._comm = StepComm(sched, g, self._chan, o["passes"], o["find_unused"],
-                              self._flush_for_backward, self._note_gradient)
+                              self._flush_for_backward, self._note_gradient,
+                              o["wait_in_backward"])
+        self._comm.no_sync = no_sync
         self._gates = ForwardGates(model, g.params, self._updates, self._chan, o["buffers"],
                                    self._comm.clear_flushed)
         if carried is not None:
@@ -278,6 +313,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._handles = [p.register_post_accumulate_grad_hook(self._comm.hook(t))
                          for t, p in enumerate(g.params)]
         self._handles += self._gates.install()
+        self._handles.append(model.register_forward_pre_hook(_Hook(self._wrapper_check)))
         # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
         # only: a checkpoint may be written by rank 0 alone.
         self._handles.append(model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
@@ -450,6 +486,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if not zi[t] and (include(t) or g.params[t].grad is not None):
                     zi[t] = True
 
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """A context in which backward passes only accumulate gradients locally, as DDP's
+        ``no_sync()``: the first backward outside it communicates the accumulated sum.
+
+        Example (accumulation over 4 micro-batches)::
+
+            for i, (x, y) in enumerate(data):
+                with opt.no_sync() if (i + 1) % 4 else contextlib.nullcontext():
+                    loss_fn(model(x), y).div(4).backward()
+                if (i + 1) % 4 == 0:
+                    opt.step(); opt.zero_grad()
+        """
+        comm = self._comm
+        before = comm.no_sync
+        comm.no_sync = True
+        try:
+            yield
+        finally:
+            self._comm.no_sync = before
+
+    def _wrapper_check(self, *args: Any) -> None:
+        """Forward pre-hook of the model: refuse a forward through DDP or FSDP (a trainer
+        that wrapped the model after this optimizer was built). Every rank runs the same
+        forward, so every rank raises."""
+        what = wrapped_now(self._model, self._params if self._steps == 0 else None)
+        if what:
+            raise UsbyteError(what)
+
     def report(self) -> dict[str, Any]:
         """What the runtime decided and measured: the schedule running, and with auto
         planning or verification the plan, the chosen side (``"plan"`` or ``"fallback"``),
@@ -573,8 +638,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
         self._comm.complete("GradScaler.step()")
         amp.unscale(self._grads, grad_scale, self._chan.device)
-        if (self._chan.cuda and self.mode == "overlap"
-                and amp.supports_found_inf(self._opt)):
+        # A fused optimizer skips on the device, in either mode: no host read of found_inf.
+        if self._chan.cuda and amp.supports_found_inf(self._opt):
             self._stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
             return False
         return amp.skip_on_host(found_inf)

@@ -1,0 +1,129 @@
+"""The one rule of the trainer integrations: which path a schedule runs on, and the log line."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from ..env import AUTO, SCHEDULE_ENV
+from ..errors import UsbyteError
+from ..formats import Schedule, load_schedule
+
+#: The integrations' logger.
+log = logging.getLogger("usbyte_opt.integrations")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Where a trainer runs a schedule.
+
+    Attributes:
+        path: ``"ddp"`` (the trainer's own DDP with the planned buckets) or ``"runtime"``
+            (the usbyte-opt runtime on the plain model).
+        schedule: the schedule, or ``None`` with ``schedule="auto"`` (planned in the run) or
+            none at all (the runtime's DDP-like default plan).
+        source: where the schedule came from (a path, ``auto`` or ``<default schedule>``).
+        why_runtime: why stock DDP cannot express the schedule ('' on the DDP path).
+    """
+
+    path: Literal["ddp", "runtime"]
+    schedule: Schedule | None
+    source: str
+    why_runtime: str = ""
+
+    @property
+    def runtime_schedule(self) -> Schedule | str | None:
+        """What to give :class:`~usbyte_opt.runtime.DistributedOptimizer` as ``schedule``."""
+        if self.schedule is not None:
+            return self.schedule
+        return AUTO if self.source == AUTO else None
+
+    def describe(self, trainer: str) -> str:
+        """The run's one line: which path, with what."""
+        if self.path == "ddp":
+            assert self.schedule is not None
+            n = len(self.schedule.blocks)
+            return (f"usbyte-opt ({trainer}): stock DistributedDataParallel with the schedule's "
+                    f"{n} planned bucket{'s' if n != 1 else ''} ({self.source}, "
+                    f"{self.schedule.strategy})")
+        if self.schedule is None:
+            what = ("planning in the run (schedule auto)" if self.source == AUTO
+                    else "its DDP-like default plan (no schedule given)")
+            return f"usbyte-opt ({trainer}): the usbyte-opt runtime, {what}"
+        n = len(self.schedule.blocks)
+        return (f"usbyte-opt ({trainer}): the usbyte-opt runtime, {n} block{'s' if n != 1 else ''}"
+                f" in {self.schedule.mode} mode ({self.source}, {self.schedule.strategy}); stock "
+                f"DDP cannot run it: {self.why_runtime}")
+
+
+def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
+    """Decide the path of ``schedule``: a :class:`~usbyte_opt.formats.Schedule`, a path,
+    ``"auto"``, or ``None`` (then ``$USBYTE_SCHEDULE``, as ``usbyte-opt launch`` sets it; unset:
+    the runtime's default plan).
+
+    Raises:
+        FormatError: the schedule file is missing or malformed.
+
+    Example::
+
+        >>> import dataclasses, torch
+        >>> from usbyte_opt.runtime import default_schedule
+        >>> s = default_schedule(torch.nn.Linear(4, 4))          # overlap mode
+        >>> resolve(s).path, resolve(dataclasses.replace(s, mode="fence")).path
+        ('runtime', 'ddp')
+    """
+    from ..ddp import expressible
+
+    if schedule is None:
+        schedule = os.environ.get(SCHEDULE_ENV) or None
+    if schedule is None:
+        return Plan("runtime", None, "<default schedule>", "no schedule given")
+    if isinstance(schedule, str) and schedule == AUTO:
+        return Plan("runtime", None, AUTO, "schedule auto is planned in the run")
+    if isinstance(schedule, Schedule):
+        sched, source = schedule, f"<{schedule.strategy} schedule>"
+    else:
+        sched, source = load_schedule(schedule), str(schedule)
+    why = expressible(sched)
+    return Plan("runtime" if why else "ddp", sched, source, why)
+
+
+def runtime_kwargs(options: dict[str, Any], trainer: str) -> dict[str, Any]:
+    """The runtime's options for a trainer: the user's ``options`` (any keyword argument of
+    :class:`~usbyte_opt.runtime.DistributedOptimizer` but ``schedule`` and
+    ``process_group``) with ``wait_in_backward=True``, since trainers read and clip ``p.grad``
+    right after ``backward()``; ``wait_in_backward=False`` is refused for that reason.
+
+    Example::
+
+        >>> runtime_kwargs({"check_every": 0}, "Lightning")
+        {'check_every': 0, 'wait_in_backward': True}
+    """
+    import inspect
+
+    from ..runtime import DistributedOptimizer
+
+    allowed = set(inspect.signature(DistributedOptimizer.__init__).parameters) - {
+        "self", "optimizer", "model", "schedule", "process_group"}
+    for key in options:
+        if key not in allowed:
+            raise UsbyteError(f"{trainer}: runtime option {key!r}: expected one of "
+                              f"{', '.join(sorted(allowed))}")
+    if options.get("wait_in_backward") is False:
+        raise UsbyteError(f"{trainer}: wait_in_backward=False: the trainer reads and clips "
+                          "p.grad right after backward(), which must then hold the averaged "
+                          "gradients")
+    return {**options, "wait_in_backward": True}
+
+
+def log_plan(plan: Plan, trainer: str, rank: int) -> None:
+    """Say which path the run uses: one line on rank 0's stderr (and to the
+    ``usbyte_opt.integrations`` logger at INFO)."""
+    if rank != 0:
+        return
+    line = plan.describe(trainer)
+    log.info(line)
+    print(line, file=sys.stderr, flush=True)
