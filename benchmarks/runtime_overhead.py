@@ -14,6 +14,10 @@ modules.
 
     python benchmarks/runtime_overhead.py            # writes benchmarks/runtime_overhead.md
     python benchmarks/runtime_overhead.py --quick    # fewer rounds, prints only
+    python benchmarks/runtime_overhead.py --only contract   # wait_in_backward's section only
+
+``wait_in_backward=True`` (DDP's gradient contract, what the trainer integrations use) is
+timed against the default and DDP, three arms side by side, in its own section.
 """
 
 from __future__ import annotations
@@ -126,6 +130,127 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
 
 
 # --------------------------------------------------------------------------------------------
+# 2 ranks: DDP's gradient contract (wait_in_backward) against the default
+# --------------------------------------------------------------------------------------------
+
+
+def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str, rounds: int,
+             per_round: int) -> dict:
+    """Three arms in these processes, in steady-state blocks, order rotated each round: DDP,
+    the runtime as it is (communication in flight past ``backward()``), and the runtime with
+    ``wait_in_backward=True`` (averaged gradients when ``backward()`` returns, as DDP)."""
+    arms = {}
+    for key in ("ddp", "deferred", "wait"):
+        torch.manual_seed(0)
+        net, inputs, loss_fn = build(model_name, batch_size)
+        if key == "ddp":
+            arms[key] = (nn.parallel.DistributedDataParallel(net),
+                         torch.optim.AdamW(net.parameters(), lr=1e-3))
+        else:
+            arms[key] = (net, DistributedOptimizer(
+                torch.optim.AdamW(net.parameters(), lr=1e-3), net,
+                schedule=schedule_for(schedule, net, ws), verify=False,
+                wait_in_backward=key == "wait"))
+    batches = make_batches(inputs, rank, per_round)
+    times: dict[str, list[float]] = {k: [] for k in arms}
+    ratio: dict[str, list[float]] = {"wait/deferred": [], "wait/ddp": [], "deferred/ddp": []}
+    keys = list(arms)
+    for r in range(rounds + 1):  # round 0: warm-up
+        cur: dict[str, list[float]] = {k: [] for k in arms}
+        order = keys[r % 3:] + keys[:r % 3]
+        for key in order:
+            net, opt = arms[key]
+            dist.barrier()
+            for i, x in enumerate(batches):
+                t0 = time.perf_counter()
+                loss_fn(net(*x)).backward()
+                opt.step()
+                opt.zero_grad()
+                if r > 0 and i >= 2:
+                    cur[key].append((time.perf_counter() - t0) * 1e3)
+            if isinstance(opt, DistributedOptimizer):
+                opt.synchronize()
+        if r > 0:
+            med = {k: statistics.median(v) for k, v in cur.items()}
+            for k, v in cur.items():
+                times[k] += v
+            ratio["wait/deferred"].append(med["wait"] / med["deferred"])
+            ratio["wait/ddp"].append(med["wait"] / med["ddp"])
+            ratio["deferred/ddp"].append(med["deferred"] / med["ddp"])
+    return {"ratio": ratio, "times": times, "nblocks": len(arms["wait"][1].schedule.blocks),
+            "mode": arms["wait"][1].mode}
+
+
+def contract_section(rounds: int, per_round: int) -> list[str]:
+    """Run :func:`contract` on each model and return its Markdown section."""
+    configs = [("lab-cnn", 16, "default"), ("lab-cnn", 16, "split4-forward"),
+               ("transformer", 4, "default")]
+    load_before = os.getloadavg()[0]
+    rows = []
+    for model, bs, sched in configs:
+        res = values(run_local(contract, 2, args=(model, bs, sched, rounds, per_round),
+                               timeout_s=1800, threads=1))
+        got = {k: _summary(res[0]["ratio"][k] + res[1]["ratio"][k]) for k in res[0]["ratio"]}
+        med = {k: statistics.median(res[0]["times"][k] + res[1]["times"][k]) for k in res[0]["times"]}
+        rows.append((model, bs, sched, res[0]["nblocks"], res[0]["mode"], got, med))
+        print(f"contract {model:12s} {sched:15s} wait/deferred {got['wait/deferred'][0]:.3f} "
+              f"wait/ddp {got['wait/ddp'][0]:.3f} deferred/ddp {got['deferred/ddp'][0]:.3f} "
+              f"(ms: ddp {med['ddp']:.1f}, deferred {med['deferred']:.1f}, wait {med['wait']:.1f})",
+              flush=True)
+    lines = [
+        CONTRACT_BEGIN,
+        "## DDP's gradient contract: `wait_in_backward=True` against the default",
+        "",
+        f"Written by `python benchmarks/runtime_overhead.py --only contract` "
+        f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}; 1-minute load average "
+        f"{load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end). Two gloo ranks "
+        "on loopback, AdamW; three arms in the same two processes, in steady-state blocks of "
+        f"{per_round} iterations (the first 2 dropped), {rounds} rounds, the order rotated each "
+        "round: DDP, the runtime as it is (communication in flight past `backward()`, "
+        "updates in the next forward), and the runtime with `wait_in_backward=True` (the "
+        "end of backward waits for the step's all-reduce, as DDP; what the trainer "
+        "integrations use). Ratios of the blocks' medians per round: median over rounds and "
+        "both ranks, with the quartiles.",
+        "",
+        "| model | batch | schedule | blocks | mode | wait / default (quartiles) | wait / DDP | "
+        "default / DDP | ms/iter: DDP, default, wait |",
+        "|---|---:|---|---:|---|---|---|---|---|",
+    ]
+    for model, bs, sched, nb, mode, got, med in rows:
+        w, wd, dd = got["wait/deferred"], got["wait/ddp"], got["deferred/ddp"]
+        lines.append(f"| {model} | {bs} | {sched} | {nb} | {mode} | **{w[0]:.3f}** ({w[1]:.3f} – "
+                     f"{w[2]:.3f}) | {wd[0]:.3f} ({wd[1]:.3f} – {wd[2]:.3f}) | {dd[0]:.3f} "
+                     f"({dd[1]:.3f} – {dd[2]:.3f}) | {med['ddp']:.1f}, {med['deferred']:.1f}, "
+                     f"{med['wait']:.1f} |")
+    lines += [
+        "",
+        "On loopback the wire is fast, so what waiting at the end of backward gives up, the "
+        "overlap of the last blocks with the next forward, is small; it grows with the share "
+        "of communication that the default overlaps with the forward (a slow network, "
+        "many-block plans).",
+        CONTRACT_END,
+        "",
+    ]
+    return lines
+
+
+CONTRACT_BEGIN = "<!-- wait_in_backward: begin -->"
+CONTRACT_END = "<!-- wait_in_backward: end -->"
+
+
+def _write_contract(lines: list[str]) -> None:
+    """Put the section into runtime_overhead.md, replacing an earlier one."""
+    text = OUT.read_text() if OUT.exists() else ""
+    if CONTRACT_BEGIN in text:
+        head, rest = text.split(CONTRACT_BEGIN, 1)
+        tail = rest.split(CONTRACT_END, 1)[1].lstrip("\n")
+        text = head + "\n".join(lines) + tail
+    else:
+        text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
+    OUT.write_text(text)
+
+
+# --------------------------------------------------------------------------------------------
 # 1 rank: hook cost per tensor
 # --------------------------------------------------------------------------------------------
 
@@ -204,9 +329,18 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations; print only")
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--only", choices=["contract"],
+                    help="run only one section and replace it in the report (contract: "
+                         "wait_in_backward against the default)")
     a = ap.parse_args()
     pairs, rounds = (8, 2) if a.quick else (a.pairs, a.rounds)
     per_round = 6
+    if a.only == "contract":
+        section = contract_section(rounds, per_round)
+        if not a.quick:
+            _write_contract(section)
+            print(f"wrote {OUT}")
+        return
     configs = [("lab-cnn", 16, "default", False), ("lab-cnn", 16, "split4-forward", False),
                ("transformer", 4, "default", False), ("transformer", 4, "split4-forward", False),
                ("lab-cnn", 16, "default", True), ("transformer", 4, "default", True)]
@@ -309,6 +443,7 @@ def main() -> None:
         "less.",
         "",
     ]
+    lines += contract_section(rounds, per_round)
     OUT.write_text("\n".join(lines))
     print(f"wrote {OUT}")
 

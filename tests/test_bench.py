@@ -79,7 +79,7 @@ def test_summarize_errors_and_speedups(tmp_path):
 def test_a_parameter_difference_is_reported_as_incorrect(tmp_path):
     res = summarize(raw_record(diff=0.5), {"kind": "x", "short": "x", "description": "x"}, tmp_path)
     assert res["correct"] is False
-    assert "NOT the same" in markdown(res)
+    assert "differs by 0.5 from `ddp`" in markdown(res)
 
 
 def test_compare_trace_aligns_measured_to_backward_start():
@@ -226,3 +226,19 @@ def test_gpu_check_smoke_runs_its_two_rank_and_flow_parts_on_cpu(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     text = (tmp_path / "gpu_check.md").read_text()
     assert "max |runtime - DDP| = 0" in text and "matches DDP: True" in text
+
+
+def unseeded_factory(batch_size: int):
+    """A factory that does not seed itself (random weights on every call)."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return model, (torch.randn(batch_size, 8),), lambda out: out.pow(2).mean()
+
+
+def test_trainees_of_a_factory_that_does_not_seed_start_from_the_same_weights():
+    from usbyte_opt.bench.train import Trainee
+
+    torch.manual_seed(123)
+    a = Trainee("x", "local", unseeded_factory, 4, torch.device("cpu"), "sgd")
+    torch.randn(100)   # whatever ran in between
+    b = Trainee("y", "local", unseeded_factory, 4, torch.device("cpu"), "sgd")
+    assert all(torch.equal(p, q) for p, q in zip(a.plain.parameters(), b.plain.parameters()))

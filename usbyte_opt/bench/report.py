@@ -153,6 +153,32 @@ COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "predicted ms", "m
            "max |Δparam|"]
 
 
+def training_verdict(result: dict) -> str:
+    """The equality line: every strategy has the "same parameters as" the reference (the
+    largest difference within the tolerance), or which one "differs by" how much.
+
+    Example::
+
+        >>> r = {"reference": "ddp", "param_tolerance": 1e-5, "runs": [
+        ...     {"strategy": "best", "max_param_diff": 0.0},
+        ...     {"strategy": "wfbp", "max_param_diff": 0.38}]}
+        >>> training_verdict(r)
+        'wfbp differs by 0.38 from `ddp` (more than 1e-05 in some parameter)'
+        >>> training_verdict({**r, "runs": r["runs"][:1]})
+        'same parameters as `ddp` in every run (largest difference 0)'
+    """
+    ref, tol = result["reference"], result["param_tolerance"]
+    checked = [(r["max_param_diff"], r["strategy"]) for r in result["runs"]
+               if r.get("max_param_diff") is not None]
+    bad = [(d, s) for d, s in checked if d > tol]
+    if bad:
+        d, s = max(bad)
+        others = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        return f"{s} differs by {d:.3g} from `{ref}`{others} (more than {tol:g} in some parameter)"
+    worst = max((d for d, _ in checked), default=0.0)
+    return f"same parameters as `{ref}` in every run (largest difference {worst:.3g})"
+
+
 def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
     """The Markdown report of one benchmark run."""
     net = result["network"]
@@ -191,9 +217,7 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         lines.append("| " + " | ".join(row) + " |")
     lines.append("")
     if result["correct"] is not None:
-        verdict = "the same" if result["correct"] else "NOT the same"
-        lines.append(f"Training: every run ends with {verdict} parameters as `{result['reference']}` "
-                     f"(largest difference within {result['param_tolerance']:g}).")
+        lines.append(f"Training: {training_verdict(result)}.")
     ref = next((r for r in result["runs"] if r["strategy"] == REFERENCE), None)
     if ref is not None:
         lines.append(f"Compute alone (`no-comm`: every rank trains without communication, side by side): "

@@ -1,7 +1,8 @@
 """Real training, timed: PyTorch DDP, the runtime with a schedule, or no communication at all.
 
 Runs inside an initialised process group, on every rank. Each :class:`Trainee` owns a fresh
-copy of the model (the factory seeds it, so every trainee starts from the same weights), its
+copy of the model (seeded with :data:`SEED` before the factory runs, so every trainee starts
+from the same weights even when the factory does not seed itself), its
 own optimizer and the same sequence of rank-dependent batches, so after the same number of
 steps every trainee must hold the same parameters (the runtime's guarantee; DDP is the
 reference).
@@ -30,6 +31,8 @@ from ..profiler.optimizers import make_optimizer
 
 #: Distinct batches each trainee cycles through (rank-dependent, same for every trainee).
 BATCHES = 4
+#: The seed set before each trainee's model is built.
+SEED = 0
 
 
 class Trainee:
@@ -54,6 +57,8 @@ class Trainee:
                  device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
                  rank: int = 0, verify: bool = False):
         self.name, self.kind = name, kind
+        # Every trainee from the same weights, whether or not the factory seeds itself.
+        torch.manual_seed(SEED)
         model, inputs, self.loss_fn = build(spec, batch_size, device)
         self.batches = make_batches(inputs, rank, BATCHES)
         self.plain = model
