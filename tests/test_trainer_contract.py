@@ -301,3 +301,22 @@ def test_expressible_says_why_not():
     s = tuned(m, 2)
     assert uddp.expressible(s) == ("" if uddp.supports_bucket_list() else uddp.expressible(s))
     assert "mode" in uddp.expressible(dataclasses.replace(s, mode="overlap"))
+
+
+def no_caps(rank: int, ws: int) -> str:
+    m = Chain()
+    d = DDP(m)   # built without the planned caps
+    for _ in range(2):
+        d(torch.randn(4, 32)).sum().backward()
+    try:
+        uddp.check_buckets(d, tuned(m, ws))
+    except MismatchError as e:
+        return str(e)
+    return ""
+
+
+@needs_list
+def test_check_buckets_names_a_ddp_built_without_the_caps():
+    for r in run_local(no_caps, 2, timeout_s=120):
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        assert "built without the schedule's bucket_cap_mb_list" in r.value, r.value

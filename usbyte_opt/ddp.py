@@ -254,6 +254,13 @@ def _final(ddp_model: Any) -> bool:
     return bool(ddp_model.find_unused_parameters) and not bool(ddp_model.static_graph)
 
 
+def _caps_given(ddp_model: Any) -> list[int] | None:
+    """The per-bucket caps (bytes) DDP was built with, where this torch says (else None)."""
+    config = getattr(ddp_model, "_bucket_config", None)
+    caps = getattr(config, "per_bucket_bytes_caps", None)
+    return None if caps is None else [int(c) for c in caps]
+
+
 def rebuilt_bucket_sizes(ddp_model: Any) -> list[int]:
     """The sizes (bytes) of DDP's buckets, in all-reduce order, read from its reducer: the
     rebuilt ones from the second iteration's forward on."""
@@ -282,7 +289,12 @@ def check_buckets(ddp_model: Any, schedule: Schedule) -> None:
                                     f"block {k} (same size): gradients became ready in another "
                                     "order than the profile's")
         return
-    if ddp_model.find_unused_parameters and not ddp_model.static_graph:
+    caps = _caps_given(ddp_model)
+    planned_caps = sorted(int(c * _MB) for c in bucket_caps_mb(schedule))
+    if caps is not None and sorted(caps) != planned_caps:
+        why = ("DDP was built without the schedule's bucket_cap_mb_list; build it with "
+               "usbyte_opt.ddp.planned_ddp_kwargs(schedule)")
+    elif ddp_model.find_unused_parameters and not ddp_model.static_graph:
         why = ("find_unused_parameters=True: DDP keeps its first buckets (registration order "
                "reversed); build it with usbyte_opt.ddp.planned_ddp_kwargs(schedule, model, "
                "find_unused_parameters=True)")

@@ -1,0 +1,300 @@
+"""``usbyte_opt.integrations.accelerate.prepare`` in the loop Accelerate's docs show
+(``accelerator.accumulate``, ``accelerator.backward``, ``accelerator.clip_grad_norm_``, a
+prepared DataLoader and LR scheduler, ``save_state`` / ``load_state``), against Accelerate's
+own DDP, on two gloo ranks (``Accelerator(cpu=True)`` on the process group run_local made):
+a runtime schedule in overlap mode and a ddp-tuned schedule with several buckets give the
+same parameters and clip norms as Accelerate's DDP, bitwise; a resumed run equals the
+uninterrupted one; and the example runs under ``usbyte-opt launch``."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib.util
+import io
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+pytest.importorskip("accelerate")
+
+from usbyte_opt import ddp as uddp  # noqa: E402
+from usbyte_opt.errors import UsbyteError  # noqa: E402
+from usbyte_opt.formats import save_schedule  # noqa: E402
+from usbyte_opt.launcher import free_port, run_local  # noqa: E402
+from usbyte_opt.problem import Problem  # noqa: E402
+from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
+from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
+from usbyte_opt.strategies.ddp import buckets as bucket_blocks  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLE = ROOT / "examples" / "accelerate_train.py"
+ACCUM, STEPS, SAVE_AT = 3, 8, 4
+
+
+class Net(nn.Module):
+    """BatchNorm; gradients become ready in reverse registration order."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn1 = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.bn2 = nn.BatchNorm2d(8)
+        self.fc1 = nn.Linear(8 * 16, 32)
+        self.fc2 = nn.Linear(32, 5)
+
+    def forward(self, x):
+        x = F.relu(self.bn2(self.conv2(F.relu(self.bn1(self.conv1(x))))))
+        return self.fc2(F.relu(self.fc1(F.max_pool2d(x, 2).flatten(1))))
+
+
+def schedules(tmp: str, ws: int) -> dict[str, str]:
+    """A runtime schedule (every tensor cut in 3 blocks, overlap mode) and a ddp-tuned one
+    (4 buckets), as files."""
+    pb = Problem.from_profile(profile_from_model(Net(), ws))
+    lay = pb.layout()
+    runtime = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 3), "test"),
+                                  mode="overlap")
+    tuned = dataclasses.replace(make_schedule(pb, lay, bucket_blocks(
+        pb, lay, first_bucket_bytes=600, bucket_cap_bytes=2000), "ddp-tuned"), mode="fence")
+    out = {}
+    for name, s in (("runtime", runtime), ("tuned", tuned)):
+        out[name] = str(save_schedule(s, os.path.join(tmp, f"{name}.json")))
+    return out
+
+
+def fresh_accelerator(**kwargs):
+    """A new Accelerator: its state is process-wide (AcceleratorState, PartialState,
+    GradientState), so each run in this process starts from a clean one; PartialState finds
+    the process group run_local initialised and keeps it."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    return Accelerator(cpu=True, **kwargs)
+
+
+def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
+          resume: bool = False, **accelerator_kwargs) -> dict:
+    """Accelerate's loop, ``STEPS`` optimizer steps of ``ACCUM`` micro-batches (a resumed run:
+    the steps after ``SAVE_AT``). ``how``: "baseline" (accelerator.prepare: Accelerate's own
+    DDP) or "usbyte" (usbyte_opt's prepare)."""
+    from usbyte_opt.integrations.accelerate import prepare, runtime_optimizer, synchronize
+
+    acc = fresh_accelerator(gradient_accumulation_steps=ACCUM, **accelerator_kwargs)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
+    g = torch.Generator().manual_seed(7)
+    n = 4 * ACCUM * STEPS * acc.num_processes
+    data = torch.utils.data.TensorDataset(torch.randn(n, 3, 8, 8, generator=g),
+                                          torch.randint(0, 5, (n,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        if how == "baseline":
+            model, opt = acc.prepare(model, opt)
+        else:
+            model, opt = prepare(acc, model, opt, schedule=schedule, verify=False)
+    loader, lr = acc.prepare(loader, lr)
+    ckpt = os.path.join(tmp, f"ckpt-{os.path.basename(schedule or how)}")
+    if resume:
+        acc.load_state(ckpt)
+        loader = acc.skip_first_batches(loader, SAVE_AT * ACCUM)
+    norms = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UsbyteWarning)   # watch_buckets: DDP's buckets unplanned
+        for x, y in loader:
+            with acc.accumulate(model):
+                loss = F.cross_entropy(model(x), y) * 4.0
+                acc.backward(loss)
+                if acc.sync_gradients:
+                    norms.append(acc.clip_grad_norm_(model.parameters(), 1.0).item())
+                opt.step()
+                lr.step()
+                opt.zero_grad()
+            if save and acc.sync_gradients and len(norms) == SAVE_AT:
+                acc.save_state(ckpt)    # mid-run, then training goes on
+    synchronize(opt)
+    net = acc.unwrap_model(model)
+    out = {"params": [p.detach().clone() for p in net.parameters()],
+           "buffers": [b.detach().clone() for b in net.buffers()],
+           "norms": norms, "type": type(model).__name__, "log": err.getvalue()}
+    dopt = runtime_optimizer(opt)
+    if dopt is not None:
+        out["calls"] = dopt.optimizer_calls
+        out["mode"] = dopt.mode
+        # marked prepared: accelerator.prepare again wraps neither
+        out["again"] = acc.prepare(model) is model and acc.prepare(opt) is opt
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        out["sizes"] = uddp.rebuilt_bucket_sizes(model)
+    return out
+
+
+def diff(a: dict, b: dict, rank: int) -> float:
+    """Max difference of parameters (every rank) and buffers (rank 0: DDP's other ranks keep
+    their own statistics)."""
+    ds = [(p - q).abs().max().item() for p, q in zip(a["params"], b["params"])]
+    if rank == 0:
+        ds += [(p.float() - q.float()).abs().max().item() for p, q in zip(a["buffers"], b["buffers"])]
+    return max(ds)
+
+
+def misuse(tmp: str, sched: dict[str, str]) -> list[str]:
+    """Setups refused in one line on every rank."""
+    from accelerate.utils import DistributedDataParallelKwargs, GradientAccumulationPlugin
+
+    from usbyte_opt.integrations.accelerate import prepare
+
+    msgs = []
+    cases = [
+        ({}, lambda acc, m, o: (m, acc.prepare(o)), sched["runtime"]),
+        ({"kwargs_handlers": [DistributedDataParallelKwargs(bucket_cap_mb=5)]},
+         lambda acc, m, o: (m, o), sched["tuned"]),
+        ({"gradient_accumulation_plugin": GradientAccumulationPlugin(num_steps=2,
+                                                                     sync_each_batch=True)},
+         lambda acc, m, o: (m, o), sched["runtime"]),
+        ({}, lambda acc, m, o: (m, o), sched["runtime"], {"backward_passes_per_step": 2}),
+    ]
+    for kw, pre, s, *opts in cases:
+        acc = fresh_accelerator(**kw)
+        m = Net()
+        m, o = pre(acc, m, torch.optim.SGD(m.parameters(), lr=0.1))
+        try:
+            prepare(acc, m, o, schedule=s, **(opts[0] if opts else {}))
+            msgs.append("")
+        except UsbyteError as e:
+            msgs.append(str(e))
+    return msgs
+
+
+def cases(rank: int, ws: int, tmp: str) -> dict:
+    from usbyte_opt.formats import load_schedule
+
+    os.environ["OMP_NUM_THREADS"] = "1"     # as run_local set torch's (Accelerate checks)
+    sched = schedules(tmp, ws)
+    base = train(tmp, "baseline", None)
+    out: dict = {"base_norms": base["norms"], "misuse": misuse(tmp, sched)}
+    for name in ("runtime", "tuned"):
+        full = train(tmp, "usbyte", sched[name], save=True)
+        resumed = train(tmp, "usbyte", sched[name], resume=True)
+        out[name] = {k: v for k, v in full.items() if k not in ("params", "buffers")}
+        out[name]["diff"] = diff(full, base, rank)
+        out[name]["resume_diff"] = diff(resumed, full, rank)
+        out[name]["resume_norms"] = resumed["norms"]
+    # find_unused_parameters=True in the user's handler: DDP keeps its first buckets, the
+    # caps follow the registration order; bf16 autocast: Accelerate's mixed precision
+    from accelerate.utils import DistributedDataParallelKwargs
+
+    unused = [DistributedDataParallelKwargs(find_unused_parameters=True)]
+    found = train(tmp, "usbyte", sched["tuned"], kwargs_handlers=unused)
+    out["unused"] = {"diff": diff(found, base, rank), "norms": found["norms"] == base["norms"],
+                     "sizes": found["sizes"]}
+    bf16 = {"mixed_precision": "bf16"}
+    base16, run16 = train(tmp, "baseline", None, **bf16), train(tmp, "usbyte", sched["runtime"], **bf16)
+    out["bf16"] = {"diff": diff(run16, base16, rank), "norms": run16["norms"] == base16["norms"],
+                   "vs_fp32": diff(base16, base, rank)}
+    out["planned"] = [b.end - b.start for b in load_schedule(sched["tuned"]).blocks]
+    out["runtime_blocks"] = len(load_schedule(sched["runtime"]).blocks)
+    return out
+
+
+def test_prepare_trains_like_accelerates_ddp_on_both_paths_and_resumes(tmp_path: Path):
+    rs = run_local(cases, 2, args=(str(tmp_path),), timeout_s=240)
+    for r in rs:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        v = r.value
+        base = v["base_norms"]
+        assert len(base) == STEPS and max(base) > 1.0          # clipping engaged
+        rt, tu = v["runtime"], v["tuned"]
+        # runtime, overlap mode: the plain model, step() only on syncing micro-batches
+        assert rt["type"] == "Net" and rt["mode"] == "overlap" and rt["again"]
+        assert rt["calls"] == STEPS
+        # ddp-tuned: Accelerate's DDP, whose rebuilt buckets are the planned blocks
+        assert tu["type"] == "DistributedDataParallel"
+        assert len(v["planned"]) >= 3
+        assert tu["sizes"] == [4 * n for n in v["planned"]]
+        for case in (rt, tu):
+            assert case["norms"] == base                       # bitwise, every step
+            assert case["diff"] == 0.0
+            assert case["resume_diff"] == 0.0
+            assert case["resume_norms"] == base[SAVE_AT:]
+        if r.rank == 0:
+            assert (f"the usbyte-opt runtime, {v['runtime_blocks']} blocks in overlap mode"
+                    in rt["log"])
+            assert f"stock DistributedDataParallel with the schedule's {len(v['planned'])} " \
+                   "planned buckets" in tu["log"]
+        else:
+            assert rt["log"] == tu["log"] == ""
+        # find_unused_parameters=True (planned caps in registration order) and bf16 autocast
+        assert v["unused"]["sizes"] == tu["sizes"] and v["unused"]["norms"]
+        assert v["unused"]["diff"] == 0.0
+        assert v["bf16"]["diff"] == 0.0 and v["bf16"]["norms"]
+        assert v["bf16"]["vs_fp32"] > 0.0       # autocast did run
+        m = v["misuse"]
+        assert "already prepared (AcceleratedOptimizer)" in m[0]
+        assert "DistributedDataParallelKwargs(bucket_cap_mb=5)" in m[1]
+        assert "sync_each_batch=True" in m[2]
+        assert "backward_passes_per_step" in m[3]
+        assert all(x and "\n" not in x for x in m)
+    assert rs[0].value["misuse"] == rs[1].value["misuse"]
+
+
+# --------------------------------------------------------------------------------------------
+# The example, under `usbyte-opt launch` (torchrun with $USBYTE_SCHEDULE)
+# --------------------------------------------------------------------------------------------
+
+
+def example_module():
+    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def start(module: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", module, *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+
+def test_the_example_runs_under_usbyte_opt_launch_like_accelerates_ddp(tmp_path: Path):
+    ex = example_module()
+    model = ex.make_model("tiny")
+    pb = Problem.from_profile(profile_from_model(model, 2))
+    lay = pb.layout()
+    sched = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 2), "test"),
+                                mode="overlap")
+    path = save_schedule(sched, tmp_path / "s.json")
+    args = ("--size", "tiny", "--steps", "4", "--accum", "2", "--report")
+    # usbyte-opt launch (torchrun, $USBYTE_SCHEDULE) and, side by side, plain torchrun --baseline
+    runs = {"usbyte": start("usbyte_opt", "launch", "--schedule", str(path), "--nproc-per-node", "2",
+                            "--master-port", str(free_port()), str(EXAMPLE), *args,
+                            str(tmp_path / "usbyte.json")),
+            "baseline": start("torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+                              str(free_port()), str(EXAMPLE), *args, str(tmp_path / "baseline.json"),
+                              "--baseline")}
+    outs = {k: p.communicate(timeout=240) for k, p in runs.items()}
+    for k, p in runs.items():
+        assert p.returncode == 0, f"{k}: stdout: {outs[k][0][-2000:]}\nstderr: {outs[k][1][-3000:]}"
+    r, b = (json.loads((tmp_path / f"{k}.json").read_text()) for k in ("usbyte", "baseline"))
+    assert r["trainer"] == b["trainer"] == "accelerate"
+    assert (r["path"], b["path"]) == ("runtime", "baseline")
+    assert r["steps"] == b["steps"] == 4
+    assert len(r["ms_per_step"]) == 2 and r["median_ms"] > 0
+    assert isinstance(r["param_checksum"], float)
+    assert r["param_checksum"] == b["param_checksum"]          # same training, bitwise
+    out, err = outs["usbyte"]
+    assert f"the usbyte-opt runtime, {len(sched.blocks)} blocks in overlap mode" in err
+    assert "accelerate runtime: 4 steps" in out and "accelerate baseline: 4 steps" in outs["baseline"][0]
