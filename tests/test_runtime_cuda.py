@@ -8,11 +8,19 @@ events), AMP paths (GradScaler with a host verdict, or a fused optimizer given `
 fence mode, ``channels_last`` gradient views. What they cannot catch: anything that needs a
 second rank (issue order across ranks, a race with a transfer that takes time); the gloo
 two-rank part of ``gpu_check.py`` covers the latter over gloo's CUDA transport.
+
+The comparisons are bitwise, so the run is deterministic: ``CUBLAS_WORKSPACE_CONFIG`` is set
+before CUDA starts, and each test runs under ``torch.use_deterministic_algorithms`` with
+cuDNN's benchmark off (both runs then pick the same kernels).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import os
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")   # before cuBLAS starts
 
 import pytest
 import torch
@@ -32,11 +40,17 @@ STEPS = 10
 def nccl(tmp_path):
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
+    det, bench = torch.are_deterministic_algorithms_enabled(), torch.backends.cudnn.benchmark
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    request_restore = (det, bench)
     torch.cuda.set_device(0)
     dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
                             world_size=1, device_id=torch.device("cuda", 0))
     yield
     dist.destroy_process_group()
+    torch.use_deterministic_algorithms(request_restore[0])
+    torch.backends.cudnn.benchmark = request_restore[1]
 
 
 def model() -> nn.Module:
@@ -89,6 +103,7 @@ def test_side_stream_training(nccl):
         x, y = batch(step)
         nn.functional.cross_entropy(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
         side.wait_stream(torch.cuda.current_stream())   # the batch was made on the default one
+        x.record_stream(side); y.record_stream(side)     # and is freed there, next iteration
         with torch.cuda.stream(side):
             nn.functional.cross_entropy(m(x), y).backward(); opt.step(); opt.zero_grad()
     with torch.cuda.stream(side):
@@ -112,15 +127,17 @@ def test_bf16_autocast(nccl):
     assert_same(ref, m)
 
 
+@pytest.mark.parametrize("mode", ["overlap", "fence"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_grad_scaler_fp16(nccl, fused):
+def test_grad_scaler_fp16(nccl, fused, mode):
     """A non-finite step is skipped as by the plain optimizer; a fused optimizer skips it on the
-    device (the runtime hands it the scaler's found_inf instead of reading it on the host)."""
+    device, in either mode (the runtime hands it the scaler's found_inf instead of reading it
+    on the host)."""
     ref = model()
     m = copy.deepcopy(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=fused)
     opt = DistributedOptimizer(torch.optim.AdamW(m.parameters(), lr=1e-3, fused=fused), m,
-                               schedule=schedule(m))
+                               schedule=dataclasses.replace(schedule(m), mode=mode))
     s_ref = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
     s_usb = torch.amp.GradScaler("cuda", init_scale=2.0 ** 12, growth_interval=3)
     for step in range(STEPS):
@@ -162,8 +179,6 @@ def test_grad_scaler_unscale_then_clip(nccl):
 
 
 def test_fence_mode_and_channels_last(nccl):
-    import dataclasses
-
     ref = model().to(memory_format=torch.channels_last)
     m = copy.deepcopy(ref)
     o_ref = torch.optim.SGD(ref.parameters(), lr=0.05, momentum=0.9)

@@ -218,9 +218,10 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
         if cuda:
             torch.cuda.synchronize(device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            stream = torch.cuda.current_stream(device)   # the profiled device's, not the current one
+            start.record(stream)
             run_chain(x, k)
-            end.record()
+            end.record(stream)
             end.synchronize()
             return start.elapsed_time(end) / k
         t = time.perf_counter()

@@ -89,7 +89,10 @@ class CudaClock:
             self.pool.append(torch.cuda.Event(enable_timing=True))
         ev = self.pool[self.used]
         self.used += 1
-        ev.record()  # on the current stream: autograd sets it to the stream of the op
+        # On the profiled device's current stream (autograd sets it to the stream of the op in
+        # backward hooks); a bare record() would use the current device's, another GPU when
+        # cuda:N is profiled without torch.cuda.set_device(N).
+        ev.record(torch.cuda.current_stream(self.device))
         return ev
 
     def finish(self) -> None:

@@ -28,6 +28,10 @@ is kept only if it is faster by more than :data:`MARGIN`. Rank 0 logs one line (
 measured for both, predicted); :meth:`Tuner.report` returns the same as a dict. Afterwards,
 every ``check_every`` iterations the measured median is compared with the prediction; more than
 :data:`DRIFT` apart, rank 0 warns once, and ``replan()`` (or ``replan_on_drift``) plans again.
+The check costs no host wait: on CUDA it reads only the step events that have completed
+(the rest wait for the next check), and the ranks' median goes out on the control group at
+one check and is read at the next, one window later, when it has long arrived. With
+``check_every=0`` nothing is recorded once settled.
 
 None of this changes the training's arithmetic: every plan sums the same gradients (with two
 ranks, bitwise; with more, as exactly as any change of DDP's buckets), holding communication
@@ -170,6 +174,21 @@ class StepTimer:
         out = [self.clock.ms(a, b) for a, b in zip(st, st[1:])]
         return out[drop_first:]
 
+    def take_ready(self) -> list[float]:
+        """The intervals between stamps that have completed, without waiting for the device;
+        the stamps not completed yet (and the last completed one) stay for the next call."""
+        st = self.stamps
+        done = len(st)
+        if self.clock.cuda:
+            done = 0
+            while done < len(st) and st[done].query():   # recorded in order on one stream
+                done += 1
+        if done < 2:
+            return []
+        out = [self.clock.ms(a, b) for a, b in zip(st[:done], st[1:done])]
+        self.stamps = st[done - 1:]
+        return out
+
 
 def _median(xs: Sequence[float]) -> float:
     ys = sorted(x for x in xs if not math.isnan(x))
@@ -217,6 +236,8 @@ class Tuner:
         self.recent: list[float] = []
         self.warned = False
         self.replan_asked = False
+        #: The drift check's all-reduce in flight (sent at one check, read at the next).
+        self.drift_work: tuple[Any, torch.Tensor] | None = None
         self.info: dict[str, Any] = {"auto": auto, "verify": verify, "chosen": None,
                                      "measured_ms": {}, "predicted_ms": None}
         if self.ws < 2:
@@ -258,8 +279,9 @@ class Tuner:
         """Called at the end of every ``step()`` (same count on every rank)."""
         self.steps += 1
         self.phase_step += 1
-        self.timer.mark()
         ph = self.phase
+        if ph != "settled" or (self.check_every and not self.replan_asked):
+            self.timer.mark()   # settled with check_every=0: nothing kept
         if ph == "warmup":
             if self.phase_step >= WARMUP:
                 self._begin("clean")
@@ -292,6 +314,9 @@ class Tuner:
     def _restart(self) -> None:
         self.measured = {"clean": [], "overlap": []}
         self.windows = []
+        if self.drift_work is not None and self.drift_work[0] is not None:
+            self.opt._chan.wait_host(self.drift_work[0], "all-reduce of the drift check")
+        self.drift_work = None
         self.timer.take()
         if self.auto:
             self._run("fallback")
@@ -511,15 +536,23 @@ class Tuner:
     # -- later -------------------------------------------------------------------------------
 
     def _check_drift(self) -> None:
-        xs = self.timer.take(drop_first=0)
-        pred = self.info.get("predicted_ms") if self.info.get("chosen") == "plan" else None
-        med = _median(xs)
-        vec = torch.tensor([0.0 if math.isnan(med) else med], dtype=torch.float64)
-        work = self.opt._chan.control_all_reduce(vec)
-        if work is not None:
+        """Send this window's median; act on the previous window's (every rank the same, at
+        the same step)."""
+        med = _median(self.timer.take_ready())
+        vec = torch.tensor([0.0 if math.isnan(med) else med, 0.0 if math.isnan(med) else 1.0],
+                           dtype=torch.float64)
+        prev, self.drift_work = self.drift_work, (self.opt._chan.control_all_reduce(vec), vec)
+        if prev is None:
+            return
+        work, got = prev
+        if work is not None:   # sent check_every steps ago: arrived long since
             self.opt._chan.wait_host(work, "all-reduce of the drift check")
-        med = vec.item() / self.ws
+        total, ranks = got.tolist()
+        if ranks < 1:
+            return
+        med = total / ranks
         self.info["last_measured_ms"] = med
+        pred = self.info.get("predicted_ms") if self.info.get("chosen") == "plan" else None
         if not pred or med <= 0:
             return
         off = abs(med - pred) / pred

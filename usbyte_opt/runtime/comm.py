@@ -32,13 +32,23 @@ tensors accordingly.
 Control messages (the per-step usage map) go through a gloo group of their own
 (:meth:`Channel.control_all_reduce`) on host tensors: they never queue behind the blocks on
 the NCCL stream, never move to the device, and are read on the host when needed.
+
+Where those gloo groups listen (:func:`gloo_address`), also on an NCCL run:
+``$GLOO_SOCKET_IFNAME`` when set (as torch's own gloo groups); else the address this host's
+name resolves to, unless that is a loopback address (Debian and Ubuntu map the hostname to
+127.0.1.1) while the rendezvous store is on another address: then the local address that
+routes to the store's host, so ranks on other nodes can reach it. A job that spans nodes
+(``WORLD_SIZE`` above ``LOCAL_WORLD_SIZE``) with nothing but a loopback address to offer is
+refused with a one-line error naming ``GLOO_SOCKET_IFNAME``.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import itertools
 import os
-from collections.abc import Callable, Sequence
+import socket
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 
 import torch
@@ -75,15 +85,105 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
 
     opts = dist.ProcessGroupGloo._Options()
     opts._threads = threads
-    # The devices torch gives its own gloo groups: the interfaces of $GLOO_SOCKET_IFNAME, else
-    # the address the hostname resolves to.
-    ifnames = [i for i in os.environ.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
-    opts._devices = ([dist.ProcessGroupGloo.create_device(interface=i) for i in ifnames]
-                     or [dist.ProcessGroupGloo.create_default_device()])
+    kind, names = gloo_address(os.environ, _host_address(), _store_host(), _route_to)
+    create = dist.ProcessGroupGloo.create_device
+    opts._devices = ([create(interface=i) for i in names] if kind == "interface" else
+                     [create(hostname=a) for a in names] if kind == "hostname" else
+                     [dist.ProcessGroupGloo.create_default_device()])
     opts._timeout = timeout if timeout is not None else c10d.default_pg_timeout
     name = "default" if group is None else c10d._get_process_group_name(group)
     store = dist.PrefixStore(f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}", c10d._get_default_store())
     return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), opts)
+
+
+def _loopback(addr: str | None) -> bool:
+    if not addr:
+        return True
+    if addr == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:
+        return False   # a name: not known to be loopback
+
+
+def gloo_address(env: Mapping[str, str], host_addr: str | None, store_host: str | None,
+                 route: Callable[[str], str | None]) -> tuple[str, list[str]]:
+    """Where the runtime's gloo groups listen: ``("interface", names)`` from
+    ``$GLOO_SOCKET_IFNAME``; ``("default", [])`` (torch's choice: the address the hostname
+    resolves to) when that is not loopback, or when every rank is on this node as far as is
+    known; ``("hostname", [addr])``, the local address ``route`` finds towards the store's
+    host, when the hostname resolves to loopback and the store is elsewhere. A job spanning
+    nodes with only loopback to offer raises :class:`UsbyteError`.
+
+    Example::
+
+        >>> no_route = lambda host: None
+        >>> gloo_address({"GLOO_SOCKET_IFNAME": "eth0,eth1"}, "127.0.1.1", None, no_route)
+        ('interface', ['eth0', 'eth1'])
+        >>> gloo_address({}, "10.0.0.5", "10.0.0.1", no_route)
+        ('default', [])
+        >>> gloo_address({}, "127.0.1.1", "10.0.0.1", lambda host: "10.0.0.7")
+        ('hostname', ['10.0.0.7'])
+        >>> gloo_address({}, "127.0.1.1", "127.0.0.1", no_route)
+        ('default', [])
+    """
+    ifnames = [i for i in env.get("GLOO_SOCKET_IFNAME", "").split(",") if i]
+    if ifnames:
+        return "interface", ifnames
+    if not _loopback(host_addr):
+        return "default", []
+    if store_host and not _loopback(store_host):
+        addr = route(store_host)
+        if addr and not _loopback(addr):
+            return "hostname", [addr]
+    try:
+        spans = int(env.get("WORLD_SIZE", "0")) > int(env.get("LOCAL_WORLD_SIZE") or env.get("WORLD_SIZE", "0"))
+    except ValueError:
+        spans = False
+    if spans:
+        raise UsbyteError(f"the runtime's gloo groups (control messages, also on NCCL) would listen "
+                          f"on {host_addr or 'no address'} (this host's name resolves to loopback) "
+                          "but the job spans nodes: set GLOO_SOCKET_IFNAME to the network "
+                          "interface the nodes reach each other on (e.g. GLOO_SOCKET_IFNAME=eth0)")
+    return "default", []
+
+
+def _host_address() -> str | None:
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return None
+
+
+def _store_host() -> str | None:
+    """The host of the default group's TCP store (``MASTER_ADDR``), if it is one."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store: object = c10d._get_default_store()
+        for _ in range(8):
+            inner = getattr(store, "underlying_store", None)
+            if inner is None:
+                break
+            store = inner
+        host = getattr(store, "host", None) if isinstance(store, dist.TCPStore) else None
+    except Exception:  # noqa: BLE001 - no default store, an older torch: nothing known
+        return None
+    return host if isinstance(host, str) and host else None
+
+
+def _route_to(host: str) -> str | None:
+    """The local address the kernel would use to reach ``host`` (a UDP socket's connect:
+    nothing is sent)."""
+    try:
+        info = socket.getaddrinfo(host, 1, type=socket.SOCK_DGRAM)
+        family, _, _, _, addr = info[0]
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect(addr)
+            return str(s.getsockname()[0])
+    except OSError:
+        return None
 
 
 def backend_for(group: dist.ProcessGroup | None, device: torch.device) -> str:

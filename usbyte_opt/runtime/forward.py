@@ -1,10 +1,14 @@
 """The runtime's forward hooks: update gates, module buffers, ``torch.compile``.
 
 * **Gates.** A forward pre-hook on each module that owns trainable tensors runs the pending
-  updates of those tensors first (:mod:`.updates`). Parameters used outside their module's
-  forward (a parent calling ``F.linear(x, self.child.weight)``) are learned in the first
-  iteration: a tensor that gets a gradient without any owning module's pre-hook having run is
-  gated from then on in the root module's pre-hook. Forwards without grad, or in eval mode,
+  updates of those tensors first (:mod:`.updates`). Parameters used before, or outside,
+  their module's forward (a parent calling ``F.linear(x, self.child.weight)`` before, or
+  instead of, ``self.child(...)``) are learned in the first iteration: its training forward
+  runs under a :class:`~torch.overrides.TorchFunctionMode` that sees every torch call (as the
+  profiler's discovery pass does, :mod:`usbyte_opt.profiler.timing`), and a tensor whose first
+  use (metadata reads such as ``.shape`` aside) comes before any pre-hook of its owning
+  modules, or that gets a gradient without one having run, is gated from then on in the root
+  module's pre-hook, before the forward starts. Forwards without grad, or in eval mode,
   apply every pending update first (inference code paths such as
   ``nn.TransformerEncoderLayer``'s fast path read weights without running the owning modules).
 * **Buffers** (BatchNorm statistics), as DDP's ``broadcast_buffers=True``: after every
@@ -24,9 +28,52 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
 
 from .comm import Channel
 from .updates import HostUpdates, StreamUpdates
+
+#: Tensor attributes and methods that read metadata only: not a use of the values.
+_META = frozenset({"shape", "dtype", "device", "requires_grad", "is_cuda", "ndim", "layout",
+                   "is_leaf", "grad_fn", "names", "is_sparse", "is_quantized", "is_meta",
+                   "itemsize", "nbytes", "grad", "_version", "is_nested", "size", "dim",
+                   "numel", "nelement", "is_floating_point", "is_complex", "stride",
+                   "element_size", "data_ptr", "is_contiguous", "get_device", "storage_offset"})
+
+
+def _metadata_only(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":  # a property: its descriptor names it
+        name = getattr(getattr(func, "__self__", None), "__name__", "")
+    return name in _META
+
+
+class _FirstUse(TorchFunctionMode):
+    """The learning forward's watch: every torch call's tensor arguments are looked up, and a
+    trainable tensor used before any pre-hook of its owners ran is reported to ``early``."""
+
+    def __init__(self, index: dict[int, int], seen: list[bool], early: Callable[[int], None]):
+        super().__init__()
+        self.index, self.seen, self.early = index, seen, early
+
+    def _scan(self, obj: Any, depth: int = 0) -> None:
+        if isinstance(obj, torch.Tensor):
+            t = self.index.get(id(obj))
+            if t is not None and not self.seen[t]:
+                self.early(t)
+        elif depth < 2 and isinstance(obj, (list, tuple)):
+            for o in obj:
+                self._scan(o, depth + 1)
+        elif depth < 2 and isinstance(obj, dict):
+            for o in obj.values():
+                self._scan(o, depth + 1)
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if not _metadata_only(func):
+            self._scan(args)
+            self._scan(kwargs)
+        return func(*args, **kwargs)
 
 
 class ForwardGates:
@@ -52,6 +99,8 @@ class ForwardGates:
         self.seen = [False] * len(params)
         self.root_extra: list[int] = []
         index = {id(p): t for t, p in enumerate(params)}
+        self.index = index
+        self.watch: _FirstUse | None = None   # active during a learning forward
         self.owned: dict[int, tuple[torch.nn.Module, list[int]]] = {}
         for mod in model.modules():
             ts = [index[id(p)] for p in mod._parameters.values()
@@ -68,7 +117,27 @@ class ForwardGates:
         handles.append(self.model.register_forward_pre_hook(_Hook(self.root_pre_hook),
                                                             prepend=True))
         handles.append(self.model.register_forward_hook(_Hook(self.root_post_hook)))
+        # Ends the learning forward's watch, also when the forward raises.
+        handles.append(self.model.register_forward_hook(_Hook(self._end_watch), always_call=True))
         return handles
+
+    def _early(self, t: int) -> None:
+        """Tensor ``t`` is used, in the learning forward, before any of its owners' pre-hooks
+        ran: gate it at the root from then on."""
+        if not self.seen[t]:
+            self.seen[t] = True
+            if t not in self.root_owned_set:
+                self.root_extra.append(t)
+
+    def _begin_watch(self) -> None:
+        if self.watch is None:
+            self.watch = _FirstUse(self.index, self.seen, self._early)
+            self.watch.__enter__()
+
+    def _end_watch(self, *args: Any) -> None:
+        if self.watch is not None:   # (only reads when there is none: compiled forwards)
+            w, self.watch = self.watch, None
+            w.__exit__(None, None, None)
 
     def note_gradient(self, t: int) -> None:
         """Tensor ``t`` got a gradient: in the first iteration, one whose module's pre-hook
@@ -116,6 +185,8 @@ class ForwardGates:
         elif self.learning:
             for t in self.root_owned:
                 self.seen[t] = True
+            if module.training and torch.is_grad_enabled():
+                self._begin_watch()
         return None
 
     def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:

@@ -18,7 +18,9 @@ collective's future completes when it is enqueued on NCCL, and ``torch.cuda.sync
 would wait for NCCL and so change what is measured. Events are recorded on the current stream
 (forward, ``step()``, issue) or, for a block's finish, on a side stream that waits for the
 collective; they are turned into times when the trace is written, against one reference
-event whose host time is known.
+event whose host time is known. A collective that is not NCCL's (gloo carrying CUDA tensors)
+gets its finish from its future's done-callback on the host clock instead: its ``wait()``
+would block the host inside the gradient hook, and so change what is measured.
 
 On the all-reduce track a block is drawn from ``max(issue, finish of the previous block)``
 to its finish, the single channel of docs/design.md §2.4; its arguments keep the issue time and
@@ -85,7 +87,7 @@ class Recorder:
 
     def __init__(self, path: str, rank: int, names: Sequence[str], block_bytes: Sequence[int],
                  block_tensors: Sequence[Sequence[int]], label: str | None = None,
-                 device: Any = None):
+                 device: Any = None, host_finish: bool = False):
         self.path = path
         self.rank = rank
         self.names = list(names)
@@ -96,6 +98,8 @@ class Recorder:
         self.handles: list[Any] = []
         self.written = False
         self.clock = _CudaClock(device) if getattr(device, "type", None) == "cuda" else None
+        #: Finish times from the work's future on the host (collectives that are not NCCL's).
+        self.host_finish = host_finish
 
     # -- recording (called by the runtime) ---------------------------------------------------
 
@@ -119,7 +123,7 @@ class Recorder:
     def issue(self, k: int, work: Any) -> None:
         """Block ``k`` was handed to the collective ``work``."""
         self._add(("I", k, self.now()))
-        if self.clock is not None:
+        if self.clock is not None and not self.host_finish:
             self._add(("D", k, self.clock.done(work)))
             return
         try:
@@ -243,9 +247,14 @@ def attach(optimizer: Any, model: Any) -> Recorder | None:
     g = optimizer._grads
     sched = optimizer.schedule
     sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
+    from .comm import backend_for
+
+    device = optimizer._chan.device
+    host_finish = device.type == "cuda" and backend_for(optimizer._group, device) != "nccl"
     rec = Recorder(path_for_rank(path, rank), rank, list(g.names), sizes,
                    [list(ts) for ts in g.block_tensors],
-                   f"rank {rank} (measured, {sched.strategy})", device=optimizer._chan.device)
+                   f"rank {rank} (measured, {sched.strategy})", device=device,
+                   host_finish=host_finish)
     rec.install(model)
     with _lock:
         _recorders.add(rec)

@@ -257,6 +257,7 @@ class StreamUpdates:
         cand = set(candidates)
         cur = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(cur)
+        self._keep_alive()
         with torch.cuda.stream(self.stream):
             for (blocks, ts), ev in zip(self.groups, self.events):
                 for k in blocks:
@@ -268,6 +269,18 @@ class StreamUpdates:
         self.active = True
         self.waited = -1
         self.n_pending = len(cand)
+
+    def _keep_alive(self) -> None:
+        """Mark the tensors the queued updates read but the caller owns as used by the update
+        stream: ``found_inf`` (GradScaler drops it as soon as ``step()`` returns) and the
+        recorded hyperparameters (a tensor ``lr`` is replaced at the next ``step()``). Without
+        it the caching allocator could hand their memory to the compute stream while the
+        update stream still reads it."""
+        st = self.stepper
+        vals = list(st.attrs.values()) + [v for hp in st.hp for v in hp.values()]
+        for v in vals:
+            if torch.is_tensor(v) and v.is_cuda:
+                v.record_stream(self.stream)
 
     def gate(self, need: Sequence[int]) -> None:
         if not self.active or not need:
