@@ -43,6 +43,14 @@ class Net(nn.Module):
         return self.fc2(F.relu(self.fc1(x.flatten(1))))
 
 
+class Nested(Net):
+    """A root whose forward calls itself (as a step function calling ``self(x)``): the root
+    hooks must act once, around the outer call."""
+
+    def forward(self, x, outer: bool = True):
+        return self(x, outer=False) if outer else super().forward(x)
+
+
 def schedule(model: nn.Module, ws: int, mode: str, split: int = 0):
     pb = Problem.from_profile(profile_from_model(model, ws))
     lay = pb.layout()
@@ -71,8 +79,8 @@ def max_diff(a: nn.Module, b: nn.Module) -> float:
 # --------------------------------------------------------------------------------------------
 
 
-def trainer_loop(rank: int, ws: int, mode: str, split: int) -> dict:
-    base = Net()
+def trainer_loop(rank: int, ws: int, mode: str, split: int, nested: bool = False) -> dict:
+    base = Nested() if nested else Net()
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     ref = DDP(b)
     oa = torch.optim.AdamW(a.parameters(), lr=1e-2)
@@ -86,6 +94,11 @@ def trainer_loop(rank: int, ws: int, mode: str, split: int) -> dict:
         for net, ctx in ((a, opt.no_sync), (ref, ref.no_sync)):
             with contextlib.nullcontext() if sync else ctx():
                 (F.cross_entropy(net(x), y) / accum).backward()
+        # between the passes of an accumulation: a learning-rate read and a synchronize()
+        # (a validation run) leave the accumulation alone
+        assert opt.param_groups[0]["lr"] == 1e-2
+        if not sync and i % 5 == 0:
+            opt.synchronize()
         if sync:
             # p.grad read right after backward(): the average, as under DDP
             grads_equal &= all(torch.equal(p.grad, q.grad)
@@ -100,9 +113,10 @@ def trainer_loop(rank: int, ws: int, mode: str, split: int) -> dict:
             "calls": opt.optimizer_calls}
 
 
-@pytest.mark.parametrize("mode, split", [("overlap", 3), ("fence", 0)])
-def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(mode, split):
-    for r in run_local(trainer_loop, 2, args=(mode, split), timeout_s=180):
+@pytest.mark.parametrize("mode, split, nested", [("overlap", 3, False), ("fence", 0, False),
+                                                 ("overlap", 2, True)])
+def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(mode, split, nested):
+    for r in run_local(trainer_loop, 2, args=(mode, split, nested), timeout_s=180):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["grads_equal"]
         assert all(x == y for x, y in r.value["norms"]), r.value["norms"]

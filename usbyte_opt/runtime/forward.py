@@ -101,6 +101,9 @@ class ForwardGates:
         index = {id(p): t for t, p in enumerate(params)}
         self.index = index
         self.watch: _FirstUse | None = None   # active during a learning forward
+        #: Root forwards running now: a root forward called inside another (a step function
+        #: that calls ``self(x)``) is part of the outer one, and the root hooks act once.
+        self.depth = 0
         self.owned: dict[int, tuple[torch.nn.Module, list[int]]] = {}
         for mod in model.modules():
             ts = [index[id(p)] for p in mod._parameters.values()
@@ -135,6 +138,12 @@ class ForwardGates:
             self.watch.__enter__()
 
     def _end_watch(self, *args: Any) -> None:
+        """Runs last after every root forward, also one that raised: the nesting depth goes
+        back, and the outermost forward ends the learning forward's watch."""
+        if self.depth > 0:
+            self.depth -= 1
+            if self.depth > 0:
+                return
         if self.watch is not None:   # (only reads when there is none: compiled forwards)
             w, self.watch = self.watch, None
             w.__exit__(None, None, None)
@@ -169,6 +178,9 @@ class ForwardGates:
             # Runs eagerly before the compiled graph. torch._dynamo is only touched here,
             # where compiling has imported it already.
             return torch._dynamo.disable(_compiled_pre)(self)
+        self.depth += 1
+        if self.depth > 1:
+            return None  # inside the root's own forward: the outer call did all of this
         if self.probe is not None and module.training and torch.is_grad_enabled():
             self.probe.forward_begin()
             self.probe.need(self.root_owned)
@@ -192,6 +204,8 @@ class ForwardGates:
     def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
             return torch._dynamo.disable(_compiled_post)(self, module)
+        if self.depth > 1:
+            return None  # an inner root forward: buffers go out once, after the outer one
         if self.probe is not None and module.training and torch.is_grad_enabled():
             self.probe.forward_end()
         self.broadcast_buffers(module)

@@ -361,12 +361,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        """The wrapped optimizer's groups. Read between backward and ``step()`` (GradScaler,
-        gradient inspection), it first completes this step's all-reduce, so the gradients
-        seen are the averaged ones."""
-        if self._comm.started and not self._comm.waited:
-            self._comm.complete("param_groups")
+        """The wrapped optimizer's groups. Read between the step's last backward and
+        ``step()`` (GradScaler, gradient inspection), it first completes this step's all-reduce,
+        so the gradients seen are the averaged ones; read between the passes of an
+        accumulation (inside :meth:`no_sync`, or before the last of
+        ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
+        read, Lightning's ``toggle_model``)."""
+        comm = self._comm
+        if comm.started and not comm.waited and not self._accumulating():
+            comm.complete("param_groups")
         return self._opt.param_groups
+
+    def _accumulating(self) -> bool:
+        """Between the backward passes of an accumulation: gradients have arrived, the last
+        pass has not (the step's all-reduce is not due yet)."""
+        comm = self._comm
+        return comm.started and not comm.issued and not comm.last and comm.cb_queued is False
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -540,9 +550,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Called after ``backward()`` but before ``step()``, it waits for this step's all-reduce
         instead, so that the averaged gradients can be read or changed (for example clipped)
         before ``step()``. It issues no collective of its own: every rank issued everything of
-        the step when its backward ended.
+        the step when its backward ended. Between the passes of an accumulation (inside
+        :meth:`no_sync`, or before the last of ``backward_passes_per_step``) there is nothing
+        to wait for yet: it applies pending updates only, and the accumulation goes on.
         """
-        if self._comm.started and not self._comm.waited:
+        if self._comm.started and not self._comm.waited and not self._accumulating():
             self._comm.complete("synchronize()")
         self._settle()
         if self._comm.usage_work is not None:
