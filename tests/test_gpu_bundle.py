@@ -2,25 +2,17 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import pytest
+from helpers import load_benchmark
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_bundle", REPO / "benchmarks" / "gpu_bundle.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bundle = _load()
+bundle = load_benchmark("gpu_bundle")
 
 
 def _pyproject_requirements() -> dict[str, str]:

@@ -4,23 +4,16 @@ included (a report that failed on the GPU would lose the run)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
+from helpers import load_benchmark
+
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-check = _load()
+check = load_benchmark("gpu_check")
 
 
 def test_parts_are_ordered_by_value_and_fit_the_deadline():

@@ -33,20 +33,6 @@ from usbyte_opt.runtime.default_plan import make_schedule
 from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 
-@pytest.fixture
-def pg(tmp_path):
-    """A world-size-1 gloo group for the test (one left by an earlier test is reused)."""
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a process group of another size is already initialized")
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
-
-
 def mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -270,14 +256,28 @@ def test_too_many_backward_passes_raise(pg):
         m(torch.randn(2, 4)).sum().backward()
 
 
-def test_gradient_after_synchronize_raises(pg):
+def test_gradient_after_the_all_reduce_was_issued_raises(pg):
     m = mlp()
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
                                schedule=split_schedule(m), backward_passes_per_step=2)
     m(torch.randn(2, 4)).sum().backward()
-    opt.synchronize()
-    with pytest.raises(UsbyteError, match="after this step's all-reduce was issued"):
+    opt.clip_grad_norm_(1.0)   # asks for the averaged gradients: issues the step's all-reduce
+    with pytest.raises(UsbyteError, match=r"after this step's all-reduce was issued \(by "
+                                          r"clip_grad_norm_\(\)\)"):
         m(torch.randn(2, 4)).sum().backward()
+
+
+def test_synchronize_between_accumulation_passes_leaves_the_accumulation_alone(pg):
+    m = mlp()
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
+                               schedule=split_schedule(m), backward_passes_per_step=2)
+    m(torch.randn(2, 4)).sum().backward()
+    opt.synchronize()          # an evaluation between the passes: nothing is issued
+    assert opt.param_groups[0]["lr"] == 0.1
+    m(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.synchronize()          # applies the step's updates
+    assert opt.optimizer_calls == 1
 
 
 def test_optimizer_param_outside_model_is_an_error(pg):

@@ -13,26 +13,12 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from usbyte_opt.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
 from usbyte_opt.runtime.default_plan import make_schedule
-
-
-@pytest.fixture
-def pg(tmp_path):
-    if dist.is_initialized():
-        if dist.get_world_size() != 1:
-            pytest.skip("a process group of another size is already initialized")
-        yield
-        return
-    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0,
-                            world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 class ReadsChildFirst(nn.Module):

@@ -44,9 +44,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 from ..errors import UsbyteError
+from ..first_use import FirstUse
 from ..models import check_loss
 
 Progress = Callable[[str, int, int], None]
@@ -197,33 +197,6 @@ def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[b
 # --------------------------------------------------------------------------------------------
 
 
-class _FirstUse(TorchFunctionMode):
-    """Sees every torch call during the discovery pass; records each tensor's first use as
-    the index of the hook call made just before it."""
-
-    def __init__(self, ids: dict[int, int], calls: list, first: list[int | None]):
-        super().__init__()
-        self.ids, self.calls, self.first = ids, calls, first
-
-    def _scan(self, obj: Any, depth: int = 0) -> None:
-        if isinstance(obj, torch.Tensor):
-            i = self.ids.get(id(obj))
-            if i is not None and self.first[i] is None:
-                self.first[i] = len(self.calls) - 1
-        elif depth < 2 and isinstance(obj, (list, tuple)):
-            for o in obj:
-                self._scan(o, depth + 1)
-        elif depth < 2 and isinstance(obj, dict):
-            for o in obj.values():
-                self._scan(o, depth + 1)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._scan(args)
-        self._scan(kwargs)
-        return func(*args, **kwargs)
-
-
 class IterationTimer:
     """Times training iterations of ``model`` with per-tensor hooks.
 
@@ -313,7 +286,13 @@ class IterationTimer:
         clock.start_iteration()
         t0 = clock.stamp()
         if discover:
-            with _FirstUse(self.index, self.calls, self.anchor):
+            calls, anchor = self.calls, self.anchor
+
+            def used(i: int) -> None:  # the first use of tensor i: after the last hook call
+                if anchor[i] is None:
+                    anchor[i] = len(calls) - 1
+
+            with FirstUse(self.index, used, metadata=True):
                 loss = check_loss(self.label, self.loss_fn(self.model(*self.inputs)))
         else:
             loss = self.loss_fn(self.model(*self.inputs))

@@ -28,52 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.overrides import TorchFunctionMode
 
+from ..first_use import FirstUse
 from .comm import Channel
 from .updates import HostUpdates, StreamUpdates
-
-#: Tensor attributes and methods that read metadata only: not a use of the values.
-_META = frozenset({"shape", "dtype", "device", "requires_grad", "is_cuda", "ndim", "layout",
-                   "is_leaf", "grad_fn", "names", "is_sparse", "is_quantized", "is_meta",
-                   "itemsize", "nbytes", "grad", "_version", "is_nested", "size", "dim",
-                   "numel", "nelement", "is_floating_point", "is_complex", "stride",
-                   "element_size", "data_ptr", "is_contiguous", "get_device", "storage_offset"})
-
-
-def _metadata_only(func: Any) -> bool:
-    name = getattr(func, "__name__", "")
-    if name == "__get__":  # a property: its descriptor names it
-        name = getattr(getattr(func, "__self__", None), "__name__", "")
-    return name in _META
-
-
-class _FirstUse(TorchFunctionMode):
-    """The learning forward's watch: every torch call's tensor arguments are looked up, and a
-    trainable tensor used before any pre-hook of its owners ran is reported to ``early``."""
-
-    def __init__(self, index: dict[int, int], seen: list[bool], early: Callable[[int], None]):
-        super().__init__()
-        self.index, self.seen, self.early = index, seen, early
-
-    def _scan(self, obj: Any, depth: int = 0) -> None:
-        if isinstance(obj, torch.Tensor):
-            t = self.index.get(id(obj))
-            if t is not None and not self.seen[t]:
-                self.early(t)
-        elif depth < 2 and isinstance(obj, (list, tuple)):
-            for o in obj:
-                self._scan(o, depth + 1)
-        elif depth < 2 and isinstance(obj, dict):
-            for o in obj.values():
-                self._scan(o, depth + 1)
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if not _metadata_only(func):
-            self._scan(args)
-            self._scan(kwargs)
-        return func(*args, **kwargs)
 
 
 class ForwardGates:
@@ -100,7 +58,7 @@ class ForwardGates:
         self.root_extra: list[int] = []
         index = {id(p): t for t, p in enumerate(params)}
         self.index = index
-        self.watch: _FirstUse | None = None   # active during a learning forward
+        self.watch: FirstUse | None = None   # active during a learning forward
         #: Root forwards running now: a root forward called inside another (a step function
         #: that calls ``self(x)``) is part of the outer one, and the root hooks act once.
         self.depth = 0
@@ -134,7 +92,8 @@ class ForwardGates:
 
     def _begin_watch(self) -> None:
         if self.watch is None:
-            self.watch = _FirstUse(self.index, self.seen, self._early)
+            seen = self.seen
+            self.watch = FirstUse(self.index, lambda t: None if seen[t] else self._early(t))
             self.watch.__enter__()
 
     def _end_watch(self, *args: Any) -> None:
