@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0, help="gradient clipping norm (default: 1.0)")
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-rank batch size")
+    ap.add_argument("--no-verify", action="store_true",
+                    help="runtime path: run the schedule as given, without timing it against the fallback")
     ap.add_argument("--report", help="rank 0 writes the measurements here (JSON)")
     a = ap.parse_args()
 
@@ -118,7 +120,8 @@ def main() -> None:
     else:
         from usbyte_opt.integrations.accelerate import prepare, runtime_optimizer
 
-        model, optimizer = prepare(accelerator, model, optimizer, schedule=a.schedule)
+        model, optimizer = prepare(accelerator, model, optimizer, schedule=a.schedule,
+                                   **({"verify": False} if a.no_verify else {}))
         ddp = isinstance(model, torch.nn.parallel.DistributedDataParallel)
         # "single": one process, nothing to all-reduce (prepare() is then Accelerate's own)
         path = "runtime" if runtime_optimizer(optimizer) is not None else "ddp" if ddp else "single"
