@@ -136,3 +136,22 @@ def test_two_phase_dynamic_programme_equals_brute_force(seed):
         assert max(x, run_lo[y - 1]) <= z < y
         assert D[y] == pytest.approx(alpha + P[y] - P[z] + max(max(Q[z:y]), D[z]), abs=1e-9)
     assert D[x + 1:] == pytest.approx(ref[x + 1:], abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_best_in_fence_mode_only_is_fence_and_never_slower_than_the_fence_strategies(seed):
+    """``optimize --mode fence``: what a trainer that waits for its gradients after backward
+    runs as planned."""
+    prof = random_profile(random.Random(seed), 10, comm_ratio=1.5, alpha_ms=0.3)
+    report = compare(prof, options={"best": {"modes": ("fence",)}})
+    best = report.results["best"]
+    assert best.mode == "fence" and best.plan.mode == "fence"
+    for name, r in report.results.items():
+        if name != "best":
+            assert best.fence_ms <= r.fence_ms * (1 + 1e-9), name
+    assert best.iteration_ms >= report.lower_bound_ms * (1 - 1e-9)
+
+
+def test_best_refuses_an_unknown_mode():
+    with pytest.raises(ValueError, match="modes: expected a non-empty subset"):
+        get("best").plan(tiny(0, 4), modes=("sideways",))

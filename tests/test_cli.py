@@ -109,3 +109,14 @@ def test_real_subprocess_and_debug_traceback(profile, tmp_path):
     p = subprocess.run([sys.executable, "-m", "usbyte_opt", "--help"], capture_output=True,
                        text=True, timeout=120)
     assert p.returncode == 0 and "optimize" in p.stdout
+
+
+def test_optimize_mode_fence_plans_best_in_fence_mode(capsys, profile, tmp_path):
+    out_path = tmp_path / "f.json"
+    code, out, _ = run_cli(capsys, "optimize", str(profile), "--mode", "fence", "-o", str(out_path))
+    assert code == 0
+    assert load_schedule(out_path).mode == "fence"
+    code, _, err = run_cli(capsys, "optimize", str(profile), "--mode", "sideways",
+                           "-o", str(tmp_path / "g.json"))
+    assert code == 2 and "--mode" in err and "expected fence or overlap" in err
+    assert len(err.strip().splitlines()) == 1 and not (tmp_path / "g.json").exists()

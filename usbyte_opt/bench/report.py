@@ -34,8 +34,10 @@ from typing import Any
 from ..profiler.timing import median, quantile
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP
 
-#: Largest parameter difference from the reference that still counts as "same training"
-#: (fp32; the runtime and DDP agree bitwise in practice).
+#: Largest parameter difference from the reference that still counts as "same training":
+#: absolute for parameters of magnitude up to 1, relative above (``max_param_diff`` is
+#: ``max |a - b| / max(1, |b|)``), so large weights in reduced precision are not judged by
+#: an absolute bound (the runtime and DDP agree bitwise in practice in fp32).
 PARAM_TOLERANCE = 1e-4
 
 RUNNERS = {TORCH_DDP: "torch DDP", DDP_TUNED: "torch DDP", REFERENCE: "no comm"}

@@ -302,7 +302,9 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         for t in trainees:
             diff = None
             if ref_params is not None and t.kind != "local" and t is not ref:
-                diff = float((t.parameters() - ref_params).abs().max())
+                # absolute below magnitude 1, relative above (as allclose with atol = rtol)
+                diff = float(((t.parameters() - ref_params).abs()
+                              / ref_params.abs().clamp(min=1.0)).max())
             elif t is ref:
                 diff = 0.0
             mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses,

@@ -39,6 +39,10 @@ def optimize(
     time_budget: Annotated[float, typer.Option(
         "--time-budget", min=0.0, help="Seconds of local search for best, at most (it stops "
                                        "earlier when no move helps).")] = 0.6,
+    mode: Annotated[Optional[str], typer.Option(
+        "--mode", help="Plan best in this mode only: fence (every block done by the end of "
+                       "backward: what runs in a trainer, whose clipping waits for the averaged "
+                       "gradients; docs/integrations.md) or overlap. Default: the faster.")] = None,
     trace: common.Trace = None,
     as_json: common.Json = False,
     wide: common.Wide = False,
@@ -61,10 +65,15 @@ def optimize(
     registry = load_builtin()
     if strategy not in registry:
         raise typer.BadParameter(f"expected one of {', '.join(registry)}", param_hint="--strategy")
+    if mode is not None and mode not in ("fence", "overlap"):
+        raise typer.BadParameter(f"expected fence or overlap, got {mode!r}", param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     with progress_display(enabled=not as_json) as say:
+        best_opts: dict[str, object] = {"time_budget_s": time_budget}
+        if mode is not None:
+            best_opts["modes"] = (mode,)
         report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
-                                        "best": {"time_budget_s": time_budget}},
+                                        "best": best_opts},
                          progress=say)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])

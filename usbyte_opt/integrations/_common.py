@@ -54,9 +54,15 @@ class Plan:
                     else "its DDP-like default plan (no schedule given)")
             return f"usbyte-opt ({trainer}): the usbyte-opt runtime, {what}"
         n = len(self.schedule.blocks)
-        return (f"usbyte-opt ({trainer}): the usbyte-opt runtime, {n} block{'s' if n != 1 else ''}"
+        why = self.why_runtime.split("; plan with")[0]
+        line = (f"usbyte-opt ({trainer}): the usbyte-opt runtime, {n} block{'s' if n != 1 else ''}"
                 f" in {self.schedule.mode} mode ({self.source}, {self.schedule.strategy}); stock "
-                f"DDP cannot run it: {self.why_runtime}")
+                f"DDP cannot run it: {why}")
+        if self.schedule.mode == "overlap":
+            line += ("; the trainer waits for the averaged gradients after backward, so no "
+                     "block overlaps the next forward here: `usbyte-opt optimize --mode fence` "
+                     "plans for that")
+        return line
 
 
 def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:

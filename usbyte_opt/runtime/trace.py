@@ -100,6 +100,8 @@ class Recorder:
         self.clock = _CudaClock(device) if getattr(device, "type", None) == "cuda" else None
         #: Finish times from the work's future on the host (collectives that are not NCCL's).
         self.host_finish = host_finish
+        #: Record nothing while set (the bench times iterations untraced, as DDP's).
+        self.paused = False
 
     # -- recording (called by the runtime) ---------------------------------------------------
 
@@ -112,16 +114,21 @@ class Recorder:
             self.records.append(rec)  # list.append is atomic: safe from the comm threads
 
     def forward_begin(self, module: Any, args: Any) -> None:
-        self._add(("F0", self.now()))
+        if not self.paused:
+            self._add(("F0", self.now()))
 
     def forward_end(self, module: Any, args: Any, output: Any) -> None:
-        self._add(("F1", self.now()))
+        if not self.paused:
+            self._add(("F1", self.now()))
 
     def step(self) -> None:
-        self._add(("S", self.now()))
+        if not self.paused:
+            self._add(("S", self.now()))
 
     def issue(self, k: int, work: Any) -> None:
         """Block ``k`` was handed to the collective ``work``."""
+        if self.paused:
+            return
         self._add(("I", k, self.now()))
         if self.clock is not None and not self.host_finish:
             self._add(("D", k, self.clock.done(work)))
@@ -133,6 +140,8 @@ class Recorder:
 
     def gate(self, need: Sequence[int], t0: float, t1: float) -> None:
         """Forward waited for the blocks of ``need`` from ``t0`` to ``t1``, then updated until now."""
+        if self.paused:
+            return
         self._add(("G", tuple(need), t0, t1, time.perf_counter()))
 
     def install(self, model: Any) -> None:

@@ -469,7 +469,8 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
 @register("best", "overlap", "ours: alpha-aware Jackson rule with fusion + local search, "
           "seeded by every other strategy, in the faster mode")
 def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: float = 0.6,
-         exact_max_tensors: int = 6, lower_bound_ms: float | None = None) -> Plan:
+         exact_max_tensors: int = 6, lower_bound_ms: float | None = None,
+         modes: Sequence[str] = MODES) -> Plan:
     """Plan with fusion, partition, order and mode chosen together (see module docstring).
 
     Args:
@@ -478,11 +479,16 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         time_budget_s: wall-clock budget of the local search (it stops earlier at a fixed point).
         exact_max_tensors: also solve the exact unit-grid MILP up to this many tensors.
         lower_bound_ms: the problem's lower bound when the caller has it (else computed).
+        modes: the modes to plan in (default both; ``("fence",)`` for a run that waits for
+            every block at the end of backward, as a trainer with DDP's gradient contract).
 
     Returns:
         A :class:`Plan` in the faster mode; ``info`` holds the lower bound, the gap and
         where the winning candidate came from.
     """
+    modes = tuple(modes)
+    if not modes or any(m not in MODES for m in modes):
+        raise ValueError(f"modes: expected a non-empty subset of {MODES}, got {modes!r}")
     t0 = time.perf_counter()
     layout = problem.layout()
     tail = tails(problem)
@@ -494,7 +500,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     def add(name: str, lay: Layout, blocks: list[Block]) -> None:
         s = scorer_for(problem, lay)
         st = s.stats(blocks)
-        for mode in MODES:
+        for mode in modes:
             candidates.append((s.score(st, mode), mode, name, lay, list(blocks)))
 
     if seeds is None:
@@ -553,7 +559,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         scorer = scorer_for(problem, lay)
         blocks = improve(problem, lay, blocks, deadline, m, scorer)
         st = scorer.stats(blocks)
-        for mode in MODES:    # the search's mode, or the other if these blocks run faster so
+        for mode in modes:    # the search's mode, or the other if these blocks run faster so
             finals.append((scorer.score(st, mode), mode, name, lay, blocks))
     # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
     # terms in another order).
@@ -568,6 +574,6 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         "iteration_ms": T,
         "lower_bound_ms": lb,
         "gap": max(0.0, (T - lb) / lb) if lb > 0 else 0.0,
-        "candidates": len(candidates) // len(MODES),
+        "candidates": len(candidates) // len(modes),
         "solve_s": time.perf_counter() - t0,
     })
