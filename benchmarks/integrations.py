@@ -2,14 +2,18 @@
 
 For each trainer (Lightning, Hugging Face Trainer, Accelerate) the example under
 ``examples/`` is profiled (``usbyte-opt profile <example>:build``, 2 gloo ranks), planned
-twice (``optimize``: the ``best`` schedule, which the integration runs on the usbyte-opt
-runtime unless stock DDP can express it; ``optimize --strategy ddp-tuned``: stock DDP with
-planned buckets, which the integration runs as the trainer's own DDP), and then trained three
-ways, one after the other and interleaved over ``--repeat`` rounds, so that load on the
-shared machine falls on each alike:
+three times (``optimize``: the ``best`` schedule, which the integration runs on the
+usbyte-opt runtime unless stock DDP can express it; ``optimize --mode fence``: ``best`` in
+fence mode; ``optimize --strategy ddp-tuned``: stock DDP with planned buckets, which the
+integration runs as the trainer's own DDP), and then trained four ways, one after the other
+and interleaved over ``--repeat`` rounds, so that load on the shared machine falls on each
+alike:
 
 * ``baseline``: the example with ``--baseline``, the trainer's own DDP, no usbyte-opt;
 * ``best``: the integration with the ``best`` schedule;
+* ``best-fence``: the integration with ``best`` planned in fence mode (``optimize --mode
+  fence``): what runs as planned in a trainer, which waits for the averaged gradients at the
+  end of backward;
 * ``ddp-tuned``: the integration with the ``ddp-tuned`` schedule.
 
 The runtime runs with ``verify=False`` (``--no-verify``): a run is a few dozen steps, and
@@ -33,6 +37,7 @@ import contextlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -50,7 +55,7 @@ TRAINERS = {
     "transformers": ("hf_train.py", "hf_train"),
     "accelerate": ("accelerate_train.py", "accelerate_train"),
 }
-PATHS = ("baseline", "best", "ddp-tuned")
+PATHS = ("baseline", "best", "best-fence", "ddp-tuned")
 
 
 def _env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -69,16 +74,20 @@ def _cli(*argv: str, timeout: float = 900) -> None:
         raise SystemExit(f"usbyte-opt {' '.join(argv)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
 
 
-def plan(trainer: str, work: Path, stable_s: float) -> dict[str, Path]:
-    """Profile the example's bench model and plan both schedules."""
+def plan(trainer: str, work: Path, stable_s: float, gbps: float | None = None) -> dict[str, Path]:
+    """Profile the example's bench model and plan both schedules (with ``gbps``: retargeted
+    to a link of that rate, the compute and the per-block costs as profiled here)."""
     _, module = TRAINERS[trainer]
     prof = work / f"{trainer}.profile.json"
     _cli("profile", f"{module}:build", "--nproc-per-node", "2", "--device", "cpu",
          "--stable-s", str(stable_s), "-o", str(prof))
     best, tuned = work / f"{trainer}.best.json", work / f"{trainer}.ddp-tuned.json"
-    _cli("optimize", str(prof), "-o", str(best))
-    _cli("optimize", str(prof), "--strategy", "ddp-tuned", "-o", str(tuned))
-    return {"best": best, "ddp-tuned": tuned, "profile": prof}
+    fence = work / f"{trainer}.best-fence.json"
+    retarget = ["--bandwidth-gbps", str(gbps)] if gbps else []
+    _cli("optimize", str(prof), *retarget, "-o", str(best))
+    _cli("optimize", str(prof), *retarget, "--mode", "fence", "-o", str(fence))
+    _cli("optimize", str(prof), *retarget, "--strategy", "ddp-tuned", "-o", str(tuned))
+    return {"best": best, "best-fence": fence, "ddp-tuned": tuned, "profile": prof}
 
 
 def train(trainer: str, path: str, schedule: Path | None, steps: int, lab: object | None,
@@ -113,15 +122,30 @@ def train(trainer: str, path: str, schedule: Path | None, steps: int, lab: objec
             for q in procs:
                 q.kill()
             raise SystemExit(f"{trainer} {path}: no result within {timeout:.0f} s") from None
-    if any(p.returncode for p in procs) or not report.exists():
+    if not report.exists():
         raise SystemExit(f"{trainer} {path} failed:\n" + "\n".join(o[-2000:] for o in outs))
     res = json.loads(report.read_text())
+    # A rank that wrote its report and then died at exit (seen once in ~60 runs: gloo's
+    # "terminate called without an active exception" at interpreter exit after Accelerate's
+    # end_training) has timed every step: the run counts, and the report says so.
+    res["exit_codes"] = [p.returncode for p in procs]
+    if any(p.returncode for p in procs):
+        print(f"{trainer} {path}: exit codes {res['exit_codes']} after the report was written: "
+              f"{outs[0].strip().splitlines()[-1] if outs[0].strip() else ''}", flush=True)
     res["log"] = [line for line in outs[0].splitlines() if line.startswith("usbyte-opt (")]
     return res
 
 
+def _n(k: int, word: str) -> str:
+    return f"{k} {word}{'' if k == 1 else 's'}"
+
+
 def _range(xs: list[float]) -> str:
-    return f"{min(xs):.3f}–{max(xs):.3f}" if len(xs) > 1 else f"{xs[0]:.3f}"
+    """min–max, with the median first from 3 values on."""
+    if len(xs) == 1:
+        return f"{xs[0]:.3f}"
+    span = f"{min(xs):.3f}–{max(xs):.3f}"
+    return f"{statistics.median(xs):.3f} ({span})" if len(xs) >= 3 else span
 
 
 def main() -> int:
@@ -138,45 +162,52 @@ def main() -> int:
     work = Path(tempfile.mkdtemp(prefix="usbyte-integ-plans-"))
     results: dict[str, dict] = {}
     with contextlib.ExitStack() as stack:
-        lab = None
+        lab, gbps = None, None
         if a.bandwidth:
-            from usbyte_opt.bench.lab import Lab
+            from usbyte_opt.bench.lab import Lab, parse_rate
 
-            lab = stack.enter_context(Lab(2, a.bandwidth))
+            gbps = parse_rate(a.bandwidth) / 1e9
         for trainer in a.trainers:
-            plans = plan(trainer, work, a.stable_s)
+            plans = plan(trainer, work, a.stable_s, gbps)
+            if a.bandwidth and lab is None:
+                lab = stack.enter_context(Lab(2, a.bandwidth))
             rounds: list[dict[str, dict]] = []
             for r in range(repeat):
-                order = list(PATHS[r % 3:] + PATHS[:r % 3])
+                order = list(PATHS[r % len(PATHS):] + PATHS[:r % len(PATHS)])
                 got = {}
                 for path in order:
                     got[path] = train(trainer, path, plans.get(path), steps, lab)
                     print(f"{trainer:12s} round {r} {path:9s} {got[path]['median_ms']:8.1f} ms/step  "
                           f"{' '.join(got[path]['log'])}", flush=True)
                 rounds.append(got)
-            best_sched = json.loads(plans["best"].read_text())
-            results[trainer] = {"rounds": rounds, "best_strategy": best_sched.get("strategy"),
-                                "best_mode": best_sched.get("mode"),
-                                "best_blocks": len(best_sched.get("blocks", [])),
-                                "tuned_blocks": len(json.loads(plans["ddp-tuned"].read_text())["blocks"])}
+            scheds = {p: json.loads(plans[p].read_text()) for p in PATHS[1:]}
+            results[trainer] = {"rounds": rounds,
+                                "plans": {p: {"strategy": sc.get("strategy"), "mode": sc.get("mode"),
+                                              "blocks": len(sc.get("blocks", []))}
+                                          for p, sc in scheds.items()}}
     network = f"lab, {a.bandwidth} per direction" if a.bandwidth else "loopback"
     lines = [
         "# The trainer integrations against each trainer's own DDP",
         "",
-        f"Written by `python benchmarks/integrations.py{' --bandwidth ' + a.bandwidth if a.bandwidth else ''}` "
+        f"Written by `python benchmarks/integrations.py{' --bandwidth ' + a.bandwidth if a.bandwidth else ''}"
+        f" --repeat {repeat} --steps {steps}` "
         f"({time.strftime('%Y-%m-%d')}, Python {platform.python_version()}, {os.cpu_count()} CPU "
         f"cores; 1-minute load average {load_before:.1f} at the start and "
-        f"{os.getloadavg()[0]:.1f} at the end). Network: {network}. Two gloo ranks, one thread "
+        f"{os.getloadavg()[0]:.1f} at the end). Network: {network}"
+        f"{' (profiled on loopback, planned for the link rate with optimize --bandwidth-gbps)' if a.bandwidth else ''}"
+        ". Two gloo ranks, one thread "
         f"each; each example's `--size bench` model, {steps} optimizer steps per run (median "
         f"ms per step after 2 warm-up steps, rank 0), the three runs of a round one after the "
         f"other, {repeat} rounds with the order rotated. The ratio is the trainer's DDP time "
-        "over the path's, within a round (above 1: faster than the trainer's DDP); ranges over "
-        "the rounds. The runtime path runs the plan as given (`--no-verify`): verification's "
-        "windows would fall inside these short runs.",
+        "over the path's, within a round (above 1: faster than the trainer's DDP); the median "
+        "over the rounds (from 3 rounds on) and their range. The runtime path runs the plan as "
+        "given (`--no-verify`): verification's "
+        "windows would fall inside these short runs. Each cell names the path the "
+        "integration took (`runtime` or the trainer's `ddp`) and the plan's blocks and mode.",
         "",
-        "| trainer | trainer's DDP ms/step | `best` path | `best` vs DDP | `ddp-tuned` path | "
-        "`ddp-tuned` vs DDP | same parameters |",
-        "|---|---|---|---|---|---|---|",
+        "| trainer | trainer's DDP ms/step | `best` | vs DDP | `best --mode fence` | vs DDP | "
+        "`ddp-tuned` | vs DDP | same parameters |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for trainer, res in results.items():
         rs = res["rounds"]
@@ -184,11 +215,13 @@ def main() -> int:
         sp = {p: [r["baseline"]["median_ms"] / r[p]["median_ms"] for r in rs] for p in PATHS[1:]}
         same = all(abs(r[p]["param_checksum"] - r["baseline"]["param_checksum"])
                    <= 1e-4 * max(1.0, abs(r["baseline"]["param_checksum"])) for r in rs for p in PATHS[1:])
-        lines.append(
-            f"| {trainer} | {min(base):.1f}–{max(base):.1f} | {rs[0]['best']['path']} "
-            f"({res['best_strategy']}, {res['best_blocks']} blocks, {res['best_mode']}) | "
-            f"**{_range(sp['best'])}x** | {rs[0]['ddp-tuned']['path']} ({res['tuned_blocks']} "
-            f"buckets) | **{_range(sp['ddp-tuned'])}x** | {'yes' if same else 'NO'} |")
+        cells = []
+        for p in PATHS[1:]:
+            info = res["plans"][p]
+            cells.append(f"{rs[0][p]['path']} ({_n(info['blocks'], 'block')}, {info['mode']}) | "
+                         f"**{_range(sp[p])}x**")
+        lines.append(f"| {trainer} | {min(base):.1f}–{max(base):.1f} | {' | '.join(cells)} | "
+                     f"{'yes' if same else 'NO'} |")
     lines += [
         "",
         "\"same parameters\": the checksum (sum of every parameter after training) of each path "
