@@ -241,6 +241,8 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
                 break
             time.sleep(poll_s)
         final = tuple(int(p.wait()) for p in procs)
+        # Ranks that failed during the grace period too, after the first one seen.
+        failed = failed + [r for r, c in enumerate(final) if c != 0 and r not in failed]
         errors = {}
         for r in range(nproc):
             path = folder / f"rank{r}.log"
@@ -276,11 +278,15 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     if not res.failed:
         return 0, ""
     # The cause: the first rank that failed on its own, not because a peer stopped.
-    causes = [r for r in res.failed if res.codes[r] != PEER_EXIT]
+    # (a rank stopped by the launcher, with a negative code, is a cause only if seen first)
+    causes = [r for r in res.failed if res.codes[r] != PEER_EXIT
+              and (res.codes[r] > 0 or r == res.failed[0])]
     if not causes:
         return 1, (f"rank {res.failed[0]}: a collective failed; another rank stopped or timed out "
                    "without an error of its own (--debug shows the tracebacks)")
-    first = causes[0]
+    # Rank 0 keeps the terminal and has printed its own line, which names a peer's start-up
+    # error when that is why it stopped: nothing more to say, whichever rank exited first.
+    first = 0 if 0 in causes and res.codes[0] > 0 else causes[0]
     code = res.codes[first] if res.codes[first] > 0 else 1
     if first == 0:
         return code, ""  # rank 0 failed on its own and has printed its error

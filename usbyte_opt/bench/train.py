@@ -99,13 +99,6 @@ class Trainee:
         self._losses.append(loss.detach())  # read later: float() would wait for the GPU
         self.steps += 1
 
-    def tracing(self, on: bool) -> None:
-        """Record the runtime's measured timeline (``$USBYTE_TRACE`` set when it was built) or
-        pause it; nothing for the other kinds."""
-        rec = getattr(self.opt, "_trace", None) if self.kind == "runtime" else None
-        if rec is not None:
-            rec.paused = not on
-
     @property
     def losses(self) -> list[float]:
         """Every iteration's loss so far."""
@@ -171,14 +164,7 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
     the first, the runtime learns its hooks' order in it); then, round after round, each takes
     a turn of ``warmup`` untimed and ``ceil(iterations / rounds)`` timed iterations (fewer in
     the last round, so the total is ``iterations``).
-
-    A runtime's measured timeline (``$USBYTE_TRACE``) is recorded only in the untimed warm-up
-    of the last round (at least 2 iterations there, for every trainee alike), so that timed
-    iterations are untraced for the runtime as for DDP.
     """
-    for t in trainees:
-        t.tracing(False)
-    traced = any(getattr(t.opt, "_trace", None) is not None for t in trainees if t.kind == "runtime")
     for t in trainees:
         for _ in range(first_warmup):
             t.iteration()
@@ -192,7 +178,6 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
         extra += 1
     for t in trainees:
         t.drain()
-        t.tracing(False)  # (a plan switched while settling has a recorder of its own)
         dist.barrier()
     rounds = max(1, min(rounds, iterations))
     per = -(-iterations // rounds)
@@ -202,18 +187,10 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
         left -= k
         if k <= 0:
             break
-        last = left <= 0 or r == rounds - 1
         for t in trainees:
             if progress:
                 progress(f"round {r + 1}/{rounds}: {t.name}")
-            if last and traced:
-                t.tracing(True)
-                for _ in range(max(warmup, 2)):
-                    t.iteration()
-                t.tracing(False)
-                turn(t, 0, k, device)
-            else:
-                turn(t, warmup, k, device)
+            turn(t, warmup, k, device)
 
 
 __all__ = ["BATCHES", "Trainee", "interleave", "turn"]
