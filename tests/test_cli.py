@@ -120,3 +120,12 @@ def test_optimize_mode_fence_plans_best_in_fence_mode(capsys, profile, tmp_path)
                            "-o", str(tmp_path / "g.json"))
     assert code == 2 and "--mode" in err and "expected fence or overlap" in err
     assert len(err.strip().splitlines()) == 1 and not (tmp_path / "g.json").exists()
+
+
+def test_optimize_ddp_tuned_runs_with_torch_absent(profile, tmp_path):
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from usbyte_opt.cli.main import main\n"
+            f"main(['optimize', {str(profile)!r}, '-s', 'ddp-tuned', '--json', '-o', {str(tmp_path / 't.json')!r}])")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "bucket_cap_mb_list" in json.loads(r.stdout)

@@ -23,12 +23,13 @@ Example (the caps of a schedule, no process group needed)::
 from __future__ import annotations
 
 import inspect
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from .errors import MismatchError, UsbyteError
 from .formats import DTYPE_SIZES, Schedule
+
+if TYPE_CHECKING:  # torch only where DDP is built: planning a schedule's caps needs none
+    import torch
 
 _MB = 1024 * 1024
 
@@ -109,6 +110,8 @@ def expressible(schedule: Schedule) -> str:
     except UsbyteError as e:
         return str(e).split(": ", 1)[-1]
     if not supports_bucket_list():
+        import torch
+
         return f"torch {torch.__version__}: DistributedDataParallel has no bucket_cap_mb_list"
     return ""
 
@@ -159,6 +162,8 @@ def planned_ddp_kwargs(schedule: Schedule | str, model: torch.nn.Module | None =
         schedule = load_schedule(schedule)
     source = source or "<schedule>"
     if not supports_bucket_list():
+        import torch
+
         raise UsbyteError(f"torch {torch.__version__}: DistributedDataParallel has no "
                           "bucket_cap_mb_list (PyTorch 2.11 or newer has it); use the "
                           "usbyte-opt runtime (usbyte_opt.runtime.DistributedOptimizer) instead")
@@ -318,6 +323,8 @@ def watch_buckets(ddp_model: Any, schedule: Schedule) -> None:
 
     def after_forward(*_: Any) -> None:
         ddp = ref()
+        import torch
+
         if ddp is None or not torch.is_grad_enabled() or not _final(ddp):
             return
         handle[0].remove()

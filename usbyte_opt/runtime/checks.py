@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 
 from ..env import SCHEDULE_ENV
 from ..errors import DistributedError, MismatchError, UsbyteError
@@ -127,8 +128,6 @@ _HINT = ("pass the plain module and do not wrap it (the runtime averages the gra
 
 def _wrapper_classes() -> dict[type, str]:
     """The data-parallel wrapper classes of this torch, by the name an error gives them."""
-    from torch.nn.parallel import DistributedDataParallel
-
     found: dict[type, str] = {DistributedDataParallel: "DistributedDataParallel"}
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -196,8 +195,6 @@ def wrapped_now(model: torch.nn.Module, params: dict[str, torch.Tensor] | None) 
     """What is wrong when ``model`` runs a forward now ('' if nothing): inside a DDP forward,
     or (with ``params``, the tensors the optimizer was built with) its parameters replaced, as
     FSDP does when it wraps a model. Cheap: one attribute read unless ``params`` is given."""
-    from torch.nn.parallel import DistributedDataParallel
-
     active = getattr(DistributedDataParallel, "_active_ddp_module", None)
     if active is not None and any(m is model for m in active.modules()):
         return (f"the model runs inside DistributedDataParallel (wrapped after the "

@@ -376,7 +376,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Between the backward passes of an accumulation: gradients have arrived, the last
         pass has not (the step's all-reduce is not due yet)."""
         comm = self._comm
-        return comm.started and not comm.issued and not comm.last and comm.cb_queued is False
+        return comm.started and not comm.issued and not comm.last and not comm.cb_queued
 
     @property
     def state(self) -> Any:  # type: ignore[override]
