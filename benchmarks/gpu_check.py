@@ -110,7 +110,7 @@ def _small_model() -> Any:
 def _schedule(model: Any, ws: int, mode: str = "overlap", pieces: int = 2) -> Any:
     import dataclasses
 
-    from usbyte_opt.problem import Problem
+    from usbyte_opt.planning.problem import Problem
     from usbyte_opt.runtime import profile_from_model, split_blocks
     from usbyte_opt.runtime.default_plan import make_schedule
 

@@ -26,7 +26,7 @@ Method, per model (also written into each profile's ``meta.method``):
    ``update_ms = numel * 20 / 900e6``. Kernel-launch overhead is ignored (foreach kernels).
 5. **Comm**: ring of 8 workers on 25 Gbit/s Ethernet, hop latency chosen so that
    alpha = 1.3 ms (the US-Byte authors' 8-worker fit): alpha 1.3 ms, algbw 1.786 GB/s,
-   via :func:`usbyte_opt.cost.retarget`.
+   via :func:`usbyte_opt.planning.cost.retarget`.
 """
 
 from __future__ import annotations
@@ -127,6 +127,7 @@ def make(name: str, repeats: int | None, out_dir: Path, anchor_flops: float) -> 
                     "forward_factor": round(kf, 9), "backward_factor": round(kb, 9),
                     "flops_counter": "torch.utils.flop_counter.FlopCounterMode, one sample"},
         "update": f"SGD momentum roofline: {SGD_BYTES_PER_ELEM} bytes/element at {HBM_GBS:g} GB/s",
+        # The text is digested in the shipped files; it names the function by its old path.
         "comm": "analytic: ring of 8 workers, 25 Gbit/s Ethernet (busbw 3.125 GB/s), hop latency "
                 "92.857 us so alpha = 1.3 ms (the US-Byte authors' 8-worker fit); "
                 "usbyte_opt.cost.retarget ring formula",

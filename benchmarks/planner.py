@@ -8,8 +8,8 @@ runs in (fence for wfbp/ddp/ddp-tuned/mgwfbp, overlap for bytescheduler/usbyte, 
 for best), the speedups of usbyte and best over wfbp, ddp and bytescheduler, best's gap to
 the lower bound, and solve times. A second table measures the
 *true* optimality gap of every strategy on small instances (<= 8 tensors) against the exact
-MILP of :mod:`usbyte_opt.exact` (whole-tensor grid). Retargeting follows
-:func:`usbyte_opt.cost.retarget`: ring all-reduce, the profile's own per-hop latency.
+MILP of :mod:`usbyte_opt.planning.exact` (whole-tensor grid). Retargeting follows
+:func:`usbyte_opt.planning.cost.retarget`: ring all-reduce, the profile's own per-hop latency.
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from usbyte_opt.exact import solve_exact  # noqa: E402
 from usbyte_opt.formats import load_profile  # noqa: E402
-from usbyte_opt.planner import compare, retargeted  # noqa: E402
-from usbyte_opt.problem import Problem  # noqa: E402
-from usbyte_opt.strategies import load_builtin  # noqa: E402
-from usbyte_opt.synthetic import random_profile  # noqa: E402
+from usbyte_opt.planning.exact import solve_exact  # noqa: E402
+from usbyte_opt.planning.planner import compare, retargeted  # noqa: E402
+from usbyte_opt.planning.problem import Problem  # noqa: E402
+from usbyte_opt.planning.strategies import load_builtin  # noqa: E402
+from usbyte_opt.planning.synthetic import random_profile  # noqa: E402
 
 WORLD_SIZES = (8, 16, 64, 128)
 BANDWIDTHS = (10, 25, 100)
@@ -99,7 +99,7 @@ def render(rows, small, meta) -> str:
          "Predicted iteration times in ms from the planner's one scorer (docs/planner.md); each "
          "strategy in the mode its schedule runs in (fence: wfbp, ddp, ddp-tuned, mgwfbp; "
          "overlap: bytescheduler, usbyte; best: the faster for its blocks). Profiles are "
-         "retargeted with the ring model of `usbyte_opt/cost.py` at the profile's own per-hop "
+         "retargeted with the ring model of `usbyte_opt/planning/cost.py` at the profile's own per-hop "
          "latency, so alpha grows with world size.", ""]
     # Targets.
     n = len(rows)
@@ -141,7 +141,7 @@ def render(rows, small, meta) -> str:
     if small:
         L += ["", "## True optimality gap on small instances", "",
               f"{len(small)} random profiles of 3–8 tensors; the optimum over whole-tensor blocks "
-              "(any fusion, any order) by the MILP of `usbyte_opt/exact.py`. best may cut tensors, "
+              "(any fusion, any order) by the MILP of `usbyte_opt/planning/exact.py`. best may cut tensors, "
               "so it can beat that optimum (negative gap). Gap = strategy / optimum - 1, each in its mode.", "",
               "| strategy | median gap | max gap | cases at or below the optimum (+0.01%) |", "|---|---|---|---|"]
         for k in names:

@@ -4,7 +4,7 @@
     python benchmarks/planner_scale.py --repeats 1 --sizes 1k,5k --no-dense   # a quick look
 
 Mixture-of-experts models have one gradient tensor per expert matrix per layer: thousands.
-Each case is a profile made by :func:`usbyte_opt.synthetic.moe_profile` (16 ranks, 100 Gbit/s,
+Each case is a profile made by :func:`usbyte_opt.planning.synthetic.moe_profile` (16 ranks, 100 Gbit/s,
 analytic ring), written to a temporary file and planned by ``usbyte-opt optimize --json`` in
 a fresh process, end to end (interpreter start, import, load, every strategy, the lower bound,
 the schedule written). Per case it reports the wall time (range over ``--repeats`` runs, with
@@ -33,8 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.formats import load_profile, save_profile  # noqa: E402
-from usbyte_opt.planner import compare  # noqa: E402
-from usbyte_opt.synthetic import moe_profile  # noqa: E402
+from usbyte_opt.planning.planner import compare  # noqa: E402
+from usbyte_opt.planning.synthetic import moe_profile  # noqa: E402
 
 #: (label, layers, experts, top_k, tokens per rank): Mixtral's 32 x 8 (top-2), DeepSeek-MoE's
 #: 27 x 64, fine-grained 160-expert layers at about 10k, 11.7k and 20k tensors; tokens chosen so
@@ -163,7 +163,7 @@ def markdown(moe: list[dict], dense: list[dict], repeats: int) -> str:
         f"({platform.machine()}, CPython {platform.python_version()}, {os.cpu_count()} cores, "
         "shared with other jobs: the load average before each run is given).",
         "",
-        "Mixture-of-experts profiles from `usbyte_opt.synthetic.moe_profile` (16 ranks, 100 Gbit/s, "
+        "Mixture-of-experts profiles from `usbyte_opt.planning.synthetic.moe_profile` (16 ranks, 100 Gbit/s, "
         "25 µs per ring step, bf16 gradients, 100 TFLOP/s): 1k is "
         "Mixtral-shaped (32 layers x 8 experts, top-2, 16k tokens per rank), 5k DeepSeek-MoE-shaped "
         "(27 x 64, top-6, 32k tokens), 10k, 12k and 20k have 160-expert layers (21, 24 and 42 "
@@ -174,7 +174,7 @@ def markdown(moe: list[dict], dense: list[dict], repeats: int) -> str:
         "`best solve s` and `usbyte solve s`: inside the last of "
         "those runs; `best alone s`: `compare(profile, [\"best\"])` in the benchmark's process "
         "(best computes its cheap seeds itself); peak RSS of the optimize process (max over runs); "
-        "gap: best over the lower bound of `usbyte_opt/bounds.py`.",
+        "gap: best over the lower bound of `usbyte_opt/planning/bounds.py`.",
         "",
         "## Mixture-of-experts profiles",
         "",

@@ -32,7 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 def one_run(model: str, out: Path, stable_s: float) -> dict:
     from usbyte_opt.formats import load_profile
-    from usbyte_opt.planner import compare
+    from usbyte_opt.planning.planner import compare
 
     load0 = os.getloadavg()[0]
     t0 = time.perf_counter()

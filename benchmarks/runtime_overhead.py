@@ -37,7 +37,7 @@ import torch.nn as nn
 
 from usbyte_opt.launcher import run_local, values
 from usbyte_opt.models import build, make_batches
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule, profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
 

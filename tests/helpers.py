@@ -11,7 +11,7 @@ import pytest
 
 from usbyte_opt.cli.main import main
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
-from usbyte_opt.problem import Layout
+from usbyte_opt.planning.problem import Layout
 
 MB_F32 = 250_000  # float32 elements in 1 MB (1 ms at 1 GB/s)
 

@@ -203,7 +203,7 @@ def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
     """``auto`` (the runtime planning in the run, no profile given to it) and, when the planner
     registers it, ``ddp-tuned`` (stock DDP with the planned buckets): they run and the report
     has their rows; timings are not checked."""
-    from usbyte_opt.strategies import load_builtin
+    from usbyte_opt.planning.strategies import load_builtin
 
     strategies = ("ddp", "auto") + (("ddp-tuned",) if "ddp-tuned" in load_builtin() else ())
     out = tmp_path / "lab"

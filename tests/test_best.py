@@ -6,14 +6,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from usbyte_opt.bounds import lower_bound
-from usbyte_opt.exact import solve_brute, solve_exact
-from usbyte_opt.fastsim import evaluate
 from usbyte_opt.formats import CommSpec, Profile, TensorSpec, check_coverage
-from usbyte_opt.planner import compare
-from usbyte_opt.problem import Problem
-from usbyte_opt.strategies import get
-from usbyte_opt.synthetic import chain_profile, random_profile
+from usbyte_opt.planning.bounds import lower_bound
+from usbyte_opt.planning.exact import solve_brute, solve_exact
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.planner import compare
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies import get
+from usbyte_opt.planning.synthetic import chain_profile, random_profile
 
 
 def tiny(seed: int, n: int, ratio: float = 1.0, alpha: float = 0.5) -> Problem:
@@ -113,7 +113,7 @@ def test_best_fuses_where_latency_dominates_and_splits_where_bandwidth_does():
 @given(seed=st.integers(0, 10 ** 6))
 def test_two_phase_dynamic_programme_equals_brute_force(seed):
     """Phase 2 of two_phase in O(N log N) against the definition, O(N^3)."""
-    from usbyte_opt.strategies.best import _phase2
+    from usbyte_opt.planning.strategies.best import _phase2
 
     rng = random.Random(seed)
     N = rng.randint(1, 25)

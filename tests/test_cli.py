@@ -9,7 +9,7 @@ import pytest
 from helpers import run_cli
 
 from usbyte_opt.formats import load_schedule, save_profile
-from usbyte_opt.synthetic import random_profile
+from usbyte_opt.planning.synthetic import random_profile
 
 
 @pytest.fixture

@@ -4,9 +4,9 @@ import random
 
 import pytest
 
-from usbyte_opt.cost import CostModel, fit_samples, retarget
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import CommSpec
+from usbyte_opt.planning.cost import CostModel, fit_samples, retarget
 
 
 def test_linear_cost():

@@ -10,14 +10,14 @@ from helpers import random_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from usbyte_opt.bounds import lower_bound
 from usbyte_opt.errors import FormatError
-from usbyte_opt.fastsim import evaluate
 from usbyte_opt.formats import CommSpec, Profile, TensorSpec, load_profile, save_profile
-from usbyte_opt.planner import compare, retargeted
-from usbyte_opt.problem import Problem
-from usbyte_opt.simulate import simulate_blocks
-from usbyte_opt.synthetic import random_profile
+from usbyte_opt.planning.bounds import lower_bound
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.planner import compare, retargeted
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.simulate import simulate_blocks
+from usbyte_opt.planning.synthetic import random_profile
 
 
 def with_cpu(profile: Profile, per_block: float, per_mb: float) -> Profile:
@@ -141,7 +141,7 @@ def test_best_at_most_every_strategy_and_bound_at_most_every_prediction(seed, n,
 def test_usbyte_and_bytescheduler_weigh_their_candidates_with_the_option(seed, n, cost):
     """Each returns its grid's best under the option: no tried unit (usbyte, forward-order
     priority) or partition/credit pair (bytescheduler) is predicted faster than its plan."""
-    from usbyte_opt.strategies import bytescheduler, usbyte
+    from usbyte_opt.planning.strategies import bytescheduler, usbyte
 
     pb = Problem.from_profile(with_cpu(random_profile(random.Random(seed), n), *cost))
     lay = pb.layout()

@@ -15,10 +15,10 @@ from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import Block
 from usbyte_opt.launcher import run_local
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 
 def mlp() -> nn.Module:

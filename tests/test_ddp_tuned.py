@@ -21,14 +21,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from usbyte_opt import console
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import MismatchError
-from usbyte_opt.fastsim import scorer_for
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, load_schedule, save_profile
 from usbyte_opt.launcher import run_local
-from usbyte_opt.planner import compare
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.fastsim import scorer_for
+from usbyte_opt.planning.planner import compare
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies import STRATEGIES, ddp_tuned, get
+from usbyte_opt.planning.synthetic import chain_profile, random_profile
 from usbyte_opt.runtime import profile_from_model
-from usbyte_opt.strategies import STRATEGIES, ddp_tuned, get
-from usbyte_opt.synthetic import chain_profile, random_profile
 
 
 def with_cpu(profile: Profile, per_block: float, per_mb: float) -> Profile:
@@ -317,7 +317,7 @@ def test_a_profile_whose_ready_order_is_not_the_models_gives_other_buckets(tmp_p
 
 def test_a_gain_within_the_models_error_keeps_ddps_own_buckets():
     """The optimum predicted faster than DDP's buckets by less than PREFER_DEFAULT: DDP's own."""
-    from usbyte_opt.strategies import ddp
+    from usbyte_opt.planning.strategies import ddp
 
     for seed in range(40):
         pb = Problem.from_profile(random_profile(random.Random(seed), 12, comm_ratio=1.0))

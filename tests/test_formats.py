@@ -25,7 +25,7 @@ from usbyte_opt.formats import (
     schedule_schema,
     write_json,
 )
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
 
 
 @pytest.fixture

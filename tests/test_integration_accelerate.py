@@ -30,10 +30,10 @@ from usbyte_opt import ddp as uddp  # noqa: E402
 from usbyte_opt.errors import UsbyteError  # noqa: E402
 from usbyte_opt.formats import save_schedule  # noqa: E402
 from usbyte_opt.launcher import free_port, run_local  # noqa: E402
-from usbyte_opt.problem import Problem  # noqa: E402
+from usbyte_opt.planning.problem import Problem  # noqa: E402
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "accelerate_train.py"

@@ -34,10 +34,10 @@ from usbyte_opt.errors import UsbyteError  # noqa: E402
 from usbyte_opt.formats import save_schedule  # noqa: E402
 from usbyte_opt.integrations.lightning import UsbyteStrategy  # noqa: E402
 from usbyte_opt.launcher import free_port, run_local  # noqa: E402
-from usbyte_opt.problem import Problem  # noqa: E402
+from usbyte_opt.planning.problem import Problem  # noqa: E402
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, STEPS_PER_EPOCH, EPOCHS = 4, 4, 2

@@ -4,8 +4,8 @@ No timing here: how long planning takes is measured by ``benchmarks/planner_scal
 """
 
 from usbyte_opt.formats import check_coverage
-from usbyte_opt.planner import compare
-from usbyte_opt.synthetic import moe_profile
+from usbyte_opt.planning.planner import compare
+from usbyte_opt.planning.synthetic import moe_profile
 
 
 def test_ten_thousand_tensors_best_at_most_every_strategy_and_covers_the_buffers():

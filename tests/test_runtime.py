@@ -18,7 +18,8 @@ import torch.nn.functional as F
 
 from usbyte_opt.errors import FormatError, MismatchError, UsbyteError
 from usbyte_opt.formats import save_schedule
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import (
     SCHEDULE_ENV,
     DistributedOptimizer,
@@ -30,7 +31,6 @@ from usbyte_opt.runtime import (
 )
 from usbyte_opt.runtime.checks import check_model, resolve_schedule
 from usbyte_opt.runtime.default_plan import make_schedule
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 
 def mlp() -> nn.Module:

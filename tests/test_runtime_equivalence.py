@@ -28,7 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from usbyte_opt.env import SCHEDULE_ENV
 from usbyte_opt.formats import Block, Schedule, save_schedule
 from usbyte_opt.launcher import run_local
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
 from usbyte_opt.runtime.default_plan import (
     default_schedule,
@@ -36,7 +37,6 @@ from usbyte_opt.runtime.default_plan import (
     profile_from_model,
     split_blocks,
 )
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 STEPS = 20
 TOL = 1e-5

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
 from usbyte_opt.runtime.default_plan import make_schedule
 

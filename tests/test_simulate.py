@@ -8,11 +8,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from usbyte_opt.errors import MismatchError
-from usbyte_opt.fastsim import evaluate
 from usbyte_opt.formats import Block
-from usbyte_opt.problem import Problem
-from usbyte_opt.simulate import chrome_trace, simulate, simulate_blocks
-from usbyte_opt.synthetic import random_profile
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.simulate import chrome_trace, simulate, simulate_blocks
+from usbyte_opt.planning.synthetic import random_profile
 
 
 def setup():

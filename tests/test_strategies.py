@@ -12,12 +12,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from usbyte_opt.fastsim import evaluate
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
-from usbyte_opt.problem import Problem
-from usbyte_opt.simulate import simulate_blocks
-from usbyte_opt.strategies import STRATEGIES, bytescheduler, ddp, mgwfbp, usbyte, wfbp
-from usbyte_opt.synthetic import chain_profile, random_profile
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.simulate import simulate_blocks
+from usbyte_opt.planning.strategies import STRATEGIES, bytescheduler, ddp, mgwfbp, usbyte, wfbp
+from usbyte_opt.planning.synthetic import chain_profile, random_profile
 
 MB = 250_000          # float32 elements in 1e6 bytes
 MiB = 1 << 20

@@ -20,10 +20,10 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import MismatchError, UsbyteError
 from usbyte_opt.launcher import run_local
-from usbyte_opt.problem import Problem
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning, profile_from_model
 from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
-from usbyte_opt.strategies.ddp import buckets as bucket_blocks
 
 needs_list = pytest.mark.skipif(not uddp.supports_bucket_list(),
                                 reason="torch without bucket_cap_mb_list")

@@ -13,13 +13,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from usbyte_opt.fastsim import evaluate
 from usbyte_opt.formats import CommSpec, Profile, TensorSpec
-from usbyte_opt.problem import Problem
-from usbyte_opt.simulate import simulate_blocks
-from usbyte_opt.strategies import usbyte
-from usbyte_opt.strategies.usbyte import USByte
-from usbyte_opt.synthetic import chain_profile, random_profile
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.simulate import simulate_blocks
+from usbyte_opt.planning.strategies import usbyte
+from usbyte_opt.planning.strategies.usbyte import USByte
+from usbyte_opt.planning.synthetic import chain_profile, random_profile
 
 
 def problem(tensors, F, B) -> Problem:

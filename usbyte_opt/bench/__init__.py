@@ -61,7 +61,7 @@ def default_strategies() -> tuple[str, ...]:
         >>> s[0], s[-1], "usbyte" in s
         ('ddp', 'best', True)
     """
-    from ..strategies import load_builtin
+    from ..planning.strategies import load_builtin
 
     return (TORCH_DDP, *(s for s in load_builtin() if s != TORCH_DDP))
 
@@ -124,7 +124,7 @@ class BenchConfig:
 
     def strategy_list(self) -> list[str]:
         from ..env import AUTO
-        from ..strategies import load_builtin
+        from ..planning.strategies import load_builtin
 
         registry = load_builtin()
         known = [*registry, AUTO]
@@ -310,7 +310,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
 
 def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> dict[str, tuple[Path, Any]]:
     from ..formats import load_profile, load_schedule, write_json
-    from ..simulate import chrome_trace, simulate
+    from ..planning.simulate import chrome_trace, simulate
     from .report import compare_trace, load_json
 
     docs: dict[str, tuple[Path, Any]] = {}

@@ -2,8 +2,8 @@
 adds, learned from measured timelines (``usbyte-opt bench``; the report's ``refined_ms``).
 
 What it scores through the planner's own code: the blocks' times and the compute cost of
-communication come from :mod:`usbyte_opt.fastsim` (:func:`usbyte_opt.fastsim.charged`, the
-one rule of both modes) and :mod:`usbyte_opt.simulate`; what it adds, on inputs the bench
+communication come from :mod:`usbyte_opt.planning.fastsim` (:func:`usbyte_opt.planning.fastsim.charged`, the
+one rule of both modes) and :mod:`usbyte_opt.planning.simulate`; what it adds, on inputs the bench
 measured:
 
 1. **The optimizer step is compute** (:func:`refined_overlap`, below): in overlap mode the
@@ -37,14 +37,14 @@ pending, then spends the update time of p and of every pending tensor finished b
 Example (two tensors; the output-side block finishes early, the input-side one at 8 ms)::
 
     >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.problem import Problem
     >>> prof = Profile("toy", forward_ms=4.0, backward_ms=6.0,
     ...     tensors=(TensorSpec("out", (250_000,), "float32", 2.0, 3.0, update_ms=1.0),
     ...              TensorSpec("inp", (250_000,), "float32", 6.0, 0.0, update_ms=1.0)),
     ...     comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0))
     >>> pb = Problem.from_profile(prof); lay = pb.layout()
     >>> blocks = [lay.whole(0), lay.whole(1)]
-    >>> from usbyte_opt.simulate import simulate_blocks
+    >>> from usbyte_opt.planning.simulate import simulate_blocks
     >>> simulate_blocks(pb, lay, blocks).iteration_ms   # "inp" at max(6, 8 + 1), "out" free
     13.0
     >>> refined_overlap(pb, lay, blocks)                 # at 8 both updates run: 8 + 2 + 4
@@ -56,11 +56,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..cost import bandwidth_through
-from ..fastsim import charged
 from ..formats import Block, CommSpec, Profile
-from ..problem import Layout, Problem
-from ..simulate import simulate_blocks
+from ..planning.cost import bandwidth_through
+from ..planning.fastsim import charged
+from ..planning.problem import Layout, Problem
+from ..planning.simulate import simulate_blocks
 
 
 def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = None) -> tuple[float, float]:
@@ -147,7 +147,7 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpe
 
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:
     """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
-    on the problem charged for what ``blocks`` cost its compute (:func:`usbyte_opt.fastsim.charged`,
+    on the problem charged for what ``blocks`` cost its compute (:func:`usbyte_opt.planning.fastsim.charged`,
     as the planner scores them)."""
     problem = charged(problem, layout, blocks, "overlap")
     tl = simulate_blocks(problem, layout, blocks, "overlap")

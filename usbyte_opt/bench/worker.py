@@ -10,7 +10,7 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
    ``alpha``/``algbw`` are those of the shaped link, and all-reduce is timed again while
    training iterations run (:func:`usbyte_opt.profiler.probe.comm_under_compute`, kept in the
    profile's ``meta.cpu_probe``) — or loads ``--profile`` (probing here if it has no probe);
-3. rank 0 plans every strategy (:func:`usbyte_opt.planner.compare`, so ``best`` is seeded
+3. rank 0 plans every strategy (:func:`usbyte_opt.planning.planner.compare`, so ``best`` is seeded
    with all of them) and broadcasts the schedules;
 4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
 5. compares each trainee's final parameters with the reference (DDP) and sends its timings
@@ -59,7 +59,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str,
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
     the planner's ``ms`` in the ``mode`` its schedule runs in (PyTorch DDP: fence);
     :func:`refine` adds ``refined_ms`` once training has run."""
-    from ..planner import compare
+    from ..planning.planner import compare
 
     report = compare(profile, options={BEST: {"time_budget_s": time_budget_s}})
     out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
@@ -99,8 +99,8 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
     runtime's update rule (:func:`~.refine.refined_overlap`)."""
     import dataclasses
 
-    from ..problem import Problem
-    from ..simulate import simulate_blocks
+    from ..planning.problem import Problem
+    from ..planning.simulate import simulate_blocks
     from .refine import refined_overlap, scaled
 
     base = scaled(profile, compute_scale)

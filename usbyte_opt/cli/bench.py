@@ -18,7 +18,7 @@ from .. import console
 from ..bench import default_strategies
 from ..bench.worker import TORCH_DDP
 from ..env import AUTO
-from ..strategies import load_builtin
+from ..planning.strategies import load_builtin
 from . import common
 
 #: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``

@@ -11,8 +11,8 @@ import typer
 
 from ..errors import UsbyteError
 from ..formats import CommSpec, Profile, load_profile, write_json
-from ..planner import retargeted
-from ..simulate import Timeline, chrome_trace
+from ..planning.planner import retargeted
+from ..planning.simulate import Timeline, chrome_trace
 
 #: Options shared by several commands, as ``Annotated`` types (``x: common.Json = False``).
 WorldSize = Annotated[Optional[int], typer.Option(

@@ -17,7 +17,7 @@ import typer
 
 from .. import console
 from ..bench.worker import BEST, REFERENCE, TORCH_DDP
-from ..strategies import load_builtin
+from ..planning.strategies import load_builtin
 from . import common
 
 #: Columns of :func:`explain`'s table.

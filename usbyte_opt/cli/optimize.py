@@ -13,9 +13,9 @@ import typer
 from .. import console
 from ..errors import UsbyteError
 from ..formats import save_schedule
-from ..planner import Progress, compare
-from ..simulate import simulate
-from ..strategies import load_builtin
+from ..planning.planner import Progress, compare
+from ..planning.simulate import simulate
+from ..planning.strategies import load_builtin
 from . import common
 
 
@@ -176,7 +176,7 @@ def short_caps(caps: list[float]) -> str:
 
 @contextmanager
 def progress_display(enabled: bool = True, after_s: float = 1.0) -> Iterator[Progress]:
-    """A :data:`usbyte_opt.planner.Progress` callback that shows rich's progress display on
+    """A :data:`usbyte_opt.planning.planner.Progress` callback that shows rich's progress display on
     stderr, one line per strategy, once planning has run ``after_s`` seconds; nothing when
     not ``enabled`` or when stderr is not a terminal."""
     if not enabled or not console.err.is_terminal:

@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from .. import console
-from ..bounds import lower_bound
 from ..formats import SCHEDULE_MODES, load_schedule
-from ..problem import Problem
-from ..simulate import simulate as run_simulation
+from ..planning.bounds import lower_bound
+from ..planning.problem import Problem
+from ..planning.simulate import simulate as run_simulation
 from . import common
 
 

@@ -17,7 +17,7 @@ collective; the last one out sees only the collective itself, from "everybody ha
 to "done", which is what the iteration model's ``c(b)`` is (waiting for a late rank is
 modelled by the ready times, the maximum over ranks). So a sample's time is the
 **minimum over ranks**, and each size keeps the median of its samples. ``alpha_ms`` and ``algbw_gbs``
-are fitted to those medians with :func:`usbyte_opt.cost.fit_samples` (scipy least squares on
+are fitted to those medians with :func:`usbyte_opt.planning.cost.fit_samples` (scipy least squares on
 relative residuals). The medians go to ``comm.samples``; every raw sample stays in
 ``meta.comm_sweep``.
 
@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..cost import fit_samples, retarget
 from ..errors import UsbyteError
 from ..formats import CommSpec
+from ..planning.cost import fit_samples, retarget
 from ..runtime.comm import sum_issuer
 from .timing import median
 
@@ -129,7 +129,7 @@ def default_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, points: i
 
 def analytic_comm(alpha_ms: float | None = None, algbw_gbs: float | None = None,
                   world_size: int = ANALYTIC_WORLD_SIZE) -> CommSpec:
-    """Comm settings of the reference cluster (ring formula of :func:`usbyte_opt.cost.retarget`),
+    """Comm settings of the reference cluster (ring formula of :func:`usbyte_opt.planning.cost.retarget`),
     with ``alpha_ms`` / ``algbw_gbs`` overriding the derived values.
 
     Example::
@@ -279,7 +279,7 @@ def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dic
         "method": "barrier before each sample (below 1 MiB a chain of back-to-back calls, time per "
                   "call); last-arriving (minimum) rank per sample; outliers (> 5 MADs) dropped; "
                   "median per size, rounds added while a median's 95% interval is wider than "
-                  f"{100 * REL_TOL:.0f}%; usbyte_opt.cost.fit_samples on the medians; spread: "
+                  f"{100 * REL_TOL:.0f}%; usbyte_opt.planning.cost.fit_samples on the medians; spread: "
                   f"5th-95th percentiles of {BOOTSTRAP} bootstrap refits",
         "spread": spread,
         "channel": sweep.channel,

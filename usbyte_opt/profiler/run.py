@@ -27,12 +27,12 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
-from ..cost import fit_samples
 from ..device import resolve_device
 from ..errors import UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, Profile, TensorSpec
 from ..group import barrier
 from ..models import Factory, build, model_name, resolve
+from ..planning.cost import fit_samples
 from ..runtime.checks import agree
 from ..runtime.comm import backend_for, block_issuer
 from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
@@ -267,7 +267,7 @@ def _fit_changes_verdict(timings: Any, F: float, B: float, ready: Sequence[float
     """Whether the plan ``usbyte-opt optimize`` would choose changes anywhere within the fit's
     spread (the corners of the alpha and bandwidth intervals): the best plan's mode, or
     whether it beats DDP by more than 2%. Returns a description of the change, or ""."""
-    from ..planner import compare
+    from ..planning.planner import compare
 
     def verdict(alpha: float, algbw: float) -> tuple[str, bool]:
         c = dataclasses.replace(comm, alpha_ms=max(alpha, 0.0), algbw_gbs=max(algbw, 1e-6))

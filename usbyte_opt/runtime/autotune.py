@@ -15,7 +15,7 @@ as DDP). Then, inside the user's loop:
 4. at the next step boundary, every rank: the measurements, maximum over ranks (the control
    group); a short all-reduce sweep on the runtime's own channel for ``alpha`` and the
    bandwidth; rank 0 builds the profile, plans it exactly as ``usbyte-opt optimize`` does
-   (:func:`usbyte_opt.planner.compare`, its ``best``) and broadcasts the schedule; every rank
+   (:func:`usbyte_opt.planning.planner.compare`, its ``best``) and broadcasts the schedule; every rank
    switches to it at the same iteration. The profile and the schedule are written to
    ``auto_dir`` (or ``$USBYTE_AUTO_DIR``) for ``optimize``, ``simulate`` and ``bench``.
 
@@ -345,7 +345,7 @@ class Tuner:
         err = ""
         if self.rank == 0:
             try:
-                from ..planner import compare
+                from ..planning.planner import compare
 
                 report = compare(profile)
                 sched = report.schedule("best")

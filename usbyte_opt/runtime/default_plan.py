@@ -3,7 +3,7 @@
 :class:`~usbyte_opt.runtime.DistributedOptimizer` falls back to :func:`default_schedule` when it
 is given no schedule (with a warning): whole tensors fused into buckets in reverse registration
 order, the first bucket 1 MiB and the others 25 MiB, as PyTorch DDP does. Tests and examples
-use :func:`profile_from_model` to get a :class:`~usbyte_opt.problem.Problem` for the model and
+use :func:`profile_from_model` to get a :class:`~usbyte_opt.planning.problem.Problem` for the model and
 cut their own blocks from it.
 
 What a model's schedule covers (the fingerprint): the parameters of
@@ -31,9 +31,9 @@ from collections.abc import Iterable
 import torch
 
 from ..formats import DTYPE_SIZES, Block, CommSpec, Profile, Schedule, TensorSpec
-from ..problem import Layout, Problem
-from ..strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
-from ..strategies.ddp import buckets as ddp_buckets
+from ..planning.problem import Layout, Problem
+from ..planning.strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
+from ..planning.strategies.ddp import buckets as ddp_buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,7 +98,7 @@ def profile_from_model(model: torch.nn.Module, world_size: int = 1, name: str = 
 def default_schedule(model: torch.nn.Module, world_size: int = 1,
                      first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                      bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> Schedule:
-    """DDP-like schedule for ``model``: DDP's buckets (:func:`usbyte_opt.strategies.ddp.buckets`,
+    """DDP-like schedule for ``model``: DDP's buckets (:func:`usbyte_opt.planning.strategies.ddp.buckets`,
     one rule for the planner's ``ddp`` strategy and this plan) of whole tensors in reverse
     registration order.
 

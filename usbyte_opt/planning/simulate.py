@@ -17,7 +17,7 @@ Time origin is the start of backward; milliseconds and bytes.
   mode the forward's compute between its waits); waiting costs nothing. The timeline without
   the charge gives what each phase paid; backward's and forward's times are lengthened by it
   (:meth:`Problem.stretched`) and the iteration is simulated again. This module reads the
-  overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.fastsim` computes
+  overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.planning.fastsim` computes
   the same in closed form (tests check they agree).
 
 Deterministic, no torch import. :func:`chrome_trace` turns a :class:`Timeline` into a trace
@@ -30,7 +30,7 @@ Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
     ...     tensors=(TensorSpec("out", (250_000,), "float32", ready_ms=2.0, need_ms=3.0),
     ...              TensorSpec("inp", (250_000,), "float32", ready_ms=6.0, need_ms=0.0)),
     ...     comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0))
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.problem import Problem
     >>> pb = Problem.from_profile(prof); lay = pb.layout()
     >>> blocks = [lay.whole(0), lay.whole(1)]
     >>> tl = simulate_blocks(pb, lay, blocks)
@@ -49,8 +49,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import MismatchError
-from .formats import SCHEDULE_MODES, Block, Profile, Schedule, check_against
+from ..errors import MismatchError
+from ..formats import SCHEDULE_MODES, Block, Profile, Schedule, check_against
 from .problem import Layout, Problem
 
 MODES = SCHEDULE_MODES

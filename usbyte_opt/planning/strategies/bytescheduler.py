@@ -32,7 +32,7 @@ event-driven over the profile's ready times and the finish times it computes; a 
 never starts later than ``max(its ready, previous finish)``: when the channel is idle nothing
 is outstanding, the full credit is back and anything ready is dispatched at once. So the
 replayed times equal the simulator's for that issue order, and the plan is then scored by the
-one scorer (:class:`usbyte_opt.fastsim.Scorer`, with the profile's compute-cost option when it
+one scorer (:class:`usbyte_opt.planning.fastsim.Scorer`, with the profile's compute-cost option when it
 has one). Overlap mode: ByteScheduler lets the forward pass of the next iteration start before
 all communication ends. The grid search skips a partition size when a lower bound on every
 issue order of its partitions (:func:`_lower`) is no better than the best plan so far, a
@@ -42,8 +42,8 @@ the bound. The result is the grid's best, as an exhaustive search would find it.
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
     >>> pb = Problem.from_profile(chain_profile([5_000_000, 1000, 3_000_000]))
     >>> p = plan(pb, partition=2_000_000, credit=4_000_000)
     >>> [k.end - k.start for k in p.blocks]     # layer2 (ready first) in 2 parts, layer0 in 3
@@ -59,8 +59,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...formats import Block
 from ..fastsim import scorer_for, tails
-from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, register
 
@@ -206,7 +206,7 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([1000, 2000, 3000]))
         >>> p = plan(pb)
         >>> len(p.blocks), p.mode                 # small tensors are never partitioned

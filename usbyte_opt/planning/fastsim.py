@@ -1,6 +1,6 @@
 """The one scorer: every strategy, ``best``'s search and the bench's refinement score plans here.
 
-Same numbers as the step-by-step simulator of :mod:`usbyte_opt.simulate` (tests check it on
+Same numbers as the step-by-step simulator of :mod:`usbyte_opt.planning.simulate` (tests check it on
 random schedules in both modes, with and without the compute-cost option), no timeline.
 
 **Closed form.** Unrolling the forward walk of docs/design.md §2.5 gives, for overlap mode,
@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .formats import SCHEDULE_MODES, Block
+from ..formats import SCHEDULE_MODES, Block
 from .problem import Layout, Problem
 
 BlockStat = tuple[float, float, float]

@@ -7,7 +7,7 @@ a time, and steps the optimizer after the last (fence mode, docs/design.md §2.6
 schedules DDP can run are exactly: whole tensors, one buffer in gradient-ready order, blocks
 contiguous in that order and issued in it. This strategy picks, among those, the bucket
 boundaries with the least predicted fence-mode iteration time, by an exact dynamic
-programme over the iteration model (the one scorer's, :class:`usbyte_opt.fastsim.Scorer`,
+programme over the iteration model (the one scorer's, :class:`usbyte_opt.planning.fastsim.Scorer`,
 with the compute-cost option when the profile has it). :func:`usbyte_opt.ddp.bucket_caps_mb`
 turns the plan into the list and :func:`usbyte_opt.ddp.wrap` builds the DDP model.
 
@@ -51,10 +51,10 @@ times); a plan is a partition of the atoms into consecutive runs. Fence mode giv
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
-    >>> from usbyte_opt.fastsim import evaluate
-    >>> from usbyte_opt.strategies import get
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
+    >>> from usbyte_opt.planning.fastsim import evaluate
+    >>> from usbyte_opt.planning.strategies import get
     >>> pb = Problem.from_profile(chain_profile([250_000] * 8, alpha_ms=2.0, algbw_gbs=1.0))
     >>> p = plan(pb)
     >>> p.mode, len(p.blocks), p.info["exact"]
@@ -71,9 +71,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ..errors import UsbyteError
+from ...errors import UsbyteError
+from ...formats import Block
 from ..fastsim import scorer_for
-from ..formats import Block
 from ..problem import Problem
 from . import Plan, register
 

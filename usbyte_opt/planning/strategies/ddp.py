@@ -19,8 +19,8 @@ Fence mode: DDP's optimizer step waits for every bucket (docs/design.md §2.6).
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
     >>> MiB = 1 << 20
     >>> # four float32 tensors of 0.75 MiB each, all in one buffer
     >>> pb = Problem.from_profile(chain_profile([MiB * 3 // 16] * 4))
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..formats import Block
+from ...formats import Block
 from ..problem import Layout, Problem
 from . import Plan, register
 
@@ -58,7 +58,7 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([1000] * 10))   # 40 kB in all
         >>> len(plan(pb).blocks)                                    # one bucket
         1
@@ -82,7 +82,7 @@ def buckets(problem: Problem, layout: Layout | None = None, order: Sequence[int]
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([100] * 4))        # 400 B each
         >>> [(k.start, k.end) for k in buckets(pb, first_bucket_bytes=700, bucket_cap_bytes=1000)]
         [(0, 200), (200, 400)]

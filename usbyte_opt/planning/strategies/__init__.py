@@ -3,7 +3,7 @@
 A strategy module registers itself with :func:`register`; :data:`STRATEGIES` maps names to
 :class:`Strategy` entries in the order they are reported. All strategies emit blocks in the
 same language, and every candidate they weigh is scored by the one scorer
-(:class:`usbyte_opt.fastsim.Scorer`, equal to the simulator of :mod:`usbyte_opt.simulate`).
+(:class:`usbyte_opt.planning.fastsim.Scorer`, equal to the simulator of :mod:`usbyte_opt.planning.simulate`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..formats import Block
+from ...formats import Block
 from ..problem import Layout
 
 
@@ -62,7 +62,7 @@ def register(name: str, native_mode: str, summary: str) -> Callable[[PlanFn], Pl
 def get(name: str) -> Strategy:
     load_builtin()
     if name not in STRATEGIES:
-        from ..errors import UsbyteError
+        from ...errors import UsbyteError
 
         raise UsbyteError(f"strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
     return STRATEGIES[name]

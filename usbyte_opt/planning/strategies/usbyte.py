@@ -33,7 +33,7 @@ timing charges whole units and corrects the last unit of the wrong tensor, and e
 overwrites its unit count, so units of a gradient vanish. Here every block carries true sizes,
 every element is sent exactly once (phase 1 sends a tensor's units from its first element
 upward, phase 2 sends the contiguous rest), and every candidate plan is timed by the same model
-as :mod:`usbyte_opt.fastsim` (and the returned plan's ``info["iteration_ms"]`` equals the
+as :mod:`usbyte_opt.planning.fastsim` (and the returned plan's ``info["iteration_ms"]`` equals the
 simulator's). On the extension rule: adding k units to the previous block costs
 ``beta * S_p * k`` and no alpha, so the block grows by ``ceil(g / (beta * S_p))`` units; that is
 what the three-case rule yields applied again on the shrinking gap, and what the authors' code
@@ -52,14 +52,14 @@ candidate that cannot win costs O(1); ranks and the range minima the search read
 arrays rebuilt only when a move is kept. The unit grid drops a unit as soon as its bound
 reaches the second best so far (two finalists go on). These shortcuts return exactly what full
 runs would (tests compare them). With the profile's compute-cost option every candidate is
-scored by :class:`usbyte_opt.fastsim.Scorer` (the phase model's own time, which leaves the
+scored by :class:`usbyte_opt.planning.fastsim.Scorer` (the phase model's own time, which leaves the
 option out, is then only used as a lower bound).
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
-    >>> from usbyte_opt.fastsim import evaluate
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
+    >>> from usbyte_opt.planning.fastsim import evaluate
     >>> pb = Problem.from_profile(chain_profile([2_000_000, 500_000, 3_000_000], alpha_ms=0.5,
     ...                                         algbw_gbs=1.0, forward_ms=10, backward_ms=20))
     >>> p = plan(pb)
@@ -78,8 +78,8 @@ from typing import Any
 
 import numpy as np
 
+from ...formats import Block
 from ..fastsim import scorer_for, tails
-from ..formats import Block
 from ..problem import Layout, Problem
 from . import Plan, register
 
@@ -126,7 +126,7 @@ class USByte:
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([4, 4], alpha_ms=1.0, algbw_gbs=1e-5,
         ...                                         forward_ms=2, backward_ms=40))
         >>> # 16 bytes at 1e-5 GB/s: beta = 0.1 ms/byte, 0.4 ms/element, a unit of 2 costs 0.8
@@ -326,7 +326,7 @@ class USByte:
     def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
         """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
 
-        Same closed form as :func:`usbyte_opt.fastsim.score`: ``T = max(B + F, last finish,
+        Same closed form as :func:`usbyte_opt.planning.fastsim.score`: ``T = max(B + F, last finish,
         max over blocks of finish + (update + F - need))``; ``worst`` already covers phase 1.
         """
         tail, ready, alpha = self.tail, self.ready, self.alpha
@@ -347,7 +347,7 @@ class USByte:
 
     def value(self, out: Outcome) -> float:
         """What the plan of ``out`` is predicted to take: the phase model's time, or with the
-        compute-cost option the one scorer's (:class:`usbyte_opt.fastsim.Scorer`)."""
+        compute-cost option the one scorer's (:class:`usbyte_opt.planning.fastsim.Scorer`)."""
         if self.scorer is None:
             return out.iteration_ms
         return self.scorer.score(self.scorer.stats(self.blocks(out)))
@@ -506,7 +506,7 @@ def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = T
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> pb = Problem.from_profile(chain_profile([3000, 1000], alpha_ms=0.01, algbw_gbs=0.01))
         >>> p = plan(pb, unit=1000)
         >>> [(k.start, k.end) for k in p.blocks]    # layer1 whole in phase 1, layer0 in phase 2

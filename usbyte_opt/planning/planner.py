@@ -3,12 +3,12 @@
 This is the domain code behind ``usbyte-opt optimize``: no printing, no torch. Every plan
 carries the mode its schedule runs in (fence: every block, then every update, as DDP;
 overlap: each update gated in the next forward), and every prediction is the one scorer's
-(:class:`usbyte_opt.fastsim.Scorer`) in that mode.
+(:class:`usbyte_opt.planning.fastsim.Scorer`) in that mode.
 
 Example::
 
     >>> import random
-    >>> from usbyte_opt.synthetic import random_profile
+    >>> from usbyte_opt.planning.synthetic import random_profile
     >>> report = compare(random_profile(random.Random(0), 30))
     >>> list(report.results)
     ['wfbp', 'ddp', 'ddp-tuned', 'mgwfbp', 'bytescheduler', 'usbyte', 'best']
@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import UsbyteError
+from ..formats import Profile, Schedule
 from .bounds import lower_bound
 from .cost import CostModel, retarget
-from .errors import UsbyteError
 from .fastsim import scorer_for
-from .formats import Profile, Schedule
 from .problem import Problem
 from .strategies import Plan, load_builtin
 from .strategies.ddp_tuned import NotApplicable
@@ -111,7 +111,7 @@ class Report:
 
 def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: float | None = None,
                latency_us: float | None = None) -> Profile:
-    """``profile`` with its comm moved to another cluster (see :func:`usbyte_opt.cost.retarget`)."""
+    """``profile`` with its comm moved to another cluster (see :func:`usbyte_opt.planning.cost.retarget`)."""
     return profile.with_comm(retarget(profile.comm, world_size, bandwidth_gbps, latency_us))
 
 
@@ -124,7 +124,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     predicted slower than any of them (DDP included), whatever the profile's compute-cost
     fields. ``options`` maps a strategy name to keyword arguments of its plan; ``progress``
     is told when each strategy starts and ends (:data:`Progress`). A strategy that has no
-    plan for the profile (:class:`~usbyte_opt.strategies.ddp_tuned.NotApplicable`) is left out
+    plan for the profile (:class:`~usbyte_opt.planning.strategies.ddp_tuned.NotApplicable`) is left out
     of ``results`` and named in ``skipped``.
     """
     registry = load_builtin()

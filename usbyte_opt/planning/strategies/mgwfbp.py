@@ -20,7 +20,7 @@ of the INFOCOM rule and is left out. Fence mode, like the paper's system.
 Example::
 
     >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.problem import Problem
     >>> T = lambda n, r: TensorSpec(n, (250_000,), "float32", ready_ms=r, need_ms=0.0)
     >>> # alpha 1 ms, 1 GB/s: a 1 MB tensor costs 2 ms
     >>> prof = Profile("toy", 1.0, 10.0, (T("a", 1.0), T("b", 1.5), T("c", 9.0)),
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..formats import Block
+from ...formats import Block
 from ..problem import Problem
 from . import Plan, register
 
@@ -51,7 +51,7 @@ def plan(problem: Problem) -> Plan:
 
     Example::
 
-        >>> from usbyte_opt.synthetic import chain_profile
+        >>> from usbyte_opt.planning.synthetic import chain_profile
         >>> # 10 equal layers, alpha 5 ms (> 2 ms between gradients): everything merges
         >>> pb = Problem.from_profile(chain_profile([1000] * 10, alpha_ms=5.0))
         >>> len(plan(pb).blocks)

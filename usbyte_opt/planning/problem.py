@@ -24,8 +24,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..formats import Block, Buffer, Profile, Schedule, check_against
 from .cost import CostModel
-from .formats import Block, Buffer, Profile, Schedule, check_against
 
 
 @dataclass(slots=True)
@@ -109,7 +109,7 @@ class Problem:
     def block_cpu_ms(self, nbytes: float) -> float:
         """Training-thread time one block of ``nbytes`` costs while compute runs beside it:
         ``cpu_ms_per_block + cpu_ms_per_mb * MB`` (0 without the compute-cost option). How much
-        of it an iteration pays is the one rule of :mod:`usbyte_opt.fastsim`.
+        of it an iteration pays is the one rule of :mod:`usbyte_opt.planning.fastsim`.
 
         Example::
 
@@ -124,7 +124,7 @@ class Problem:
     def stretched(self, backward: float = 1.0, forward: float = 1.0) -> Problem:
         """This problem with the backward's times (``ready``, ``B``) times ``backward``, the
         forward's (``need``, ``update``, ``F``) times ``forward``, and the compute-cost option
-        off: how :mod:`usbyte_opt.fastsim` applies what communication cost each phase."""
+        off: how :mod:`usbyte_opt.planning.fastsim` applies what communication cost each phase."""
         return Problem(self.profile, self.cost, self.names, [r * backward for r in self.ready],
                        [x * forward for x in self.need], [u * forward for u in self.update],
                        self.numel, self.itemsize, self.dtype, self.index, self.B * backward,

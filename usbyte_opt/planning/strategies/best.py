@@ -1,6 +1,6 @@
 """``best``: our optimizer. Fusion, partition, order and mode together, scored by the one scorer.
 
-Why this shape. By the closed form of :mod:`usbyte_opt.fastsim`, a schedule's overlap-mode
+Why this shape. By the closed form of :mod:`usbyte_opt.planning.fastsim`, a schedule's overlap-mode
 time is ``max(B + F, finish_last, max_k finish_k + q_k)`` with release times
 ``r_p = ready_p`` and tails ``q_p = update_p + F - need_p``. Without per-block latency this is
 the single-machine problem ``1 | r_j, pmtn | max(C_j + q_j)``, which Jackson's preemptive
@@ -30,22 +30,22 @@ cut costs more than it saves. So ``best``:
    block that sets T, then merge / swap / split of consecutive blocks within the stretch of
    channel that sets T (a move elsewhere cannot lower it; with the compute-cost option every
    block counts, and the whole schedule is searched); first improvement, to a fixed point or
-   the time budget. Each move is scored by :class:`usbyte_opt.fastsim.Scorer` in O(blocks)
+   the time budget. Each move is scored by :class:`usbyte_opt.planning.fastsim.Scorer` in O(blocks)
    numpy with ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs).
    With the compute-cost option the best candidate of the other mode is improved too.
    Each result is kept in whichever mode is faster for its blocks.
 6. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
-   :mod:`usbyte_opt.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
+   :mod:`usbyte_opt.planning.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
 
-It reports the lower bound of :mod:`usbyte_opt.bounds` and its gap in ``Plan.info``.
+It reports the lower bound of :mod:`usbyte_opt.planning.bounds` and its gap in ``Plan.info``.
 
 Example::
 
     >>> import random
-    >>> from usbyte_opt.synthetic import random_profile
-    >>> from usbyte_opt.problem import Problem
-    >>> from usbyte_opt.fastsim import evaluate
-    >>> from usbyte_opt.strategies import get
+    >>> from usbyte_opt.planning.synthetic import random_profile
+    >>> from usbyte_opt.planning.problem import Problem
+    >>> from usbyte_opt.planning.fastsim import evaluate
+    >>> from usbyte_opt.planning.strategies import get
     >>> pb = Problem.from_profile(random_profile(random.Random(1), 40))
     >>> best = get("best").plan(pb)
     >>> wfbp = get("wfbp").plan(pb)
@@ -67,9 +67,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from ...formats import Block
 from ..bounds import lower_bound
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
-from ..formats import Block
 from ..problem import Layout, Problem
 from . import STRATEGIES, Plan, register
 from .ddp_tuned import NotApplicable, min_finish

@@ -1,6 +1,6 @@
 """A lower bound on the iteration time of *any* schedule of a profile, in either mode.
 
-Notation (docs/design.md §2.5, and :mod:`usbyte_opt.fastsim` for the closed form): tensor p has
+Notation (docs/design.md §2.5, and :mod:`usbyte_opt.planning.fastsim` for the closed form): tensor p has
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
 ``q_p = update_p + F - need_p``. For every schedule in overlap mode without the compute-cost
 option,
@@ -43,7 +43,7 @@ Claim 2 is what counts the per-block latency where the first claim counts at mos
 **Fence mode and the compute-cost option.** For the same blocks, fence mode is never faster
 than overlap mode without the option (``max(B, L) + sum(update) + F`` is at least ``B + F``,
 ``L`` and every ``finish_k + q_k``), and the option only lengthens compute
-(:mod:`usbyte_opt.fastsim`: ready times, tails and ``B + F`` grow, and T is nondecreasing in
+(:mod:`usbyte_opt.planning.fastsim`: ready times, tails and ``B + F`` grow, and T is nondecreasing in
 each), so claims 1 and 2, taken without the option, hold for every schedule in both modes.
 
 **Claim 3 (compute cost).** With the option, block k costs the training thread
@@ -74,8 +74,8 @@ numpy (a few ms for 600 tensors). Every such S is a valid set, so the maximum is
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
     >>> pb = Problem.from_profile(chain_profile([250_000, 250_000], forward_ms=4.0,
     ...     backward_ms=6.0, alpha_ms=1.0, algbw_gbs=1.0, compute=[1, 1]))
     >>> lower_bound(pb)     # input layer ready at 6, 1 + 1 ms to send, then 4 ms forward

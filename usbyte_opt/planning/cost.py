@@ -18,8 +18,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .errors import UsbyteError
-from .formats import CommSpec
+from ..errors import UsbyteError
+from ..formats import CommSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from .formats import CommSpec, Profile, TensorSpec
+from ..formats import CommSpec, Profile, TensorSpec
 
 
 def chain_profile(numels: Sequence[int], forward_ms: float = 10.0, backward_ms: float = 20.0,
@@ -89,7 +89,7 @@ def moe_profile(layers: int = 27, experts: int = 64, d_model: int = 1024, d_expe
     layer by layer in reverse (the chain of :func:`chain_profile`); the optimizer step of a
     tensor is Adam's 20 bytes per element at ``hbm_gbs``. Communication: an analytic ring of
     ``world_size`` ranks at ``bandwidth_gbps`` per link and ``latency_us`` per ring step
-    (:func:`usbyte_opt.cost.retarget`).
+    (:func:`usbyte_opt.planning.cost.retarget`).
 
     Example::
 
@@ -141,7 +141,7 @@ def moe_profile(layers: int = 27, experts: int = 64, d_model: int = 1024, d_expe
     comm = retarget(CommSpec("analytic", 8, 1.0, 1.0), world_size=world_size,
                     bandwidth_gbps=bandwidth_gbps, latency_us=latency_us)
     return Profile(name or f"moe-{layers}x{experts}", F, B, tuple(tensors), comm,
-                   {"source": "synthetic", "generator": "usbyte_opt.synthetic.moe_profile",
+                   {"source": "synthetic", "generator": "usbyte_opt.planning.synthetic.moe_profile",
                     "layers": layers, "experts": experts, "d_model": d_model,
                     "d_expert": d_expert, "top_k": top_k, "shared_experts": shared_experts,
                     "tokens": tokens, "tflops": tflops})

@@ -7,8 +7,8 @@ docs/design.md §2.6).
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
     >>> pb = Problem.from_profile(chain_profile([1000, 3000], alpha_ms=0.5))
     >>> p = plan(pb)
     >>> [(k.start, k.end) for k in p.blocks]      # output layer (ready first) goes first
@@ -35,7 +35,7 @@ def plan(problem: Problem) -> Plan:
 
     Example::
 
-        >>> from usbyte_opt.synthetic import random_profile
+        >>> from usbyte_opt.planning.synthetic import random_profile
         >>> import random
         >>> pb = Problem.from_profile(random_profile(random.Random(1), 5))
         >>> len(plan(pb).blocks)

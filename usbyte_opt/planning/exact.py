@@ -18,13 +18,13 @@ MILP (reads top to bottom):
    (d) ``s_k >= f_{k-1}`` (one collective at a time);
    (e) ``f_k = s_k + sum_c cost_c x[k, c]``;
    (f) ``T >= f_k + sum_c tail_c x[k, c]`` and ``T >= B + F`` (the closed form of
-       :mod:`usbyte_opt.fastsim`).
+       :mod:`usbyte_opt.planning.fastsim`).
 No big-M is needed: with one block per slot every term is linear in ``x``.
 
 Example::
 
-    >>> from usbyte_opt.synthetic import chain_profile
-    >>> from usbyte_opt.problem import Problem
+    >>> from usbyte_opt.planning.synthetic import chain_profile
+    >>> from usbyte_opt.planning.problem import Problem
     >>> pb = Problem.from_profile(chain_profile([300_000, 100_000, 200_000], alpha_ms=0.5))
     >>> lay = pb.layout()
     >>> milp = solve_exact(pb, lay, units_per_tensor=1)
@@ -38,8 +38,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+from ..formats import Block
 from .fastsim import block_stats, score, tails
-from .formats import Block
 from .problem import Layout, Problem
 
 
