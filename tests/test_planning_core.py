@@ -36,7 +36,8 @@ def test_optimize_plans_every_strategy_with_torch_absent(tmp_path):
             "import json\n"
             f"for s in {names!r}:\n"
             f"    try:\n"
-            f"        main(['optimize', {str(profile)!r}, '-s', s, '--json', '-o', {str(tmp_path)!r} + '/' + s + '.json'])\n"
+            f"        main(['optimize', {str(profile)!r}, '-s', s, '--json',\n"
+            f"              '-o', {str(tmp_path)!r} + '/' + s + '.json'])\n"
             f"    except SystemExit as e:\n"
             f"        assert not e.code, (s, e.code)\n")
     r = _run(code)

@@ -10,11 +10,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from usbyte_opt.collectives.issuers import backend_for
+from usbyte_opt.collectives.sweep import Sweep, analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.profiler.comm import Sweep, analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from usbyte_opt.profiler.optimizers import make_optimizer
 from usbyte_opt.profiler.timing import IterationTimer, Timings, apportion_update, quantile, summarize
-from usbyte_opt.runtime.comm import backend_for
 
 
 def test_default_sweep_is_log_spaced_4kib_to_64mib():
@@ -198,8 +198,8 @@ def _sweep_with_own_time_caps(rank: int, ws: int) -> int:
 
 
 def test_sweep_rounds_are_decided_together_whatever_each_rank_clock_says():
+    from usbyte_opt.collectives.sweep import SMALL_REPEAT_FACTOR
     from usbyte_opt.launcher import run_local, values
-    from usbyte_opt.profiler.comm import SMALL_REPEAT_FACTOR
 
     counts = values(run_local(_sweep_with_own_time_caps, 2, timeout_s=60, pg_timeout_s=20))
     first_rounds = 2 * SMALL_REPEAT_FACTOR + 2   # 4 KiB is below 1 MiB: more repeats

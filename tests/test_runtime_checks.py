@@ -22,11 +22,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from usbyte_opt.collectives.agree import RECORD_BYTES
 from usbyte_opt.formats import save_schedule
 from usbyte_opt.launcher import run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
-from usbyte_opt.runtime.checks import RECORD_BYTES
 from usbyte_opt.runtime.default_plan import default_schedule, make_schedule
 
 LIMIT_S = 60.0

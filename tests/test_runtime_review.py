@@ -126,8 +126,8 @@ def test_drift_check_keeps_few_stamps_and_never_waits(pg, check_every):
 
 
 def test_gloo_address_refuses_loopback_on_a_job_that_spans_nodes():
+    from usbyte_opt.collectives.issuers import gloo_address
     from usbyte_opt.errors import UsbyteError
-    from usbyte_opt.runtime.comm import gloo_address
 
     def no_route(host):
         return None
@@ -145,6 +145,6 @@ def test_gloo_address_refuses_loopback_on_a_job_that_spans_nodes():
 
 
 def test_route_to_the_loopback_store_is_loopback():
-    from usbyte_opt.runtime.comm import _route_to
+    from usbyte_opt.collectives.issuers import _route_to
 
     assert _route_to("127.0.0.1") == "127.0.0.1"

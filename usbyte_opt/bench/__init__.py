@@ -200,8 +200,8 @@ def default_out_dir(cfg: BenchConfig) -> Path:
 def _comm_sizes(job: Job) -> tuple[int, ...]:
     """Sweep sizes from 4 KiB to the model's whole gradient (at least 1 MiB): a slow link
     makes 64 MiB samples cost seconds each, and no block is ever larger than all gradients."""
+    from ..collectives.sweep import default_sizes
     from ..models import build, parameter_count
-    from ..profiler.comm import default_sizes
 
     model, _, _ = build(job.model, job.batch_size, "cpu")
     total = 4 * parameter_count(model)

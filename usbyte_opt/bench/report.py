@@ -31,7 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..profiler.timing import median, quantile
+from ..collectives.sweep import median
+from ..profiler.timing import quantile
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP
 
 #: Largest parameter difference from the reference that still counts as "same training":

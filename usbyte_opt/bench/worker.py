@@ -220,8 +220,8 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                       float(record["cpu_ms_per_block"]))
             step_alone = record.get("step_alone_ms")
         elif job.probe and world > 1:
+            from ..collectives.issuers import block_issuer
             from ..profiler.probe import comm_under_compute, probe_sizes
-            from ..runtime.comm import block_issuer
             from .refine import loaded_comm
 
             say("measuring all-reduce under compute")
@@ -337,7 +337,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         # The refined prediction, with compute recalibrated to the side-by-side no-comm run.
         compute_scale = 1.0
         if REFERENCE in runs and runs[REFERENCE]["durations_ms"]:
-            from ..profiler.timing import median
+            from ..collectives.sweep import median
 
             expect = planned["compute_ms"] + planned["update_ms"]
             if expect > 0:

@@ -14,7 +14,7 @@ The ranks' device is :mod:`usbyte_opt.device`, their process group :mod:`usbyte_
 and ``--nproc-per-node`` starts them through :mod:`usbyte_opt.launcher`.
 """
 
-from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
+from ..collectives.sweep import analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from .optimizers import OPTIMIZERS, make_optimizer
 from .run import ProfileWarning, profile_model
 from .timing import IterationTimer, Timings, summarize

@@ -22,9 +22,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..runtime.comm import backend_for, sum_issuer
-from .comm import CHAIN, default_sizes, robust
-from .timing import median
+from ..collectives.issuers import backend_for, sum_issuer
+from ..collectives.sweep import CHAIN, default_sizes, median, robust
 
 #: Blocks in the chain that reads the per-block cost (4 KiB each); every other chain has the
 #: sweep's ``CHAIN``.
@@ -93,7 +92,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     network stack) both count.
 
     ``issue`` is the channel (default: ``dist.all_reduce`` on ``group``); the profiler and the
-    bench pass the runtime's (:func:`usbyte_opt.runtime.comm.block_issuer`), whose gloo event loop polls
+    bench pass the runtime's (:func:`usbyte_opt.collectives.issuers.block_issuer`), whose gloo event loop polls
     while a chain of blocks is on the wire and takes its core from the training thread. With
     ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
     an iteration are (one number for every size, or one per size).

@@ -27,15 +27,15 @@ import torch
 import torch.distributed as dist
 
 from .. import __version__
+from ..collectives.agree import agree
+from ..collectives.issuers import backend_for, block_issuer
+from ..collectives.sweep import analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from ..device import resolve_device
 from ..errors import UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, Profile, TensorSpec
 from ..group import barrier
 from ..models import Factory, build, model_name, resolve
 from ..planning.cost import fit_samples
-from ..runtime.checks import agree
-from ..runtime.comm import backend_for, block_issuer
-from .comm import analytic_comm, default_sizes, fit_comm, sweep_allreduce
 from .optimizers import OPTIMIZERS, make_optimizer
 from .timing import IterationTimer, Progress, summarize
 
@@ -58,7 +58,7 @@ def profile_model(model: str | Factory, batch_size: int | None = None, *, name: 
 
     Every rank of ``group`` must call this with the same arguments (it runs collectives).
     Without a process group (or at world size 1) the communication settings are analytic
-    (:func:`usbyte_opt.profiler.comm.analytic_comm`, overridable with ``alpha_ms`` /
+    (:func:`usbyte_opt.collectives.sweep.analytic_comm`, overridable with ``alpha_ms`` /
     ``algbw_gbs``) and a :class:`ProfileWarning` is issued. Nothing is printed or written.
 
     Args:

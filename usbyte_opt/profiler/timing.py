@@ -45,6 +45,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..collectives.sweep import median
 from ..errors import UsbyteError
 from ..first_use import FirstUse
 from ..models import check_loss
@@ -133,21 +134,6 @@ class Timings:
     """Tensors first used outside their owner's ``forward`` (anchored to another hook)."""
     fallback_passes: int = 0
     """Timed passes whose hook calls differed from discovery (owner pre-hook used)."""
-
-
-def median(xs: Sequence[float]) -> float:
-    """Median of the finite values of ``xs`` (NaN when there are none).
-
-    Example::
-
-        >>> median([3.0, 1.0, float("nan"), 2.0])
-        2.0
-    """
-    v = sorted(x for x in xs if not math.isnan(x))
-    if not v:
-        return math.nan
-    n = len(v)
-    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
 def quantile(xs: Sequence[float], q: float) -> float:

@@ -429,8 +429,8 @@ class Tuner:
         return Profile("auto", F, B, tuple(tensors), comm, meta)
 
     def _sweep(self, total_bytes: int) -> Any:
-        from ..profiler.comm import default_sizes, fit_comm, sweep_allreduce
-        from .comm import backend_for
+        from ..collectives.issuers import backend_for
+        from ..collectives.sweep import default_sizes, fit_comm, sweep_allreduce
 
         opt = self.opt
         chan = opt._chan

@@ -4,17 +4,16 @@
    the default plan (with a warning).
 2. :func:`check_model`: the model's trainable tensors match the schedule; the error names the
    first tensor that differs (name, dtype, shape) and says expected vs got.
-3. :func:`agree`: every rank all-gathers one fixed-size record (schedule digest, or the error
-   its own checks raised) *before any other collective*, so that a rank whose checks failed
-   still takes part, and every rank raises the same clear error instead of hanging. The
-   profiler agrees the same way that every rank built its model.
+3. :func:`~usbyte_opt.collectives.agree.agree`: every rank all-gathers one fixed-size record
+   (schedule digest, or the error its own checks raised) *before any other collective*, so
+   that a rank whose checks failed still takes part, and every rank raises the same clear
+   error instead of hanging. The profiler agrees the same way that every rank built its model.
 4. :func:`broadcast_from_rank0`: parameters (and buffers) copied from rank 0.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import math
 import os
 import warnings
@@ -26,8 +25,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ..collectives.agree import wait
 from ..env import SCHEDULE_ENV
-from ..errors import DistributedError, MismatchError, UsbyteError
+from ..errors import MismatchError, UsbyteError
 from ..formats import Schedule, fingerprint, load_schedule
 from .default_plan import default_schedule
 
@@ -210,61 +210,6 @@ def wrapped_now(model: torch.nn.Module, params: dict[str, torch.Tensor] | None) 
                         "after it was built): build the optimizer on the module as it trains, "
                         "not wrapped in FSDP")
     return ""
-
-
-def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> None:
-    """``work.wait()`` that turns a timeout or a lost peer into one-line :class:`DistributedError`."""
-    try:
-        if timeout is None:
-            work.wait()
-        else:
-            work.wait(timeout)
-    except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"rank {rank}: {what} failed: {first} (a peer crashed, timed out "
-                               "or issued different collectives)") from e
-
-
-def agree(group: dist.ProcessGroup | None, digest: str | None, error: BaseException | None,
-          device: torch.device, timeout: timedelta | None) -> None:
-    """All-gather each rank's outcome of its start-up checks and raise on every rank alike.
-
-    The one way ranks agree before they work together: the runtime passes its schedule
-    digest, the profiler only whether building the model worked (``digest=None``). Call it
-    before any other collective. A rank whose own checks failed passes its error here instead
-    of raising at once, so the other ranks are not left waiting in a collective.
-
-    Raises:
-        The rank's own error (if it had one); else :class:`DistributedError` naming the first
-        rank that failed, or the first rank whose digest differs from rank 0's.
-    """
-    rank, ws = dist.get_rank(group), dist.get_world_size(group)
-    msg = "" if error is None else str(error)
-    rec = json.dumps({"d": digest or "", "e": msg[:RECORD_BYTES - 64]}).encode()[:RECORD_BYTES]
-    mine = torch.zeros(RECORD_BYTES, dtype=torch.uint8)
-    mine[: len(rec)] = torch.frombuffer(bytearray(rec), dtype=torch.uint8)
-    mine = mine.to(device)
-    out = [torch.empty_like(mine) for _ in range(ws)]
-    what = "schedule digests" if digest is not None else "start-up errors"
-    wait(dist.all_gather(out, mine, group=group, async_op=True),
-         f"start-up check (all-gather of {what})", rank, timeout)
-    recs = []
-    for t in out:
-        raw = bytes(t.cpu().tolist()).rstrip(b"\0")
-        try:
-            recs.append(json.loads(raw.decode()))
-        except ValueError:
-            recs.append({"d": "", "e": "unreadable start-up record"})
-    if error is not None:
-        raise error
-    for r, rec_r in enumerate(recs):
-        if rec_r["e"]:
-            raise DistributedError(f"rank {rank}: rank {r} failed its start-up check: {rec_r['e']}")
-    for r, rec_r in enumerate(recs):
-        if rec_r["d"] != recs[0]["d"]:
-            raise DistributedError(f"rank {rank}: the schedule differs across ranks: rank 0 has "
-                                   f"digest {recs[0]['d']}, rank {r} has {rec_r['d']}; give every "
-                                   f"rank the same file (${SCHEDULE_ENV} / usbyte-opt launch)")
 
 
 def check_world_size(schedule: Schedule, world_size: int, rank: int) -> None:

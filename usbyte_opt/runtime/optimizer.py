@@ -43,6 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..collectives.agree import agree
 from ..env import AUTO, SCHEDULE_ENV, TRACE_ENV
 from ..errors import UsbyteError
 from ..formats import Schedule
@@ -50,7 +51,6 @@ from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
 from .checks import (
-    agree,
     broadcast_from_rank0,
     check_model,
     check_not_wrapped,

@@ -256,7 +256,7 @@ def attach(optimizer: Any, model: Any) -> Recorder | None:
     g = optimizer._grads
     sched = optimizer.schedule
     sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
-    from .comm import backend_for
+    from ..collectives.issuers import backend_for
 
     device = optimizer._chan.device
     host_finish = device.type == "cuda" and backend_for(optimizer._group, device) != "nccl"

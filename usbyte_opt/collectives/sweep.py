@@ -7,7 +7,7 @@ round-robin over the sizes; before each timed sample the ranks meet at a barrier
 A sample below 1 MiB is a **chain** of ``CHAIN`` all-reduces issued back to back, timed whole
 and divided by their number: in an iteration the blocks follow one another on the channel,
 and what a block costs there is not what one isolated call costs. On gloo the runtime sends
-its blocks through a one-thread group (:func:`usbyte_opt.runtime.comm.serial_group`), where a
+its blocks through a one-thread group (:func:`usbyte_opt.collectives.issuers.serial_group`), where a
 small all-reduce right after another costs several times what it costs alone
 (``docs/bench.md``, item 10 of "What the measurements show"); the profiler therefore times
 that same channel (``issue``), and the fitted alpha is what every extra block of a schedule
@@ -40,8 +40,7 @@ import torch.distributed as dist
 from ..errors import UsbyteError
 from ..formats import CommSpec
 from ..planning.cost import fit_samples, retarget
-from ..runtime.comm import sum_issuer
-from .timing import median
+from .issuers import sum_issuer
 
 Progress = Callable[[str, int, int], None]
 
@@ -65,6 +64,22 @@ Issue = Callable[[torch.Tensor], Any]
 REL_TOL = 0.05
 #: Bootstrap resamples behind a fit's stated spread.
 BOOTSTRAP = 40
+
+
+def median(xs: Sequence[float]) -> float:
+    """Median of the finite values of ``xs`` (NaN when there are none).
+
+    Example::
+
+        >>> median([3.0, 1.0, float("nan"), 2.0])
+        2.0
+    """
+    v = sorted(x for x in xs if not math.isnan(x))
+    if not v:
+        return math.nan
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
 
 
 def robust(xs: Sequence[float], k: float = 5.0) -> list[float]:
