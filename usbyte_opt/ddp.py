@@ -26,7 +26,7 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 from .errors import MismatchError, UsbyteError
-from .formats import DTYPE_SIZES, Schedule
+from .formats import DTYPE_SIZES, Mode, Schedule
 
 if TYPE_CHECKING:  # torch only where DDP is built: planning a schedule's caps needs none
     import torch
@@ -44,7 +44,7 @@ def supports_bucket_list() -> bool:
 def planned_buckets(schedule: Schedule, source: str = "<schedule>") -> list[list[str]]:
     """The schedule's blocks as DDP buckets (tensor names, in gradient-ready order), or a
     one-line :class:`~usbyte_opt.errors.UsbyteError` saying why DDP cannot express it."""
-    if schedule.mode != "fence":
+    if schedule.mode != Mode.FENCE:
         raise UsbyteError(f"{source}: mode: expected \"fence\" (DDP steps after every bucket), "
                           f"got {schedule.mode!r}; plan with `usbyte-opt optimize --strategy "
                           "ddp-tuned`")

@@ -46,6 +46,7 @@ from typing import Any
 
 from ..env import TRACE_ENV
 from ..errors import DistributedError, UsbyteError
+from ..formats import Mode
 from ..launcher import threads_per_rank
 from .job import Job
 from .worker import REFERENCE, TORCH_DDP
@@ -320,7 +321,7 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
         try:
             prof = prof or load_profile(raw["profile"])
             sched = load_schedule(path)
-            mode = "fence" if s == TORCH_DDP else "overlap"
+            mode = Mode.FENCE if s == TORCH_DDP else Mode.OVERLAP
             predicted = chrome_trace(simulate(prof, sched, mode=mode), f"{s} (predicted)")
             measured = []
             mpath = raw["traces"].get(s)

@@ -56,7 +56,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..formats import Block, CommSpec, Profile
+from ..formats import Block, CommSpec, Mode, Profile
 from ..planning.cost import bandwidth_through
 from ..planning.fastsim import charged
 from ..planning.problem import Layout, Problem
@@ -149,8 +149,8 @@ def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -
     """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
     on the problem charged for what ``blocks`` cost its compute (:func:`usbyte_opt.planning.fastsim.charged`,
     as the planner scores them)."""
-    problem = charged(problem, layout, blocks, "overlap")
-    tl = simulate_blocks(problem, layout, blocks, "overlap")
+    problem = charged(problem, layout, blocks, Mode.OVERLAP)
+    tl = simulate_blocks(problem, layout, blocks, Mode.OVERLAP)
     fin_blocks = [b.finish_ms for b in tl.blocks]
     finish = [0.0] * problem.n
     index = problem.index

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ..env import TRACE_ENV
+from ..formats import Mode
 from ..launcher import PROGRESS_PREFIX
 from .job import Job
 
@@ -118,8 +119,8 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
             continue
         sched = planned["schedules"][s]
         lay = rp.layout(sched.buffers)
-        if pred["mode"] == "fence":  # the whole step already runs on the training thread
-            pred["refined_ms"] = simulate_blocks(rp, lay, sched.blocks, "fence").iteration_ms
+        if pred["mode"] == Mode.FENCE:  # the whole step already runs on the training thread
+            pred["refined_ms"] = simulate_blocks(rp, lay, sched.blocks, Mode.FENCE).iteration_ms
         else:
             pred["refined_ms"] = refined_overlap(rp, lay, sched.blocks)
 

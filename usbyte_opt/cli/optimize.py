@@ -12,7 +12,7 @@ import typer
 
 from .. import console
 from ..errors import UsbyteError
-from ..formats import save_schedule
+from ..formats import Mode, save_schedule
 from ..planning.planner import Progress, compare
 from ..planning.simulate import simulate
 from ..planning.strategies import load_builtin
@@ -65,7 +65,7 @@ def optimize(
     registry = load_builtin()
     if strategy not in registry:
         raise typer.BadParameter(f"expected one of {', '.join(registry)}", param_hint="--strategy")
-    if mode is not None and mode not in ("fence", "overlap"):
+    if mode is not None and mode not in (Mode.FENCE, Mode.OVERLAP):
         raise typer.BadParameter(f"expected fence or overlap, got {mode!r}", param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     with progress_display(enabled=not as_json) as say:

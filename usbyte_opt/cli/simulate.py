@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import console
-from ..formats import SCHEDULE_MODES, load_schedule
+from ..formats import SCHEDULE_MODES, Mode, load_schedule
 from ..planning.bounds import lower_bound
 from ..planning.problem import Problem
 from ..planning.simulate import simulate as run_simulation
@@ -44,7 +44,7 @@ def simulate(
     sched = load_schedule(schedule)
     problem = Problem.from_profile(prof)
     tl = run_simulation(problem, sched, mode=mode, source=str(schedule))
-    other = "fence" if tl.mode == "overlap" else "overlap"
+    other = Mode.FENCE if tl.mode == Mode.OVERLAP else Mode.OVERLAP
     other_ms = run_simulation(problem, sched, mode=other, check=False).iteration_ms
     charge = tl.meta.get("cpu_charge_ms", {"backward": 0.0, "forward": 0.0})
     lb = lower_bound(problem)
@@ -92,7 +92,7 @@ def simulate(
         if problem.charges_cpu:
             rows.insert(3, ["communication's compute cost",
                             f"backward +{charge['backward']:.3f} ms, forward +{charge['forward']:.3f} ms"])
-    if tl.mode == "overlap" and waits and waits[0].wait_ms > 0:
+    if tl.mode == Mode.OVERLAP and waits and waits[0].wait_ms > 0:
         rows.append(["longest forward waits",
                      ", ".join(f"{g.name} {g.wait_ms:.2f} ms" for g in waits if g.wait_ms > 0)])
     console.table(f"{sched.strategy} schedule on {original.name} ({tl.mode} mode"

@@ -14,6 +14,7 @@ import json
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ..errors import FormatError, MismatchError
@@ -35,10 +36,32 @@ DTYPE_SIZES: dict[str, int] = {
 
 COMM_BACKENDS = ("nccl", "gloo", "analytic", "mpi", "ucc")
 
-#: How the runtime applies a schedule's updates: ``overlap`` (each tensor's update right
-#: before its first use in the next forward, so communication overlaps that forward) or
-#: ``fence`` (every block waited for, then every update, then the next forward, as DDP).
-SCHEDULE_MODES = ("overlap", "fence")
+class Mode(str, Enum):
+    """How the runtime applies a schedule's updates.
+
+    ``OVERLAP``: each tensor's update right before its first use in the next forward, so
+    communication overlaps that forward. ``FENCE``: every block waited for, then every update,
+    then the next forward, as DDP. A mode is its file value as a string (``Mode.FENCE ==
+    "fence"``, ``str(Mode.FENCE) == "fence"``), so that messages and files read alike.
+
+    Example::
+
+        >>> Mode("fence") is Mode.FENCE, f"{Mode.OVERLAP}", [str(m) for m in Mode]
+        (True, 'overlap', ['overlap', 'fence'])
+    """
+
+    OVERLAP = "overlap"
+    FENCE = "fence"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: The modes' file values, in :class:`Mode` order.
+SCHEDULE_MODES = tuple(m.value for m in Mode)
 
 
 # --------------------------------------------------------------------------------------------
@@ -196,8 +219,11 @@ class Schedule:
     """Total elements of each buffer (extra field, lets a schedule be checked on its own)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
     """Fields this version does not know, kept so that a round trip loses nothing."""
-    mode: str = "overlap"
-    """How the runtime applies the updates: one of :data:`SCHEDULE_MODES`."""
+    mode: Mode = Mode.OVERLAP
+    """How the runtime applies the updates (a file value such as ``"fence"`` is taken too)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", Mode(self.mode))
 
     def to_dict(self) -> dict[str, Any]:
         buffers = []
@@ -213,7 +239,7 @@ class Schedule:
             "profile": {"name": self.profile_name, "digest": self.profile_digest},
             "fingerprint": self.fingerprint,
             "world_size": self.world_size,
-            "mode": self.mode,
+            "mode": str(self.mode),
             "buffers": buffers,
             "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in self.blocks],
             "predicted": dict(self.predicted),
@@ -234,8 +260,8 @@ class Schedule:
         """Digest of what every rank must agree on: layout and blocks (not predictions)."""
         d = self.to_dict()
         agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
-        if self.mode != "overlap":  # the default mode is left out: it adds nothing to agree on
-            agreed["mode"] = self.mode
+        if self.mode is not Mode.OVERLAP:  # the default mode is left out: it adds nothing to agree on
+            agreed["mode"] = str(self.mode)
         return _digest(agreed)
 
 

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from ..env import AUTO, SCHEDULE_ENV
 from ..errors import UsbyteError
-from ..formats import Schedule, load_schedule
+from ..formats import Mode, Schedule, load_schedule
 
 #: The integrations' logger.
 log = logging.getLogger("usbyte_opt.integrations")
@@ -58,7 +58,7 @@ class Plan:
         line = (f"usbyte-opt ({trainer}): the usbyte-opt runtime, {n} block{'s' if n != 1 else ''}"
                 f" in {self.schedule.mode} mode ({self.source}, {self.schedule.strategy}); stock "
                 f"DDP cannot run it: {why}")
-        if self.schedule.mode == "overlap":
+        if self.schedule.mode == Mode.OVERLAP:
             line += ("; the trainer waits for the averaged gradients after backward, so no "
                      "block overlaps the next forward here: `usbyte-opt optimize --mode fence` "
                      "plans for that")

@@ -51,13 +51,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..formats import SCHEDULE_MODES, Block
+from ..formats import Block, Mode
 from .problem import Layout, Problem
 
 BlockStat = tuple[float, float, float]
 """``(ready_ms, cost_ms, tail_ms)`` of one block."""
 
-MODES = SCHEDULE_MODES
+MODES = tuple(Mode)
 
 
 def tails(problem: Problem) -> list[float]:
@@ -66,7 +66,7 @@ def tails(problem: Problem) -> list[float]:
     return [u + F - nd for u, nd in zip(problem.update, problem.need)]
 
 
-def score(stats: Sequence[BlockStat], B: float, F: float, mode: str = "overlap",
+def score(stats: Sequence[BlockStat], B: float, F: float, mode: Mode = Mode.OVERLAP,
           total_update: float = 0.0) -> float:
     """Iteration time of blocks given as ``(ready, cost, tail)`` in issue order, without the
     compute-cost option (the closed form of the module docstring, one block at a time)."""
@@ -76,7 +76,7 @@ def score(stats: Sequence[BlockStat], B: float, F: float, mode: str = "overlap",
         t = (r if r > t else t) + c
         if t + q > worst:
             worst = t + q
-    if mode == "overlap":
+    if mode == Mode.OVERLAP:
         return worst if worst > t else t
     return (B if B > t else t) + total_update + F
 
@@ -224,10 +224,10 @@ class Scorer:
         cum = np.cumsum(C)
         return cum + np.maximum.accumulate(R - (cum - C))
 
-    def score(self, st: Stats, mode: str = "overlap") -> float:
+    def score(self, st: Stats, mode: Mode = Mode.OVERLAP) -> float:
         """Iteration time of the blocks ``st`` in ``mode`` (the one rule, module docstring)."""
         if len(st) == 0:
-            return self.B + self.F + (self.total_update if mode == "fence" else 0.0)
+            return self.B + self.F + (self.total_update if mode == Mode.FENCE else 0.0)
         fin = self.finishes(st.R, st.C)
         if not self.charges:
             return self._closed(fin, st.Q, mode, 1.0, 1.0)
@@ -236,19 +236,19 @@ class Scorer:
             fin = self.finishes(st.R * sb, st.C)
         return self._closed(fin, st.Q, mode, sb, sf)
 
-    def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: str, sb: float, sf: float) -> float:
+    def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: Mode, sb: float, sf: float) -> float:
         last = float(fin[-1])
-        if mode == "overlap":
+        if mode == Mode.OVERLAP:
             floor = self.B * sb + self.F * sf
             worst = float((fin + Q * sf).max()) if sf != 1.0 else float((fin + Q).max())
             return max(floor, last, worst)
-        if mode == "fence":
+        if mode == Mode.FENCE:
             B = self.B * sb
             return (B if B > last else last) + self.total_update + self.F
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
     def stretch(self, st: Stats, fin: np.ndarray | None = None,
-                mode: str = "overlap") -> tuple[float, float]:
+                mode: Mode = Mode.OVERLAP) -> tuple[float, float]:
         """``(backward factor, forward factor)`` that the compute-cost option applies to the
         blocks ``st`` in ``mode``; ``(1, 1)`` without the option."""
         if not self.charges:
@@ -260,7 +260,7 @@ class Scorer:
         B, F = self.B, self.F
         bwd = np.clip(np.minimum(fin, B) - start, 0.0, None)
         sb = 1.0 + float(rate @ bwd) / B if B > 0 else 1.0
-        if mode == "fence" or F <= 0 or fin[-1] <= B:
+        if mode == Mode.FENCE or F <= 0 or fin[-1] <= B:
             return sb, 1.0
         done = self.forward_progress(st, fin, np.concatenate([start, fin]))
         fwd = done[len(fin):] - done[:len(fin)]
@@ -315,7 +315,7 @@ def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
 
 
 def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block],
-             mode: str = "overlap") -> float:
+             mode: Mode = Mode.OVERLAP) -> float:
     """Iteration time of ``blocks`` on ``problem`` in ``mode`` (same value as the simulator)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
@@ -324,7 +324,7 @@ def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block],
 
 
 def charged(problem: Problem, layout: Layout, blocks: Sequence[Block],
-            mode: str = "overlap") -> Problem:
+            mode: Mode = Mode.OVERLAP) -> Problem:
     """``problem`` with each compute phase lengthened by what ``blocks`` cost it in ``mode``
     (the module docstring's rule); ``problem`` itself without the compute-cost option."""
     if not problem.charges_cpu:

@@ -12,7 +12,7 @@ Example::
     >>> report = compare(random_profile(random.Random(0), 30))
     >>> list(report.results)
     ['wfbp', 'ddp', 'ddp-tuned', 'mgwfbp', 'bytescheduler', 'usbyte', 'best']
-    >>> [r.mode for r in report.results.values()]
+    >>> [str(r.mode) for r in report.results.values()]
     ['fence', 'fence', 'fence', 'fence', 'overlap', 'overlap', 'overlap']
     >>> report.results["best"].iteration_ms <= min(r.iteration_ms for r in report.results.values())
     True
@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsbyteError
-from ..formats import Profile, Schedule
+from ..formats import Mode, Profile, Schedule
 from .bounds import lower_bound
 from .cost import CostModel, retarget
 from .fastsim import scorer_for
@@ -47,7 +47,7 @@ class StrategyResult:
 
     name: str
     plan: Plan
-    mode: str
+    mode: Mode
     """The mode the plan's schedule runs in (``plan.mode``)."""
     iteration_ms: float
     """Predicted time in that mode: what the schedule is predicted to take."""
@@ -159,8 +159,8 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         plan.info.setdefault("strategy", n)
         sc = scorer_for(problem, plan.layout)
         stats = sc.stats(plan.blocks)
-        ov, fe = sc.score(stats, "overlap"), sc.score(stats, "fence")
-        T = fe if plan.mode == "fence" else ov
+        ov, fe = sc.score(stats, Mode.OVERLAP), sc.score(stats, Mode.FENCE)
+        T = fe if plan.mode == Mode.FENCE else ov
         report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve)
         say("done", n, solve)
     # Keep the report in registry order.

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..formats import Block, Buffer, Profile, Schedule, check_against
+from ..formats import Block, Buffer, Mode, Profile, Schedule, check_against
 from .cost import CostModel
 
 
@@ -187,10 +187,10 @@ class Problem:
 
     def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
-                 check: bool = True, mode: str = "overlap",
+                 check: bool = True, mode: Mode = Mode.OVERLAP,
                  profile_digest: str | None = None) -> Schedule:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
-        ``mode`` (``"overlap"`` or ``"fence"``, :data:`usbyte_opt.formats.SCHEDULE_MODES`).
+        ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
         The schedule records every tensor's shape (extra field ``shapes``), so that the runtime
         can name the exact tensor whose shape differs from the model's, and the digest of the

@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MismatchError
-from ..formats import SCHEDULE_MODES, Block, Profile, Schedule, check_against
+from ..formats import Block, Mode, Profile, Schedule, check_against
 from .problem import Layout, Problem
 
-MODES = SCHEDULE_MODES
+MODES = tuple(Mode)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +82,7 @@ class ForwardGate:
 
 @dataclass(frozen=True, slots=True)
 class Timeline:
-    mode: str
+    mode: Mode
     iteration_ms: float
     backward_ms: float
     forward_ms: float
@@ -105,7 +105,7 @@ class Timeline:
 
 
 def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
-                    mode: str = "overlap") -> Timeline:
+                    mode: Mode = Mode.OVERLAP) -> Timeline:
     """Simulate ``blocks`` (issue order) over ``layout``; blocks must cover every buffer once.
 
     With the compute-cost option the timeline is that of the charged iteration, and its
@@ -128,7 +128,7 @@ def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
     forward's segments between its waits (overlap mode), or the step and the forward after
     the fence."""
     out = [(0.0, timeline.backward_ms)]
-    if timeline.mode == "fence":
+    if timeline.mode == Mode.FENCE:
         out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_end_ms))
         return out
     t = timeline.forward_start_ms
@@ -165,10 +165,10 @@ def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
                 else:
                     xf += rate * (hi - lo)
             j += 1
-    return xb, (xf if timeline.mode == "overlap" else 0.0)
+    return xb, (xf if timeline.mode == Mode.OVERLAP else 0.0)
 
 
-def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str) -> Timeline:
+def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode) -> Timeline:
     """The step-by-step timeline of the module docstring, without the compute-cost option."""
     cost, ready, names = problem.cost, problem.ready, problem.names
     n = problem.n
@@ -195,7 +195,7 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str) 
     B, F = problem.B, problem.F
     upd = problem.update
     gates = []
-    if mode == "overlap":
+    if mode == Mode.OVERLAP:
         t = None
         prev_need = 0.0
         for i in problem.need_order():
@@ -218,7 +218,7 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: str) 
     return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates), total_upd)
 
 
-def simulate(profile: Profile | Problem, schedule: Schedule, mode: str | None = None,
+def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | None = None,
              check: bool = True, source: str = "<schedule>") -> Timeline:
     """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted), in
     ``mode`` (default: the schedule's own, the one the runtime runs it in)."""
@@ -226,7 +226,7 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: str | None = 
     if check:
         check_against(schedule, problem.profile, source)
     layout = problem.layout(schedule.buffers)
-    return simulate_blocks(problem, layout, schedule.blocks, mode or schedule.mode)
+    return simulate_blocks(problem, layout, schedule.blocks, Mode(mode or schedule.mode))
 
 
 def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any]:
@@ -243,7 +243,7 @@ def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any
         {"ph": "X", "pid": 1, "tid": 1, "name": "backward", "ts": 0.0,
          "dur": timeline.backward_ms * us},
     ]
-    if timeline.mode == "fence" and timeline.update_ms > 0:
+    if timeline.mode == Mode.FENCE and timeline.update_ms > 0:
         ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "optimizer step",
                    "ts": (timeline.forward_start_ms - timeline.update_ms) * us,
                    "dur": timeline.update_ms * us})

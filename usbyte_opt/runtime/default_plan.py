@@ -30,7 +30,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..formats import DTYPE_SIZES, Block, CommSpec, Profile, Schedule, TensorSpec
+from ..formats import DTYPE_SIZES, Block, CommSpec, Mode, Profile, Schedule, TensorSpec
 from ..planning.problem import Layout, Problem
 from ..planning.strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
 from ..planning.strategies.ddp import buckets as ddp_buckets
@@ -132,13 +132,13 @@ def fallback_schedule(model: torch.nn.Module, world_size: int = 1) -> Schedule:
 
         >>> import torch
         >>> s = fallback_schedule(torch.nn.Linear(3, 2))
-        >>> s.strategy, s.mode
+        >>> s.strategy, str(s.mode)
         ('ddp-like', 'fence')
     """
     import dataclasses
 
     return dataclasses.replace(default_schedule(model, world_size), strategy="ddp-like",
-                               mode="fence")
+                               mode=Mode.FENCE)
 
 
 def make_schedule(problem: Problem, layout: Layout, blocks: Iterable[Block], strategy: str) -> Schedule:

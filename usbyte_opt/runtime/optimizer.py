@@ -23,7 +23,7 @@ The protocol (docs/design.md §5, docs/runtime.md), seen from one rank:
    and the hook makes the compute stream wait for an event), so communication of the
    input-side tensors overlaps the next forward. Pending updates the forward never reached
    run when the next backward starts, or in :meth:`DistributedOptimizer.synchronize`.
-   In fence mode (``schedule.mode == "fence"``) ``step()`` waits for every block and applies
+   In fence mode (``schedule.mode == Mode.FENCE``) ``step()`` waits for every block and applies
    every update at once, as DDP does.
 
 Module layout: this file holds the user-facing class and the per-step state; :mod:`.updates`
@@ -46,7 +46,7 @@ import torch.distributed as dist
 from ..collectives.agree import agree
 from ..env import AUTO, SCHEDULE_ENV, TRACE_ENV
 from ..errors import UsbyteError
-from ..formats import Schedule
+from ..formats import Mode, Schedule
 from . import amp
 from .backward import StepComm
 from .buffers import FlatGrads
@@ -247,7 +247,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         check_world_size(sched, ws, rank)
         self.schedule = sched
         self.schedule_source = source
-        #: ``"overlap"`` or ``"fence"`` (the schedule's mode).
+        #: The schedule's :class:`~usbyte_opt.formats.Mode`.
         self.mode = sched.mode
         # 3. Same starting point everywhere: parameters (frozen ones too) and buffers.
         broadcast_from_rank0([p.detach() for p in model.parameters()], process_group, timeout)
@@ -283,7 +283,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         model, device, o = self._model, self._device, self._options
         self.schedule = sched
         self.schedule_source = source
-        #: ``"overlap"`` or ``"fence"`` (the schedule's mode).
+        #: The schedule's :class:`~usbyte_opt.formats.Mode`.
         self.mode = sched.mode
         self._grads = g = FlatGrads(sched, self._params, device)
         self._n, self._m = g.n, len(sched.blocks)
@@ -292,7 +292,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
         self._candidates = [t for t in range(g.n) if self._in_opt[t]]
         self._updates: HostUpdates | StreamUpdates
-        if device.type == "cuda" and self.mode == "overlap":
+        if device.type == "cuda" and self.mode == Mode.OVERLAP:
             self._updates = StreamUpdates(g, self._stepper, self._chan.wait, self._what, device,
                                           o["update_groups"])
         else:
@@ -440,9 +440,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         include = self._last_include = comm.include_rule(self._in_opt)
         if skip:
             comm.wait_blocks()
-            if self.mode == "overlap":
+            if self.mode == Mode.OVERLAP:
                 self._grads.release()
-        elif self.mode == "fence":
+        elif self.mode == Mode.FENCE:
             comm.wait_blocks()
             probe = comm.probe
             if probe is not None:
@@ -455,7 +455,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._updates.start(comm.works, include, self._candidates)
             self._grads.release()
         self._stepper.attrs = {}
-        comm.reset(clear_zero_intent=self.mode == "overlap")
+        comm.reset(clear_zero_intent=self.mode == Mode.OVERLAP)
         self._gates.learning = False
         if self._tuner is not None:
             self._tuner.after_step()
@@ -489,7 +489,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        if self.mode == "overlap" and (self._updates.n_pending or not comm.started):
+        if self.mode == Mode.OVERLAP and (self._updates.n_pending or not comm.started):
             include = self._last_include
             zi = comm.zero_intent
             for t in range(self._n):

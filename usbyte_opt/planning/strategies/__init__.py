@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...formats import Block
+from ...formats import Block, Mode
 from ..problem import Layout
 
 
@@ -23,12 +23,15 @@ class Plan:
 
     layout: Layout
     blocks: list[Block]
-    mode: str
-    """The mode the schedule runs in: "fence" (every block, then every update, as DDP) or
-    "overlap" (each update gated in the next forward); the strategy's native mode, or for
+    mode: Mode
+    """The mode the schedule runs in: fence (every block, then every update, as DDP) or
+    overlap (each update gated in the next forward); the strategy's native mode, or for
     ``best`` whichever is faster."""
     info: dict[str, Any] = field(default_factory=dict)
     """Tuned knobs and anything worth reporting (e.g. ``{"partition": 4_000_000}``)."""
+
+    def __post_init__(self) -> None:
+        self.mode = Mode(self.mode)
 
 
 PlanFn = Callable[..., Plan]
@@ -38,7 +41,7 @@ PlanFn = Callable[..., Plan]
 class Strategy:
     name: str
     plan: PlanFn
-    native_mode: str
+    native_mode: Mode
     summary: str
 
 
@@ -49,8 +52,8 @@ STRATEGIES: dict[str, Strategy] = {}
 _BUILTIN = ("wfbp", "ddp", "ddp-tuned", "mgwfbp", "bytescheduler", "usbyte", "best")
 
 
-def register(name: str, native_mode: str, summary: str) -> Callable[[PlanFn], PlanFn]:
-    """Decorator: ``@register("wfbp", "fence", "one block per tensor")``."""
+def register(name: str, native_mode: Mode, summary: str) -> Callable[[PlanFn], PlanFn]:
+    """Decorator: ``@register("wfbp", Mode.FENCE, "one block per tensor")``."""
 
     def deco(fn: PlanFn) -> PlanFn:
         STRATEGIES[name] = Strategy(name, fn, native_mode, summary)

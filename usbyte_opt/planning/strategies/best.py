@@ -67,7 +67,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from ...formats import Block
+from ...formats import Block, Mode
 from ..bounds import lower_bound
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..problem import Layout, Problem
@@ -355,13 +355,13 @@ def _critical(sc: Scorer, layout: Layout, blocks: list[Block], st: Stats, cur: f
     return best
 
 
-def _window(sc: Scorer, st: Stats, mode: str) -> tuple[int, int]:
+def _window(sc: Scorer, st: Stats, mode: Mode) -> tuple[int, int]:
     """Positions ``[a, b]`` where a move can lower T: the stretch of channel, busy without a
     break, that ends at the block setting T (its finish plus tail, or the last finish). Moves
     before it cannot make that block finish earlier, and moves after it cannot touch it."""
     fin = sc.finishes(st.R, st.C)
     K = len(st)
-    if mode == "overlap":
+    if mode == Mode.OVERLAP:
         terms = fin + st.Q
         c = int(np.argmax(terms))
         if terms[c] < fin[-1]:
@@ -392,7 +392,7 @@ def _splits(layout: Layout, k: Block) -> list[tuple[Block, Block]]:
 
 
 def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: float,
-            mode: str = "overlap", scorer: Scorer | None = None) -> list[Block]:
+            mode: Mode = Mode.OVERLAP, scorer: Scorer | None = None) -> list[Block]:
     """Local search in ``mode``: moves on the critical block (:func:`_critical`, overlap mode),
     then a first-improvement sweep of merge / swap / split over consecutive blocks within
     :func:`_window` (everywhere with the compute-cost option); repeated to a fixed point or
@@ -403,13 +403,13 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     cur = sc.score(st, mode)
     eps = 1e-9
     every = problem.charges_cpu
-    floor = problem.B + problem.F + (sum(problem.update) if mode == "fence" else 0.0)
+    floor = problem.B + problem.F + (sum(problem.update) if mode == Mode.FENCE else 0.0)
     if not every and cur <= floor + eps:
         return blocks
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
-        while mode == "overlap" and time.perf_counter() < deadline:
+        while mode == Mode.OVERLAP and time.perf_counter() < deadline:
             move = _critical(sc, layout, blocks, st, cur)
             if move is None:
                 break
@@ -466,11 +466,11 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     return blocks
 
 
-@register("best", "overlap", "ours: alpha-aware Jackson rule with fusion + local search, "
+@register("best", Mode.OVERLAP, "ours: alpha-aware Jackson rule with fusion + local search, "
           "seeded by every other strategy, in the faster mode")
 def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: float = 0.6,
          exact_max_tensors: int = 6, lower_bound_ms: float | None = None,
-         modes: Sequence[str] = MODES) -> Plan:
+         modes: Sequence[Mode | str] = MODES) -> Plan:
     """Plan with fusion, partition, order and mode chosen together (see module docstring).
 
     Args:
@@ -479,28 +479,29 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         time_budget_s: wall-clock budget of the local search (it stops earlier at a fixed point).
         exact_max_tensors: also solve the exact unit-grid MILP up to this many tensors.
         lower_bound_ms: the problem's lower bound when the caller has it (else computed).
-        modes: the modes to plan in (default both; ``("fence",)`` for a run that waits for
+        modes: the modes to plan in (default both; ``(Mode.FENCE,)`` for a run that waits for
             every block at the end of backward, as a trainer with DDP's gradient contract).
 
     Returns:
         A :class:`Plan` in the faster mode; ``info`` holds the lower bound, the gap and
         where the winning candidate came from.
     """
-    modes = tuple(modes)
     if not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"modes: expected a non-empty subset of {MODES}, got {modes!r}")
+        raise ValueError(f"modes: expected a non-empty subset of {[str(m) for m in MODES]}, "
+                         f"got {[str(m) for m in modes]}")
+    chosen = tuple(Mode(m) for m in modes)
     t0 = time.perf_counter()
     layout = problem.layout()
     tail = tails(problem)
     u0 = problem.cost.alpha_ms / problem.cost.beta_ms_per_byte
     if u0 <= 0:
         u0 = max(sum(problem.nbytes(i) for i in range(problem.n)) / (10 * problem.n), 1.0)
-    candidates: list[tuple[float, str, str, Layout, list[Block]]] = []
+    candidates: list[tuple[float, Mode, str, Layout, list[Block]]] = []
 
     def add(name: str, lay: Layout, blocks: list[Block]) -> None:
         s = scorer_for(problem, lay)
         st = s.stats(blocks)
-        for mode in modes:
+        for mode in chosen:
             candidates.append((s.score(st, mode), mode, name, lay, list(blocks)))
 
     if seeds is None:
@@ -541,7 +542,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         res = solve_exact(problem, layout, units_per_tensor=1, time_limit_s=2.0)
         if res is not None:
             add("exact-milp", layout, res.blocks)
-    candidates.sort(key=lambda c: (c[0], c[1] != "overlap"))
+    candidates.sort(key=lambda c: (c[0], c[1] != Mode.OVERLAP))
     start_T, mode, origin, lay, blocks = candidates[0]
     # The best few candidates (ties and near-ties often lead to different local optima) and,
     # with the compute-cost option, the best of the other mode; each searched in turn.
@@ -559,12 +560,12 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         scorer = scorer_for(problem, lay)
         blocks = improve(problem, lay, blocks, deadline, m, scorer)
         st = scorer.stats(blocks)
-        for mode in modes:    # the search's mode, or the other if these blocks run faster so
+        for mode in chosen:    # the search's mode, or the other if these blocks run faster so
             finals.append((scorer.score(st, mode), mode, name, lay, blocks))
     # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
     # terms in another order).
     T_min = min(c[0] for c in finals)
-    finals.sort(key=lambda c: (c[0] > T_min * (1 + 1e-12) + 1e-12, c[1] != "overlap", c[0]))
+    finals.sort(key=lambda c: (c[0] > T_min * (1 + 1e-12) + 1e-12, c[1] != Mode.OVERLAP, c[0]))
     T, mode, origin, lay, blocks = finals[0]
     lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
     return Plan(lay, blocks, mode, {
@@ -574,6 +575,6 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
         "iteration_ms": T,
         "lower_bound_ms": lb,
         "gap": max(0.0, (T - lb) / lb) if lb > 0 else 0.0,
-        "candidates": len(candidates) // len(modes),
+        "candidates": len(candidates) // len(chosen),
         "solve_s": time.perf_counter() - t0,
     })

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ...formats import Block
+from ...formats import Block, Mode
 from ..problem import Layout, Problem
 from . import Plan, register
 
@@ -44,7 +44,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_CAP_BYTES = 25 << 20
 
 
-@register("ddp", "fence", "PyTorch DDP buckets: whole tensors in ready order, 1 MiB then 25 MiB")
+@register("ddp", Mode.FENCE, "PyTorch DDP buckets: whole tensors in ready order, 1 MiB then 25 MiB")
 def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Plan:
     """Fuse whole tensors into DDP buckets over the default layout.
 
@@ -69,7 +69,7 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
     layout = problem.layout()
     blocks = buckets(problem, layout, first_bucket_bytes=int(first_bucket_mb * MIB),
                      bucket_cap_bytes=int(bucket_cap_mb * MIB))
-    return Plan(layout, blocks, "fence", {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
+    return Plan(layout, blocks, Mode.FENCE, {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
                                           "first_bucket_mb": first_bucket_mb})
 
 

@@ -57,7 +57,7 @@ Example::
     >>> from usbyte_opt.planning.strategies import get
     >>> pb = Problem.from_profile(chain_profile([250_000] * 8, alpha_ms=2.0, algbw_gbs=1.0))
     >>> p = plan(pb)
-    >>> p.mode, len(p.blocks), p.info["exact"]
+    >>> str(p.mode), len(p.blocks), p.info["exact"]
     ('fence', 5, True)
     >>> d = get("ddp").plan(pb)
     >>> evaluate(pb, p.layout, p.blocks, "fence") <= evaluate(pb, d.layout, d.blocks, "fence")
@@ -72,7 +72,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ...errors import UsbyteError
-from ...formats import Block
+from ...formats import Block, Mode
 from ..fastsim import scorer_for
 from ..problem import Problem
 from . import Plan, register
@@ -161,7 +161,7 @@ def _atoms(problem: Problem, members: Sequence[int], pos: Sequence[tuple[int, in
     return _Atoms(r, nb, end)
 
 
-@register("ddp-tuned", "fence", "stock DDP with the best bucket_cap_mb_list for the profile "
+@register("ddp-tuned", Mode.FENCE, "stock DDP with the best bucket_cap_mb_list for the profile "
           "(exact DP over bucket boundaries in ready order)")
 def plan(problem: Problem, *, max_work: int = MAX_WORK,
          prefer_default: float = PREFER_DEFAULT) -> Plan:
@@ -203,16 +203,16 @@ def plan(problem: Problem, *, max_work: int = MAX_WORK,
         start = atoms.end[j - 1]
     sc = scorer_for(problem, layout)
     if T is None:
-        T = sc.score(sc.stats(blocks), "fence")
+        T = sc.score(sc.stats(blocks), Mode.FENCE)
     if prefer_default > 0:
         from .ddp import buckets as ddp_buckets
 
         default = ddp_buckets(problem, layout)
-        T_default = sc.score(sc.stats(default), "fence")
+        T_default = sc.score(sc.stats(default), Mode.FENCE)
         if T_default <= T * (1.0 + prefer_default):
-            return Plan(layout, default, "fence", {"buckets": len(default), "iteration_ms": T_default,
+            return Plan(layout, default, Mode.FENCE, {"buckets": len(default), "iteration_ms": T_default,
                                                    "exact": exact, "default_buckets": True})
-    return Plan(layout, blocks, "fence", {"buckets": len(blocks), "iteration_ms": T,
+    return Plan(layout, blocks, Mode.FENCE, {"buckets": len(blocks), "iteration_ms": T,
                                           "exact": exact, "default_buckets": False})
 
 

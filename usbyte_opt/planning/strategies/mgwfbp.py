@@ -34,12 +34,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from ...formats import Block
+from ...formats import Block, Mode
 from ..problem import Problem
 from . import Plan, register
 
 
-@register("mgwfbp", "fence", "MG-WFBP: merge a gradient when its wait is below alpha (Shi et al.)")
+@register("mgwfbp", Mode.FENCE, "MG-WFBP: merge a gradient when its wait is below alpha (Shi et al.)")
 def plan(problem: Problem) -> Plan:
     """Group whole tensors by MG-WFBP's merge rule over the default layout.
 
@@ -76,4 +76,4 @@ def plan(problem: Problem) -> Plan:
         grp = [b, s, e, ready[i]]
     assert grp is not None
     blocks.append(Block(grp[0], grp[1], grp[2]))
-    return Plan(layout, blocks, "fence", {"groups": len(blocks)})
+    return Plan(layout, blocks, Mode.FENCE, {"groups": len(blocks)})

@@ -78,7 +78,7 @@ from typing import Any
 
 import numpy as np
 
-from ...formats import Block
+from ...formats import Block, Mode
 from ..fastsim import scorer_for, tails
 from ..problem import Layout, Problem
 from . import Plan, register
@@ -477,7 +477,7 @@ def unit_candidates(numel: Sequence[int], lo_ratio: float = 2.0 ** -14) -> list[
     return out
 
 
-@register("usbyte", "overlap",
+@register("usbyte", Mode.OVERLAP,
           "US-Byte: unequal blocks in two phases, priority search, tuned unit (Gao et al.)")
 def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = True,
          finalists: int = 2) -> Plan:
@@ -561,7 +561,7 @@ def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = T
             if v < best_v - 1e-9:
                 best_out, best_v, best_moves = out, v, moves
     blocks = model.blocks(best_out)
-    return Plan(model.layout, blocks, "overlap", {
+    return Plan(model.layout, blocks, Mode.OVERLAP, {
         "unit": best_out.unit,
         "phase1_blocks": len(best_out.phase1),
         "priority_moves": best_moves,

@@ -13,17 +13,18 @@ Example::
     >>> p = plan(pb)
     >>> [(k.start, k.end) for k in p.blocks]      # output layer (ready first) goes first
     [(0, 3000), (3000, 4000)]
-    >>> p.mode
+    >>> str(p.mode)
     'fence'
 """
 
 from __future__ import annotations
 
+from ...formats import Mode
 from ..problem import Problem
 from . import Plan, register
 
 
-@register("wfbp", "fence", "one block per tensor, ready order")
+@register("wfbp", Mode.FENCE, "one block per tensor, ready order")
 def plan(problem: Problem) -> Plan:
     """One block per tensor over the default layout, in ascending ready order.
 
@@ -45,4 +46,4 @@ def plan(problem: Problem) -> Plan:
     # The default layout already holds each buffer in ready order, so walking the ready order
     # over all buffers interleaves dtypes exactly as the gradients become final.
     blocks = [layout.whole(i) for i in problem.ready_order()]
-    return Plan(layout, blocks, "fence", {"blocks": len(blocks)})
+    return Plan(layout, blocks, Mode.FENCE, {"blocks": len(blocks)})
