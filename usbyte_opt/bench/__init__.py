@@ -222,7 +222,7 @@ def _run_workers(job_path: Path, nproc: int, logs: Path, lab: Any, timeout_s: fl
     from ..launcher import run_ranks
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    env.pop(TRACE_ENV, None)  # the worker sets its own per strategy
+    env.pop(TRACE_ENV, None)  # the worker passes each trainee its own trace file
     res = run_ranks([sys.executable, "-m", "usbyte_opt.bench.worker", str(job_path)], nproc,
                     logs=logs, lab=lab, env=env, timeout_s=timeout_s, progress=progress,
                     poll_s=0.1)

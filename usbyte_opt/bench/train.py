@@ -51,11 +51,12 @@ class Trainee:
         rank: this rank (selects its batches).
         verify: let the runtime verify the plan against its fallback (``runtime`` only; off by
             default, so that strategies are measured as planned).
+        trace: the file the runtime records its measured timeline in (``runtime`` only).
     """
 
     def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
                  device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
-                 rank: int = 0, verify: bool = False):
+                 rank: int = 0, verify: bool = False, trace: str | None = None):
         self.name, self.kind = name, kind
         # Every trainee from the same weights, whether or not the factory seeds itself.
         torch.manual_seed(SEED)
@@ -80,7 +81,7 @@ class Trainee:
 
             self.model = model
             self.opt = DistributedOptimizer(make_optimizer(optimizer, params), model,
-                                            schedule=schedule, verify=verify)
+                                            schedule=schedule, verify=verify, trace=trace)
         elif kind == "local":
             self.model = model
             self.opt = make_optimizer(optimizer, params)

@@ -31,7 +31,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ..env import TRACE_ENV
 from ..formats import Mode
 from ..launcher import PROGRESS_PREFIX
 from .job import Job
@@ -264,30 +263,20 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         # 4. Train side by side.
         trainees = []
         traces: dict[str, str] = {}
-        saved_env = os.environ.get(TRACE_ENV)
-        try:
-            for s in strategies:
-                if s == REFERENCE:
-                    trainees.append(Trainee(s, "local", spec, batch, dev, job.optimizer, rank=rank))
-                elif s == TORCH_DDP:
-                    trainees.append(Trainee(s, "ddp", spec, batch, dev, job.optimizer, rank=rank))
-                elif s == DDP_TUNED:
-                    trainees.append(Trainee(s, "ddp-tuned", spec, batch, dev, job.optimizer,
-                                            planned["schedules"][s], rank=rank))
-                else:
-                    if job.trace:
-                        traces[s] = str(out / "traces" / f"{s}.measured.json")
-                        os.environ[TRACE_ENV] = traces[s]
-                    else:
-                        os.environ.pop(TRACE_ENV, None)
-                    trainees.append(Trainee(s, "runtime", spec, batch, dev, job.optimizer,
-                                            planned["schedules"].get(s, s), rank=rank,
-                                            verify=job.verify))
-        finally:
-            if saved_env is None:
-                os.environ.pop(TRACE_ENV, None)
+        for s in strategies:
+            if s == REFERENCE:
+                trainees.append(Trainee(s, "local", spec, batch, dev, job.optimizer, rank=rank))
+            elif s == TORCH_DDP:
+                trainees.append(Trainee(s, "ddp", spec, batch, dev, job.optimizer, rank=rank))
+            elif s == DDP_TUNED:
+                trainees.append(Trainee(s, "ddp-tuned", spec, batch, dev, job.optimizer,
+                                        planned["schedules"][s], rank=rank))
             else:
-                os.environ[TRACE_ENV] = saved_env
+                if job.trace:
+                    traces[s] = str(out / "traces" / f"{s}.measured.json")
+                trainees.append(Trainee(s, "runtime", spec, batch, dev, job.optimizer,
+                                        planned["schedules"].get(s, s), rank=rank,
+                                        verify=job.verify, trace=traces.get(s)))
         say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
         interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
                    first_warmup=job.first_warmup, progress=say)

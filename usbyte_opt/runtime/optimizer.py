@@ -153,6 +153,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         replan_on_drift: on that warning, plan (or verify) again.
         wait_in_backward: DDP's gradient contract: the averaged gradients are in ``p.grad``
             when ``backward()`` returns (see *Gradient access* above).
+        trace: record the measured timeline as a Chrome trace in this file (each rank but 0
+            adds ``.rankN`` before the suffix, :mod:`usbyte_opt.runtime.trace`); default:
+            ``$USBYTE_TRACE`` (what ``usbyte-opt launch --trace`` sets), else no trace.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -189,13 +192,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS,
                  verify: bool = True, auto_dir: str | os.PathLike | None = None,
                  check_every: int = 200, replan_on_drift: bool = False,
-                 wait_in_backward: bool = False):
+                 wait_in_backward: bool = False, trace: str | os.PathLike | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         if type(model).__name__ == "OptimizedModule" and isinstance(
                 getattr(model, "_orig_mod", None), torch.nn.Module):
             model = model._orig_mod  # torch.compile(model): the hooks go on the module it runs
         self._opt = optimizer
         self._model = model
+        self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
         if not dist.is_available() or not dist.is_initialized():
             raise UsbyteError("torch.distributed is not initialized: call "
                               "torch.distributed.init_process_group() first (or start the script "
@@ -318,14 +322,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # only: a checkpoint may be written by rank 0 alone.
         self._handles.append(model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
         self._handles.append(model.register_load_state_dict_pre_hook(_Hook(self._settle_hook)))
-        # $USBYTE_TRACE set: a Recorder of the measured timeline (.trace), else None. Imported
-        # only then, so the runtime does not depend on it.
-        if os.environ.get(TRACE_ENV):
+        # A trace file given (or $USBYTE_TRACE): a Recorder of the measured timeline (.trace),
+        # else None. Imported only then, so the runtime does not depend on it.
+        if self._trace_path:
             from .trace import attach
 
             if self._trace is not None:
                 self._trace.close()
-            self._trace = self._comm.trace = attach(self, model)
+            self._trace = self._comm.trace = attach(self, model, self._trace_path)
             if isinstance(self._updates, HostUpdates):
                 self._updates.trace = self._trace
 

@@ -1,6 +1,8 @@
-"""The measured timeline of the runtime: ``USBYTE_TRACE=path`` records a Chrome trace.
+"""The measured timeline of the runtime: ``DistributedOptimizer(..., trace=path)`` (or
+``USBYTE_TRACE=path`` in the environment, for a script that does not pass it) records a
+Chrome trace.
 
-With the variable set when a :class:`~usbyte_opt.runtime.DistributedOptimizer` is created,
+With a trace file given when a :class:`~usbyte_opt.runtime.DistributedOptimizer` is created,
 a :class:`Recorder` notes, on every rank, with ``time.perf_counter``:
 
 * each forward of the model (a forward pre-hook that runs before the runtime's own, and a
@@ -45,15 +47,12 @@ Example::
 from __future__ import annotations
 
 import atexit
-import os
 import threading
 import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
-
-from ..env import TRACE_ENV
 
 #: Records kept per recorder at most (a long training run keeps its first ones).
 MAX_RECORDS = 200_000
@@ -243,12 +242,10 @@ class Recorder:
         return self.save()
 
 
-def attach(optimizer: Any, model: Any) -> Recorder | None:
-    """A recorder for ``optimizer`` (a DistributedOptimizer) when ``USBYTE_TRACE`` is set, else
-    ``None``. Installs its model hooks and registers it for :func:`flush_all` and exit."""
-    path = os.environ.get(TRACE_ENV)
-    if not path:
-        return None
+def attach(optimizer: Any, model: Any, path: str) -> Recorder:
+    """A recorder for ``optimizer`` (a DistributedOptimizer) writing ``path`` (per rank,
+    :func:`path_for_rank`). Installs its model hooks and registers it for :func:`flush_all`
+    and exit."""
     import torch.distributed as dist
 
     global _atexit_done
