@@ -112,10 +112,10 @@ def profile(
     import torch.distributed as dist
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    from ..collectives import sweep as comm_mod
     from ..device import resolve_device
     from ..formats import save_profile
     from ..group import collective_failure, init_from_env
-    from ..profiler import comm as comm_mod
     from ..profiler.run import profile_model
 
     if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
