@@ -1,8 +1,11 @@
 """Profile and schedule files: round trips, validation errors that name file and field,
 physical bounds, atomic writes, JSON Schemas (tests/test_fuzz.py mutates files at random)."""
 
+import dataclasses
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 from helpers import MB_F32, three_layer
@@ -14,7 +17,10 @@ from usbyte_opt.formats import (
     MAX_GRADIENT_BYTES,
     SCHEDULE_MODES,
     Block,
+    CommSpec,
     check_against,
+    dump_profile,
+    dump_schedule,
     fingerprint,
     load_profile,
     load_schedule,
@@ -233,3 +239,93 @@ def test_unreadable_json_is_a_format_error(tmp_path):
     bad.write_text("1" * 5000)
     with pytest.raises(FormatError, match="bad.json: expected valid JSON"):
         read_json(bad)
+
+
+def test_shapes_are_a_schedule_field_written_as_before(files, tmp_path):
+    prof, sched, _, sp = files
+    assert sched.shapes == {t.name: t.shape for t in prof.tensors}
+    d = json.loads(sp.read_text())
+    assert d["shapes"] == {"out": [250_000], "mid": [250_000], "inp": [500, 500]}
+    assert list(d).index("shapes") == list(d).index("predicted") + 1
+    back = load_schedule(sp)
+    assert back.shapes == {"out": (250_000,), "mid": (250_000,), "inp": (500, 500)}
+    assert "shapes" not in back.extra
+    # A schedule without them (older files) loads, has none, and is written without them.
+    del d["shapes"]
+    sp.write_text(json.dumps(d))
+    old = load_schedule(sp)
+    assert old.shapes is None and old.digest() == sched.digest()
+    save_schedule(old, tmp_path / "again.json")
+    assert "shapes" not in json.loads((tmp_path / "again.json").read_text())
+
+
+def _bad_profiles():
+    prof = three_layer()
+    t0 = prof.tensors[0]
+    return [
+        prof.with_comm(CommSpec("analytic", 2, alpha_ms=1e7, algbw_gbs=1.0)),
+        prof.with_comm(CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1e300)),
+        prof.with_comm(CommSpec("analytic", 0, alpha_ms=1.0, algbw_gbs=1.0)),
+        prof.with_comm(CommSpec("ib", 2, alpha_ms=1.0, algbw_gbs=1.0)),
+        prof.with_comm(CommSpec("analytic", 2, 1.0, 1.0, samples=((0, 1.0),))),
+        dataclasses.replace(prof, backward_ms=float("nan")),
+        dataclasses.replace(prof, name=""),
+        dataclasses.replace(prof, tensors=()),
+        dataclasses.replace(prof, tensors=(dataclasses.replace(t0, shape=(4, 0)),)),
+        dataclasses.replace(prof, tensors=(dataclasses.replace(t0, dtype="int8"),)),
+        dataclasses.replace(prof, tensors=(dataclasses.replace(t0, ready_ms=7.0),)),
+        dataclasses.replace(prof, tensors=(t0, t0)),
+        dataclasses.replace(prof, tensors=(dataclasses.replace(t0, update_ms=-1.0),)),
+    ]
+
+
+@pytest.mark.parametrize("bad", _bad_profiles())
+def test_saving_refuses_what_loading_refuses_with_the_same_line(tmp_path, bad):
+    path = tmp_path / "p.json"
+    with pytest.raises(FormatError) as saved:
+        save_profile(bad, path)
+    assert not path.exists()
+    path.write_text(json.dumps(dump_profile(bad)))
+    with pytest.raises(FormatError) as loaded:
+        load_profile(path)
+    assert str(saved.value) == str(loaded.value)
+
+
+def test_saving_a_schedule_refuses_what_loading_refuses(files, tmp_path):
+    _, sched, _, _ = files
+    path = tmp_path / "bad.json"
+    for bad in (dataclasses.replace(sched, blocks=sched.blocks[:1]),
+                dataclasses.replace(sched, world_size=0),
+                dataclasses.replace(sched, shapes={"out": (0,)}),
+                dataclasses.replace(sched, predicted={"iteration_ms": -1.0})):
+        with pytest.raises(FormatError) as saved:
+            save_schedule(bad, path)
+        assert not path.exists()
+        path.write_text(json.dumps(dump_schedule(bad)))
+        with pytest.raises(FormatError) as loaded:
+            load_schedule(path)
+        path.unlink()
+        assert str(saved.value) == str(loaded.value)
+
+
+def test_building_and_saving_import_no_pydantic(tmp_path):
+    """The GPU image runs the runtime without pydantic: only reading a file needs it."""
+    code = f"""if True:
+        import sys
+        from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, save_profile, save_schedule
+        from usbyte_opt.planning.problem import Problem
+        prof = Profile("toy", 2.0, 4.0, (TensorSpec("w", (4, 4), "float32", 1.0, 0.0),),
+                       CommSpec("analytic", 2, 0.1, 1.0))
+        pb = Problem.from_profile(prof)
+        sched = pb.schedule("hand", pb.layout(), [Block(0, 0, 16)])
+        save_profile(prof, {str(tmp_path / "p.json")!r})
+        save_schedule(sched, {str(tmp_path / "s.json")!r})
+        print(prof.digest(), sched.digest(), "pydantic" in sys.modules)
+        from usbyte_opt.formats import load_schedule
+        load_schedule({str(tmp_path / "s.json")!r})
+        print("pydantic" in sys.modules)
+    """
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.split()[2:] == ["False", "True"], res.stdout

@@ -37,6 +37,8 @@ from usbyte_opt.formats import (
     MAX_MS,
     MIN_ALGBW_GBS,
     check_against,
+    dump_profile,
+    dump_schedule,
     load_profile,
     load_schedule,
     parse_profile,
@@ -441,3 +443,23 @@ def test_schema_and_validation_agree(kind: str, data: st.DataObject):
         assert ACROSS_FIELDS.search(str(error)) or (
             isinstance(got, float) and (not math.isfinite(got) or got.is_integer())
             or isinstance(got, list) and any(isinstance(x, float) for x in got)), str(error)
+
+
+@settings(FUZZ, max_examples=200, derandomize=True)
+@given(kind=st.sampled_from(["profile", "schedule"]), data=st.data())
+def test_what_loads_is_written_back_as_it_was_read(kind: str, data: st.DataObject):
+    """The check of what is written (plain Python, no pydantic) accepts whatever the reader
+    (pydantic) accepted, and what it writes reads back as the same object."""
+    _, text = data.draw(mutated(kind, SHAPES, names=["vgg16", "resnet50", "gpt2"]))
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return
+    parse = parse_profile if kind == "profile" else parse_schedule
+    dump = dump_profile if kind == "profile" else dump_schedule
+    try:
+        obj = parse(doc, "f.json")
+    except FormatError:
+        return
+    written = dump(obj, "g.json")  # type: ignore[arg-type]
+    assert json.dumps(dump(parse(written, "g.json"))) == json.dumps(written)  # type: ignore[arg-type]

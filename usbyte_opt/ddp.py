@@ -52,8 +52,8 @@ def planned_buckets(schedule: Schedule, source: str = "<schedule>") -> list[list
         raise UsbyteError(f"{source}: buffers: expected one buffer (one dtype): DDP sizes the "
                           f"buckets of every dtype with the same list, got "
                           f"{len(schedule.buffers)} ({', '.join(b.dtype for b in schedule.buffers)})")
-    shapes = schedule.extra.get("shapes")
-    if not isinstance(shapes, dict):
+    shapes = schedule.shapes
+    if shapes is None:
         raise UsbyteError(f"{source}: shapes: expected the per-tensor shapes (schedules written "
                           "by `usbyte-opt optimize` record them)")
     buf = schedule.buffers[0]
@@ -86,7 +86,7 @@ def bucket_caps_mb(schedule: Schedule, source: str = "<schedule>") -> list[float
     """``bucket_cap_mb_list`` that makes DDP rebuild exactly the schedule's buckets: bucket
     ``i`` of ``S`` bytes gets a cap of ``S - 1`` bytes, so it closes right after its last
     tensor and not before (a tensor is at least 2 bytes)."""
-    shapes = schedule.extra.get("shapes", {})
+    shapes = schedule.shapes or {}
     size = DTYPE_SIZES[schedule.buffers[0].dtype] if schedule.buffers else 4
     caps = []
     for names in planned_buckets(schedule, source):

@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 import typer
 
 from ..errors import UsbyteError
-from ..formats import CommSpec, Profile, load_profile, write_json
+from ..formats import CommSpec, Profile, dump_profile, load_profile, write_json
 from ..planning.planner import retargeted
 from ..planning.simulate import Timeline, chrome_trace
 
@@ -122,7 +122,7 @@ def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optio
                                      ("--bandwidth-gbps", bandwidth_gbps),
                                      ("--latency-us", latency_us)) if v is not None)
     if flags:
-        moved = Profile.from_dict(moved.to_dict(), f"{path} retargeted by {flags}")
+        dump_profile(moved, f"{path} retargeted by {flags}")
     return original, moved
 
 

@@ -1,10 +1,11 @@
 """The in-memory types of the two file formats: profiles and schedules (docs/design.md §4).
 
 Frozen dataclasses with slots: the planner reads their attributes in hot loops, so they stay
-plain. What a *file* may hold (types, bounds, the JSON Schema) is defined once in
-:mod:`usbyte_opt.formats.schema`, which builds these objects after validating a file; objects
-built in code are not validated. Digests and fingerprints are computed here, from
-:meth:`Profile.to_dict` and :meth:`Schedule.to_dict`.
+plain. How a *file* maps to them, both ways, with what it may hold (types, bounds, the JSON
+Schema), is defined once in :mod:`usbyte_opt.formats.schema`; objects built in code are
+checked when they are written. Digests and fingerprints are computed here, digests from the
+file value (:func:`~usbyte_opt.formats.schema.dump_profile`,
+:func:`~usbyte_opt.formats.schema.dump_schedule`).
 """
 
 from __future__ import annotations
@@ -42,16 +43,28 @@ class Mode(str, Enum):
     ``OVERLAP``: each tensor's update right before its first use in the next forward, so
     communication overlaps that forward. ``FENCE``: every block waited for, then every update,
     then the next forward, as DDP. A mode is its file value as a string (``Mode.FENCE ==
-    "fence"``, ``str(Mode.FENCE) == "fence"``), so that messages and files read alike.
+    "fence"``, ``str(Mode.FENCE) == "fence"``), so that messages and files read alike. Each
+    member is one line: its file value and its :attr:`note` (what the JSON Schema says of the
+    mode); the modes a file may give are exactly these.
 
     Example::
 
         >>> Mode("fence") is Mode.FENCE, f"{Mode.OVERLAP}", [str(m) for m in Mode]
         (True, 'overlap', ['overlap', 'fence'])
+        >>> Mode.FENCE.note
+        'all blocks, then all updates (as DDP)'
     """
 
-    OVERLAP = "overlap"
-    FENCE = "fence"
+    note: str
+
+    OVERLAP = "overlap", "each update right before its first use in the next forward"
+    FENCE = "fence", "all blocks, then all updates (as DDP)"
+
+    def __new__(cls, value: str, note: str = "") -> Mode:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.note = note
+        return member
 
     def __str__(self) -> str:
         return self.value
@@ -124,53 +137,11 @@ class Profile:
     comm: CommSpec
     meta: Mapping[str, Any] = field(default_factory=dict)
 
-    def to_dict(self) -> dict[str, Any]:
-        comm: dict[str, Any] = {
-            "backend": self.comm.backend,
-            "world_size": self.comm.world_size,
-            "alpha_ms": self.comm.alpha_ms,
-            "algbw_gbs": self.comm.algbw_gbs,
-        }
-        if self.comm.samples:
-            comm["samples"] = [{"bytes": b, "ms": ms} for b, ms in self.comm.samples]
-        if self.comm.cpu_ms_per_block:
-            comm["cpu_ms_per_block"] = self.comm.cpu_ms_per_block
-        if self.comm.cpu_ms_per_mb:
-            comm["cpu_ms_per_mb"] = self.comm.cpu_ms_per_mb
-        tensors = []
-        for t in self.tensors:
-            d: dict[str, Any] = {
-                "name": t.name,
-                "shape": list(t.shape),
-                "dtype": t.dtype,
-                "ready_ms": t.ready_ms,
-                "need_ms": t.need_ms,
-            }
-            if t.update_ms:
-                d["update_ms"] = t.update_ms
-            tensors.append(d)
-        return {
-            "format": PROFILE_FORMAT,
-            "version": VERSION,
-            "name": self.name,
-            "meta": dict(self.meta),
-            "forward_ms": self.forward_ms,
-            "backward_ms": self.backward_ms,
-            "tensors": tensors,
-            "comm": comm,
-        }
-
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "<profile>") -> Profile:
-        """Validate ``data`` (a profile file's JSON value) and build the profile; a
-        :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
-        from .schema import parse_profile
-
-        return parse_profile(data, source)
-
     def digest(self) -> str:
         """Content digest (16 hex digits) of the canonical JSON; schedules record it."""
-        return _digest(self.to_dict())
+        from .schema import dump_profile
+
+        return _digest(dump_profile(self))
 
     def fingerprint(self) -> str:
         """Digest of the sorted ``(name, shape, dtype)`` of the tensors (see :func:`fingerprint`)."""
@@ -218,47 +189,22 @@ class Schedule:
     buffer_numel: tuple[int, ...] = ()
     """Total elements of each buffer (extra field, lets a schedule be checked on its own)."""
     extra: Mapping[str, Any] = field(default_factory=dict)
-    """Fields this version does not know, kept so that a round trip loses nothing."""
+    """Fields the file has and this class does not (``comm``, ``info``, any unknown one),
+    kept so that a round trip loses nothing."""
     mode: Mode = Mode.OVERLAP
     """How the runtime applies the updates (a file value such as ``"fence"`` is taken too)."""
+    shapes: Mapping[str, tuple[int, ...]] | None = None
+    """Every tensor's shape, by name (optional field ``shapes``), so that the runtime can name
+    the exact tensor whose shape differs from the model's; ``None`` where a file has none."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
 
-    def to_dict(self) -> dict[str, Any]:
-        buffers = []
-        for i, b in enumerate(self.buffers):
-            d: dict[str, Any] = {"dtype": b.dtype, "tensors": list(b.tensors)}
-            if self.buffer_numel:
-                d["numel"] = self.buffer_numel[i]
-            buffers.append(d)
-        out = {
-            "format": SCHEDULE_FORMAT,
-            "version": VERSION,
-            "strategy": self.strategy,
-            "profile": {"name": self.profile_name, "digest": self.profile_digest},
-            "fingerprint": self.fingerprint,
-            "world_size": self.world_size,
-            "mode": str(self.mode),
-            "buffers": buffers,
-            "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in self.blocks],
-            "predicted": dict(self.predicted),
-        }
-        for k, v in self.extra.items():
-            out.setdefault(k, v)
-        return out
-
-    @classmethod
-    def from_dict(cls, data: Any, source: str = "<schedule>") -> Schedule:
-        """Validate ``data`` (a schedule file's JSON value) and build the schedule; a
-        :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
-        from .schema import parse_schedule
-
-        return parse_schedule(data, source)
-
     def digest(self) -> str:
         """Digest of what every rank must agree on: layout and blocks (not predictions)."""
-        d = self.to_dict()
+        from .schema import dump_schedule
+
+        d = dump_schedule(self)
         agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
         if self.mode is not Mode.OVERLAP:  # the default mode is left out: it adds nothing to agree on
             agreed["mode"] = str(self.mode)

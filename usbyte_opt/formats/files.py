@@ -1,7 +1,8 @@
 """Reading and writing profile and schedule files.
 
 A file that is missing, unreadable, not UTF-8 or not JSON is a :class:`FormatError` naming it;
-what it holds is then validated by :mod:`usbyte_opt.formats.schema`. Writes are atomic: a
+what it holds is then validated by :mod:`usbyte_opt.formats.schema`, which also checks and
+converts what is written (without pydantic: saving needs none). Writes are atomic: a
 temporary file in the same folder, fsync, then ``os.replace``, so a reader never sees half a
 file and a failed write leaves the old one.
 """
@@ -16,7 +17,7 @@ from typing import Any
 
 from ..errors import FormatError
 from .data import Profile, Schedule
-from .schema import parse_profile, parse_schedule
+from .schema import dump_profile, dump_schedule, parse_profile, parse_schedule
 
 
 def read_json(path: str | os.PathLike) -> Any:
@@ -78,12 +79,10 @@ def load_profile(path: str | os.PathLike) -> Profile:
 
 
 def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
-    """Validate ``profile`` as a reader would (a value out of bounds is a
+    """Check ``profile`` as a reader would (a value out of bounds is a
     :class:`~usbyte_opt.errors.FormatError` naming ``path`` and the field, and nothing is
     written), then write it atomically; returns the path."""
-    data = profile.to_dict()
-    parse_profile(data, str(path))
-    return write_json(path, data)
+    return write_json(path, dump_profile(profile, str(path)))
 
 
 def load_schedule(path: str | os.PathLike) -> Schedule:
@@ -92,8 +91,6 @@ def load_schedule(path: str | os.PathLike) -> Schedule:
 
 
 def save_schedule(schedule: Schedule, path: str | os.PathLike) -> Path:
-    """Validate ``schedule`` as a reader would, then write it atomically (as
+    """Check ``schedule`` as a reader would, then write it atomically (as
     :func:`save_profile`); returns the path."""
-    data = schedule.to_dict()
-    parse_schedule(data, str(path))
-    return write_json(path, data)
+    return write_json(path, dump_schedule(schedule, str(path)))

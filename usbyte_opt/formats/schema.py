@@ -1,16 +1,20 @@
-"""What a profile or schedule file may hold, defined once (docs/design.md §4).
+"""Profile and schedule files and the objects of :mod:`usbyte_opt.formats.data`, both ways
+(docs/design.md §4): the one definition of what a file may hold and of how it maps to the
+frozen dataclasses.
 
-The file shapes are the pydantic ``TypedDict`` models below: field types, required and
-optional fields, defaults and physical bounds. Both the JSON Schema that ``usbyte-opt schema``
-prints (:func:`profile_schema`, :func:`schedule_schema`) and the validation of every file read
-(:func:`parse_profile`, :func:`parse_schedule`) come from them, so the two cannot disagree. A
-file is validated once and converted into the frozen dataclasses of
-:mod:`usbyte_opt.formats.data`, which the planner reads.
+What a file may hold is the ``TypedDict`` records below: field types, required and optional
+fields, defaults, physical bounds and descriptions, the bounds as :class:`Rule` data. From them
+come the JSON Schema that ``usbyte-opt schema`` prints (:func:`profile_schema`,
+:func:`schedule_schema`), the validation of every file read (:func:`parse_profile`,
+:func:`parse_schedule`, with pydantic) and the check of every object written
+(:func:`dump_profile`, :func:`dump_schedule` given a ``source``, in plain Python), so that the
+three cannot disagree. pydantic is imported only to read a file or print a schema: building,
+dumping and saving objects need none.
 
 A failure is one :class:`~usbyte_opt.errors.FormatError` line: the file, the field path
-(``tensors[3].ready_ms``), what was expected (read from the JSON Schema of that field) and what
-was found. What one field cannot say alone is checked once every field is valid, with the same
-kind of line: ``ready_ms`` within ``backward_ms``, unique names, the gradient bytes in all,
+(``tensors[3].ready_ms``), what was expected (from the record's definition of that field) and
+what was found. What one field cannot say alone is checked once every field is valid, with the
+same kind of line: ``ready_ms`` within ``backward_ms``, unique names, the gradient bytes in all,
 block offsets within their buffer, every buffer covered exactly once.
 
 Example::
@@ -27,12 +31,11 @@ from __future__ import annotations
 import copy
 import functools
 import json
+import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeAlias, get_args, get_origin
 
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
-from pydantic.json_schema import GenerateJsonSchema
-from typing_extensions import NotRequired, TypedDict
+from typing_extensions import NotRequired, TypedDict, get_type_hints, is_typeddict
 
 from ..errors import FormatError
 from .data import (
@@ -45,6 +48,7 @@ from .data import (
     Block,
     Buffer,
     CommSpec,
+    Mode,
     Profile,
     Schedule,
     TensorSpec,
@@ -73,98 +77,124 @@ MAX_WORLD_SIZE = 10**7
 # Field types
 # --------------------------------------------------------------------------------------------
 
-if TYPE_CHECKING:  # a type checker sees the plain types; pydantic, the allowed values
+
+class Rule:
+    """What a field allows beyond its type, and what the JSON Schema says of it: the keyword
+    arguments of pydantic's ``Field`` (``ge``, ``gt``, ``le``, ``min_length``, ``default``,
+    ``description``), kept as plain data until a file is read or a schema printed.
+
+    Example::
+
+        >>> Rule(ge=0, le=6)
+        Rule(ge=0, le=6)
+    """
+
+    __slots__ = ("kw",)
+
+    def __init__(self, **kw: Any) -> None:
+        self.kw = kw
+
+    def __repr__(self) -> str:
+        return f"Rule({', '.join(f'{k}={v!r}' for k, v in self.kw.items())})"
+
+
+if TYPE_CHECKING:  # a type checker sees the plain types; the records, the allowed values
     Dtype: TypeAlias = str
     Backend: TypeAlias = str
-    Mode: TypeAlias = str
+    ModeName: TypeAlias = str
     ProfileFormat: TypeAlias = str
     ScheduleFormat: TypeAlias = str
     Version: TypeAlias = int
 else:
     Dtype = Literal[tuple(DTYPE_SIZES)]
     Backend = Literal[COMM_BACKENDS]
-    Mode = Literal[SCHEDULE_MODES]
+    ModeName = Literal[SCHEDULE_MODES]
     ProfileFormat = Literal[PROFILE_FORMAT]
     ScheduleFormat = Literal[SCHEDULE_FORMAT]
     Version = Literal[VERSION]
 
-Name = Annotated[str, Field(min_length=1)]
-Ms = Annotated[float, Field(ge=0, le=MAX_MS)]
-PositiveMs = Annotated[float, Field(gt=0, le=MAX_MS)]
-Elements = Annotated[int, Field(ge=0, le=MAX_ELEMENTS)]
-Shape = Annotated[list[Annotated[int, Field(ge=1, le=MAX_ELEMENTS)]],
-                  Field(description=f"the tensor holds at most {MAX_GRADIENT_BYTES} bytes")]
-NonNegative = Annotated[float, Field(ge=0)]
+Name = Annotated[str, Rule(min_length=1)]
+Ms = Annotated[float, Rule(ge=0, le=MAX_MS)]
+PositiveMs = Annotated[float, Rule(gt=0, le=MAX_MS)]
+Elements = Annotated[int, Rule(ge=0, le=MAX_ELEMENTS)]
+Shape = Annotated[list[Annotated[int, Rule(ge=1, le=MAX_ELEMENTS)]],
+                  Rule(description=f"the tensor holds at most {MAX_GRADIENT_BYTES} bytes")]
+NonNegative = Annotated[float, Rule(ge=0)]
+
+#: Each record's title and what it does with fields it does not define: ``"ignore"`` drops
+#: them, ``"allow"`` keeps them.
+_RECORDS: dict[type, tuple[str, Literal["ignore", "allow"]]] = {}
 
 
-def _config(title: str, extra: Literal["ignore", "allow"] = "ignore") -> ConfigDict:
-    """Every model: no coercion (``"1"`` is not a number, ``1.5`` not an integer, ``true``
-    neither), no NaN or infinity; unknown fields ignored, or kept where ``extra="allow"``."""
-    return ConfigDict(strict=True, allow_inf_nan=False, title=title, extra=extra)
+def _record(title: str, extra: Literal["ignore", "allow"] = "ignore") -> Any:
+    def register(cls: type) -> type:
+        _RECORDS[cls] = (title, extra)
+        return cls
+    return register
 
 
 _VERSION_NOTE = "the version this usbyte-opt reads"
 
 
-@with_config(_config("tensor"))
+@_record("tensor")
 class TensorEntry(TypedDict):
     """One trainable tensor of a profile."""
 
-    name: Annotated[Name, Field(description="the name in model.named_parameters(); unique")]
+    name: Annotated[Name, Rule(description="the name in model.named_parameters(); unique")]
     shape: Shape
-    dtype: Annotated[Dtype, Field(description="the gradient's dtype; each dtype is one buffer")]
-    ready_ms: Annotated[Ms, Field(description="offset from the start of backward at which the "
-                                  "gradient is final; <= backward_ms")]
-    need_ms: Annotated[Ms, Field(description="offset from the start of forward at which the "
-                                 "tensor is first used; <= forward_ms")]
-    update_ms: NotRequired[Annotated[Ms, Field(default=0.0, description="optimizer step cost")]]
+    dtype: Annotated[Dtype, Rule(description="the gradient's dtype; each dtype is one buffer")]
+    ready_ms: Annotated[Ms, Rule(description="offset from the start of backward at which the "
+                                 "gradient is final; <= backward_ms")]
+    need_ms: Annotated[Ms, Rule(description="offset from the start of forward at which the "
+                                "tensor is first used; <= forward_ms")]
+    update_ms: NotRequired[Annotated[Ms, Rule(default=0.0, description="optimizer step cost")]]
 
 
-@with_config(_config("sample"))
+@_record("sample")
 class SampleEntry(TypedDict):
     """One all-reduce measurement: bytes and milliseconds."""
 
-    bytes: Annotated[int, Field(ge=1, le=MAX_GRADIENT_BYTES)]
+    bytes: Annotated[int, Rule(ge=1, le=MAX_GRADIENT_BYTES)]
     ms: PositiveMs
 
 
-@with_config(_config("comm"))
+@_record("comm")
 class CommEntry(TypedDict):
     """All-reduce cost of the process group: alpha_ms + bytes / (algbw_gbs * 1e6)."""
 
-    backend: Annotated[Backend, Field(description="where the cost comes from; analytic when it "
-                                      "was computed, not measured")]
-    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE,
-                                     description="ranks the cost holds for")]
-    alpha_ms: Annotated[Ms, Field(description="latency of one all-reduce")]
-    algbw_gbs: Annotated[float, Field(ge=MIN_ALGBW_GBS, le=MAX_ALGBW_GBS,
-                                      description="algorithm bandwidth, GB/s")]
-    samples: NotRequired[Annotated[list[SampleEntry], Field(
+    backend: Annotated[Backend, Rule(description="where the cost comes from; analytic when it "
+                                     "was computed, not measured")]
+    world_size: Annotated[int, Rule(ge=1, le=MAX_WORLD_SIZE,
+                                    description="ranks the cost holds for")]
+    alpha_ms: Annotated[Ms, Rule(description="latency of one all-reduce")]
+    algbw_gbs: Annotated[float, Rule(ge=MIN_ALGBW_GBS, le=MAX_ALGBW_GBS,
+                                     description="algorithm bandwidth, GB/s")]
+    samples: NotRequired[Annotated[list[SampleEntry], Rule(
         default=[], description="the (bytes, ms) measurements the line was fitted to")]]
-    cpu_ms_per_block: NotRequired[Annotated[Ms, Field(
+    cpu_ms_per_block: NotRequired[Annotated[Ms, Rule(
         default=0.0, description="training-thread ms per all-reduce under compute")]]
-    cpu_ms_per_mb: NotRequired[Annotated[Ms, Field(
+    cpu_ms_per_mb: NotRequired[Annotated[Ms, Rule(
         default=0.0, description="training-thread ms per MB all-reduced under compute")]]
 
 
-@with_config(_config("usbyte-opt profile"))
+@_record("usbyte-opt profile")
 class ProfileFile(TypedDict):
     """Per-tensor timing of one model on one cluster (docs/design.md §4.1)."""
 
     format: ProfileFormat
-    version: Annotated[Version, Field(description=_VERSION_NOTE)]
-    name: Annotated[Name, Field(description="the model's name")]
-    meta: NotRequired[Annotated[dict[str, Any], Field(
+    version: Annotated[Version, Rule(description=_VERSION_NOTE)]
+    name: Annotated[Name, Rule(description="the model's name")]
+    meta: NotRequired[Annotated[dict[str, Any], Rule(
         default={}, description="free-form: how and where it was measured")]]
     forward_ms: PositiveMs
     backward_ms: PositiveMs
-    tensors: Annotated[list[TensorEntry], Field(
+    tensors: Annotated[list[TensorEntry], Rule(
         min_length=1, description=f"one entry per trainable tensor; at most "
         f"{MAX_GRADIENT_BYTES} bytes of gradients in all")]
     comm: CommEntry
 
 
-@with_config(_config("profile reference"))
+@_record("profile reference")
 class ProfileRef(TypedDict):
     """The profile a schedule was planned from."""
 
@@ -172,32 +202,32 @@ class ProfileRef(TypedDict):
     digest: Name
 
 
-@with_config(_config("buffer"))
+@_record("buffer")
 class BufferEntry(TypedDict):
     """One flat gradient buffer: its dtype and its tensors in layout order."""
 
     dtype: Dtype
-    tensors: Annotated[list[Name], Field(min_length=1, description="tensor names in layout "
-                                         "order; each tensor in exactly one buffer")]
-    numel: NotRequired[Annotated[int, Field(ge=1, le=MAX_ELEMENTS, description="elements in the "
-                                            "buffer; on every buffer or on none")]]
+    tensors: Annotated[list[Name], Rule(min_length=1, description="tensor names in layout "
+                                        "order; each tensor in exactly one buffer")]
+    numel: NotRequired[Annotated[int, Rule(ge=1, le=MAX_ELEMENTS, description="elements in the "
+                                           "buffer; on every buffer or on none")]]
 
 
-@with_config(_config("block"))
+@_record("block")
 class BlockEntry(TypedDict):
     """One all-reduce: the element range [start, end) of one buffer."""
 
-    buffer: Annotated[int, Field(ge=0, description="index into buffers")]
+    buffer: Annotated[int, Rule(ge=0, description="index into buffers")]
     start: Elements
-    end: Annotated[Elements, Field(description="> start; <= the buffer's numel")]
+    end: Annotated[Elements, Rule(description="> start; <= the buffer's numel")]
 
 
-@with_config(_config("prediction", extra="allow"))
+@_record("prediction", extra="allow")
 class PredictedEntry(TypedDict, total=False):
     """The planner's predictions, ms; other fields are kept."""
 
     iteration_ms: NonNegative
-    mode: Mode
+    mode: ModeName
     lower_bound_ms: NonNegative
     gap: NonNegative
     compute_ms: NonNegative
@@ -206,46 +236,159 @@ class PredictedEntry(TypedDict, total=False):
     baselines: dict[str, NonNegative]
 
 
-@with_config(_config("usbyte-opt schedule", extra="allow"))
+#: What the schema says of ``mode``: each mode's file value and what it does (one per :class:`Mode`).
+_MODE_NOTE = "; ".join(f"{m}: {m.note}" for m in Mode)
+
+
+@_record("usbyte-opt schedule", extra="allow")
 class ScheduleFile(TypedDict):
     """A plan: buffer layout and blocks in issue order (docs/design.md §4.2)."""
 
     format: ScheduleFormat
-    version: Annotated[Version, Field(description=_VERSION_NOTE)]
-    strategy: Annotated[Name, Field(description="the strategy that made it")]
+    version: Annotated[Version, Rule(description=_VERSION_NOTE)]
+    strategy: Annotated[Name, Rule(description="the strategy that made it")]
     profile: ProfileRef
-    fingerprint: Annotated[Name, Field(description="the profile's fingerprint")]
-    world_size: Annotated[int, Field(ge=1, le=MAX_WORLD_SIZE)]
-    mode: NotRequired[Annotated[Mode, Field(
-        default="overlap", description="overlap: each update right before its first use in the "
-        "next forward; fence: all blocks, then all updates (as DDP)")]]
-    buffers: Annotated[list[BufferEntry], Field(min_length=1)]
-    blocks: Annotated[list[BlockEntry], Field(description="issue order; together they cover "
-                                              "every buffer exactly once")]
-    predicted: NotRequired[Annotated[PredictedEntry, Field(default={})]]
-    shapes: NotRequired[Annotated[dict[str, Shape], Field(description="every tensor's shape")]]
-    comm: NotRequired[Annotated[dict[str, Any], Field(description="the cost model planned for")]]
-    info: NotRequired[Annotated[dict[str, Any], Field(description="the strategy's knobs")]]
+    fingerprint: Annotated[Name, Rule(description="the profile's fingerprint")]
+    world_size: Annotated[int, Rule(ge=1, le=MAX_WORLD_SIZE)]
+    mode: NotRequired[Annotated[ModeName, Rule(default=str(Mode.OVERLAP), description=_MODE_NOTE)]]
+    buffers: Annotated[list[BufferEntry], Rule(min_length=1)]
+    blocks: Annotated[list[BlockEntry], Rule(description="issue order; together they cover "
+                                             "every buffer exactly once")]
+    predicted: NotRequired[Annotated[PredictedEntry, Rule(default={})]]
+    shapes: NotRequired[Annotated[dict[str, Shape], Rule(description="every tensor's shape")]]
+    comm: NotRequired[Annotated[dict[str, Any], Rule(description="the cost model planned for")]]
+    info: NotRequired[Annotated[dict[str, Any], Rule(description="the strategy's knobs")]]
 
+
+_FILES: dict[str, type] = {"profile": ProfileFile, "schedule": ScheduleFile}
 
 # --------------------------------------------------------------------------------------------
-# JSON Schemas
+# Reading the records: a type's parts, its JSON Schema fragment
 # --------------------------------------------------------------------------------------------
 
 
-class _Generator(GenerateJsonSchema):
-    def field_title_should_be_set(self, schema: Any) -> bool:
-        return False
+def _split(tp: Any) -> tuple[Any, dict[str, Any]]:
+    """``tp`` without ``NotRequired`` and ``Annotated``, and its rules merged."""
+    kw: dict[str, Any] = {}
+    while True:
+        origin = get_origin(tp)
+        if origin is NotRequired:
+            tp = get_args(tp)[0]
+        elif origin is Annotated:
+            for m in tp.__metadata__:
+                if isinstance(m, Rule):
+                    kw.update(m.kw)
+            tp = tp.__origin__
+        else:
+            return tp, kw
 
 
 @functools.cache
-def _adapter(kind: str) -> TypeAdapter[Any]:
-    return TypeAdapter(ProfileFile if kind == "profile" else ScheduleFile)
+def _fields(record: type) -> tuple[dict[str, Any], frozenset[str]]:
+    """A record's field types, in order, and its required fields (from the types: the
+    annotations are strings until resolved, so ``__required_keys__`` cannot tell)."""
+    hints = get_type_hints(record, include_extras=True)
+    total = record.__total__  # type: ignore[attr-defined]
+    return hints, frozenset(k for k, t in hints.items() if total and get_origin(t) is not NotRequired)
+
+
+def _is_int_list(tp: Any) -> bool:
+    base, _ = _split(tp)
+    return get_origin(base) is list and _split(get_args(base)[0])[0] is int
+
+
+def _child(tp: Any, key: Any) -> Any:
+    """The type of ``key`` within a value of type ``tp`` (``Any`` where nothing defines it)."""
+    base, _ = _split(tp)
+    if is_typeddict(base):
+        return _fields(base)[0].get(key, Any)
+    origin = get_origin(base)
+    if origin is list:
+        return get_args(base)[0]
+    if origin is dict:
+        return get_args(base)[1]
+    return Any
+
+
+def _fragment(tp: Any) -> dict[str, Any]:
+    """What the JSON Schema says of a value of type ``tp``, in the keywords errors read."""
+    base, kw = _split(tp)
+    out: dict[str, Any] = {}
+    origin = get_origin(base)
+    if is_typeddict(base) or origin is dict:
+        out["type"] = "object"
+    elif origin is list:
+        out.update(type="array", items=_fragment(get_args(base)[0]))
+        if kw.get("min_length"):
+            out["minItems"] = kw["min_length"]
+    elif origin is Literal:
+        values = get_args(base)
+        out.update({"const": values[0]} if len(values) == 1 else {"enum": list(values)})
+    elif base is str:
+        out["type"] = "string"
+        if kw.get("min_length"):
+            out["minLength"] = kw["min_length"]
+    elif base in (int, float):
+        out["type"] = "integer" if base is int else "number"
+        for rule, word in (("ge", "minimum"), ("gt", "exclusiveMinimum"), ("le", "maximum")):
+            if rule in kw:
+                out[word] = kw[rule]
+    if "description" in kw:
+        out["description"] = kw["description"]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# JSON Schemas and validation with pydantic (imported here only)
+# --------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _pydantic_type(tp: Any) -> Any:
+    """``tp`` as pydantic reads it: each :class:`Rule` a ``Field``, each record a ``TypedDict``
+    of the same name with its config."""
+    from pydantic import ConfigDict, Field, with_config
+
+    # Types built at run time: a type checker sees values, not types.
+    annotated: Any = Annotated
+    generic: Any = {list: list, dict: dict, NotRequired: NotRequired}
+    record: Any = TypedDict
+    origin = get_origin(tp)
+    if origin is Annotated:
+        meta = tuple(Field(**m.kw) if isinstance(m, Rule) else m for m in tp.__metadata__)
+        return annotated[(_pydantic_type(tp.__origin__),) + meta]
+    if origin in generic:
+        args = tuple(_pydantic_type(a) for a in get_args(tp))
+        return generic[origin][args if len(args) > 1 else args[0]]
+    if is_typeddict(tp):
+        hints, _ = _fields(tp)
+        out = record(tp.__name__, {k: _pydantic_type(v) for k, v in hints.items()},
+                     total=tp.__total__)
+        out.__doc__, out.__module__, out.__qualname__ = tp.__doc__, tp.__module__, tp.__qualname__
+        title, extra = _RECORDS[tp]
+        # No coercion ("1" is not a number, 1.5 not an integer, true neither), no NaN or
+        # infinity; unknown fields ignored, or kept where extra="allow".
+        return with_config(ConfigDict(strict=True, allow_inf_nan=False, title=title,
+                                      extra=extra))(out)
+    return tp
+
+
+@functools.cache
+def _adapter(kind: str) -> Any:
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(_pydantic_type(_FILES[kind]))
 
 
 @functools.cache
 def _schema(kind: str) -> dict[str, Any]:
-    body = _adapter(kind).json_schema(schema_generator=_Generator)
+    from pydantic.json_schema import GenerateJsonSchema
+
+    class Generator(GenerateJsonSchema):
+        def field_title_should_be_set(self, schema: Any) -> bool:
+            return False
+
+    body = _adapter(kind).json_schema(schema_generator=Generator)
     return {"$schema": "https://json-schema.org/draft/2020-12/schema", **body}
 
 
@@ -261,12 +404,97 @@ def profile_schema() -> dict[str, Any]:
 
 
 def schedule_schema() -> dict[str, Any]:
-    """JSON Schema (draft 2020-12) of the schedule format."""
+    """JSON Schema (draft 2020-12) of the schedule format.
+
+    Example::
+
+        >>> schedule_schema()["properties"]["mode"]["enum"]
+        ['overlap', 'fence']
+    """
     return copy.deepcopy(_schema("schedule"))
 
 
+def _validate(kind: str, data: Any, source: str) -> dict[str, Any]:
+    """``data`` validated by pydantic, defaults filled in; its first error as one line."""
+    from pydantic import ValidationError
+
+    try:
+        return _adapter(kind).validate_python(data)  # type: ignore[no-any-return]
+    except ValidationError as e:
+        err = e.errors(include_url=False, include_context=False)[0]
+        tp: Any = _FILES[kind]
+        keys: list[Any] = []
+        for key in err["loc"]:
+            if _is_int_list(tp):  # an error inside a shape is reported on the shape: one value
+                break
+            keys.append(key)
+            tp = _child(tp, key)
+        if len(keys) == len(err["loc"]):
+            if err["type"] == "missing":
+                raise FormatError(source, _path(keys), "a value (field is missing)") from None
+            if err["type"] == "string_unicode":
+                raise FormatError(source, _path(keys), "a string of valid Unicode (no lone "
+                                  "surrogate)", err["input"]) from None
+        raise _mismatch(tp, keys, data, source) from None
+
+
 # --------------------------------------------------------------------------------------------
-# Validation errors as one line
+# Validation in plain Python, of what is written
+# --------------------------------------------------------------------------------------------
+
+
+def _walk(tp: Any, v: Any, keys: list[Any], data: Any, source: str) -> None:
+    """Raise what :func:`_validate` raises for a value it rejects, for the values an object
+    can dump: the same rules, without pydantic."""
+    base, kw = _split(tp)
+    origin = get_origin(base)
+    if is_typeddict(base):
+        if not isinstance(v, dict):
+            raise _mismatch(tp, keys, data, source)
+        hints, required = _fields(base)
+        for k, t in hints.items():
+            if k in v:
+                _walk(t, v[k], [*keys, k], data, source)
+            elif k in required:
+                raise FormatError(source, _path([*keys, k]), "a value (field is missing)")
+    elif origin is list:
+        if not isinstance(v, list) or len(v) < kw.get("min_length", 0):
+            raise _mismatch(tp, keys, data, source)
+        item = get_args(base)[0]
+        for i, x in enumerate(v):
+            try:
+                _walk(item, x, [*keys, i], data, source)
+            except FormatError:
+                if _is_int_list(base):
+                    raise _mismatch(tp, keys, data, source) from None
+                raise
+    elif origin is dict:
+        if not isinstance(v, dict):
+            raise _mismatch(tp, keys, data, source)
+        for k, x in v.items():
+            _walk(get_args(base)[1], x, [*keys, k], data, source)
+    elif origin is Literal:
+        if not any(v == a and isinstance(v, type(a)) and isinstance(v, bool) == isinstance(a, bool)
+                   for a in get_args(base)):
+            raise _mismatch(tp, keys, data, source)
+    elif base is str:
+        if not isinstance(v, str) or len(v) < kw.get("min_length", 0):
+            raise _mismatch(tp, keys, data, source)
+        try:
+            v.encode()
+        except UnicodeEncodeError:
+            raise FormatError(source, _path(keys), "a string of valid Unicode (no lone "
+                              "surrogate)", v) from None
+    elif base in (int, float):
+        ok = (isinstance(v, int) if base is int else isinstance(v, (int, float))) \
+            and not isinstance(v, bool) and math.isfinite(v)
+        if not ok or ("ge" in kw and v < kw["ge"]) or ("gt" in kw and v <= kw["gt"]) \
+                or ("le" in kw and v > kw["le"]):
+            raise _mismatch(tp, keys, data, source)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors as one line
 # --------------------------------------------------------------------------------------------
 
 #: Tensor fields whose upper bound is a profile field: their expectation names its value.
@@ -316,7 +544,7 @@ def _bound(data: Any, name: str) -> float | None:
 
 
 def _describe(sub: dict[str, Any], keys: Sequence[Any], data: Any) -> str:
-    """The expectation of the field at ``keys``, from its JSON Schema ``sub``."""
+    """The expectation of the field at ``keys``, from its JSON Schema fragment ``sub``."""
     if "const" in sub:
         text = json.dumps(sub["const"])
         return text + (f" ({sub['description']})" if "description" in sub else "")
@@ -346,30 +574,11 @@ def _describe(sub: dict[str, Any], keys: Sequence[Any], data: Any) -> str:
     return "a valid value"
 
 
-def _deref(root: dict[str, Any], sub: Any) -> dict[str, Any]:
-    while isinstance(sub, dict) and "$ref" in sub:
-        sub = root["$defs"][sub["$ref"].rsplit("/", 1)[-1]]
-    return sub if isinstance(sub, dict) else {}
-
-
-def _child(root: dict[str, Any], sub: dict[str, Any], key: Any) -> dict[str, Any]:
-    if isinstance(key, int):
-        return _deref(root, sub.get("items"))
-    props = sub.get("properties", {})
-    return _deref(root, props[key] if key in props else sub.get("additionalProperties"))
-
-
 def _path(keys: Sequence[Any]) -> str:
     out = ""
     for k in keys:
         out += f"[{k}]" if isinstance(k, int) else (f".{k}" if out else str(k))
     return out
-
-
-def _at(data: Any, keys: Sequence[Any]) -> Any:
-    for k in keys:
-        data = data[k]
-    return data
 
 
 def _shown(got: Any, sub: dict[str, Any]) -> Any:
@@ -382,45 +591,24 @@ def _shown(got: Any, sub: dict[str, Any]) -> Any:
     return type(got).__name__
 
 
-def _error(err: Any, data: Any, root: dict[str, Any], source: str) -> FormatError:
-    """The first pydantic error as one :class:`FormatError`. An error inside an array of
-    integers (a shape) is reported on the array: it is one value."""
-    loc = list(err["loc"])
-    sub = _deref(root, root)
-    keys: list[Any] = []
-    for key in loc:
-        if sub.get("type") == "array" and sub.get("items", {}).get("type") == "integer":
-            break
-        keys.append(key)
-        sub = _child(root, sub, key)
-    if len(keys) == len(loc):
-        if err["type"] == "missing":
-            return FormatError(source, _path(keys), "a value (field is missing)")
-        if err["type"] == "string_unicode":
-            return FormatError(source, _path(keys), "a string of valid Unicode (no lone "
-                               "surrogate)", err["input"])
-    return FormatError(source, _path(keys), _describe(sub, keys, data),
-                       _shown(_at(data, keys), sub))
-
-
-def _validate(kind: str, data: Any, source: str) -> dict[str, Any]:
-    try:
-        return _adapter(kind).validate_python(data)
-    except ValidationError as e:
-        raise _error(e.errors(include_url=False, include_context=False)[0], data,
-                     _schema(kind), source) from None
+def _mismatch(tp: Any, keys: Sequence[Any], data: Any, source: str) -> FormatError:
+    """The value at ``keys`` of ``data`` is not a valid ``tp``: what was expected, what was found."""
+    got = data
+    for k in keys:
+        got = got[k]
+    sub = _fragment(tp)
+    return FormatError(source, _path(keys), _describe(sub, keys, data), _shown(got, sub))
 
 
 # --------------------------------------------------------------------------------------------
-# Files to objects, with the checks across fields
+# The checks across fields
 # --------------------------------------------------------------------------------------------
 
 
-def parse_profile(data: Any, source: str = "<profile>") -> Profile:
-    """Validate a profile file's JSON value and build the :class:`Profile`."""
-    d = _validate("profile", data, source)
+def _check_profile(d: dict[str, Any], source: str) -> None:
+    """What no field of a valid profile value says alone: unique names, times within forward
+    and backward, the gradient bytes."""
     F, B = d["forward_ms"], d["backward_ms"]
-    tensors = []
     seen: dict[str, int] = {}
     total = 0
     for i, t in enumerate(d["tensors"]):
@@ -447,24 +635,11 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
         if total > MAX_GRADIENT_BYTES:
             raise FormatError(source, "tensors", f"at most {_g(MAX_GRADIENT_BYTES)} bytes of "
                               f"gradients in all (tensors[0] to tensors[{i}] hold more)", total)
-        tensors.append(TensorSpec(name, tuple(shape), dtype, t["ready_ms"], t["need_ms"],
-                                  t["update_ms"]))
-    c = d["comm"]
-    comm = CommSpec(c["backend"], c["world_size"], c["alpha_ms"], c["algbw_gbs"],
-                    tuple((s["bytes"], s["ms"]) for s in c["samples"]), c["cpu_ms_per_block"],
-                    c["cpu_ms_per_mb"])
-    return Profile(d["name"], F, B, tuple(tensors), comm, dict(d["meta"]))
 
 
-#: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
-_SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "fingerprint", "world_size",
-                  "mode", "buffers", "blocks", "predicted"}
-
-
-def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
-    """Validate a schedule file's JSON value and build the :class:`Schedule`."""
-    d = _validate("schedule", data, source)
-    buffers = []
+def _check_schedule(d: dict[str, Any], source: str) -> list[int]:
+    """What no field of a valid schedule value says alone, but coverage: each tensor listed
+    once, a numel on every buffer or none, blocks within their buffer. Returns the numels."""
     numels = []
     names: dict[str, str] = {}
     for i, b in enumerate(d["buffers"]):
@@ -476,29 +651,157 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
             names[n] = p
         if "numel" in b:
             numels.append(b["numel"])
-        buffers.append(Buffer(b["dtype"], tuple(b["tensors"])))
-    if numels and len(numels) != len(buffers):
+    if numels and len(numels) != len(d["buffers"]):
         raise FormatError(source, "buffers", "a numel on every buffer or on none")
-    blocks = []
     for i, k in enumerate(d["blocks"]):
         p = f"blocks[{i}]"
         bi, s, e = k["buffer"], k["start"], k["end"]
-        if bi >= len(buffers):
-            raise FormatError(source, f"{p}.buffer", f"a buffer index < {len(buffers)}", bi)
+        if bi >= len(d["buffers"]):
+            raise FormatError(source, f"{p}.buffer", f"a buffer index < {len(d['buffers'])}", bi)
         if e <= s:
             raise FormatError(source, f"{p}.end", f"an offset > start ({s})", e)
         if numels and e > numels[bi]:
             raise FormatError(source, f"{p}.end", f"an offset <= the buffer's numel ({numels[bi]})", e)
-        blocks.append(Block(bi, s, e))
-    extra = {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}
+    return numels
+
+
+# --------------------------------------------------------------------------------------------
+# Objects to files
+# --------------------------------------------------------------------------------------------
+
+
+def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
+    """The JSON value of a profile file holding ``profile``: optional fields at their default
+    are left out. Given ``source``, the value is first checked as a reader would check it (a
+    :class:`~usbyte_opt.errors.FormatError` names ``source`` and the field).
+
+    Example::
+
+        >>> p = Profile("toy", 2.0, 4.0, (TensorSpec("w", (4, 4), "float32", 1.0, 0.0),),
+        ...             CommSpec("analytic", 2, 0.1, 1.0))
+        >>> dump_profile(p)["tensors"]
+        [{'name': 'w', 'shape': [4, 4], 'dtype': 'float32', 'ready_ms': 1.0, 'need_ms': 0.0}]
+        >>> dump_profile(p.with_comm(CommSpec("analytic", 2, 1e9, 1.0)), "p.json")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.FormatError: p.json: comm.alpha_ms: expected a number in [0, 3600000], got 1000000000.0
+    """
+    c = profile.comm
+    comm: dict[str, Any] = {"backend": c.backend, "world_size": c.world_size,
+                            "alpha_ms": c.alpha_ms, "algbw_gbs": c.algbw_gbs}
+    if c.samples:
+        comm["samples"] = [{"bytes": b, "ms": ms} for b, ms in c.samples]
+    if c.cpu_ms_per_block:
+        comm["cpu_ms_per_block"] = c.cpu_ms_per_block
+    if c.cpu_ms_per_mb:
+        comm["cpu_ms_per_mb"] = c.cpu_ms_per_mb
+    tensors = []
+    for t in profile.tensors:
+        d: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                             "ready_ms": t.ready_ms, "need_ms": t.need_ms}
+        if t.update_ms:
+            d["update_ms"] = t.update_ms
+        tensors.append(d)
+    out = {
+        "format": PROFILE_FORMAT,
+        "version": VERSION,
+        "name": profile.name,
+        "meta": dict(profile.meta),
+        "forward_ms": profile.forward_ms,
+        "backward_ms": profile.backward_ms,
+        "tensors": tensors,
+        "comm": comm,
+    }
+    if source is not None:
+        _walk(ProfileFile, out, [], out, source)
+        _check_profile(out, source)
+    return out
+
+
+def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, Any]:
+    """The JSON value of a schedule file holding ``schedule``: the known fields, then
+    ``shapes`` where the schedule has them, then the fields of ``extra``. Given ``source``, the
+    value is first checked as a reader would check it (as :func:`dump_profile`).
+
+    Example::
+
+        >>> s = Schedule("hand", "toy", "0" * 16, "f" * 16, 2, (Buffer("float32", ("w",)),),
+        ...              (Block(0, 0, 16),), buffer_numel=(16,), shapes={"w": (4, 4)})
+        >>> d = dump_schedule(s)
+        >>> d["buffers"], d["shapes"]
+        ([{'dtype': 'float32', 'tensors': ['w'], 'numel': 16}], {'w': [4, 4]})
+    """
+    buffers = []
+    for i, b in enumerate(schedule.buffers):
+        d: dict[str, Any] = {"dtype": b.dtype, "tensors": list(b.tensors)}
+        if schedule.buffer_numel:
+            d["numel"] = schedule.buffer_numel[i]
+        buffers.append(d)
+    out = {
+        "format": SCHEDULE_FORMAT,
+        "version": VERSION,
+        "strategy": schedule.strategy,
+        "profile": {"name": schedule.profile_name, "digest": schedule.profile_digest},
+        "fingerprint": schedule.fingerprint,
+        "world_size": schedule.world_size,
+        "mode": str(schedule.mode),
+        "buffers": buffers,
+        "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in schedule.blocks],
+        "predicted": dict(schedule.predicted),
+    }
+    if schedule.shapes is not None:
+        out["shapes"] = {n: list(s) for n, s in schedule.shapes.items()}
+    for k, v in schedule.extra.items():
+        out.setdefault(k, v)
+    if source is not None:
+        _walk(ScheduleFile, out, [], out, source)
+        numels = _check_schedule(out, source)
+        if numels:
+            check_coverage(schedule, numels, source)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Files to objects
+# --------------------------------------------------------------------------------------------
+
+
+def parse_profile(data: Any, source: str = "<profile>") -> Profile:
+    """Validate a profile file's JSON value and build the :class:`Profile`; a
+    :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
+    d = _validate("profile", data, source)
+    _check_profile(d, source)
+    tensors = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["ready_ms"],
+                               t["need_ms"], t["update_ms"]) for t in d["tensors"])
+    c = d["comm"]
+    comm = CommSpec(c["backend"], c["world_size"], c["alpha_ms"], c["algbw_gbs"],
+                    tuple((s["bytes"], s["ms"]) for s in c["samples"]), c["cpu_ms_per_block"],
+                    c["cpu_ms_per_mb"])
+    return Profile(d["name"], d["forward_ms"], d["backward_ms"], tensors, comm, dict(d["meta"]))
+
+
+#: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
+_SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "fingerprint", "world_size",
+                  "mode", "buffers", "blocks", "predicted", "shapes"}
+
+
+def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
+    """Validate a schedule file's JSON value and build the :class:`Schedule` (as
+    :func:`parse_profile`)."""
+    d = _validate("schedule", data, source)
+    numels = _check_schedule(d, source)
+    shapes = d.get("shapes")
     sched = Schedule(d["strategy"], d["profile"]["name"], d["profile"]["digest"], d["fingerprint"],
-                     d["world_size"], tuple(buffers), tuple(blocks), dict(d["predicted"]), tuple(numels),
-                     extra, d["mode"])
+                     d["world_size"], tuple(Buffer(b["dtype"], tuple(b["tensors"])) for b in d["buffers"]),
+                     tuple(Block(k["buffer"], k["start"], k["end"]) for k in d["blocks"]),
+                     dict(d["predicted"]), tuple(numels),
+                     {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
+                     None if shapes is None else {n: tuple(s) for n, s in shapes.items()})
     if numels:
-        check_coverage(sched, tuple(numels), source)
+        check_coverage(sched, numels, source)
     return sched
 
 
 __all__ = ["MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES", "MAX_MS", "MAX_WORLD_SIZE",
-           "MIN_ALGBW_GBS", "number_range", "parse_profile", "parse_schedule", "profile_schema",
-           "schedule_schema"]
+           "MIN_ALGBW_GBS", "Rule", "dump_profile", "dump_schedule", "number_range",
+           "parse_profile", "parse_schedule", "profile_schema", "schedule_schema"]

@@ -192,13 +192,12 @@ class Problem:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
         ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
-        The schedule records every tensor's shape (extra field ``shapes``), so that the runtime
+        The schedule records every tensor's shape (``shapes``), so that the runtime
         can name the exact tensor whose shape differs from the model's, and the digest of the
         profile it was planned from (``profile_digest``, default: this problem's profile).
         """
         as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         prof = self.profile
-        extra = {"shapes": {t.name: list(t.shape) for t in prof.tensors}, **(extra or {})}
         sched = Schedule(
             strategy=strategy,
             profile_name=prof.name,
@@ -209,8 +208,9 @@ class Problem:
             blocks=as_blocks,
             predicted=dict(predicted or {}),
             buffer_numel=tuple(layout.numel),
-            extra=extra,
+            extra=dict(extra or {}),
             mode=mode,
+            shapes={t.name: t.shape for t in prof.tensors},
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")

@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ..env import AUTO_DIR_ENV
 from ..errors import UsbyteError
-from ..formats import Schedule
+from ..formats import Schedule, dump_schedule, parse_schedule
 
 #: Iterations before measuring (the first one learns the hooks' order).
 WARMUP = 2
@@ -349,7 +349,7 @@ class Tuner:
 
                 report = compare(profile)
                 sched = report.schedule("best")
-                sched_json = json.dumps(sched.to_dict())
+                sched_json = json.dumps(dump_schedule(sched))
             except Exception as e:  # noqa: BLE001 - shared with the other ranks below
                 err = f"{type(e).__name__}: {e}"
         payload = self._broadcast(json.dumps({"schedule": sched_json, "error": err}))
@@ -358,7 +358,7 @@ class Tuner:
             self.info["auto_error"] = msg["error"]
             self._settle_on("fallback", note=f"auto planning failed: {msg['error']}")
             return
-        sched = Schedule.from_dict(json.loads(msg["schedule"]), "<auto schedule>")
+        sched = parse_schedule(json.loads(msg["schedule"]), "<auto schedule>")
         self.plan = (sched, "<auto schedule>")
         self.info["auto_plan_s"] = time.perf_counter() - t0
         self.info["auto_settled_at_step"] = self.steps

@@ -100,8 +100,8 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
             raise MismatchError(f"{source}: tensor {n!r}: expected dtype "
                                 f"{schedule.buffers[b].dtype} (schedule buffers[{b}]), got {dt} "
                                 "(model)")
-    shapes = schedule.extra.get("shapes")
-    if isinstance(shapes, dict):
+    shapes = schedule.shapes
+    if shapes is not None:
         for n, shape, _ in tensors:
             want = shapes.get(n)
             if want is not None and list(want) != list(shape):
