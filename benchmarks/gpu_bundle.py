@@ -4,7 +4,7 @@
 
 The image (docs/gpu.md): Python 3.12, torch 2.11, numpy, scipy, typer, rich, pytest,
 hypothesis, attrs, typing-extensions and more, no network. It lacks what the project imports
-besides those: pydantic (``usbyte_opt.formats``, so every import of the runtime) with
+besides those: pydantic (``usbyte_opt.formats`` reading a profile or schedule file) with
 pydantic-core, annotated-types and typing-inspection; pulp (the exact MILP that ``best`` runs
 on models of at most 6 tensors; imported only there); jsonschema (the schema tests) with
 jsonschema-specifications, referencing and rpds-py. Two more travel although the image has
@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 #: (distribution, version, why it travels).
 PINS: list[tuple[str, str, str]] = [
-    ("pydantic", "2.13.4", "usbyte_opt.formats (every import of the runtime and the CLI)"),
+    ("pydantic", "2.13.4", "usbyte_opt.formats (reading every profile and schedule file)"),
     ("pydantic-core", "2.46.4", "pydantic's compiled core (exact pin of pydantic 2.13.4)"),
     ("annotated-types", "0.7.0", "needed by pydantic"),
     ("typing-inspection", "0.4.2", "needed by pydantic"),
