@@ -1,5 +1,6 @@
 """The lower bound, the exact solvers and `best`: validity, never worse, close to optimal."""
 
+import dataclasses
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from usbyte_opt.planning.bounds import lower_bound
 from usbyte_opt.planning.exact import solve_brute, solve_exact
 from usbyte_opt.planning.fastsim import evaluate
 from usbyte_opt.planning.planner import compare
-from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.problem import Problem, UpdateRule
 from usbyte_opt.planning.strategies import get
 from usbyte_opt.planning.synthetic import chain_profile, random_profile
 
@@ -155,3 +156,17 @@ def test_best_in_fence_mode_only_is_fence_and_never_slower_than_the_fence_strate
 def test_best_refuses_an_unknown_mode():
     with pytest.raises(ValueError, match="modes: expected a non-empty subset"):
         get("best").plan(tiny(0, 4), modes=("sideways",))
+
+
+def test_best_plans_against_the_updates_at_the_gates():
+    prof = random_profile(random.Random(11), 20, comm_ratio=0.6)
+    prof = dataclasses.replace(prof, tensors=tuple(
+        dataclasses.replace(t, update_ms=0.4) for t in prof.tensors))
+    report = compare(prof, update_rule=UpdateRule.GATE)
+    pb = report.problem
+    assert pb.update_rule == UpdateRule.GATE
+    for name, r in report.results.items():
+        assert r.iteration_ms == pytest.approx(evaluate(pb, r.plan.layout, r.plan.blocks, r.mode)), name
+        assert report.lower_bound_ms <= r.iteration_ms + 1e-9
+    best = report.results["best"].iteration_ms
+    assert best <= min(r.iteration_ms for r in report.results.values()) + 1e-9

@@ -1,18 +1,26 @@
-"""Cost model: the linear formula, the scipy fit, ring retargeting."""
+"""Cost model: the linear formula, a model that is not a line, the scipy fit, ring retargeting."""
 
+import math
 import random
 
+import numpy as np
 import pytest
 
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import CommSpec
-from usbyte_opt.planning.cost import CostModel, fit_samples, retarget
+from usbyte_opt.planning.bounds import lower_bound
+from usbyte_opt.planning.cost import LinearCost, fit_samples, retarget
+from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.simulate import simulate_blocks
+from usbyte_opt.planning.strategies import load_builtin
+from usbyte_opt.planning.synthetic import random_profile
 
 
 def test_linear_cost():
-    c = CostModel(alpha_ms=0.3, algbw_gbs=1.5)
-    assert c(0) == 0.3
-    assert c(1_500_000) == pytest.approx(1.3)
+    c = LinearCost(alpha_ms=0.3, algbw_gbs=1.5)
+    assert c.allreduce_ms(0) == 0.3
+    assert c.allreduce_ms(1_500_000) == pytest.approx(1.3)
 
 
 def test_fit_recovers_noisy_line():
@@ -47,3 +55,47 @@ def test_retarget_ring_formula():
 def test_retarget_rejects_one_rank():
     with pytest.raises(UsbyteError, match="world size 1"):
         retarget(CommSpec("nccl", 8, 1.0, 1.0), world_size=1)
+
+
+class SteppedCost:
+    """A cost model that is not a line: the linear cost plus 0.5 ms per started MB (a stand-in
+    for a piecewise model); its linear bound is the line under it."""
+
+    def __init__(self, alpha_ms: float, algbw_gbs: float):
+        self.line = LinearCost(alpha_ms, algbw_gbs)
+
+    @property
+    def is_linear(self) -> bool:
+        return False
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        return self.line.allreduce_ms(nbytes) + 0.5 * math.ceil(nbytes / 1e6)
+
+    def allreduce_ms_array(self, nbytes: np.ndarray) -> np.ndarray:
+        return self.line.allreduce_ms_array(nbytes) + 0.5 * np.ceil(nbytes / 1e6)
+
+    def linear_bound(self) -> tuple[float, float]:
+        return self.line.linear_bound()
+
+
+def test_planning_takes_a_cost_model_that_is_not_a_line():
+    prof = random_profile(random.Random(3), 14, comm_ratio=1.5)
+    cost = SteppedCost(prof.comm.alpha_ms, prof.comm.algbw_gbs)
+    pb = Problem.from_profile(prof, cost)
+    assert pb.cost is cost
+    lay = pb.layout()
+    blocks = [lay.whole(i) for i in pb.ready_order()]
+    for mode in ("overlap", "fence"):
+        assert evaluate(pb, lay, blocks, mode) == pytest.approx(
+            simulate_blocks(pb, lay, blocks, mode).iteration_ms, rel=1e-12)
+    lb = lower_bound(pb)
+    results, plans = {}, []
+    for name, s in load_builtin().items():
+        p = s.plan(pb, seeds=plans) if name == "best" else s.plan(pb)
+        plans.append(p)
+        pb.schedule(name, p.layout, p.blocks, check=True)
+        results[name] = evaluate(pb, p.layout, p.blocks, p.mode)
+        assert lb <= results[name] + 1e-9, name
+        if "iteration_ms" in p.info:      # each strategy's own prediction is the scorer's
+            assert p.info["iteration_ms"] == pytest.approx(results[name], rel=1e-9), name
+    assert results["best"] <= min(results.values()) + 1e-9

@@ -26,7 +26,7 @@ from usbyte_opt.launcher import run_local
 from usbyte_opt.planning.fastsim import scorer_for
 from usbyte_opt.planning.planner import compare
 from usbyte_opt.planning.problem import Problem
-from usbyte_opt.planning.strategies import STRATEGIES, ddp_tuned, get
+from usbyte_opt.planning.strategies import STRATEGIES, NotApplicable, ddp_tuned, get
 from usbyte_opt.planning.synthetic import chain_profile, random_profile
 from usbyte_opt.runtime import profile_from_model
 
@@ -136,7 +136,7 @@ def test_tensors_of_equal_ready_time_share_a_bucket():
 def test_several_dtypes_are_refused_in_one_line_and_skipped_in_the_comparison(tmp_path, capsys):
     prof = random_profile(random.Random(4), 12, dtypes=("float32", "float16"), name="mixed")
     assert len({t.dtype for t in prof.tensors}) == 2
-    with pytest.raises(ddp_tuned.NotApplicable, match=r"tensors: expected one dtype") as e:
+    with pytest.raises(NotApplicable, match=r"tensors: expected one dtype") as e:
         ddp_tuned.plan(Problem.from_profile(prof))
     assert "\n" not in str(e.value)
     report = compare(prof)
@@ -153,7 +153,8 @@ def test_several_dtypes_are_refused_in_one_line_and_skipped_in_the_comparison(tm
 
 
 def test_registered_in_fence_mode_after_ddp():
-    assert STRATEGIES["ddp-tuned"].native_mode == "fence"
+    pb = Problem.from_profile(chain_profile([1000, 2000, 3000]))
+    assert STRATEGIES["ddp-tuned"].plan(pb).mode == "fence"
     names = list(STRATEGIES)
     assert names.index("ddp-tuned") == names.index("ddp") + 1
 

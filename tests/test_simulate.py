@@ -1,5 +1,6 @@
 """The simulator against hand-computed timelines (docs/design.md §2), both modes, and the trace."""
 
+import dataclasses
 import random
 
 import pytest
@@ -7,10 +8,12 @@ from helpers import MB_F32, random_blocks, three_layer
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from usbyte_opt.bench.refine import refined_overlap
 from usbyte_opt.errors import MismatchError
-from usbyte_opt.formats import Block
+from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
+from usbyte_opt.planning.bounds import lower_bound
 from usbyte_opt.planning.fastsim import evaluate
-from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.problem import Problem, UpdateRule
 from usbyte_opt.planning.simulate import chrome_trace, simulate, simulate_blocks
 from usbyte_opt.planning.synthetic import random_profile
 
@@ -112,3 +115,57 @@ def test_fast_scorer_equals_simulator(seed, n, cuts):
         assert evaluate(pb, lay, blocks, mode) == pytest.approx(full, rel=1e-12, abs=1e-9)
     assert simulate_blocks(pb, lay, blocks, "overlap").iteration_ms <= \
         simulate_blocks(pb, lay, blocks, "fence").iteration_ms + 1e-9
+
+
+# --------------------------------------------------------------------------------------------
+# The update rule of the iteration model: updates as availability delays, or at the gates
+# --------------------------------------------------------------------------------------------
+
+
+def gate_toy() -> Problem:
+    # "out" finishes early (block [2, 4]), "inp" at 8; 1 ms of update each.
+    return Problem.from_profile(Profile(
+        "toy", forward_ms=4.0, backward_ms=6.0,
+        tensors=(TensorSpec("out", (250_000,), "float32", 2.0, 3.0, update_ms=1.0),
+                 TensorSpec("inp", (250_000,), "float32", 6.0, 0.0, update_ms=1.0)),
+        comm=CommSpec("analytic", 2, alpha_ms=1.0, algbw_gbs=1.0)))
+
+
+def test_updates_at_the_gates_hand_computed():
+    pb = gate_toy()
+    lay = pb.layout()
+    blocks = [lay.whole(0), lay.whole(1)]
+    assert pb.update_rule == UpdateRule.AVAIL
+    assert simulate_blocks(pb, lay, blocks).iteration_ms == 13.0     # "inp" at 8 + 1, "out" free
+    gated = pb.with_update_rule(UpdateRule.GATE)
+    tl = simulate_blocks(gated, lay, blocks)
+    # forward reaches "inp" at 6, waits to 8, applies both updates (2 ms), then runs 4 ms
+    assert tl.iteration_ms == 14.0
+    assert [(g.name, g.wait_ms, g.update_ms, g.reach_ms) for g in tl.forward] == [
+        ("inp", 2.0, 2.0, 10.0), ("out", 0.0, 0.0, 13.0)]
+    assert evaluate(gated, lay, blocks) == 14.0
+    assert refined_overlap(pb, lay, blocks) == 14.0
+    # fence mode runs the whole step before the forward under both rules
+    assert simulate_blocks(gated, lay, blocks, "fence").iteration_ms == \
+        simulate_blocks(pb, lay, blocks, "fence").iteration_ms == evaluate(gated, lay, blocks, "fence")
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 25), cuts=st.integers(0, 30),
+       cpu=st.sampled_from([(0.0, 0.0), (0.3, 0.0), (0.5, 6.0)]))
+def test_updates_at_the_gates_scorer_equals_simulator_and_bound_holds(seed, n, cuts, cpu):
+    rng = random.Random(seed)
+    prof = random_profile(rng, n, dtypes=("float32", "bfloat16"))
+    prof = prof.with_comm(dataclasses.replace(prof.comm, cpu_ms_per_block=cpu[0], cpu_ms_per_mb=cpu[1]))
+    pb = Problem.from_profile(prof)
+    gated = Problem.from_profile(prof, update_rule=UpdateRule.GATE)
+    lay = pb.layout()
+    blocks = random_blocks(rng, lay, cuts)
+    full = simulate_blocks(gated, lay, blocks, "overlap").iteration_ms
+    assert evaluate(gated, lay, blocks, "overlap") == pytest.approx(full, rel=1e-12, abs=1e-9)
+    # never faster than updates as availability delays; the lower bound holds
+    assert full >= simulate_blocks(pb, lay, blocks, "overlap").iteration_ms - 1e-9
+    assert lower_bound(gated) <= full + 1e-9
+    # the bench's refined prediction is this rule
+    assert refined_overlap(pb, lay, blocks) == pytest.approx(full, rel=1e-12, abs=1e-9)
+    assert evaluate(gated, lay, blocks, "fence") == evaluate(pb, lay, blocks, "fence")

@@ -1,38 +1,23 @@
 """The bench's refined prediction: the planner's iteration model with what real training
 adds, learned from measured timelines (``usbyte-opt bench``; the report's ``refined_ms``).
 
-What it scores through the planner's own code: the blocks' times and the compute cost of
-communication come from :mod:`usbyte_opt.planning.fastsim` (:func:`usbyte_opt.planning.fastsim.charged`, the
-one rule of both modes) and :mod:`usbyte_opt.planning.simulate`; what it adds, on inputs the bench
-measured:
+Everything is scored by the planner's own code: the compute cost of communication as the one
+scorer charges it (:func:`usbyte_opt.planning.fastsim.charged`), the iteration by
+:mod:`usbyte_opt.planning.simulate`. What it changes, on inputs the bench measured (the
+measurements behind each rule: docs/bench.md, "Why the refined prediction is as it is"):
 
-1. **The optimizer step is compute** (:func:`refined_overlap`, below): in overlap mode the
-   runtime applies each tensor's update on the training thread, in the forward pre-hook that
-   first needs it, together with every other pending tensor whose blocks have finished by then.
-   Fence-mode schedules already run the whole step on the training thread before the forward
-   (the worker scores them with the simulator's fence mode).
-2. **All-reduce is slower while training computes**: on a small CPU machine gloo's threads wait
-   for a core at every step of the ring. The bench times all-reduce again while training
-   iterations run and fits the line on absolute residuals (:func:`fit_absolute`,
+1. **The optimizer step is compute** (:func:`refined_overlap`): in overlap mode the iteration
+   model's update rule ``GATE`` (:class:`usbyte_opt.planning.problem.UpdateRule`), as the
+   runtime runs it: each tensor's update on the training thread in the forward pre-hook that
+   first needs it, together with every other pending tensor whose blocks have finished by
+   then, paid by the forward. The planner's default rule charges an update only as a delay of
+   its tensor's availability. Fence-mode schedules already run the whole step on the training
+   thread before the forward (the worker scores them with the simulator's fence mode).
+2. **All-reduce is slower while training computes**: the bench times all-reduce again while
+   training iterations run and fits the bandwidth on absolute residuals (:func:`fit_absolute`,
    :func:`loaded_comm`), which weigh the large blocks an iteration is made of.
 3. **Compute drifts**: the profile's compute is recalibrated to the side-by-side run without
    communication (:func:`scaled`).
-
-The optimizer step:
-
-docs/design.md §2.5 (overlap mode) charges tensor p's update only as a delay of its
-availability, ``avail_p = finish_p + update_p``: when p's block finished long before the
-forward reaches p, the update costs nothing. The runtime does not work that way
-(``USBYTE_TRACE`` shows it): the update runs on the training thread, inside the forward
-pre-hook of the module that needs p, and that hook also updates every other pending tensor
-whose blocks have finished by then (one optimizer call instead of several). So the forward
-pays for every update, at the gate where it happens. On loopback, where all blocks are done
-before backward ends, the first gate of the forward applied the whole step (51 ms for
-``cnn``, 8% of the iteration) and the prediction missed exactly that.
-
-:func:`refined_overlap` replays the forward with that rule: walking tensors in ``need`` order,
-the forward reaches p at ``max(t_prev + (need_p - need_prev), finish_p)`` if p is still
-pending, then spends the update time of p and of every pending tensor finished by then.
 
 Example (two tensors; the output-side block finishes early, the input-side one at 8 ms)::
 
@@ -59,18 +44,17 @@ from collections.abc import Sequence
 from ..formats import Block, CommSpec, Mode, Profile
 from ..planning.cost import bandwidth_through
 from ..planning.fastsim import charged
-from ..planning.problem import Layout, Problem
+from ..planning.problem import Layout, Problem, UpdateRule
 from ..planning.simulate import simulate_blocks
 
 
 def fit_absolute(samples: Sequence[tuple[int, float]], alpha_ms: float | None = None) -> tuple[float, float]:
     """``(alpha_ms, algbw_gbs)`` by least squares on *absolute* residuals (alpha >= 0).
 
-    The profiler fits relative residuals, so that alpha is right for small messages; on a
-    loaded 2-core machine one slow 4 KB sample (2.5 ms instead of 0.6) then pulls the line
-    off the large blocks that make up the iteration (25.9 MB/s fitted where 4.6 MB took
-    195 ms, 23.4 MB/s). For predicting an iteration, the milliseconds of the big blocks are
-    what counts, and absolute residuals weigh them.
+    The profiler fits relative residuals, so that alpha is right for small messages; under
+    load a single slow small sample then pulls that line off the large blocks that make up
+    the iteration. For predicting an iteration, the milliseconds of the big blocks are what
+    counts, and absolute residuals weigh them.
 
     Example::
 
@@ -128,11 +112,9 @@ def scaled(profile: Profile, factor: float) -> Profile:
 
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:
     """``comm`` with its bandwidth fitted (:func:`fit_absolute`) to per-block samples taken
-    under compute (:func:`comm_under_compute`), alpha kept from the profile (chained calls on
-    the runtime's channel, idle). Measured alternatives did worse in the lab: a free intercept
-    through the probe's large blocks came out at 5 ms where traced blocks paid 2 ms, and chains
-    of 4 KiB blocks under compute cost 1.7 ms each where the traced small blocks of ``usbyte``
-    paid 2-5 ms; with the profile's 2.9 ms every strategy of ``lab-vgg`` at 200 Mbit/s came within 6%.
+    under compute (:func:`usbyte_opt.profiler.probe.comm_under_compute`), alpha kept from the
+    profile (chained calls on the runtime's channel, idle): the alternatives measured in the
+    lab (a free intercept, the latency of small blocks under compute) predicted worse.
 
     Example::
 
@@ -146,45 +128,12 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpe
 
 
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:
-    """Iteration time in overlap mode with the runtime's update rule (see the module docstring),
-    on the problem charged for what ``blocks`` cost its compute (:func:`usbyte_opt.planning.fastsim.charged`,
-    as the planner scores them)."""
-    problem = charged(problem, layout, blocks, Mode.OVERLAP)
-    tl = simulate_blocks(problem, layout, blocks, Mode.OVERLAP)
-    fin_blocks = [b.finish_ms for b in tl.blocks]
-    finish = [0.0] * problem.n
-    index = problem.index
-    for b, f in zip(tl.blocks, fin_blocks):
-        for name in b.tensors:
-            i = index[name]
-            finish[i] = max(finish[i], f)
-    upd, need = problem.update, problem.need
-    order = problem.need_order()
-    pending = set(range(problem.n))
-    by_finish = sorted(range(problem.n), key=lambda i: finish[i])
-    ptr = 0
-    t = None
-    prev_need = 0.0
-    for i in order:
-        reach = problem.B + need[i] if t is None else t + (need[i] - prev_need)
-        t = reach
-        if i in pending:
-            t = max(reach, finish[i])
-            cost = 0.0
-            while ptr < len(by_finish) and finish[by_finish[ptr]] <= t:
-                j = by_finish[ptr]
-                ptr += 1
-                if j in pending:
-                    pending.discard(j)
-                    cost += upd[j]
-            if i in pending:  # finished exactly at t but ordered after: update it too
-                pending.discard(i)
-                cost += upd[i]
-            t += cost
-        prev_need = need[i]
-    fwd_end = t + problem.F - prev_need if t is not None else problem.B + problem.F
-    last = max(fin_blocks) if fin_blocks else 0.0
-    return max(fwd_end, last)
+    """Iteration time of ``blocks`` in overlap mode under the runtime's update rule
+    (:class:`~usbyte_opt.planning.problem.UpdateRule` ``GATE``, see the module docstring),
+    on the problem charged for what they cost its compute as the one scorer charges them
+    (:func:`usbyte_opt.planning.fastsim.charged`)."""
+    gated = charged(problem.with_update_rule(UpdateRule.GATE), layout, blocks, Mode.OVERLAP)
+    return simulate_blocks(gated, layout, blocks, Mode.OVERLAP).iteration_ms
 
 
 __all__ = ["fit_absolute", "loaded_comm", "refined_overlap", "scaled"]

@@ -2,7 +2,11 @@
 
 Notation (docs/design.md §2.5, and :mod:`usbyte_opt.planning.fastsim` for the closed form): tensor p has
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
-``q_p = update_p + F - need_p``. For every schedule in overlap mode without the compute-cost
+``q_p = update_p + F - need_p``. ``alpha`` and ``beta`` are the cost model's linear bound
+(:meth:`usbyte_opt.planning.cost.CostModel.linear_bound`): a block costs *at least*
+``alpha`` plus its bytes times ``beta``, which is all claims 1 and 2 use, so they hold for any
+cost model; claim 3 needs the cost to be that line (:attr:`~usbyte_opt.planning.cost.CostModel.is_linear`)
+and is left out otherwise. For every schedule in overlap mode without the compute-cost
 option,
 
     T = max(B + F, finish_last, max_p (finish of the last block covering p) + q_p).
@@ -13,8 +17,8 @@ option,
                     min_{p in S} r_p + 2 alpha + min_{p in S} q_p ).
 
 *Proof.* Every byte of S travels in some block, a block touching p starts no earlier than
-r_p, the channel runs one block at a time, and each block costs alpha plus its bytes times
-beta. Let k be the last block (in issue order) carrying bytes of S, and p a tensor of S in k,
+r_p, the channel runs one block at a time, and each block costs at least alpha plus its bytes
+times beta. Let k be the last block (in issue order) carrying bytes of S, and p a tensor of S in k,
 so ``T >= finish(k) + q_p >= finish(k) + min_S q``.
 (i) If one block carries all of S, it touches every p in S: it starts at or after
 ``max_S r``, costs at least ``alpha + W_S``, and its finish plus the tail of *each* p in S
@@ -45,6 +49,8 @@ than overlap mode without the option (``max(B, L) + sum(update) + F`` is at leas
 ``L`` and every ``finish_k + q_k``), and the option only lengthens compute
 (:mod:`usbyte_opt.planning.fastsim`: ready times, tails and ``B + F`` grow, and T is nondecreasing in
 each), so claims 1 and 2, taken without the option, hold for every schedule in both modes.
+They also hold under the update rule ``GATE`` (:class:`~usbyte_opt.planning.problem.UpdateRule`),
+which is never faster than the default: it pays each update after its tensor's last block.
 
 **Claim 3 (compute cost).** With the option, block k costs the training thread
 ``c_k = cpu_ms_per_block + cpu_ms_per_mb * MB_k`` over its wire time ``d_k = alpha +
@@ -102,8 +108,8 @@ def lower_bound(problem: Problem) -> float:
     r = np.asarray(problem.ready, dtype=float)
     q = np.asarray([u + problem.F - nd for u, nd in zip(problem.update, problem.need)], dtype=float)
     w = np.asarray([problem.nbytes(i) for i in range(problem.n)], dtype=float)
-    w *= problem.cost.beta_ms_per_byte
-    alpha = problem.cost.alpha_ms
+    alpha, beta = problem.cost.linear_bound()
+    w *= beta
     best = problem.B + problem.F
 
     best = max(best, _set_bound(r, q, w, alpha))
@@ -147,10 +153,11 @@ def _set_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,
 
 
 def _compute_cost_bound(problem: Problem) -> float:
-    """Claim 3 (``-inf`` without the compute-cost option)."""
-    if not problem.charges_cpu:
+    """Claim 3 (``-inf`` without the compute-cost option, or with a cost model that is not a
+    line: the proof takes each block's wire time as exactly ``alpha + bytes * beta``)."""
+    if not problem.charges_cpu or not problem.cost.is_linear:
         return -np.inf
-    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    alpha, beta = problem.cost.linear_bound()
     total = float(problem.total_bytes)
     W = alpha + beta * total
     whole = problem.block_cpu_ms(total) / W if W > 0 else np.inf

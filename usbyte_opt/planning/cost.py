@@ -1,4 +1,6 @@
-"""All-reduce cost model: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)`` (docs/design.md §2.2).
+"""All-reduce cost models: the :class:`CostModel` interface that planning asks for costs, and
+its linear implementation :class:`LinearCost`, ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``
+(docs/design.md §2.2), which every profile gets today (:func:`cost_model`).
 
 ``algbw`` is the nccl-tests "algorithm bandwidth" (bytes of the buffer over time), so one
 number covers any world size once measured there. To move a profile to another cluster,
@@ -17,19 +19,57 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
 
 from ..errors import UsbyteError
 from ..formats import CommSpec
 
 
+class CostModel(Protocol):
+    """What planning asks of an all-reduce cost model: the milliseconds of one collective.
+
+    Strategies, the scorer and the bounds ask the problem's model (``Problem.cost``) and
+    nothing else, so a model other than a line (piecewise linear from the profile's samples,
+    per-link hierarchical) fits in by implementing these three methods. An algorithm whose
+    proof or rule needs a line (the lower bound, best's alpha-aware rule, US-Byte's unit
+    rule, the dynamic programmes over runs) says so and reads :meth:`linear_bound`; with a
+    model that is not a line (:attr:`is_linear` false) it still returns a valid plan, and its
+    candidates are scored by :meth:`allreduce_ms` through the one scorer.
+    """
+
+    @property
+    def is_linear(self) -> bool:
+        """Whether :meth:`allreduce_ms` is exactly the line of :meth:`linear_bound`."""
+        ...
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        """Milliseconds of one all-reduce of ``nbytes``."""
+        ...
+
+    def allreduce_ms_array(self, nbytes: np.ndarray) -> np.ndarray:
+        """:meth:`allreduce_ms` of every entry of ``nbytes`` (the scorer's vectorised form)."""
+        ...
+
+    def linear_bound(self) -> tuple[float, float]:
+        """``(alpha_ms, beta_ms_per_byte)`` of a line at or below :meth:`allreduce_ms` at
+        every size, ``alpha + beta * nbytes <= allreduce_ms(nbytes)``, as tight as the model
+        allows: what the lower bound may charge per block and per byte."""
+        ...
+
+
 @dataclass(frozen=True, slots=True)
-class CostModel:
-    """Linear all-reduce cost of one collective of ``nbytes``.
+class LinearCost:
+    """The linear :class:`CostModel`: ``alpha_ms + nbytes / (algbw_gbs * 1e6)``.
 
     Example::
 
-        >>> CostModel(alpha_ms=0.5, algbw_gbs=2.0)(4_000_000)   # 0.5 + 4e6 / 2e6
+        >>> c = LinearCost(alpha_ms=0.5, algbw_gbs=2.0)
+        >>> c.allreduce_ms(4_000_000)   # 0.5 + 4e6 / 2e6
         2.5
+        >>> c.linear_bound(), c.is_linear
+        ((0.5, 5e-07), True)
     """
 
     alpha_ms: float
@@ -39,12 +79,28 @@ class CostModel:
     def beta_ms_per_byte(self) -> float:
         return 1.0 / (self.algbw_gbs * 1e6)
 
-    def __call__(self, nbytes: float) -> float:
+    @property
+    def is_linear(self) -> bool:
+        return True
+
+    def allreduce_ms(self, nbytes: float) -> float:
         return self.alpha_ms + nbytes / (self.algbw_gbs * 1e6)
 
+    def allreduce_ms_array(self, nbytes: np.ndarray) -> np.ndarray:
+        return self.alpha_ms + nbytes * self.beta_ms_per_byte
+
+    def linear_bound(self) -> tuple[float, float]:
+        return self.alpha_ms, self.beta_ms_per_byte
+
     @classmethod
-    def from_comm(cls, comm: CommSpec) -> CostModel:
+    def from_comm(cls, comm: CommSpec) -> LinearCost:
         return cls(comm.alpha_ms, comm.algbw_gbs)
+
+
+def cost_model(comm: CommSpec) -> CostModel:
+    """The cost model of a profile's ``comm``: :class:`LinearCost` (its ``alpha_ms`` and
+    ``algbw_gbs``)."""
+    return LinearCost.from_comm(comm)
 
 
 def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
@@ -74,7 +130,6 @@ def fit_samples(samples: Sequence[tuple[int, float]]) -> tuple[float, float]:
         >>> bw < 10 * (16 << 20) / 3.0 / 1e6
         True
     """
-    import numpy as np
     from scipy.optimize import least_squares
 
     if len(samples) < 2:

@@ -19,7 +19,10 @@ MILP (reads top to bottom):
    (e) ``f_k = s_k + sum_c cost_c x[k, c]``;
    (f) ``T >= f_k + sum_c tail_c x[k, c]`` and ``T >= B + F`` (the closed form of
        :mod:`usbyte_opt.planning.fastsim`).
-No big-M is needed: with one block per slot every term is linear in ``x``.
+No big-M is needed: with one block per slot every term is linear in ``x``. Each candidate's
+cost is a constant read from the problem's cost model (``cost_c = allreduce_ms(bytes_c)``),
+so the MILP is exact for any :class:`~usbyte_opt.planning.cost.CostModel`, linear or not; it
+models overlap mode under the default update rule, without the compute-cost option.
 
 Example::
 
@@ -77,7 +80,7 @@ def _candidates(grids: list[list[int]]) -> list[tuple[Block, tuple[int, int, int
 def solve_exact(problem: Problem, layout: Layout, units_per_tensor: int = 1,
                 time_limit_s: float = 30.0) -> ExactResult | None:
     """Optimal overlap-mode schedule on the unit grid, by MILP (pulp + CBC, :func:`cbc`),
-    without the compute-cost option.
+    under the default update rule and without the compute-cost option.
 
     Returns ``None`` when the solver found no feasible plan within the time limit, or when
     no CBC is installed.

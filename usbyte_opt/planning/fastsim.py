@@ -37,6 +37,17 @@ tensors in need order, forward reaches the i-th at ``t_i = need_i + M_i``,
 ``M_i = max(B, max_{j<=i} (avail_j - need_j))``; it computes during
 ``[need_i + M_i, need_{i+1} + M_i]`` and waits from there to ``t_{i+1}``.
 
+**Updates at the gates (an option of the iteration model, off by default).** With the
+problem's :class:`~usbyte_opt.planning.problem.UpdateRule` ``GATE``, overlap mode runs each
+update on the training thread at the first forward gate that finds its blocks finished (or
+at its own gate), as the runtime does, instead of as a delay of its availability: walking
+the tensors in need order, the forward reaches p at ``t_prev + (need_p - need_prev)``, waits
+there for p's last block if p's update is still pending, then spends the update time of p
+and of every pending tensor finished by then (:meth:`Scorer.score` walks it in O(n) Python,
+so it costs more than the closed form). It is never faster than the default (each update is
+paid after its tensor's last block, and the forward never reaches a gate earlier), so the
+lower bound holds for it; the compute charge is the default rule's.
+
 Example::
 
     >>> stats = [(2.0, 2.0, 1.0), (6.0, 2.0, 4.0)]   # (ready, cost, tail) per block
@@ -52,7 +63,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Block, Mode
-from .problem import Layout, Problem
+from .problem import Layout, Problem, UpdateRule
 
 BlockStat = tuple[float, float, float]
 """``(ready_ms, cost_ms, tail_ms)`` of one block."""
@@ -165,11 +176,12 @@ class Scorer:
 
     def __init__(self, problem: Problem, layout: Layout):
         self.problem, self.layout = problem, layout
-        self.alpha = problem.cost.alpha_ms
-        self.beta = problem.cost.beta_ms_per_byte
+        self.cost = problem.cost
         self.B, self.F = problem.B, problem.F
         self.total_update = float(sum(problem.update))
         self.charges = problem.charges_cpu
+        #: Whether overlap mode runs the updates at the forward's gates (:class:`UpdateRule`).
+        self.gated = problem.update_rule == UpdateRule.GATE
         #: Tensor index at each layout position (buffers one after the other).
         self.member = np.fromiter((i for m in layout.members for i in m), dtype=np.int64,
                                   count=sum(len(m) for m in layout.members))
@@ -184,17 +196,17 @@ class Scorer:
         tail = np.asarray(tails(problem), dtype=float)
         self._rmax = _RangeMax(ready[self.member])
         self._qmax = _RangeMax(tail[self.member])
-        if self.charges:
-            self.cpb, self.cpm = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
-            need = np.asarray(problem.need, dtype=float)
-            upd = np.asarray(problem.update, dtype=float)
-            # Layout positions in the forward's need order (ties as Problem.need_order).
-            pos_of = np.empty(problem.n, dtype=np.int64)
-            pos_of[self.member] = np.arange(len(self.member))
-            order = np.asarray(problem.need_order(), dtype=np.int64)
-            self._need_pos = pos_of[order]
-            self._need_sorted = need[order]
-            self._upd_layout = upd[self.member]
+        self.cpb, self.cpm = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
+        self._need = np.asarray(problem.need, dtype=float)
+        self._upd = np.asarray(problem.update, dtype=float)
+        # Layout positions in the forward's need order (ties as Problem.need_order).
+        pos_of = np.empty(problem.n, dtype=np.int64)
+        pos_of[self.member] = np.arange(len(self.member))
+        self._order = problem.need_order()
+        order = np.asarray(self._order, dtype=np.int64)
+        self._need_pos = pos_of[order]
+        self._need_sorted = self._need[order]
+        self._upd_layout = self._upd[self.member]
 
     # ----------------------------------------------------------------------------------------
 
@@ -213,7 +225,7 @@ class Scorer:
         lo = np.searchsorted(self.gstart, gs, side="right") - 1
         hi = np.searchsorted(self.gstart, ge, side="left")
         nbytes = (end - start) * self.itemsize[buf]
-        C = self.alpha + nbytes * self.beta
+        C = self.cost.allreduce_ms_array(nbytes)
         return Stats(self._rmax(lo, hi), C, self._qmax(lo, hi), nbytes, lo, hi, gs)
 
     # ----------------------------------------------------------------------------------------
@@ -229,11 +241,13 @@ class Scorer:
         if len(st) == 0:
             return self.B + self.F + (self.total_update if mode == Mode.FENCE else 0.0)
         fin = self.finishes(st.R, st.C)
-        if not self.charges:
-            return self._closed(fin, st.Q, mode, 1.0, 1.0)
-        sb, sf = self.stretch(st, fin, mode)
-        if sb != 1.0:
-            fin = self.finishes(st.R * sb, st.C)
+        sb = sf = 1.0
+        if self.charges:
+            sb, sf = self.stretch(st, fin, mode)
+            if sb != 1.0:
+                fin = self.finishes(st.R * sb, st.C)
+        if self.gated and mode == Mode.OVERLAP:
+            return self._gated(st, fin, sb, sf)
         return self._closed(fin, st.Q, mode, sb, sf)
 
     def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: Mode, sb: float, sf: float) -> float:
@@ -246,6 +260,49 @@ class Scorer:
             B = self.B * sb
             return (B if B > last else last) + self.total_update + self.F
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+
+    def _gated(self, st: Stats, fin: np.ndarray, sb: float, sf: float) -> float:
+        """Overlap-mode time with the updates at the forward's gates (:class:`UpdateRule`
+        ``GATE``): walking the tensors in need order, the forward reaches p at ``t_prev +
+        (need_p - need_prev)``; if p's update is still pending it waits for p's last block,
+        then applies the update of p and of every pending tensor whose blocks have finished.
+        Backward's times are stretched by ``sb``, forward's by ``sf`` (the compute charge)."""
+        n = self.problem.n
+        fin_t = np.empty(n)
+        fin_t[self.member] = self.last_finish(st, fin)
+        finish = fin_t.tolist()
+        by_finish = np.argsort(fin_t, kind="stable").tolist()
+        need = (self._need * sf).tolist() if sf != 1.0 else self._need.tolist()
+        upd = (self._upd * sf).tolist() if sf != 1.0 else self._upd.tolist()
+        B, F = self.B * sb, self.F * sf
+        pending = [True] * n
+        ptr = 0
+        t = -1.0
+        prev_need = 0.0
+        first = True
+        for i in self._order:
+            if first:
+                t, first = B + need[i], False
+            else:
+                t += need[i] - prev_need
+            if pending[i]:
+                if finish[i] > t:
+                    t = finish[i]
+                paid = 0.0
+                while ptr < n and finish[by_finish[ptr]] <= t:
+                    j = by_finish[ptr]
+                    ptr += 1
+                    if pending[j]:
+                        pending[j] = False
+                        paid += upd[j]
+                if pending[i]:
+                    pending[i] = False
+                    paid += upd[i]
+                t += paid
+            prev_need = need[i]
+        end = t + F - prev_need
+        last = float(fin[-1])
+        return end if end > last else last
 
     def stretch(self, st: Stats, fin: np.ndarray | None = None,
                 mode: Mode = Mode.OVERLAP) -> tuple[float, float]:
@@ -266,10 +323,9 @@ class Scorer:
         fwd = done[len(fin):] - done[:len(fin)]
         return sb, 1.0 + float(rate @ fwd) / F
 
-    def forward_progress(self, st: Stats, fin: np.ndarray, at: np.ndarray) -> np.ndarray:
-        """Forward compute done by each wall time in ``at`` (overlap mode, no charge)."""
-        # Finish of the last block covering each layout position: the blocks in element order,
-        # a position's blocks are a contiguous run of them.
+    def last_finish(self, st: Stats, fin: np.ndarray) -> np.ndarray:
+        """Finish of the last block covering each layout position (the blocks in element
+        order: a position's blocks are a contiguous run of them)."""
         by_pos = np.argsort(st.gs, kind="stable")
         gsort = st.gs[by_pos]
         fsort = np.append(fin[by_pos], -np.inf)
@@ -277,8 +333,12 @@ class Scorer:
         b = np.searchsorted(gsort, self.gend, side="left")
         idx = np.empty(2 * len(a), dtype=np.int64)
         idx[0::2], idx[1::2] = a, b
-        last = np.maximum.reduceat(fsort, idx)[0::2]
-        avail = (last + self._upd_layout)[self._need_pos]
+        return np.maximum.reduceat(fsort, idx)[0::2]
+
+    def forward_progress(self, st: Stats, fin: np.ndarray, at: np.ndarray) -> np.ndarray:
+        """Forward compute done by each wall time in ``at`` (overlap mode, updates as
+        availability delays, no charge)."""
+        avail = (self.last_finish(st, fin) + self._upd_layout)[self._need_pos]
         need = self._need_sorted
         M = np.maximum.accumulate(np.maximum(avail - need, self.B))
         M = np.concatenate([[self.B], M])                  # M_0 = B before the first gate
@@ -309,7 +369,8 @@ def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
     out = []
     for k in blocks:
         idx = layout.tensors_of(k.buffer, k.start, k.end)
-        out.append((max(ready[i] for i in idx), cost((k.end - k.start) * layout.itemsize[k.buffer]),
+        out.append((max(ready[i] for i in idx),
+                    cost.allreduce_ms((k.end - k.start) * layout.itemsize[k.buffer]),
                     max(tail[i] for i in idx)))
     return out
 

@@ -30,11 +30,10 @@ from typing import Any
 from ..errors import UsbyteError
 from ..formats import Mode, Profile, Schedule
 from .bounds import lower_bound
-from .cost import CostModel, retarget
+from .cost import retarget
 from .fastsim import scorer_for
-from .problem import Problem
-from .strategies import Plan, load_builtin
-from .strategies.ddp_tuned import NotApplicable
+from .problem import Problem, UpdateRule
+from .strategies import NotApplicable, Plan, load_builtin
 
 #: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
 #: lower bound, named ``"lower bound"``) runs and ``("done", name, seconds)`` after it.
@@ -117,14 +116,18 @@ def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: 
 
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
-            progress: Progress | None = None) -> Report:
+            progress: Progress | None = None,
+            update_rule: UpdateRule = UpdateRule.AVAIL) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
     predicted slower than any of them (DDP included), whatever the profile's compute-cost
     fields. ``options`` maps a strategy name to keyword arguments of its plan; ``progress``
-    is told when each strategy starts and ends (:data:`Progress`). A strategy that has no
-    plan for the profile (:class:`~usbyte_opt.planning.strategies.ddp_tuned.NotApplicable`) is left out
+    is told when each strategy starts and ends (:data:`Progress`). ``update_rule``: where
+    the iteration model puts the optimizer updates (:class:`~usbyte_opt.planning.problem.UpdateRule`);
+    every plan is scored and chosen under it, and ``GATE`` plans for the runtime's optimizer
+    step on the training thread, as the bench's refined prediction scores it. A strategy that has no
+    plan for the profile (:class:`~usbyte_opt.planning.strategies.NotApplicable`) is left out
     of ``results`` and named in ``skipped``.
     """
     registry = load_builtin()
@@ -133,7 +136,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         if n not in registry:
             raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)}")
     say = progress or (lambda event, name, seconds: None)
-    problem = Problem.from_profile(profile, CostModel.from_comm(profile.comm))
+    problem = Problem.from_profile(profile, update_rule=update_rule)
     say("start", "lower bound", 0.0)
     t0 = time.perf_counter()
     report = Report(problem, lower_bound(problem))

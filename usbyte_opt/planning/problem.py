@@ -19,13 +19,39 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from ..formats import Block, Buffer, Mode, Profile, Schedule, check_against
-from .cost import CostModel
+from .cost import CostModel, cost_model
+
+
+class UpdateRule(str, Enum):
+    """Where the iteration model puts each tensor's optimizer update in overlap mode (fence
+    mode runs the whole step on the training thread before the forward under both).
+
+    ``AVAIL`` (the default, docs/design.md §2.5): the update delays its tensor's availability,
+    ``avail_p = finish_p + update_p``, and costs nothing once the forward reaches p later.
+    ``GATE``: as the runtime runs it, on the training thread in the forward pre-hook that
+    first needs the tensor, together with every other pending tensor whose blocks have
+    finished by then; the forward pays for every update at the gate where it runs. Under
+    both, the compute cost of communication is read off the ``AVAIL`` timeline.
+
+    Example::
+
+        >>> UpdateRule("gate") is UpdateRule.GATE, str(UpdateRule.AVAIL)
+        (True, 'avail')
+    """
+
+    AVAIL = "avail"
+    GATE = "gate"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 @dataclass(slots=True)
@@ -55,7 +81,8 @@ class Layout:
 
 @dataclass(slots=True)
 class Problem:
-    """The planner's view of a profile: arrays indexed by tensor, and the cost model."""
+    """The planner's view of a profile: arrays indexed by tensor, the cost model and the
+    iteration model's update rule."""
 
     profile: Profile
     cost: CostModel
@@ -75,17 +102,22 @@ class Problem:
     """Training-thread time per MB all-reduced (the profile's ``comm.cpu_ms_per_mb``)."""
     total_bytes: int = 0
     """Bytes of all gradients (one iteration's all-reduce)."""
+    update_rule: UpdateRule = UpdateRule.AVAIL
+    """Where overlap mode puts the optimizer updates (:class:`UpdateRule`)."""
     _ready_order: list[int] | None = None
     _need_order: list[int] | None = None
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
     """Derived data computed once per problem (the default layout, scorers)."""
 
     @classmethod
-    def from_profile(cls, profile: Profile, cost: CostModel | None = None) -> Problem:
+    def from_profile(cls, profile: Profile, cost: CostModel | None = None,
+                     update_rule: UpdateRule = UpdateRule.AVAIL) -> Problem:
+        """Compile ``profile``; ``cost`` defaults to the model of its ``comm``
+        (:func:`usbyte_opt.planning.cost.cost_model`)."""
         ts = profile.tensors
         return cls(
             profile=profile,
-            cost=cost or CostModel.from_comm(profile.comm),
+            cost=cost if cost is not None else cost_model(profile.comm),
             names=[t.name for t in ts],
             ready=[t.ready_ms for t in ts],
             need=[t.need_ms for t in ts],
@@ -99,7 +131,13 @@ class Problem:
             cpu_ms_per_block=profile.comm.cpu_ms_per_block,
             cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
             total_bytes=sum(t.nbytes for t in ts),
+            update_rule=UpdateRule(update_rule),
         )
+
+    def with_update_rule(self, rule: UpdateRule) -> Problem:
+        """This problem under another :class:`UpdateRule` (same arrays, a fresh cache)."""
+        return dataclasses.replace(self, update_rule=UpdateRule(rule), cache={},
+                                   _ready_order=None, _need_order=None)
 
     @property
     def charges_cpu(self) -> bool:
@@ -128,7 +166,8 @@ class Problem:
         return Problem(self.profile, self.cost, self.names, [r * backward for r in self.ready],
                        [x * forward for x in self.need], [u * forward for u in self.update],
                        self.numel, self.itemsize, self.dtype, self.index, self.B * backward,
-                       self.F * forward, total_bytes=self.total_bytes)
+                       self.F * forward, total_bytes=self.total_bytes,
+                       update_rule=self.update_rule)
 
     @property
     def n(self) -> int:

@@ -9,6 +9,10 @@ Time origin is the start of backward; milliseconds and bytes.
   tensors in ``need`` order, forward reaches the first at ``max(B + need_first, avail_first)``
   and each next at ``t_p = max(t_prev + (need_p - need_prev), avail_p)``; forward ends at
   ``t_last + F - need_last``. ``T = max(forward end, finish(last block))``.
+  With the problem's update rule ``GATE`` (:class:`~usbyte_opt.planning.problem.UpdateRule`,
+  the runtime's), the updates run at the gates instead: forward reaches p at
+  ``t_prev + (need_p - need_prev)``; if p's update is pending it waits for p's last block, then
+  applies the update of p and of every pending tensor whose blocks have finished by then.
 * Fence mode (DDP, Horovod, WFBP, MG-WFBP): ``T = max(B, finish(last)) + sum(update) + F``.
 * Compute cost of communication (an option, on when the profile's ``comm`` carries
   ``cpu_ms_per_block`` / ``cpu_ms_per_mb``; see docs/planner.md), one rule in both modes: a
@@ -16,7 +20,8 @@ Time origin is the start of backward; milliseconds and bytes.
   wire, and the thread pays the part that overlaps its own compute (backward, and in overlap
   mode the forward's compute between its waits); waiting costs nothing. The timeline without
   the charge gives what each phase paid; backward's and forward's times are lengthened by it
-  (:meth:`Problem.stretched`) and the iteration is simulated again. This module reads the
+  (:meth:`Problem.stretched`) and the iteration is simulated again. The charge is read off
+  the timeline of the default update rule under both rules. This module reads the
   overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.planning.fastsim` computes
   the same in closed form (tests check they agree).
 
@@ -51,7 +56,7 @@ from typing import Any
 
 from ..errors import MismatchError
 from ..formats import Block, Mode, Profile, Schedule, check_against
-from .problem import Layout, Problem
+from .problem import Layout, Problem, UpdateRule
 
 MODES = tuple(Mode)
 
@@ -78,6 +83,9 @@ class ForwardGate:
     avail_ms: float
     reach_ms: float
     wait_ms: float
+    update_ms: float = 0.0
+    """Optimizer time spent at this gate, after the wait (update rule ``GATE``; the forward
+    continues at ``reach_ms``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,13 +120,14 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     ``meta["cpu_charge_ms"]`` holds what backward and forward paid."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
-    tl = _walk(problem, layout, blocks, mode)
+    gated = problem.update_rule == UpdateRule.GATE and mode == Mode.OVERLAP
+    tl = _walk(problem, layout, blocks, mode, gated and not problem.charges_cpu)
     if not problem.charges_cpu:
         return tl
     xb, xf = compute_charge(problem, tl)
     sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
     sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
-    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode)
+    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode, gated)
     charge = {"backward": xb, "forward": xf}
     return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": charge})
 
@@ -133,9 +142,11 @@ def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
         return out
     t = timeline.forward_start_ms
     for g in timeline.forward:
-        arrive = g.reach_ms - g.wait_ms
+        arrive = g.reach_ms - g.update_ms - g.wait_ms
         if arrive > t:
             out.append((t, arrive))
+        if g.update_ms > 0:
+            out.append((g.reach_ms - g.update_ms, g.reach_ms))
         t = g.reach_ms
     if timeline.forward_end_ms > t:
         out.append((t, timeline.forward_end_ms))
@@ -168,8 +179,10 @@ def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
     return xb, (xf if timeline.mode == Mode.OVERLAP else 0.0)
 
 
-def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode) -> Timeline:
-    """The step-by-step timeline of the module docstring, without the compute-cost option."""
+def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
+          gated: bool = False) -> Timeline:
+    """The step-by-step timeline of the module docstring, without the compute-cost option;
+    ``gated``: overlap mode with the updates at the gates."""
     cost, ready, names = problem.cost, problem.ready, problem.names
     n = problem.n
     last = [-1.0] * n
@@ -181,7 +194,7 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode)
         r = max(ready[i] for i in idx)
         nbytes = (blk.end - blk.start) * layout.itemsize[blk.buffer]
         start = r if r > prev else prev
-        dur = cost(nbytes)
+        dur = cost.allreduce_ms(nbytes)
         fin = start + dur
         busy += dur
         for i in idx:
@@ -194,8 +207,11 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode)
         raise MismatchError(f"tensor {missing!r} is covered by no block")
     B, F = problem.B, problem.F
     upd = problem.update
-    gates = []
-    if mode == Mode.OVERLAP:
+    gates: list[ForwardGate] = []
+    if gated:
+        fwd_start, fwd_end = B, _gated_forward(problem, last, gates)
+        total_upd = 0.0
+    elif mode == Mode.OVERLAP:
         t = None
         prev_need = 0.0
         for i in problem.need_order():
@@ -216,6 +232,37 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode)
                                      fwd_start + problem.need[i], 0.0))
     T = max(fwd_end, prev)
     return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates), total_upd)
+
+
+def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[ForwardGate]) -> float:
+    """The forward of overlap mode with the updates at the gates (update rule ``GATE``), from
+    each tensor's last finish; appends a gate per tensor and returns the forward's end."""
+    upd, need, names = problem.update, problem.need, problem.names
+    pending = set(range(problem.n))
+    by_finish = sorted(range(problem.n), key=lambda i: finish[i])
+    ptr = 0
+    t = None
+    prev_need = 0.0
+    for i in problem.need_order():
+        reach = problem.B + need[i] if t is None else t + (need[i] - prev_need)
+        t = reach
+        paid = 0.0
+        if i in pending:
+            t = max(reach, finish[i])
+            while ptr < len(by_finish) and finish[by_finish[ptr]] <= t:
+                j = by_finish[ptr]
+                ptr += 1
+                if j in pending:
+                    pending.discard(j)
+                    paid += upd[j]
+            if i in pending:  # finished exactly at t but ordered after: update it too
+                pending.discard(i)
+                paid += upd[i]
+        wait = t - reach
+        t += paid
+        gates.append(ForwardGate(names[i], need[i], finish[i], t, wait, paid))
+        prev_need = need[i]
+    return t + problem.F - prev_need if t is not None else problem.B + problem.F
 
 
 def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | None = None,

@@ -1,7 +1,8 @@
 """Strategy registry: every strategy is ``plan(problem, **options) -> Plan``.
 
 A strategy module registers itself with :func:`register`; :data:`STRATEGIES` maps names to
-:class:`Strategy` entries in the order they are reported. All strategies emit blocks in the
+:class:`Strategy` entries in the order they are reported. A strategy that has no plan for a
+profile raises :class:`NotApplicable`. All strategies emit blocks in the
 same language, and every candidate they weigh is scored by the one scorer
 (:class:`usbyte_opt.planning.fastsim.Scorer`, equal to the simulator of :mod:`usbyte_opt.planning.simulate`).
 """
@@ -13,8 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ...errors import UsbyteError
 from ...formats import Block, Mode
 from ..problem import Layout
+
+
+class NotApplicable(UsbyteError):
+    """The profile has no plan of this strategy (e.g. ``ddp-tuned`` on several dtypes); the
+    planner leaves the strategy out and names it with this message."""
 
 
 @dataclass(slots=True)
@@ -25,8 +32,8 @@ class Plan:
     blocks: list[Block]
     mode: Mode
     """The mode the schedule runs in: fence (every block, then every update, as DDP) or
-    overlap (each update gated in the next forward); the strategy's native mode, or for
-    ``best`` whichever is faster."""
+    overlap (each update gated in the next forward); each strategy's own (docs/design.md
+    §3.1), or for ``best`` whichever is faster."""
     info: dict[str, Any] = field(default_factory=dict)
     """Tuned knobs and anything worth reporting (e.g. ``{"partition": 4_000_000}``)."""
 
@@ -41,8 +48,6 @@ PlanFn = Callable[..., Plan]
 class Strategy:
     name: str
     plan: PlanFn
-    native_mode: Mode
-    summary: str
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -52,11 +57,11 @@ STRATEGIES: dict[str, Strategy] = {}
 _BUILTIN = ("wfbp", "ddp", "ddp-tuned", "mgwfbp", "bytescheduler", "usbyte", "best")
 
 
-def register(name: str, native_mode: Mode, summary: str) -> Callable[[PlanFn], PlanFn]:
-    """Decorator: ``@register("wfbp", Mode.FENCE, "one block per tensor")``."""
+def register(name: str) -> Callable[[PlanFn], PlanFn]:
+    """Decorator: ``@register("wfbp")`` enters the plan function under ``name``."""
 
     def deco(fn: PlanFn) -> PlanFn:
-        STRATEGIES[name] = Strategy(name, fn, native_mode, summary)
+        STRATEGIES[name] = Strategy(name, fn)
         return fn
 
     return deco
@@ -65,8 +70,6 @@ def register(name: str, native_mode: Mode, summary: str) -> Callable[[PlanFn], P
 def get(name: str) -> Strategy:
     load_builtin()
     if name not in STRATEGIES:
-        from ...errors import UsbyteError
-
         raise UsbyteError(f"strategy {name!r}: expected one of {', '.join(STRATEGIES)}")
     return STRATEGIES[name]
 

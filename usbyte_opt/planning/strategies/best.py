@@ -28,8 +28,9 @@ cut costs more than it saves. So ``best``:
 5. **Improves** the best candidates (:data:`STARTS`) by local search in their mode
    (:func:`improve`), one after the other within the time budget: moves on the
    block that sets T, then merge / swap / split of consecutive blocks within the stretch of
-   channel that sets T (a move elsewhere cannot lower it; with the compute-cost option every
-   block counts, and the whole schedule is searched); first improvement, to a fixed point or
+   channel that sets T (a move elsewhere cannot lower it; with the compute-cost option or the
+   updates at the gates every block counts, and the whole schedule is searched); first
+   improvement, to a fixed point or
    the time budget. Each move is scored by :class:`usbyte_opt.planning.fastsim.Scorer` in O(blocks)
    numpy with ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs).
    With the compute-cost option the best candidate of the other mode is improved too.
@@ -64,15 +65,16 @@ import time
 from bisect import bisect_left
 from collections import deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from ...formats import Block, Mode
 from ..bounds import lower_bound
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
-from ..problem import Layout, Problem
-from . import STRATEGIES, Plan, register
-from .ddp_tuned import NotApplicable, min_finish
+from ..problem import Layout, Problem, UpdateRule
+from . import STRATEGIES, NotApplicable, Plan, register
+from .ddp_tuned import min_finish
 
 #: Grid of the constructive heuristic, in units of alpha/beta bytes.
 #: ``cut_min``: smallest piece a preemption may leave (inf: never cut a tensor).
@@ -99,10 +101,12 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     Each tensor is sent from its first element upward, so what is left of it is always a
     suffix ``[lo, end)``; a block may extend *down* over released whole tensors whose
     remainder ends where it starts, and *up* over released, wholly unsent neighbours.
+    The rule times blocks on the cost model's linear bound (alpha per block, beta per byte):
+    its cuts and fusions are judged on that line.
     """
     n = problem.n
     ready = problem.ready
-    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    alpha, beta = problem.cost.linear_bound()
     pos = layout.pos
     lo = [pos[i][1] for i in range(n)]
     end = [pos[i][2] for i in range(n)]
@@ -213,12 +217,14 @@ def two_phase(problem: Problem, layout: Layout, tail: Sequence[float], n_boundar
     schedule of whole tensors in ready order), then one per tried boundary ``x`` (around where
     phase 1 meets the end of backward, plus a spread), skipping a boundary whose schedule
     provably takes at least ``incumbent`` (its phase-1 blocks' finish plus tail, or phase 2's
-    start plus one alpha, its bytes and, for the last-ready tensor, its tail).
+    start plus one alpha, its bytes and, for the last-ready tensor, its tail). Both
+    programmes cost a run on the cost model's linear bound: they are optimal for a linear
+    model (every candidate is scored by the one scorer in any case).
     """
     order = problem.ready_order()
     N = len(order)
     pos = layout.pos
-    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
+    alpha, beta = problem.cost.linear_bound()
     R = [problem.ready[i] for i in order]
     Q = [tail[i] for i in order]
     Qa = np.asarray(Q)
@@ -319,8 +325,10 @@ def _critical(sc: Scorer, layout: Layout, blocks: list[Block], st: Stats, cur: f
     *Hoist*: issue it before one of the blocks that hold the channel when it becomes ready.
     *Preempt*: cut such an earlier, smaller-tail block at the moment the critical block
     becomes ready and send the rest after it — Jackson's preemption, paid with one alpha.
-    Returns the best improving move, or ``None``.
+    Returns the best improving move, or ``None``. The cut point is where the cost model's
+    linear bound puts the end of the first piece.
     """
+    alpha, beta = sc.cost.linear_bound()
     R, C, Q = st.R, st.C, st.Q
     fin = sc.finishes(R, C)
     start = fin - C
@@ -340,8 +348,8 @@ def _critical(sc: Scorer, layout: Layout, blocks: list[Block], st: Stats, cur: f
         a = blocks[k]
         if Q[k] >= Q[c] or start[k] >= R[c]:
             continue
-        per_el = sc.beta * layout.itemsize[a.buffer]
-        cut = a.start + int((R[c] - start[k] - sc.alpha) / per_el) if per_el > 0 else a.start
+        per_el = beta * layout.itemsize[a.buffer]
+        cut = a.start + int((R[c] - start[k] - alpha) / per_el) if per_el > 0 else a.start
         if not a.start < cut < a.end:
             continue
         k1, k2 = Block(a.buffer, a.start, cut), Block(a.buffer, cut, a.end)
@@ -395,14 +403,14 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
             mode: Mode = Mode.OVERLAP, scorer: Scorer | None = None) -> list[Block]:
     """Local search in ``mode``: moves on the critical block (:func:`_critical`, overlap mode),
     then a first-improvement sweep of merge / swap / split over consecutive blocks within
-    :func:`_window` (everywhere with the compute-cost option); repeated to a fixed point or
-    the deadline."""
+    :func:`_window` (everywhere with the compute-cost option or the updates at the gates,
+    where a move anywhere can change T); repeated to a fixed point or the deadline."""
     sc = scorer if scorer is not None else scorer_for(problem, layout)
     blocks = list(blocks)
     st = sc.stats(blocks)
     cur = sc.score(st, mode)
     eps = 1e-9
-    every = problem.charges_cpu
+    every = problem.charges_cpu or problem.update_rule == UpdateRule.GATE
     floor = problem.B + problem.F + (sum(problem.update) if mode == Mode.FENCE else 0.0)
     if not every and cur <= floor + eps:
         return blocks
@@ -466,8 +474,37 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     return blocks
 
 
-@register("best", Mode.OVERLAP, "ours: alpha-aware Jackson rule with fusion + local search, "
-          "seeded by every other strategy, in the faster mode")
+@dataclass(slots=True)
+class Candidate:
+    """One schedule ``best`` weighs, with its time in one mode."""
+
+    T: float
+    mode: Mode
+    origin: str
+    """Where it came from (``seed:ddp``, ``construct(cut=1,fuse=4)``, ``two-phase#3`` ...)."""
+    layout: Layout
+    blocks: list[Block]
+    fuse_cap: float | None = None
+    """The fusion cap it was constructed with (units of alpha/beta bytes; ``None``: not a
+    construction)."""
+
+
+@dataclass(slots=True)
+class _Pool:
+    """The candidates of one plan: each schedule scored in every chosen mode."""
+
+    problem: Problem
+    modes: tuple[Mode, ...]
+    items: list[Candidate] = field(default_factory=list)
+
+    def add(self, origin: str, lay: Layout, blocks: list[Block], fuse_cap: float | None = None) -> None:
+        s = scorer_for(self.problem, lay)
+        st = s.stats(blocks)
+        for mode in self.modes:
+            self.items.append(Candidate(s.score(st, mode), mode, origin, lay, list(blocks), fuse_cap))
+
+
+@register("best")
 def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: float = 0.6,
          exact_max_tensors: int = 6, lower_bound_ms: float | None = None,
          modes: Sequence[Mode | str] = MODES) -> Plan:
@@ -489,31 +526,62 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     if not modes or any(m not in MODES for m in modes):
         raise ValueError(f"modes: expected a non-empty subset of {[str(m) for m in MODES]}, "
                          f"got {[str(m) for m in modes]}")
-    chosen = tuple(Mode(m) for m in modes)
     t0 = time.perf_counter()
-    layout = problem.layout()
-    tail = tails(problem)
-    u0 = problem.cost.alpha_ms / problem.cost.beta_ms_per_byte
-    if u0 <= 0:
-        u0 = max(sum(problem.nbytes(i) for i in range(problem.n)) / (10 * problem.n), 1.0)
-    candidates: list[tuple[float, Mode, str, Layout, list[Block]]] = []
+    pool = _Pool(problem, tuple(Mode(m) for m in modes))
+    _seeded(pool, seeds)
+    _constructed(pool)
+    if problem.n <= exact_max_tensors:
+        from ..exact import solve_exact
 
-    def add(name: str, lay: Layout, blocks: list[Block]) -> None:
-        s = scorer_for(problem, lay)
-        st = s.stats(blocks)
-        for mode in chosen:
-            candidates.append((s.score(st, mode), mode, name, lay, list(blocks)))
+        res = solve_exact(problem, problem.layout(), units_per_tensor=1, time_limit_s=2.0)
+        if res is not None:
+            pool.add("exact-milp", problem.layout(), res.blocks)
+    candidates = pool.items
+    candidates.sort(key=lambda c: (c.T, c.mode != Mode.OVERLAP))
+    finals = _searched(problem, candidates, pool.modes, time_budget_s)
+    # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
+    # terms in another order).
+    T_min = min(c.T for c in finals)
+    finals.sort(key=lambda c: (c.T > T_min * (1 + 1e-12) + 1e-12, c.mode != Mode.OVERLAP, c.T))
+    win = finals[0]
+    lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
+    return Plan(win.layout, win.blocks, win.mode, {
+        "strategy": "best",
+        "origin": win.origin,
+        "start_ms": candidates[0].T,
+        "iteration_ms": win.T,
+        "lower_bound_ms": lb,
+        "gap": max(0.0, (win.T - lb) / lb) if lb > 0 else 0.0,
+        "candidates": len(candidates) // len(pool.modes),
+        "solve_s": time.perf_counter() - t0,
+    })
 
+
+def _seeded(pool: _Pool, seeds: Sequence[Plan] | None) -> None:
+    """Step 3: the plans of other strategies (without them, the cheap baselines)."""
     if seeds is None:
         seeds = []
         for name in CHEAP_SEEDS:
             if name in STRATEGIES:
                 try:
-                    seeds.append(STRATEGIES[name].plan(problem))
+                    seeds.append(STRATEGIES[name].plan(pool.problem))
                 except NotApplicable:      # e.g. ddp-tuned on several dtypes
                     pass
     for s in seeds:
-        add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
+        pool.add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
+
+
+def _constructed(pool: _Pool) -> None:
+    """Steps 1 and 2: the alpha-aware Jackson rule over the ``(cut_min, fuse_cap)`` grid, in
+    units of the bytes one alpha carries on the cost model's linear bound, then the two-phase
+    candidates."""
+    problem = pool.problem
+    layout = problem.layout()
+    tail = tails(problem)
+    alpha, beta = problem.cost.linear_bound()
+    u0 = alpha / beta
+    if u0 <= 0:
+        u0 = max(sum(problem.nbytes(i) for i in range(problem.n)) / (10 * problem.n), 1.0)
     cuts = cut_grid(problem, u0)
     if problem.n <= FULL_GRID_TENSORS:
         grid = [(c, f) for c in cuts for f in FUSE_GRID]
@@ -522,59 +590,41 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     tried = set()
     for cut, fuse in grid:
         tried.add((cut, fuse))
-        add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
-            construct(problem, layout, tail, cut * u0, fuse * u0))
+        pool.add(f"construct(cut={cut:g},fuse={fuse:g})", layout,
+                 construct(problem, layout, tail, cut * u0, fuse * u0), fuse)
     if problem.n > FULL_GRID_TENSORS:
-        best_name = min((c for c in candidates if c[2].startswith("construct")),
-                        key=lambda c: c[0])[2]
-        f_best = float(best_name.split("fuse=")[1].rstrip(")"))
+        f_best = min((c for c in pool.items if c.fuse_cap is not None), key=lambda c: c.T).fuse_cap
+        assert f_best is not None
         for cut in cuts:
             if (cut, f_best) not in tried:
-                add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
-                    construct(problem, layout, tail, cut * u0, f_best * u0))
-    incumbent = min(c[0] for c in candidates)
+                pool.add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
+                         construct(problem, layout, tail, cut * u0, f_best * u0), f_best)
+    incumbent = min(c.T for c in pool.items)
     bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
     for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
-        add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
-    if problem.n <= exact_max_tensors:
-        from ..exact import solve_exact
+        pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
 
-        res = solve_exact(problem, layout, units_per_tensor=1, time_limit_s=2.0)
-        if res is not None:
-            add("exact-milp", layout, res.blocks)
-    candidates.sort(key=lambda c: (c[0], c[1] != Mode.OVERLAP))
-    start_T, mode, origin, lay, blocks = candidates[0]
-    # The best few candidates (ties and near-ties often lead to different local optima) and,
-    # with the compute-cost option, the best of the other mode; each searched in turn.
-    starts = [c for c in candidates if c[1] == mode][:STARTS]
+
+def _searched(problem: Problem, candidates: list[Candidate], modes: tuple[Mode, ...],
+              time_budget_s: float) -> list[Candidate]:
+    """Step 5: local search from the best few candidates (``candidates`` sorted, best first;
+    ties and near-ties often lead to different local optima) and, with the compute-cost
+    option, the best of the other mode, each in turn within the time budget; every result
+    scored in every mode."""
+    mode = candidates[0].mode
+    starts = [c for c in candidates if c.mode == mode][:STARTS]
     if problem.charges_cpu:
-        other = next((c for c in candidates if c[1] != mode), None)
+        other = next((c for c in candidates if c.mode != mode), None)
         if other is not None:
             starts.insert(1, other)
     finals = []
-    t_search = time.perf_counter()
-    deadline = t_search + time_budget_s
-    for j, (_, m, name, lay, blocks) in enumerate(starts):
+    deadline = time.perf_counter() + time_budget_s
+    for j, c in enumerate(starts):
         if j and time.perf_counter() >= deadline:
             break
-        scorer = scorer_for(problem, lay)
-        blocks = improve(problem, lay, blocks, deadline, m, scorer)
+        scorer = scorer_for(problem, c.layout)
+        blocks = improve(problem, c.layout, c.blocks, deadline, c.mode, scorer)
         st = scorer.stats(blocks)
-        for mode in chosen:    # the search's mode, or the other if these blocks run faster so
-            finals.append((scorer.score(st, mode), mode, name, lay, blocks))
-    # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
-    # terms in another order).
-    T_min = min(c[0] for c in finals)
-    finals.sort(key=lambda c: (c[0] > T_min * (1 + 1e-12) + 1e-12, c[1] != Mode.OVERLAP, c[0]))
-    T, mode, origin, lay, blocks = finals[0]
-    lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
-    return Plan(lay, blocks, mode, {
-        "strategy": "best",
-        "origin": origin,
-        "start_ms": start_T,
-        "iteration_ms": T,
-        "lower_bound_ms": lb,
-        "gap": max(0.0, (T - lb) / lb) if lb > 0 else 0.0,
-        "candidates": len(candidates) // len(chosen),
-        "solve_s": time.perf_counter() - t0,
-    })
+        for m in modes:    # the search's mode, or the other if these blocks run faster so
+            finals.append(Candidate(scorer.score(st, m), m, c.origin, c.layout, blocks))
+    return finals

@@ -124,7 +124,7 @@ class _Parts:
             rows = shapes[i][0] if shapes[i] else 1
             off = s
             for j, cnt in enumerate(partition_tensor(problem.numel[i], rows, partition)):
-                c = cost(cnt * layout.itemsize[b])
+                c = cost.allreduce_ms(cnt * layout.itemsize[b])
                 self.blocks.append(Block(b, off, off + cnt))
                 self.ready.append(problem.ready[i])
                 # forward order first, then the partition index (ByteScheduler: rank*1000 + i)
@@ -181,15 +181,15 @@ def _lower(problem: Problem, ready: np.ndarray, cost: np.ndarray, tail_min: floa
     """A lower bound on the time of every issue order of blocks with these ``ready`` times and
     ``cost`` (per block, or per tensor summed over its blocks): the channel sends every block
     that becomes ready at or after ``r`` after ``r``, and the last block's tail is at least the
-    smallest (the compute-cost option only lengthens this)."""
+    smallest (the compute-cost option only lengthens this). The caller's costs are the cost
+    model's linear bound, which no block costs less than."""
     order = np.argsort(ready, kind="stable")
     R, C = ready[order], cost[order]
     after = np.cumsum(C[::-1])[::-1]
     return max(problem.B + problem.F, float((R + after).max()) + tail_min)
 
 
-@register("bytescheduler", Mode.OVERLAP,
-          "ByteScheduler: equal partitions, forward-order priority, credit; P and C tuned")
+@register("bytescheduler")
 def plan(problem: Problem, *, partition: int | None = None, credit: float | None = None,
          grid_points: int = GRID_POINTS) -> Plan:
     """ByteScheduler's plan, with partition size and credit tuned on the simulator.
@@ -233,10 +233,9 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
     # A lower bound per partition size (:func:`_lower`, from each tensor's piece count, before
     # building the partitions); the most promising first, so that the bound prunes the rest.
     ready = np.asarray(problem.ready, dtype=float)
-    tensor_cost = problem.cost.beta_ms_per_byte * np.asarray(
-        [problem.nbytes(i) for i in range(problem.n)], dtype=float)
+    alpha, beta = problem.cost.linear_bound()    # each block costs at least this line
+    tensor_cost = beta * np.asarray([problem.nbytes(i) for i in range(problem.n)], dtype=float)
     tail_min = float(min(tail))
-    alpha = problem.cost.alpha_ms
     lows = sorted((_lower(problem, ready, pieces * alpha + tensor_cost, tail_min), -P)
                   for P, pieces in distinct.values())
     for low, negP in lows:

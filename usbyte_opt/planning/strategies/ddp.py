@@ -44,7 +44,7 @@ FIRST_BUCKET_BYTES = 1 << 20
 BUCKET_CAP_BYTES = 25 << 20
 
 
-@register("ddp", Mode.FENCE, "PyTorch DDP buckets: whole tensors in ready order, 1 MiB then 25 MiB")
+@register("ddp")
 def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: float = 1.0) -> Plan:
     """Fuse whole tensors into DDP buckets over the default layout.
 

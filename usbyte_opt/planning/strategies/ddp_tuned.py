@@ -19,8 +19,8 @@ earlier bucket, whose ready time it does not raise, never delays a block).
 **One dtype.** DDP buckets each dtype separately but walks the *same* ``bucket_cap_mb_list``
 for every dtype, and appends the last, still open bucket of each dtype in hash-map order; one
 list cannot give several dtypes planned buckets, nor a predictable order. A profile with
-tensors of several dtypes is refused (:class:`NotApplicable`, one line); train it with the
-usbyte-opt runtime (``best``), or give the parameters one dtype.
+tensors of several dtypes is refused (:class:`~usbyte_opt.planning.strategies.NotApplicable`,
+one line); train it with the usbyte-opt runtime (``best``), or give the parameters one dtype.
 
 **The dynamic programme.** Tensors in ready order are grouped into *atoms* (equal ready
 times); a plan is a partition of the atoms into consecutive runs. Fence mode gives
@@ -71,11 +71,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ...errors import UsbyteError
 from ...formats import Block, Mode
 from ..fastsim import scorer_for
 from ..problem import Problem
-from . import Plan, register
+from . import NotApplicable, Plan, register
 
 #: Work (partial plans built plus dominance tests) the compute-cost programme may spend before
 #: it settles for the best plan found (a few tenths of a second).
@@ -84,10 +83,6 @@ MAX_WORK = 100_000
 PREFER_DEFAULT = 0.02
 
 _EPS = 1e-12
-
-
-class NotApplicable(UsbyteError):
-    """The profile has no plan of this strategy (e.g. ``ddp-tuned`` on several dtypes)."""
 
 
 def min_finish(R: Sequence[float], P: Sequence[float], alpha: float,
@@ -161,8 +156,7 @@ def _atoms(problem: Problem, members: Sequence[int], pos: Sequence[tuple[int, in
     return _Atoms(r, nb, end)
 
 
-@register("ddp-tuned", Mode.FENCE, "stock DDP with the best bucket_cap_mb_list for the profile "
-          "(exact DP over bucket boundaries in ready order)")
+@register("ddp-tuned")
 def plan(problem: Problem, *, max_work: int = MAX_WORK,
          prefer_default: float = PREFER_DEFAULT) -> Plan:
     """Whole tensors in one ready-ordered buffer, cut into the buckets with the least
@@ -202,7 +196,7 @@ def plan(problem: Problem, *, max_work: int = MAX_WORK,
         blocks.append(Block(0, start, atoms.end[j - 1]))
         start = atoms.end[j - 1]
     sc = scorer_for(problem, layout)
-    if T is None:
+    if T is None or not problem.cost.is_linear:   # the programmes time runs on a line
         T = sc.score(sc.stats(blocks), Mode.FENCE)
     if prefer_default > 0:
         from .ddp import buckets as ddp_buckets
@@ -220,13 +214,15 @@ def _uncharged(problem: Problem, atoms: _Atoms, stretch: float = 1.0, alpha_extr
                beta_extra: float = 0.0) -> list[int]:
     """Run ends (atom indices, exclusive) of the partition with the least finish time; with
     ready times times ``stretch`` and ``alpha_extra``/``beta_extra`` (ms per run, per byte)
-    added to the cost when this serves as a guess under the compute-cost option."""
-    beta = problem.cost.beta_ms_per_byte + beta_extra
+    added to the cost when this serves as a guess under the compute-cost option. Runs cost
+    the cost model's linear bound: the partition is the fastest for a linear model."""
+    alpha, beta = problem.cost.linear_bound()
+    beta += beta_extra
     P = [0.0]
     for b in atoms.nbytes:
         P.append(P[-1] + b * beta)
     R = atoms.r if stretch == 1.0 else [x * stretch for x in atoms.r]
-    _, arg = min_finish(R, P, problem.cost.alpha_ms + alpha_extra)
+    _, arg = min_finish(R, P, alpha + alpha_extra)
     cuts, j = [], len(atoms.r)
     while j > 0:
         cuts.append(j)
@@ -348,67 +344,91 @@ def _below(a: _State, b: _State, lo: float, hi: float) -> bool:
 COARSE_ATOMS = 40
 
 
-def _charged(problem: Problem, atoms: _Atoms, max_work: int,
-             coarse: bool = True) -> tuple[list[int], float, bool]:
-    """Run ends, iteration time and exactness of the best partition with the compute-cost
-    option (the module docstring's programme)."""
-    r, nb = atoms.r, atoms.nbytes
-    M = len(r)
-    alpha, beta = problem.cost.alpha_ms, problem.cost.beta_ms_per_byte
-    cpb, cpm = problem.cpu_ms_per_block, problem.cpu_ms_per_mb
-    Bk = problem.B
-    rest = sum(problem.update) + problem.F        # T = T' + rest
-    Pb = [0]
-    for b in nb:
-        Pb.append(Pb[-1] + b)
-    W = Pb[-1]
+@dataclass(slots=True)
+class _Charging:
+    """The compute-cost programme's view of the atoms: prefix bytes, the linear cost, the
+    charge per run, and the pieces of the search (partial plans, bounds, dominance).
 
-    def cost(nbytes: int) -> float:
-        return alpha + beta * nbytes
+    ``s_cap`` is the largest stretch a plan that can still win may end with (the incumbent's
+    time over ``B``), ``work`` the work spent (partial plans built plus dominance tests)."""
 
-    def charge(nbytes: int) -> float:
-        return cpb + cpm * nbytes / 1e6
+    r: list[float]
+    """Ready time of each atom."""
+    Pb: list[int]
+    """Prefix sums of the atoms' bytes (``Pb[0] = 0``)."""
+    alpha: float
+    beta: float
+    cpb: float
+    cpm: float
+    Bk: float
+    """Backward time ``B``."""
+    rho: float
+    """The highest charge per wire-ms of any run."""
+    s_cap: float = math.inf
+    work: int = 0
 
-    rho = max(charge(b) / cost(b) for b in (min(nb), W))
+    @classmethod
+    def of(cls, problem: Problem, atoms: _Atoms) -> _Charging:
+        alpha, beta = problem.cost.linear_bound()
+        Pb = [0]
+        for b in atoms.nbytes:
+            Pb.append(Pb[-1] + b)
+        ctx = cls(atoms.r, Pb, alpha, beta, problem.cpu_ms_per_block, problem.cpu_ms_per_mb,
+                  problem.B, 0.0)
+        ctx.rho = max(ctx.charge(b) / ctx.cost(b) for b in (min(atoms.nbytes), Pb[-1]))
+        return ctx
 
-    def final(st: _State) -> float:
-        s = 1.0 + st.X / Bk
-        return max(s * Bk, st.env(s))
+    @property
+    def M(self) -> int:
+        return len(self.r)
 
-    def child(st: _State, b: int) -> _State:
+    def cost(self, nbytes: int) -> float:
+        return self.alpha + self.beta * nbytes
+
+    def charge(self, nbytes: int) -> float:
+        return self.cpb + self.cpm * nbytes / 1e6
+
+    def final(self, st: _State) -> float:
+        """T' (the iteration less updates and F) of the complete plan ``st``."""
+        s = 1.0 + st.X / self.Bk
+        return max(s * self.Bk, st.env(s))
+
+    def child(self, st: _State, b: int) -> _State:
         """``st`` followed by the run ``[st.j, b)``. Every later run waits for atom ``b`` at
         least, so the channel's free times are taken as at least its ready time: partial
         plans that differ only while the channel would idle anyway become equal."""
-        nbytes = Pb[b] - Pb[st.j]
-        C = cost(nbytes)
+        r, Bk = self.r, self.Bk
+        nbytes = self.Pb[b] - self.Pb[st.j]
+        C = self.cost(nbytes)
         rr = r[b - 1]
-        nxt = r[b] if b < M else 0.0
+        nxt = r[b] if b < len(r) else 0.0
         start = st.f if st.f > rr else rr
         fin = start + C
         X = st.X
         if st.s is None and start < Bk and C > 0:
-            X += charge(nbytes) * (min(fin, Bk) - start) / C
+            X += self.charge(nbytes) * (min(fin, Bk) - start) / C
         f = fin if fin > nxt else nxt
         if st.s is not None or f >= Bk:
             s = st.s if st.s is not None else 1.0 + X / Bk
             e = max(st.env(s), s * rr) + C
             return _State(X, f, ((0.0, max(e, s * nxt)),), s, st, b)
         lines = [(m, c + C) for m, c in st.lines] + [(rr, C), (nxt, 0.0)]
-        return _State(X, f, _envelope(lines, 1.0 + X / Bk, s_cap[0]), None, st, b)
+        return _State(X, f, _envelope(lines, 1.0 + X / Bk, self.s_cap), None, st, b)
 
-    def timeline(cuts: Sequence[int]) -> tuple[float, float]:
+    def timeline(self, cuts: Sequence[int]) -> tuple[float, float]:
         """``(T', stretch)`` of the runs ending at ``cuts`` (the scorer's fence mode, less
         updates and F)."""
+        r, Pb, Bk = self.r, self.Pb, self.Bk
         t = X = 0.0
         i = 0
         runs = []
         for b in cuts:
             nbytes = Pb[b] - Pb[i]
-            C = cost(nbytes)
+            C = self.cost(nbytes)
             start = t if t > r[b - 1] else r[b - 1]
             t = start + C
             if start < Bk:
-                X += charge(nbytes) * (min(t, Bk) - start) / C
+                X += self.charge(nbytes) * (min(t, Bk) - start) / C
             runs.append((r[b - 1], C))
             i = b
         s = 1.0 + X / Bk
@@ -417,16 +437,76 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
             e = (e if e > s * rr else s * rr) + C
         return max(s * Bk, e), s
 
-    def score_cuts(cuts: Sequence[int]) -> float:
-        return timeline(cuts)[0]
+    def score_cuts(self, cuts: Sequence[int]) -> float:
+        return self.timeline(cuts)[0]
 
-    # Incumbent: the best of a few partitions (DDP's default buckets, every atom alone, all in
-    # one run, and the fastest without the charge when the charge is guessed as a stretch of
-    # the ready times and an extra cost per run and per byte), improved by moving, removing
-    # and adding single boundaries while that helps.
+    def lower(self, st: _State) -> float:
+        """A lower bound on T' of every completion of ``st``: the channel's work left, and,
+        if the rest puts ``y`` byte-equivalents of wire inside backward, at least
+        ``cpm * y`` more charge (``T' >= s B + cpm y`` and ``T' >= s r_last + cpm y r_last / B
+        + alpha + beta b_last``, the last gradient's run) and at least ``beta (rest - y)`` of
+        wire after ``B`` (``T' >= max(B, f) + beta (rest - y)``), for the least ``y`` can do."""
+        Bk, alpha, beta, M = self.Bk, self.alpha, self.beta, len(self.r)
+        s = st.s if st.s is not None else 1.0 + st.X / Bk
+        if st.j == M:
+            return max(s * Bk, st.env(s))
+        rem = self.Pb[M] - self.Pb[st.j]
+        r_last = self.r[M - 1]
+        a1, a2 = s * Bk, s * r_last + (alpha + beta * (self.Pb[M] - self.Pb[M - 1]))
+        lb = max(a1, a2, st.env(s) + alpha + beta * rem)
+        c_byte = self.cpm / 1e6
+        if st.s is None and c_byte > 0:
+            k1, k2 = c_byte, c_byte * r_last / Bk
+            d = max(Bk, st.f) + beta * rem
+            ys = [0.0, rem] + [y for y in ((d - a1) / (k1 + beta), (d - a2) / (k2 + beta))
+                               if 0.0 < y < rem]
+            lb = max(lb, min(max(a1 + k1 * y, a2 + k2 * y, d - beta * y) for y in ys))
+        return lb
+
+    def dominates(self, a: _State, b: _State) -> bool:
+        """Whether ``a`` ends no later than ``b`` for every continuation (module docstring)."""
+        self.work += 1
+        Bk = self.Bk
+        fa, fb = min(a.f, Bk), min(b.f, Bk)
+        if a.X + self.rho * max(0.0, fb - fa) > b.X + _EPS * max(1.0, b.X):
+            return False
+        lo = b.s if b.s is not None else 1.0 + b.X / Bk
+        hi = lo if b.s is not None else max(lo, self.s_cap)
+        return _below(a, b, lo, hi)
+
+
+def _charged(problem: Problem, atoms: _Atoms, max_work: int,
+             coarse: bool = True) -> tuple[list[int], float, bool]:
+    """Run ends, iteration time and exactness of the best partition with the compute-cost
+    option (the module docstring's programme): an incumbent (:func:`_incumbent`), then the
+    search over partial plans (:func:`_search`). The programme's runs cost the cost model's
+    linear bound: it is exact for a linear model."""
+    ctx = _Charging.of(problem, atoms)
+    cuts0 = _incumbent(problem, atoms, ctx, max_work, coarse)
+    best_state = _State(0.0, 0.0, (), None, None, 0)
+    for b in cuts0:
+        best_state = ctx.child(best_state, b)
+    best_state, best_T, exact = _search(ctx, best_state, max_work)
+    cuts = []
+    node: _State | None = best_state
+    while node is not None and node.j > 0:
+        cuts.append(node.j)
+        node = node.parent
+    cuts.reverse()
+    return cuts, best_T + (sum(problem.update) + problem.F), exact
+
+
+def _incumbent(problem: Problem, atoms: _Atoms, ctx: _Charging, max_work: int,
+               coarse: bool) -> list[int]:
+    """The best of a few partitions (DDP's default buckets, every atom alone, all in one run,
+    and the fastest without the charge when the charge is guessed as a stretch of the ready
+    times and an extra cost per run and per byte; with many atoms, the programme's plan over
+    groups of atoms), improved by moving, removing and adding single boundaries while that
+    helps."""
+    M, cpb, cpm = ctx.M, ctx.cpb, ctx.cpm
     seeds = [list(range(1, M + 1)), [M]]
     seeds += [c for c in [_ddp_cuts(problem, atoms)] if c is not None]
-    s1 = timeline(_uncharged(problem, atoms))[1]
+    s1 = ctx.timeline(_uncharged(problem, atoms))[1]
     for stretch in {1.0, s1}:
         for a_x in (0.0, cpb, 4 * cpb):
             for b_x in (0.0, cpm / 1e6):
@@ -435,63 +515,36 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
         # the same programme over runs of ``g`` atoms: its plan is a plan of these atoms too
         g = -(-M // COARSE_ATOMS)
         last = [min(k + g, M) for k in range(0, M, g)]
-        grouped = _Atoms([r[e - 1] for e in last],
+        Pb = ctx.Pb
+        grouped = _Atoms([atoms.r[e - 1] for e in last],
                          [Pb[e] - Pb[a] for a, e in zip([0] + last[:-1], last)],
                          [atoms.end[e - 1] for e in last])
         cuts_g, _, _ = _charged(problem, grouped, max_work // 4, coarse=False)
         seeds.append([last[k - 1] for k in cuts_g])
-    seeds.sort(key=score_cuts)
-    cuts0, v0 = _improve(seeds[0], score_cuts)
+    seeds.sort(key=ctx.score_cuts)
+    cuts0, v0 = _improve(seeds[0], ctx.score_cuts)
     for other in seeds[1:3]:
-        c, v = _improve(other, score_cuts)
+        c, v = _improve(other, ctx.score_cuts)
         if v < v0:
             cuts0, v0 = c, v
-    best_state = _State(0.0, 0.0, (), None, None, 0)
-    s_cap = [math.inf]
-    for b in cuts0:
-        best_state = child(best_state, b)
-    best_T = final(best_state)
-    s_cap[0] = best_T / Bk
+    return cuts0
 
+
+def _search(ctx: _Charging, best_state: _State, max_work: int) -> tuple[_State, float, bool]:
+    """The search over partial plans from the incumbent ``best_state`` (a complete plan):
+    per atom boundary, the front of partial plans that no other dominates and whose lower
+    bound is below the best complete plan so far. Returns the best complete plan, its T' and
+    whether the search completed within ``max_work``."""
+    M, Bk, alpha, beta = ctx.M, ctx.Bk, ctx.alpha, ctx.beta
+    r, Pb = ctx.r, ctx.Pb
+    W = Pb[M]
+    best_T = ctx.final(best_state)
+    ctx.s_cap = best_T / Bk
     fronts: list[list[_State]] = [[] for _ in range(M + 1)]
     fronts[0].append(_State(0.0, 0.0, (), None, None, 0))
-    work = [0]
     exact = True
-
-    c_byte = cpm / 1e6
-    last_run = alpha + beta * nb[M - 1]
-
-    def lower(st: _State) -> float:
-        """A lower bound on T' of every completion of ``st``: the channel's work left, and,
-        if the rest puts ``y`` byte-equivalents of wire inside backward, at least
-        ``cpm * y`` more charge (``T' >= s B + cpm y`` and ``T' >= s r_last + cpm y r_last / B
-        + alpha + beta b_last``, the last gradient's run) and at least ``beta (rest - y)`` of
-        wire after ``B`` (``T' >= max(B, f) + beta (rest - y)``), for the least ``y`` can do."""
-        s = st.s if st.s is not None else 1.0 + st.X / Bk
-        if st.j == M:
-            return max(s * Bk, st.env(s))
-        rem = W - Pb[st.j]
-        a1, a2 = s * Bk, s * r[M - 1] + last_run
-        lb = max(a1, a2, st.env(s) + alpha + beta * rem)
-        if st.s is None and c_byte > 0:
-            k1, k2 = c_byte, c_byte * r[M - 1] / Bk
-            d = max(Bk, st.f) + beta * rem
-            ys = [0.0, rem] + [y for y in ((d - a1) / (k1 + beta), (d - a2) / (k2 + beta))
-                               if 0.0 < y < rem]
-            lb = max(lb, min(max(a1 + k1 * y, a2 + k2 * y, d - beta * y) for y in ys))
-        return lb
-
-    def dominates(a: _State, b: _State) -> bool:
-        work[0] += 1
-        fa, fb = min(a.f, Bk), min(b.f, Bk)
-        if a.X + rho * max(0.0, fb - fa) > b.X + _EPS * max(1.0, b.X):
-            return False
-        lo = b.s if b.s is not None else 1.0 + b.X / Bk
-        hi = lo if b.s is not None else max(lo, s_cap[0])
-        return _below(a, b, lo, hi)
-
     for j in range(M):
-        front = [st for st in fronts[j] if lower(st) < best_T - _EPS * best_T]
+        front = [st for st in fronts[j] if ctx.lower(st) < best_T - _EPS * best_T]
         fronts[j] = []
         for st in front:
             s_lo = st.s if st.s is not None else 1.0 + st.X / Bk
@@ -500,30 +553,24 @@ def _charged(problem: Problem, atoms: _Atoms, max_work: int,
                 if b < M and (max(e_lo, s_lo * r[b - 1]) + 2 * alpha + beta * (W - Pb[j])
                               >= best_T):
                     b = M          # every run ending before M is bounded out: only [j, M) is left
-                ch = child(st, b)
-                work[0] += 1
+                ch = ctx.child(st, b)
+                ctx.work += 1
                 if b == M:
-                    T = final(ch)
+                    T = ctx.final(ch)
                     if T < best_T:
                         best_T, best_state = T, ch
-                        s_cap[0] = best_T / Bk
+                        ctx.s_cap = best_T / Bk
                     break
-                if lower(ch) >= best_T - _EPS * best_T:
+                if ctx.lower(ch) >= best_T - _EPS * best_T:
                     continue
                 fr = fronts[b]
-                if any(dominates(o, ch) for o in fr):
+                if any(ctx.dominates(o, ch) for o in fr):
                     continue
-                fr[:] = [o for o in fr if not dominates(ch, o)]
+                fr[:] = [o for o in fr if not ctx.dominates(ch, o)]
                 fr.append(ch)
-            if work[0] > max_work:
+            if ctx.work > max_work:
                 exact = False
                 break
         if not exact:
             break
-    cuts = []
-    node: _State | None = best_state
-    while node is not None and node.j > 0:
-        cuts.append(node.j)
-        node = node.parent
-    cuts.reverse()
-    return cuts, best_T + rest, exact
+    return best_state, best_T, exact

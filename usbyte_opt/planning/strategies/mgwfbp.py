@@ -11,7 +11,8 @@ merged into the group when
 * ``r - tau_c < alpha``: waiting for it delays the group by less than the alpha it saves.
 
 Both cases are the single test ``r - tau_c < alpha`` (with a linear cost, a wait of at least
-one all-reduce is never below alpha, which is the paper's first guard). Otherwise the group is
+one all-reduce is never below alpha, which is the paper's first guard). The rule is the
+paper's for a linear cost: alpha is the cost model's linear bound's. Otherwise the group is
 closed and issued, and the next tensor opens a new one. Merged tensors must be neighbours in
 one flat buffer, so a group also closes when the next gradient has another dtype. The later
 journal version adds a size floor (always merge tensors under 8192 elements); that is not part
@@ -39,7 +40,7 @@ from ..problem import Problem
 from . import Plan, register
 
 
-@register("mgwfbp", Mode.FENCE, "MG-WFBP: merge a gradient when its wait is below alpha (Shi et al.)")
+@register("mgwfbp")
 def plan(problem: Problem) -> Plan:
     """Group whole tensors by MG-WFBP's merge rule over the default layout.
 
@@ -59,7 +60,7 @@ def plan(problem: Problem) -> Plan:
     """
     layout = problem.layout()
     cost, ready = problem.cost, problem.ready
-    alpha = cost.alpha_ms
+    alpha, _ = cost.linear_bound()
     blocks: list[Block] = []
     chan = 0.0                      # when the channel is free (finish of the last closed group)
     grp: list[Any] | None = None    # [buffer, start element, end element, ready of last tensor]
@@ -71,7 +72,7 @@ def plan(problem: Problem) -> Plan:
                 grp[2] = e
                 grp[3] = ready[i]
                 continue
-            chan = tau_c + cost((grp[2] - grp[1]) * layout.itemsize[grp[0]])
+            chan = tau_c + cost.allreduce_ms((grp[2] - grp[1]) * layout.itemsize[grp[0]])
             blocks.append(Block(grp[0], grp[1], grp[2]))
         grp = [b, s, e, ready[i]]
     assert grp is not None

@@ -53,7 +53,11 @@ arrays rebuilt only when a move is kept. The unit grid drops a unit as soon as i
 reaches the second best so far (two finalists go on). These shortcuts return exactly what full
 runs would (tests compare them). With the profile's compute-cost option every candidate is
 scored by :class:`usbyte_opt.planning.fastsim.Scorer` (the phase model's own time, which leaves the
-option out, is then only used as a lower bound).
+option out, is then only used as a lower bound). The method is stated for a linear cost: its
+``alpha`` and ``beta`` are the cost model's linear bound
+(:meth:`usbyte_opt.planning.cost.CostModel.linear_bound`). With the updates at the gates, or a
+cost model that is not a line, candidates are scored by the one scorer too, and the phase
+model's time, never above the scorer's, is again only a lower bound.
 
 Example::
 
@@ -80,7 +84,7 @@ import numpy as np
 
 from ...formats import Block, Mode
 from ..fastsim import scorer_for, tails
-from ..problem import Layout, Problem
+from ..problem import Layout, Problem, UpdateRule
 from . import Plan, register
 
 #: The paper's default unit: 1e6 elements (ByteScheduler's default partition).
@@ -99,6 +103,49 @@ class Phase1Block:
 
 
 @dataclass(slots=True)
+class Snapshot:
+    """Phase 1's state when a tensor becomes ready (before the gap up to it is filled): what
+    a run resumed there starts from, and what :meth:`USByte._lower` reads."""
+
+    t: float
+    """The channel is free from ``t`` on."""
+    blocks: int
+    """Phase-1 blocks issued so far."""
+    last_u1: int
+    """End unit of the last of them (it may still grow; 0 without blocks)."""
+    last_finish: float
+    """Its finish then (0 without blocks)."""
+    rest_ms: float
+    """Transfer time (no alpha) of what is not yet sent."""
+    unfinished: int
+    """Tensors with elements not yet sent."""
+    worst: float
+    """Max of finish + tail over the closed blocks (at least ``B + F``)."""
+
+
+@dataclass(slots=True)
+class _Phase1:
+    """The running state of phase 1 (:meth:`USByte.simulate`)."""
+
+    t: float
+    blocks: list[Phase1Block]
+    last: Phase1Block | None
+    sent: list[int]
+    first: list[float]
+    rest_ms: float
+    unfinished: int
+    worst: float
+    heap: list[tuple[float, int]]
+    snaps: list[Snapshot]
+    done_at: list[int] | None
+
+    def snapshot(self) -> Snapshot:
+        last = self.last
+        return Snapshot(self.t, len(self.blocks), last.u1 if last else 0,
+                        last.finish if last else 0.0, self.rest_ms, self.unfinished, self.worst)
+
+
+@dataclass(slots=True)
 class Outcome:
     """One simulated US-Byte plan for a unit size and a phase-1 priority."""
 
@@ -111,7 +158,7 @@ class Outcome:
     """Start of each tensor's first phase-1 block (``nan`` if it has none)."""
     priority: list[int] = field(default_factory=list)
     """Phase-1 priority, highest first (tensor indices)."""
-    snaps: list[tuple] = field(default_factory=list, repr=False)
+    snaps: list[Snapshot] = field(default_factory=list, repr=False)
     """Phase-1 state when each tensor (ready order) became ready, for resuming."""
     done_at: list[int] = field(default_factory=list, repr=False)
     """The ready event during which each tensor sent its last phase-1 unit (n: never)."""
@@ -141,8 +188,7 @@ class USByte:
         self.layout: Layout = problem.layout()
         n = problem.n
         cost = problem.cost
-        self.alpha = cost.alpha_ms
-        beta = cost.beta_ms_per_byte
+        self.alpha, beta = cost.linear_bound()
         self.numel = list(problem.numel)
         self.beta_el = [beta * problem.itemsize[i] for i in range(n)]   # ms per element
         self.ready = list(problem.ready)
@@ -156,13 +202,18 @@ class USByte:
         self.need_order = problem.need_order()
         self.B, self.F = problem.B, problem.F
         # no plan beats the compute time, nor sends a tensor faster than in one block after it
-        # is ready (and then the forward still needs its tail)
+        # is ready (and then the forward still needs its tail); on a line one block is the
+        # fastest way to send a tensor, otherwise the linear bound is what is sure
+        one = cost.allreduce_ms if cost.is_linear else (lambda b: self.alpha + beta * b)
         self.floor = max([self.B + self.F] + [
-            self.ready[i] + cost(problem.nbytes(i)) + self.tail[i] for i in range(n)])
+            self.ready[i] + one(problem.nbytes(i)) + self.tail[i] for i in range(n)])
         self._units: dict[int, list[int]] = {}
         self.min_tail = min(self.tail)
-        #: The one scorer, where the compute-cost option makes it differ from the phase model.
-        self.scorer = scorer_for(problem, self.layout) if problem.charges_cpu else None
+        #: The one scorer, where it differs from the phase model: with the compute-cost option,
+        #: the updates at the gates, or a cost model that is not a line.
+        differs = (problem.charges_cpu or problem.update_rule == UpdateRule.GATE
+                   or not cost.is_linear)
+        self.scorer = scorer_for(problem, self.layout) if differs else None
 
     def forward_priority(self) -> list[int]:
         """ByteScheduler's priority: forward order, input side first."""
@@ -188,125 +239,153 @@ class USByte:
                 continues from its state when ``order[e]`` became ready instead of from 0.
             record: keep those states in the outcome (what ``resume`` needs).
             rank: each tensor's place in ``priority`` (lower first), when the caller has it.
+
+        Phases: the state at the start (:meth:`_fresh`, or :meth:`_resumed` from ``resume``);
+        per ready event, its :class:`Snapshot` (with ``record``), the bound (:meth:`_beyond`)
+        and Algorithm 1 over the gap up to it (:meth:`_fill`); then phase 2 and the outcome
+        (:meth:`_outcome`).
         """
         n = len(self.numel)
         if rank is None:
             rank = [0.0] * n
             for place, i in enumerate(priority):
                 rank[i] = place
-        alpha, numel, beta_el = self.alpha, self.numel, self.beta_el
-        ready, tail = self.ready, self.tail
-        order = self.order
-        S = unit
-        m = self._units.get(S)
+        m = self._units.get(unit)
         if m is None:
-            m = self._units[S] = [-(-x // S) for x in numel]
-        sent = [0] * n
-        first = [math.nan] * n
-        last: Phase1Block | None = None
+            m = self._units[unit] = [-(-x // unit) for x in self.numel]
         if resume is None:
-            e0 = 0
-            t = 0.0                       # the channel is free from t on
-            blocks: list[Phase1Block] = []
-            rest_ms = self.total_beta_ms  # transfer time (no alpha) of what is not yet sent
-            unfinished = n                # tensors with elements not yet sent
-            worst = self.B + self.F       # max of finish + tail over the closed blocks
-            snaps: list[tuple] = []
-            heap: list[tuple[float, int]] = []
-            done_at = [n] * n if record else None
+            e0, run = 0, self._fresh(record)
         else:
-            prev, e0 = resume
-            t, nb, lu1, lfin, rest_ms, unfinished, worst = prev.snaps[e0]
-            blocks = prev.phase1[:nb]
-            if nb:
-                # earlier blocks are final; the last one may have grown since: copy it back
-                lb = blocks[-1]
-                last = blocks[-1] = Phase1Block(lb.tensor, lb.u0, lu1, lb.start, lfin)
-            for b in blocks:
-                sent[b.tensor] = b.u1
-                if first[b.tensor] != first[b.tensor]:
-                    first[b.tensor] = b.start
-            snaps = prev.snaps[:e0]
-            done_at = [d if d < e0 else n for d in prev.done_at] if record else None
-            heap = [(rank[x], x) for x in order[:e0] if sent[x] < m[x]]
-            heapq.heapify(heap)
-        pruning = bound < math.inf
-        low = self.min_tail          # the last block's tensor has at least the smallest tail
+            e0 = resume[1]
+            run = self._resumed(resume[0], e0, m, rank, record)
+        order, ready = self.order, self.ready
         for e in range(e0, n):
             i = order[e]
-            r = ready[i]
             if record:
-                snaps.append((t, len(blocks), last.u1 if last else 0,
-                              last.finish if last else 0.0, rest_ms, unfinished, worst))
-            if pruning and (worst >= bound or (last is not None and (
-                    last.finish + tail[last.tensor] >= bound
-                    or t + rest_ms + alpha * (unfinished - (sent[last.tensor] < m[last.tensor]))
-                    + low >= bound)) or (last is None and t + rest_ms + alpha * unfinished + low
-                                         >= bound)):
+                run.snaps.append(run.snapshot())
+            if bound < math.inf and self._beyond(run, m, bound):
                 return None
-            while t < r and heap:
-                j = heap[0][1]
-                g = r - t
-                left = m[j] - sent[j]
-                if last is not None and last.tensor == j:
-                    # extend the previous block: no second alpha, so fill the gap with units
-                    k = math.ceil(g / (beta_el[j] * S))
+            self._fill(run, ready[i], m, unit, e)
+            heapq.heappush(run.heap, (rank[i], i))
+        return self._outcome(run, unit, priority)
+
+    def _fresh(self, record: bool) -> _Phase1:
+        """Phase 1 before the first gradient: nothing sent, the channel free from 0."""
+        n = len(self.numel)
+        return _Phase1(0.0, [], None, [0] * n, [math.nan] * n, self.total_beta_ms, n,
+                       self.B + self.F, [], [], [n] * n if record else None)
+
+    def _resumed(self, prev: Outcome, e0: int, m: Sequence[int], rank: Sequence[float],
+                 record: bool) -> _Phase1:
+        """Phase 1 of ``prev`` when ``order[e0]`` became ready, with the heap of ``rank``."""
+        n = len(self.numel)
+        snap = prev.snaps[e0]
+        blocks = prev.phase1[:snap.blocks]
+        sent = [0] * n
+        first = [math.nan] * n
+        last = None
+        if snap.blocks:
+            # earlier blocks are final; the last one may have grown since: copy it back
+            lb = blocks[-1]
+            last = blocks[-1] = Phase1Block(lb.tensor, lb.u0, snap.last_u1, lb.start, snap.last_finish)
+        for b in blocks:
+            sent[b.tensor] = b.u1
+            if first[b.tensor] != first[b.tensor]:
+                first[b.tensor] = b.start
+        heap = [(rank[x], x) for x in self.order[:e0] if sent[x] < m[x]]
+        heapq.heapify(heap)
+        done_at = [d if d < e0 else n for d in prev.done_at] if record else None
+        return _Phase1(snap.t, blocks, last, sent, first, snap.rest_ms, snap.unfinished, snap.worst,
+                       heap, prev.snaps[:e0], done_at)
+
+    def _beyond(self, run: _Phase1, m: Sequence[int], bound: float) -> bool:
+        """Whether every plan that continues ``run`` takes at least ``bound``: the worst finish
+        plus tail so far, the last block's, or the channel's time plus what is left plus one
+        alpha per tensor that still needs a block, plus the smallest tail."""
+        last, low, alpha = run.last, self.min_tail, self.alpha
+        if run.worst >= bound:
+            return True
+        if last is None:
+            return run.t + run.rest_ms + alpha * run.unfinished + low >= bound
+        return (last.finish + self.tail[last.tensor] >= bound
+                or run.t + run.rest_ms + alpha * (run.unfinished - (run.sent[last.tensor] < m[last.tensor]))
+                + low >= bound)
+
+    def _fill(self, run: _Phase1, r: float, m: Sequence[int], S: int, e: int) -> None:
+        """Algorithm 1 over the gap up to the next ready time ``r`` (event ``e``): the ready
+        tensor of highest priority sends, or extends the previous block, until the channel
+        reaches ``r`` or nothing ready is left; then the channel idles to ``r``."""
+        alpha, numel, beta_el, tail = self.alpha, self.numel, self.beta_el, self.tail
+        t, last, heap, sent = run.t, run.last, run.heap, run.sent
+        rest_ms, worst = run.rest_ms, run.worst
+        while t < r and heap:
+            j = heap[0][1]
+            g = r - t
+            left = m[j] - sent[j]
+            if last is not None and last.tensor == j:
+                # extend the previous block: no second alpha, so fill the gap with units
+                k = math.ceil(g / (beta_el[j] * S))
+                if k > left:
+                    k = left
+                el0 = min(last.u1 * S, numel[j])
+                sent[j] += k
+                last.u1 = sent[j]
+                el1 = min(sent[j] * S, numel[j])
+                rest_ms -= beta_el[j] * (el1 - el0)
+                last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
+                t = last.finish
+            else:
+                rest = numel[j] - sent[j] * S
+                if g < alpha:
+                    k = 1
+                elif g < alpha + beta_el[j] * rest:
+                    # at g == alpha exactly this is 0; a block carries at least one unit
+                    k = max(1, math.ceil((g - alpha) / (beta_el[j] * S)))
                     if k > left:
                         k = left
-                    el0 = min(last.u1 * S, numel[j])
-                    sent[j] += k
-                    last.u1 = sent[j]
-                    el1 = min(sent[j] * S, numel[j])
-                    rest_ms -= beta_el[j] * (el1 - el0)
-                    last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
-                    t = last.finish
                 else:
-                    rest = numel[j] - sent[j] * S
-                    if g < alpha:
-                        k = 1
-                    elif g < alpha + beta_el[j] * rest:
-                        # at g == alpha exactly this is 0; a block carries at least one unit
-                        k = max(1, math.ceil((g - alpha) / (beta_el[j] * S)))
-                        if k > left:
-                            k = left
-                    else:
-                        k = left
-                    if last is not None:
-                        v = last.finish + tail[last.tensor]
-                        if v > worst:
-                            worst = v
-                    u0 = sent[j]
-                    sent[j] += k
-                    el = min(sent[j] * S, numel[j]) - u0 * S
-                    rest_ms -= beta_el[j] * el
-                    last = Phase1Block(j, u0, sent[j], t, t + alpha + beta_el[j] * el)
-                    blocks.append(last)
-                    if first[j] != first[j]:      # nan: this is j's first phase-1 block
-                        first[j] = t
-                    t = last.finish
-                if sent[j] == m[j]:
-                    heapq.heappop(heap)
-                    unfinished -= 1
-                    if done_at is not None:
-                        done_at[j] = e
-            if t < r:
-                t = r
-            heapq.heappush(heap, (rank[i], i))
+                    k = left
+                if last is not None:
+                    v = last.finish + tail[last.tensor]
+                    if v > worst:
+                        worst = v
+                u0 = sent[j]
+                sent[j] += k
+                el = min(sent[j] * S, numel[j]) - u0 * S
+                rest_ms -= beta_el[j] * el
+                last = Phase1Block(j, u0, sent[j], t, t + alpha + beta_el[j] * el)
+                run.blocks.append(last)
+                if run.first[j] != run.first[j]:      # nan: this is j's first phase-1 block
+                    run.first[j] = t
+                t = last.finish
+            if sent[j] == m[j]:
+                heapq.heappop(heap)
+                run.unfinished -= 1
+                if run.done_at is not None:
+                    run.done_at[j] = e
+        run.t = t if t > r else r
+        run.last, run.rest_ms, run.worst = last, rest_ms, worst
+
+    def _outcome(self, run: _Phase1, S: int, priority: Sequence[int]) -> Outcome:
+        """Phase 2 after ``run`` (:meth:`_finish`) and the outcome, with the smallest tail of
+        the tensors left at each event when the run recorded its states."""
+        worst, last, tail = run.worst, run.last, self.tail
         if last is not None:
             v = last.finish + tail[last.tensor]
             if v > worst:
                 worst = v
-        T = self._finish(worst, sent, S, t)
-        out = Outcome(unit, T, blocks, sent, first, list(priority), snaps)
-        if done_at is not None:
+        T = self._finish(worst, run.sent, S, run.t)
+        out = Outcome(S, T, run.blocks, run.sent, run.first, list(priority), run.snaps)
+        if run.done_at is not None:
+            n = len(self.numel)
             lows = [math.inf] * (n + 1)
-            for i, d in enumerate(done_at):
+            for i, d in enumerate(run.done_at):
                 if tail[i] < lows[d]:
                     lows[d] = tail[i]
             for e in range(n - 1, -1, -1):
                 if lows[e + 1] < lows[e]:
                     lows[e] = lows[e + 1]
-            out.done_at, out.min_tail = done_at, lows[:n]
+            out.done_at, out.min_tail = run.done_at, lows[:n]
         return out
 
     def _lower(self, prev: Outcome, e: int) -> float:
@@ -315,13 +394,14 @@ class USByte:
         the open block's, and the channel's time plus what is left to send plus one alpha per
         tensor that still needs a block (the open block's tensor may grow it without one), and
         then the smallest tail of those tensors (the last block carries one of them)."""
-        t, nb, lu1, lfin, rest_ms, unfinished, worst = prev.snaps[e]
-        low = prev.min_tail[e] if prev.min_tail and unfinished else 0.0
-        if not nb:
-            return max(worst, t + rest_ms + self.alpha * unfinished + low)
-        j = prev.phase1[nb - 1].tensor
-        ext = lu1 < self._units[prev.unit][j]
-        return max(worst, lfin + self.tail[j], t + rest_ms + self.alpha * (unfinished - ext) + low)
+        sn = prev.snaps[e]
+        low = prev.min_tail[e] if prev.min_tail and sn.unfinished else 0.0
+        if not sn.blocks:
+            return max(sn.worst, sn.t + sn.rest_ms + self.alpha * sn.unfinished + low)
+        j = prev.phase1[sn.blocks - 1].tensor
+        ext = sn.last_u1 < self._units[prev.unit][j]
+        return max(sn.worst, sn.last_finish + self.tail[j],
+                   sn.t + sn.rest_ms + self.alpha * (sn.unfinished - ext) + low)
 
     def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
         """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
@@ -477,8 +557,7 @@ def unit_candidates(numel: Sequence[int], lo_ratio: float = 2.0 ** -14) -> list[
     return out
 
 
-@register("usbyte", Mode.OVERLAP,
-          "US-Byte: unequal blocks in two phases, priority search, tuned unit (Gao et al.)")
+@register("usbyte")
 def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = True,
          finalists: int = 2) -> Plan:
     """US-Byte's plan for ``problem``.

@@ -24,7 +24,7 @@ from ..problem import Problem
 from . import Plan, register
 
 
-@register("wfbp", Mode.FENCE, "one block per tensor, ready order")
+@register("wfbp")
 def plan(problem: Problem) -> Plan:
     """One block per tensor over the default layout, in ascending ready order.
 
