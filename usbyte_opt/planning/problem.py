@@ -79,6 +79,46 @@ class Layout:
         return Block(b, s, e)
 
 
+#: Where NCCL's vectorised kernels want a buffer to start (bytes): the runtime puts every
+#: tensor of a CUDA flat buffer there, and the planner cuts tensors on multiples of it.
+NCCL_ALIGN_BYTES = 16
+
+
+def align_cuts(layout: Layout, blocks: Sequence[Block], align_bytes: int) -> tuple[Block, ...]:
+    """``blocks`` with every boundary inside a tensor moved to the nearest multiple of
+    ``align_bytes`` from that tensor's start (a boundary that lands on the tensor's start or
+    end becomes that tensor boundary). Boundaries are mapped offset by offset, so blocks that
+    met still meet; a block left empty is dropped.
+
+    Example::
+
+        >>> from usbyte_opt.formats import Buffer
+        >>> lay = Layout((Buffer("float32", ("a", "b")),), [[0, 1]], [[0, 10]], [30], [4],
+        ...              [(0, 0, 10), (0, 10, 30)])
+        >>> align_cuts(lay, [Block(0, 0, 13), Block(0, 13, 30)], 16)   # 3 into b -> 4
+        (Block(buffer=0, start=0, end=14), Block(buffer=0, start=14, end=30))
+    """
+    def snap(b: int, o: int) -> int:
+        st = layout.starts[b]
+        j = bisect_right(st, o) - 1
+        if j < 0 or st[j] == o:
+            return o
+        t = layout.members[b][j]
+        lo, hi = layout.pos[t][1], layout.pos[t][2]
+        if o >= hi:
+            return o
+        a = max(1, align_bytes // layout.itemsize[b])
+        r = min(hi - lo, a * round((o - lo) / a))
+        return lo + r
+
+    out = []
+    for k in blocks:
+        s, e = snap(k.buffer, k.start), snap(k.buffer, k.end)
+        if e > s:
+            out.append(Block(k.buffer, s, e))
+    return tuple(out)
+
+
 @dataclass(slots=True)
 class Problem:
     """The planner's view of a profile: arrays indexed by tensor, the cost model and the
@@ -227,15 +267,24 @@ class Problem:
     def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  check: bool = True, mode: Mode = Mode.OVERLAP,
-                 profile_digest: str | None = None) -> Schedule:
+                 profile_digest: str | None = None, align_bytes: int | None = None) -> Schedule:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
         ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
         The schedule records every tensor's shape (``shapes``), so that the runtime
         can name the exact tensor whose shape differs from the model's, and the digest of the
         profile it was planned from (``profile_digest``, default: this problem's profile).
+
+        A block boundary inside a tensor is moved to the nearest multiple of ``align_bytes``
+        from the tensor's start (:func:`align_cuts`; default :data:`NCCL_ALIGN_BYTES` for a
+        profile measured on NCCL, else none): the runtime starts every tensor of its flat
+        buffers on such a boundary on CUDA, so every block starts there too.
         """
         as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
+        if align_bytes is None:
+            align_bytes = NCCL_ALIGN_BYTES if self.profile.comm.backend == "nccl" else 0
+        if align_bytes > 1:
+            as_blocks = align_cuts(layout, as_blocks, align_bytes)
         prof = self.profile
         sched = Schedule(
             strategy=strategy,
