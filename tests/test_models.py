@@ -168,7 +168,7 @@ def test_builtin_architectures_match_their_shipped_profiles(name):
     the shipped profile was made from, so the profile's schedules fit the built-in model."""
     from pathlib import Path
 
-    from usbyte_opt.architectures import ARCHITECTURES
+    from usbyte_opt.models.architectures import ARCHITECTURES
     from usbyte_opt.formats import fingerprint, load_profile
 
     prof = load_profile(Path(__file__).resolve().parent.parent / "profiles" / f"{name}.json")
@@ -196,7 +196,7 @@ def test_builtin_architectures_train(name, params):
 @pytest.mark.skipif(not has("torchvision"), reason="torchvision not importable beside this torch")
 @pytest.mark.parametrize("name", SHIPPED_CNNS)
 def test_builtin_architectures_compute_what_torchvision_computes(name):
-    from usbyte_opt.architectures import ARCHITECTURES
+    from usbyte_opt.models.architectures import ARCHITECTURES
 
     tv = importlib.import_module("torchvision").models.get_model(name, weights=None).eval()
     mine = ARCHITECTURES[name]().eval()
@@ -214,7 +214,7 @@ def test_install_hints_keep_the_installed_torch():
 
 
 def test_lab_models_are_builtin_names_with_the_benchs_batches():
-    from usbyte_opt.bench.models import LAB_MODELS
+    from usbyte_opt.models.lab import LAB_MODELS
 
     for name, (spec, batch) in LAB_MODELS.items():
         factory, default = resolve(name)
@@ -240,7 +240,7 @@ def test_shipped_schedules_are_the_shipped_profiles_plans(name):
     assert sched.profile_name == prof.name and sched.profile_digest == prof.digest()
     assert sched.fingerprint == prof.fingerprint()
     if name in SHIPPED_CNNS:
-        from usbyte_opt.architectures import ARCHITECTURES
+        from usbyte_opt.models.architectures import ARCHITECTURES
         from usbyte_opt.runtime.checks import check_model
         from usbyte_opt.runtime.default_plan import model_tensors
 

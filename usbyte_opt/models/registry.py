@@ -45,7 +45,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .errors import UsbyteError
+from ..errors import UsbyteError
 
 #: What a factory returns: ``(model, inputs, loss_fn)``.
 Built = tuple[nn.Module, tuple, Callable[[Any], torch.Tensor]]
@@ -197,7 +197,7 @@ def _lab(name: str) -> Factory:
     that module builds on this one)."""
 
     def factory(batch_size: int) -> Built:
-        from .bench import models as lab
+        from . import lab
 
         return getattr(lab, name)(batch_size)
 

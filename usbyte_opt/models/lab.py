@@ -38,7 +38,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import Built, RandomTargetLoss
+from .registry import Built, RandomTargetLoss
 
 
 def conv_bn_relu(i: int, o: int) -> nn.Sequential:
@@ -123,7 +123,7 @@ def lab_transformer(batch_size: int, seq: int = 64) -> Built:
 #: ``usbyte-opt profile``, ``bench``, ``demo`` and ``examples/train.py`` all take them):
 #: name -> (factory spec, default batch size).
 LAB_MODELS: dict[str, tuple[str, int]] = {
-    "lab-cnn": ("usbyte_opt.bench.models:lab_cnn", 16),
-    "lab-vgg": ("usbyte_opt.bench.models:lab_vgg", 12),
-    "lab-transformer": ("usbyte_opt.bench.models:lab_transformer", 12),
+    "lab-cnn": ("usbyte_opt.models.lab:lab_cnn", 16),
+    "lab-vgg": ("usbyte_opt.models.lab:lab_vgg", 12),
+    "lab-transformer": ("usbyte_opt.models.lab:lab_transformer", 12),
 }
