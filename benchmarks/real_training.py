@@ -4,7 +4,7 @@
     sudo python benchmarks/real_training.py --repeat 2   # each case twice; the quieter run counts
     sudo python benchmarks/real_training.py --quick      # one case, few iterations (a smoke run)
 
-Cases: the three lab models of :mod:`usbyte_opt.bench.models` (``lab-cnn`` and ``lab-vgg``,
+Cases: the three lab models of :mod:`usbyte_opt.models.lab` (``lab-cnn`` and ``lab-vgg``,
 communication about the size of compute at 200 Mbit/s; ``lab-transformer``) on 2 ranks of this
 machine (each pinned to its own core), at
 200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.bench.lab`: one network namespace per rank, tbf-shaped

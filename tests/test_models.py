@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import importlib.util
+import re
 
 import pytest
 import torch
 
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.models import (
+    ARCHITECTURES,
     BUILTIN,
+    HF_MODELS,
+    LAB_MODELS,
     RandomTargetLoss,
     build,
     builtin_names,
+    check_loss,
     model_name,
     parameter_count,
     resolve,
@@ -168,8 +173,8 @@ def test_builtin_architectures_match_their_shipped_profiles(name):
     the shipped profile was made from, so the profile's schedules fit the built-in model."""
     from pathlib import Path
 
-    from usbyte_opt.architectures import ARCHITECTURES
     from usbyte_opt.formats import fingerprint, load_profile
+    from usbyte_opt.models import ARCHITECTURES
 
     prof = load_profile(Path(__file__).resolve().parent.parent / "profiles" / f"{name}.json")
     with torch.device("meta"):
@@ -196,7 +201,7 @@ def test_builtin_architectures_train(name, params):
 @pytest.mark.skipif(not has("torchvision"), reason="torchvision not importable beside this torch")
 @pytest.mark.parametrize("name", SHIPPED_CNNS)
 def test_builtin_architectures_compute_what_torchvision_computes(name):
-    from usbyte_opt.architectures import ARCHITECTURES
+    from usbyte_opt.models import ARCHITECTURES
 
     tv = importlib.import_module("torchvision").models.get_model(name, weights=None).eval()
     mine = ARCHITECTURES[name]().eval()
@@ -213,14 +218,61 @@ def test_install_hints_keep_the_installed_torch():
     assert install_hint("torchvision", "2.13.0") == "pip install 'torchvision==0.28.*'"
 
 
-def test_lab_models_are_builtin_names_with_the_benchs_batches():
-    from usbyte_opt.bench.models import LAB_MODELS
+def _one_step_cases():
+    for name, entry in BUILTIN.items():
+        if entry.needs:  # transformers at full size: ~10 s each on a CPU; run them with -m slow
+            yield pytest.param(name, marks=[pytest.mark.slow, pytest.mark.skipif(
+                not has(entry.needs), reason=f"{entry.needs} not installed")])
+        else:
+            yield name
 
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: on a loaded machine two threads can make a step ten times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("name", list(_one_step_cases()))
+def test_every_builtin_name_builds_and_trains_one_step(name, one_thread):
+    """Every row of the one table: its name resolves to its factory and batch, builds at batch 2
+    with the parameter count its description states, and one SGD step moves every tensor."""
+    entry = BUILTIN[name]
+    factory, batch = resolve(name)
+    assert factory is entry.factory and batch == entry.default_batch
+    model, inputs, loss_fn = build(name, 2)
+    assert model.training and inputs[0].shape[0] == 2
+    stated = re.search(r"([\d.]+) M parameters", entry.description)
+    assert stated and f"{parameter_count(model) / 1e6:.1f}" == stated.group(1)
+    if entry.kind == "architecture":  # same model, same loss; a 32-pixel crop makes the step cheap
+        assert inputs[0].shape[1:] == (3, 224, 224)
+        inputs = (inputs[0][..., :32, :32],)
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = check_loss(name, loss_fn(model(*inputs)))
+    loss.backward()
+    opt.step()
+    assert torch.isfinite(loss)
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+    assert all(not torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def test_the_table_holds_every_builtin_and_the_benchs_lab_specs_come_from_it():
+    from usbyte_opt.bench import BenchConfig
+
+    assert set(ARCHITECTURES) | set(HF_MODELS) <= set(BUILTIN)
+    assert builtin_names()[:len(BUILTIN)] == list(BUILTIN)
+    assert set(LAB_MODELS) == {n for n, e in BUILTIN.items() if e.kind == "lab"} == {
+        "lab-cnn", "lab-vgg", "lab-transformer"}
     for name, (spec, batch) in LAB_MODELS.items():
-        factory, default = resolve(name)
-        assert default == batch
-        a, b = build(name, 2)[0], build(spec, 2)[0]
-        assert [(n, p.shape) for n, p in a.named_parameters()] == [(n, p.shape) for n, p in b.named_parameters()]
+        assert spec.startswith("usbyte_opt.models.lab:") and batch == BUILTIN[name].default_batch
+        assert resolve(spec) == (BUILTIN[name].factory, 32)  # the very function, not a copy
+        assert BenchConfig(model=name).spec() == (spec, batch)
+    if has("transformers"):  # a prefixed name takes the batch of the table's row of that name
+        assert resolve("transformers:gpt2")[1] == BUILTIN["gpt2"].default_batch == 4
 
 
 SHIPPED = ["resnet50", "resnet152", "vgg16", "densenet201", "bert-base", "gpt2"]
@@ -240,7 +292,7 @@ def test_shipped_schedules_are_the_shipped_profiles_plans(name):
     assert sched.profile_name == prof.name and sched.profile_digest == prof.digest()
     assert sched.fingerprint == prof.fingerprint()
     if name in SHIPPED_CNNS:
-        from usbyte_opt.architectures import ARCHITECTURES
+        from usbyte_opt.models import ARCHITECTURES
         from usbyte_opt.runtime.checks import check_model
         from usbyte_opt.runtime.default_plan import model_tensors
 

@@ -24,7 +24,7 @@ def raw_record() -> dict:
     predicted = {s: {"ms": 1234.567 + i, "refined_ms": 1240.5, "mode": "overlap", "blocks": 1234}
                  for i, s in enumerate(names)}
     return {
-        "job": {"model": "usbyte_opt.bench.models:lab_transformer", "iterations": 20, "rounds": 2},
+        "job": {"model": "usbyte_opt.models.lab:lab_transformer", "iterations": 20, "rounds": 2},
         "profile": "/a/long/path/to/the/profile.json", "profile_name": "lab-transformer",
         "world_size": 2, "backend": "gloo", "device": "cpu", "threads": 1, "torch": "2.13.0",
         "batch_size": 12, "forward_ms": 1000.0, "backward_ms": 2000.0,

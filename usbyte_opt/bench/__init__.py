@@ -117,7 +117,7 @@ class BenchConfig:
 
     def spec(self) -> tuple[str, int | None]:
         """The model spec the ranks build, and the default batch size of a lab model."""
-        from .models import LAB_MODELS
+        from ..models import LAB_MODELS
 
         if self.model in LAB_MODELS:
             return LAB_MODELS[self.model]

@@ -4,7 +4,7 @@ The shipped profiles (``profiles/*.json``) were made from torchvision's models. 
 definitions have exactly torchvision's trainable tensors — the same names, shapes, dtypes
 and registration order — so that ``usbyte-opt profile resnet50`` and a training script that
 builds ``resnet50`` here produce and accept the same schedules as torchvision's model does
-(same :func:`usbyte_opt.formats.fingerprint`; ``tests/test_architectures.py`` checks it
+(same :func:`usbyte_opt.formats.fingerprint`; ``tests/test_models.py`` checks it
 against each shipped profile). Their forward computes what torchvision's does, and weights
 are initialised the way torchvision initialises them (random: nothing is ever downloaded).
 
@@ -28,6 +28,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ..errors import UsbyteError
+from .protocol import Built, Factory, RandomTargetLoss
 
 # --------------------------------------------------------------------------------------------
 # ResNet (He et al., 2016), torchvision's v1.5 layout: the stride is on the 3x3 convolution
@@ -150,7 +153,8 @@ class VGG(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Conv2d):
                 nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-                nn.init.constant_(m.bias, 0)
+                if m.bias is not None:  # always, in VGG-16; for the type checker
+                    nn.init.constant_(m.bias, 0)
             elif isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, 0, 0.01)
                 nn.init.constant_(m.bias, 0)
@@ -255,4 +259,32 @@ def densenet201(num_classes: int = 1000) -> DenseNet:
 ARCHITECTURES = {"resnet50": resnet50, "resnet152": resnet152, "vgg16": vgg16,
                  "densenet201": densenet201}
 
-__all__ = ["ARCHITECTURES", "DenseNet", "ResNet", "VGG", "densenet201", "resnet152", "resnet50", "vgg16"]
+
+def architecture_factory(name: str, image_size: int = 224) -> Factory:
+    """A factory for built-in architecture ``name`` (:data:`ARCHITECTURES`) on random
+    ``image_size``-pixel images, with cross-entropy against random labels of its 1000
+    classes: what :func:`~usbyte_opt.models.external.torchvision_factory` gives for
+    torchvision's model of that name.
+
+    Example::
+
+        >>> factory = architecture_factory("resnet50", image_size=64)
+        >>> model, (x,), loss_fn = factory(2)
+        >>> tuple(x.shape), loss_fn(model(x)).dim()
+        ((2, 3, 64, 64), 0)
+    """
+    if name not in ARCHITECTURES:
+        raise UsbyteError(f"unknown built-in architecture {name!r}: expected one of {', '.join(ARCHITECTURES)}")
+
+    def factory(batch_size: int) -> Built:
+        torch.manual_seed(0)
+        model = ARCHITECTURES[name]()
+        x = torch.randn(batch_size, 3, image_size, image_size)
+        return model, (x,), RandomTargetLoss(1000, (batch_size,))
+
+    factory.__name__ = name
+    return factory
+
+
+__all__ = ["ARCHITECTURES", "DenseNet", "ResNet", "VGG", "architecture_factory", "densenet201", "resnet152",
+           "resnet50", "vgg16"]

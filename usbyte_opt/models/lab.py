@@ -21,7 +21,8 @@ show"). At 1 Gbit/s the same models are compute-bound.
   last in backward, the head the other way round.
 
 Name them as ``lab-cnn`` / ``lab-vgg`` / ``lab-transformer`` anywhere a model is named
-(built-in names of :mod:`usbyte_opt.models`), or as ``usbyte_opt.bench.models:lab_cnn``.
+(built-in names of :mod:`usbyte_opt.models.registry`, with their default batches), or as
+``usbyte_opt.models.lab:lab_cnn``.
 
 Example::
 
@@ -38,7 +39,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..models import Built, RandomTargetLoss
+from .protocol import Built, RandomTargetLoss
 
 
 def conv_bn_relu(i: int, o: int) -> nn.Sequential:
@@ -118,12 +119,3 @@ def lab_transformer(batch_size: int, seq: int = 64) -> Built:
     ids = torch.randint(2048, (batch_size, seq), generator=torch.Generator().manual_seed(1))
     return m, (ids,), RandomTargetLoss(2048, (batch_size, seq))
 
-
-#: The lab models by their built-in names (in :data:`usbyte_opt.models.BUILTIN`, so that
-#: ``usbyte-opt profile``, ``bench``, ``demo`` and ``examples/train.py`` all take them):
-#: name -> (factory spec, default batch size).
-LAB_MODELS: dict[str, tuple[str, int]] = {
-    "lab-cnn": ("usbyte_opt.bench.models:lab_cnn", 16),
-    "lab-vgg": ("usbyte_opt.bench.models:lab_vgg", 12),
-    "lab-transformer": ("usbyte_opt.bench.models:lab_transformer", 12),
-}
