@@ -52,9 +52,14 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..formats.chrome import ChromeTrace
+
+if TYPE_CHECKING:
+    from ..formats import Schedule
+    from .buffers import FlatGrads
+    from .comm import Channel
 
 #: Records kept per recorder at most (a long training run keeps its first ones).
 MAX_RECORDS = 200_000
@@ -181,8 +186,8 @@ class Recorder:
                 bwd_open = None
             elif kind == "G":
                 need, t0, t1, t2 = r[1], r[2], r[3], r[4]
-                shown = [self.names[t] for t in need[:3]] + ([f"+{len(need) - 3}"] if len(need) > 3 else [])
-                label = ", ".join(shown)
+                label = ", ".join([self.names[t] for t in need[:3]]
+                                  + ([f"+{len(need) - 3}"] if len(need) > 3 else []))
                 if t1 - t0 > 0:
                     tr.complete(pid, 1, f"wait {label}", t0, t1 - t0,
                                 {"tensors": [self.names[t] for t in need]})
@@ -234,26 +239,23 @@ class Recorder:
         return self.save()
 
 
-def attach(optimizer: Any, model: Any, path: str) -> Recorder:
-    """A recorder for ``optimizer`` (a DistributedOptimizer) writing ``path`` (per rank,
-    :func:`path_for_rank`). Installs its model hooks and registers it for :func:`flush_all`
-    and exit."""
+def attach(path: str, schedule: Schedule, grads: FlatGrads, chan: Channel) -> Recorder:
+    """A recorder of the runtime running ``schedule`` on the flat buffers ``grads`` over the
+    channel ``chan``, writing ``path`` (per rank, :func:`path_for_rank`); registered for
+    :func:`flush_all` and exit. Its model hooks are :meth:`Recorder.install`'s."""
     import torch.distributed as dist
 
     global _atexit_done
-    rank = dist.get_rank(optimizer._group) if dist.is_initialized() else 0
-    g = optimizer._grads
-    sched = optimizer.schedule
-    sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
+    rank = dist.get_rank(chan.group) if dist.is_initialized() else 0
+    sizes = [(b.end - b.start) * v.element_size() for b, v in zip(schedule.blocks, grads.block_views)]
     from ..collectives.issuers import backend_for
 
-    device = optimizer._chan.device
-    host_finish = device.type == "cuda" and backend_for(optimizer._group, device) != "nccl"
-    rec = Recorder(path_for_rank(path, rank), rank, list(g.names), sizes,
-                   [list(ts) for ts in g.block_tensors],
-                   f"rank {rank} (measured, {sched.strategy})", device=device,
+    device = chan.device
+    host_finish = device.type == "cuda" and backend_for(chan.group, device) != "nccl"
+    rec = Recorder(path_for_rank(path, rank), rank, list(grads.names), sizes,
+                   [list(ts) for ts in grads.block_tensors],
+                   f"rank {rank} (measured, {schedule.strategy})", device=device,
                    host_finish=host_finish)
-    rec.install(model)
     with _lock:
         _recorders.add(rec)
         if not _atexit_done:
