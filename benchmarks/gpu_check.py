@@ -340,7 +340,7 @@ def _probe_found_inf(dev: Any, undo_fix: bool, steps: int = 6) -> float:
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
     opt = DistributedOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-3, fused=True), mod,
                                schedule=_schedule(mod, 1), verify=False)
-    upd = opt._updates
+    upd = opt._state.updates
     assert isinstance(upd, StreamUpdates)
     if undo_fix:
         upd._keep_alive = lambda: None  # type: ignore[method-assign]
@@ -393,9 +393,9 @@ def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> float
         F.mse_loss(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
         F.mse_loss(mod(x), y).backward()
         if step == 0 and undo_fix:
-            opt._gates.root_extra.clear()   # the gate back at the child's pre-hook
+            opt._state.gates.root_extra.clear()   # the gate back at the child's pre-hook
         if cuda:
-            with torch.cuda.stream(opt._updates.stream):
+            with torch.cuda.stream(opt._state.updates.stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
         opt.step(); opt.zero_grad()
     opt.synchronize()

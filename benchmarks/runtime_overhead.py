@@ -125,7 +125,7 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
             block_ratio.append(statistics.median(cur["usbyte"]) / statistics.median(cur["ddp"]))
     nparams = sum(p.numel() for p in twin.parameters())
     return {"pairs": pair_ratio, "pairs_cpu": pair_cpu, "blocks": block_ratio, "ddp": times["ddp"],
-            "usbyte": times["usbyte"], "tensors": len(o_usb._grads.names),
+            "usbyte": times["usbyte"], "tensors": len(o_usb._state.grads.names),
             "nblocks": len(o_usb.schedule.blocks), "params": nparams}
 
 

@@ -175,7 +175,7 @@ def test_grads_are_views_until_step_then_none(pg):
     m[0].to(memory_format=torch.channels_last)
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
                                schedule=default_schedule(m))
-    flat = opt._grads.flats[0]
+    flat = opt._state.grads.flats[0]
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     for _ in range(2):
         m(torch.randn(2, 3, 6, 6)).sum().backward()
@@ -324,7 +324,7 @@ def test_close_gives_gradients_back(pg):
     m(torch.randn(2, 4)).sum().backward()
     opt.step()
     opt.close()
-    flat = opt._grads.flats[0]
+    flat = opt._state.grads.flats[0]
     lo, hi = flat.data_ptr(), flat.data_ptr() + flat.numel() * flat.element_size()
     assert all(p.grad is None or not lo <= p.grad.data_ptr() < hi for p in m.parameters())
     w = m[0].weight.detach().clone()
@@ -364,5 +364,5 @@ def test_copies_and_pickles_of_the_model_leave_the_runtime_behind(pg, tmp_path):
     loaded = torch.load(tmp_path / "m.pt", weights_only=False)
     for other in (twin, loaded):
         other(torch.randn(2, 4)).sum().backward()   # no runtime hooks fire
-        assert other[0].weight.grad.data_ptr() != opt._grads.flats[0].data_ptr()
-    assert opt._updates.n_pending == len(opt._grads.names)  # the copies applied no update
+        assert other[0].weight.grad.data_ptr() != opt._state.grads.flats[0].data_ptr()
+    assert opt._state.updates.n_pending == len(opt._state.grads.names)  # the copies applied no update

@@ -81,7 +81,7 @@ def release_at_exit(rank: int, ws: int) -> dict:
     opt.step()
     opt.synchronize()
     # Blocks, usage map, buffers: all finished.
-    idle = all(w.is_completed() for w in opt._comm.in_flight())
+    idle = all(w.is_completed() for w in opt._state.comm.in_flight())
     torch.distributed.barrier()
     if rank == 1:
         time.sleep(1.0)

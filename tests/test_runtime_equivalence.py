@@ -617,7 +617,7 @@ def case_default_plan(rank: int, ws: int) -> dict:
 def case_strategy(name: str, rank: int, ws: int) -> dict:
     """Schedules from the planner's strategies, when registered."""
     try:
-        from usbyte_opt import strategies
+        from usbyte_opt.planning import strategies
         strat = strategies.get(name)
     except Exception as e:  # noqa: BLE001 - the strategy is not there (yet)
         return {"skip": f"strategy {name!r} unavailable: {e}"}

@@ -63,8 +63,8 @@ def test_parent_reading_a_child_weight_first_matches_plain_training(pg, pieces):
     opt.synchronize()
     for (n, p), q in zip(ref.named_parameters(), m.parameters()):
         assert torch.equal(p, q), n
-    names = opt._grads.names
-    assert [names[t] for t in opt._gates.root_extra] == ["b.weight"]
+    names = opt._state.grads.names
+    assert [names[t] for t in opt._state.gates.root_extra] == ["b.weight"]
     opt.close()
 
 
@@ -73,8 +73,8 @@ def test_metadata_reads_do_not_move_the_gate(pg):
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, schedule=schedule(m),
                                verify=False)
     train(m, opt, steps=3)
-    assert opt._gates.root_extra == []
-    assert opt._gates.watch is None          # the first-use watch ended with the forward
+    assert opt._state.gates.root_extra == []
+    assert opt._state.gates.watch is None          # the first-use watch ended with the forward
     opt.close()
 
 
@@ -89,7 +89,7 @@ def test_watch_ends_when_the_forward_raises(pg):
                                verify=False)
     with pytest.raises(ValueError, match="boom"):
         m(torch.randn(2, 8))
-    assert opt._gates.watch is None
+    assert opt._state.gates.watch is None
     assert not torch._C._is_torch_function_mode_enabled()
     opt.close()
 

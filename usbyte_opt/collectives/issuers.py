@@ -61,7 +61,7 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     """
     from torch.distributed import distributed_c10d as c10d
 
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     opts._threads = threads
     kind, names = gloo_address(os.environ, _host_address(), _store_host(), _route_to)
     create = dist.ProcessGroupGloo.create_device
@@ -71,7 +71,9 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     opts._timeout = timeout if timeout is not None else c10d.default_pg_timeout
     name = "default" if group is None else c10d._get_process_group_name(group)
     store = dist.PrefixStore(f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}", c10d._get_default_store())
-    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group), opts)
+    # The stubs type it as a Backend only; it is a process group to every collective call.
+    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group),  # type: ignore[return-value]
+                                 opts)
 
 
 def _loopback(addr: str | None) -> bool:
@@ -188,7 +190,7 @@ def sum_issuer(group: dist.ProcessGroup | None,
     work: on ``serial`` (a :func:`serial_group`) when given, else on ``group``."""
     if serial is not None:
         opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM
+        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub says ReduceOp; it takes RedOpType
         return lambda x: serial.allreduce([x], opts)
     return lambda x: dist.all_reduce(x, group=group, async_op=True)
 

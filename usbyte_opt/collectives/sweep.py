@@ -276,9 +276,9 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
     flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
     flat = flat.to(device) if cuda else flat
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
-    flat = flat.cpu().tolist()
+    got: list[float] = flat.cpu().tolist()
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]
-    sweep.raw_ms = [flat[e - c:e] for e, c in zip(ends, counts)]
+    sweep.raw_ms = [got[e - c:e] for e, c in zip(ends, counts)]
     sweep.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sweep.raw_ms]
     return sweep
 

@@ -56,6 +56,7 @@ from typing import Any
 
 from ..errors import MismatchError
 from ..formats import Block, Mode, Profile, Schedule, check_against
+from ..formats.chrome import ChromeTrace
 from .problem import Layout, Problem, UpdateRule
 
 MODES = tuple(Mode)
@@ -280,39 +281,30 @@ def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any
     """A Chrome trace-event document (``{"traceEvents": [...]}``) of a timeline.
 
     Track 1 is compute (backward, optimizer fence, forward segments and the waits that gate
-    them), track 2 the communication channel (one slice per block). Times in microseconds.
+    them), track 2 the communication channel (one slice per block). Times in microseconds
+    (:class:`usbyte_opt.formats.chrome.ChromeTrace`).
     """
-    us = 1000.0
-    ev: list[dict[str, Any]] = [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": label}},
-        {"ph": "M", "pid": 1, "tid": 1, "name": "thread_name", "args": {"name": "compute"}},
-        {"ph": "M", "pid": 1, "tid": 2, "name": "thread_name", "args": {"name": "all-reduce"}},
-        {"ph": "X", "pid": 1, "tid": 1, "name": "backward", "ts": 0.0,
-         "dur": timeline.backward_ms * us},
-    ]
+    tr = ChromeTrace(unit_us=1000.0, other={"mode": timeline.mode,
+                                            "iteration_ms": timeline.iteration_ms})
+    tr.process(1, label, {1: "compute", 2: "all-reduce"})
+    tr.complete(1, 1, "backward", 0.0, timeline.backward_ms)
     if timeline.mode == Mode.FENCE and timeline.update_ms > 0:
-        ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "optimizer step",
-                   "ts": (timeline.forward_start_ms - timeline.update_ms) * us,
-                   "dur": timeline.update_ms * us})
+        tr.complete(1, 1, "optimizer step", timeline.forward_start_ms - timeline.update_ms,
+                    timeline.update_ms)
     prev_t = timeline.forward_start_ms
     for g in timeline.forward:
         seg_end = g.reach_ms - g.wait_ms
         if seg_end > prev_t + 1e-9:
-            ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "forward", "ts": prev_t * us,
-                       "dur": (seg_end - prev_t) * us})
+            tr.complete(1, 1, "forward", prev_t, seg_end - prev_t)
         if g.wait_ms > 1e-9:
-            ev.append({"ph": "X", "pid": 1, "tid": 1, "name": f"wait {g.name}",
-                       "ts": (g.reach_ms - g.wait_ms) * us, "dur": g.wait_ms * us,
-                       "args": {"tensor": g.name, "avail_ms": g.avail_ms}})
+            tr.complete(1, 1, f"wait {g.name}", g.reach_ms - g.wait_ms, g.wait_ms,
+                        {"tensor": g.name, "avail_ms": g.avail_ms})
         prev_t = g.reach_ms
     if timeline.forward_end_ms > prev_t:
-        ev.append({"ph": "X", "pid": 1, "tid": 1, "name": "forward", "ts": prev_t * us,
-                   "dur": (timeline.forward_end_ms - prev_t) * us})
+        tr.complete(1, 1, "forward", prev_t, timeline.forward_end_ms - prev_t)
     for b in timeline.blocks:
         shown = ", ".join(b.tensors[:3]) + (f" +{len(b.tensors) - 3}" if len(b.tensors) > 3 else "")
-        ev.append({"ph": "X", "pid": 1, "tid": 2, "name": f"#{b.index} {shown}",
-                   "ts": b.start_ms * us, "dur": (b.finish_ms - b.start_ms) * us,
-                   "args": {"buffer": b.buffer, "elements": [b.start, b.end], "bytes": b.nbytes,
-                            "ready_ms": b.ready_ms, "tensors": list(b.tensors)}})
-    return {"traceEvents": ev, "displayTimeUnit": "ms",
-            "otherData": {"mode": timeline.mode, "iteration_ms": timeline.iteration_ms}}
+        tr.complete(1, 2, f"#{b.index} {shown}", b.start_ms, b.finish_ms - b.start_ms,
+                    {"buffer": b.buffer, "elements": [b.start, b.end], "bytes": b.nbytes,
+                     "ready_ms": b.ready_ms, "tensors": list(b.tensors)})
+    return tr.to_dict()

@@ -9,8 +9,9 @@
         opt.zero_grad()
     opt.synchronize()
 
-Modules, by concern: :mod:`.optimizer` (the user-facing class), :mod:`.backward` (one step's
-communication: hooks, issue order, end of backward, the update rule), :mod:`.updates`
+Modules, by concern: :mod:`.optimizer` (the user-facing class), :mod:`.installed` (the
+per-schedule state a plan switch replaces), :mod:`.backward` (one step's communication:
+hooks, issue order, end of backward, the update rule, the step's phase), :mod:`.updates`
 (pending updates, on the host or on a CUDA update stream), :mod:`.forward` (forward gates,
 module buffers, ``torch.compile``), :mod:`.amp` (GradScaler), :mod:`.buffers` (flat gradient
 buffers), :mod:`.comm` (collectives, streams, averaging), :mod:`.checks` (start-up checks),

@@ -47,14 +47,14 @@ import sys
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..env import AUTO_DIR_ENV
 from ..errors import UsbyteError
-from ..formats import Schedule, dump_schedule, parse_schedule
+from ..formats import CommSpec, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
 
 #: Iterations before measuring (the first one learns the hooks' order).
 WARMUP = 2
@@ -198,11 +198,73 @@ def _median(xs: Sequence[float]) -> float:
     return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
 
 
+class Tunable(Protocol):
+    """What the tuner needs of the optimizer it tunes (the
+    :class:`~usbyte_opt.runtime.DistributedOptimizer` hands it an adapter that provides it).
+
+    Every collective here goes through the optimizer's own channel (its control group for
+    host tensors), in the same order on every rank.
+    """
+
+    #: This rank, and the ranks of the data-parallel group.
+    rank: int
+    world_size: int
+    #: The gradients' device; the data-parallel process group (``None``: the default group).
+    device: torch.device
+    group: dist.ProcessGroup | None
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule running now."""
+
+    @property
+    def schedule_source(self) -> str:
+        """Where it came from."""
+
+    @property
+    def tensor_count(self) -> int:
+        """Trainable tensors (the indices the probe's hooks report)."""
+
+    @property
+    def grad_itemsize(self) -> int:
+        """Bytes per element of the first flat gradient buffer."""
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """The trainable tensors, name and parameter, by runtime index."""
+
+    def set_probe(self, probe: Probe | None) -> None:
+        """Have the hooks stamp into ``probe`` from now on (``None``: stop)."""
+
+    def hold_communication(self, hold: bool) -> None:
+        """Issue no block before the end of backward (compute timed alone), or stop holding."""
+
+    def control_all_reduce(self, t: torch.Tensor,
+                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM) -> dist.Work | None:
+        """Reduce a host tensor over the ranks on the control group (``None`` on one rank)."""
+
+    def control_broadcast(self, t: torch.Tensor) -> dist.Work | None:
+        """Rank 0's host tensor to every rank on the control group (``None`` on one rank)."""
+
+    def wait_host(self, work: dist.Work, what: str) -> None:
+        """Wait on the host for a control message (``what`` names it in errors)."""
+
+    def all_reduce(self, t: torch.Tensor) -> dist.Work:
+        """Sum ``t`` over the ranks as a gradient block is (the sweep's collective)."""
+
+    def synchronize(self) -> None:
+        """Finish all communication and updates (the optimizer's ``synchronize()``)."""
+
+    def switch(self, schedule: Schedule, source: str) -> None:
+        """Run ``schedule`` from the next iteration on (every rank at the same step)."""
+
+
 class Tuner:
     """The state machine of auto planning and verification of one optimizer (see module).
 
     Args:
-        opt: the :class:`~usbyte_opt.runtime.DistributedOptimizer`.
+        opt: the optimizer tuned (:class:`Tunable`).
+        fallback: the DDP-like fallback plan, the very object the optimizer runs when it
+            runs the fallback (schedules are compared by identity).
         auto: plan inside the run first.
         verify: verify the plan against the fallback.
         auto_dir: where an auto run writes its profile and schedule.
@@ -210,19 +272,19 @@ class Tuner:
         replan_on_drift: plan again (auto) when the drift check fails.
     """
 
-    def __init__(self, opt: Any, auto: bool, verify: bool, auto_dir: str | os.PathLike | None,
-                 check_every: int = CHECK_EVERY, replan_on_drift: bool = False):
-        from .default_plan import fallback_schedule
-
+    def __init__(self, opt: Tunable, fallback: Schedule, auto: bool, verify: bool,
+                 auto_dir: str | os.PathLike | None, check_every: int = CHECK_EVERY,
+                 replan_on_drift: bool = False):
         self.opt = opt
-        self.rank = opt._chan.rank
-        self.ws = opt._chan.world_size
-        self.clock = _Clock(opt._device)
+        self.rank = opt.rank
+        self.ws = opt.world_size
+        self.clock = _Clock(opt.device)
         self.timer = StepTimer(self.clock)
-        self.fallback = fallback_schedule(opt._model, self.ws)
+        self.fallback = fallback
         self.auto = auto
         self.verify = verify
-        self.auto_dir = auto_dir if auto_dir is not None else os.environ.get(AUTO_DIR_ENV) or None
+        self.auto_dir: str | os.PathLike | None = (
+            auto_dir if auto_dir is not None else os.environ.get(AUTO_DIR_ENV) or None)
         self.check_every = check_every
         self.replan_on_drift = replan_on_drift
         self.plan: tuple[Schedule, str] = (opt.schedule, opt.schedule_source)
@@ -255,17 +317,16 @@ class Tuner:
     def _begin(self, phase: str) -> None:
         self.phase = phase
         self.phase_step = 0
-        opt = self.opt
-        opt._comm.defer = phase == "clean"
+        self.opt.hold_communication(phase == "clean")
         if phase in ("clean", "overlap"):
             self._arm()
         else:
-            opt._comm.probe = opt._gates.probe = None
+            self.opt.set_probe(None)
 
     def _arm(self) -> None:
-        p = Probe(self.opt._grads.n, self.clock)
+        p = Probe(self.opt.tensor_count, self.clock)
         self.probes.append(p)
-        self.opt._comm.probe = self.opt._gates.probe = p
+        self.opt.set_probe(p)
 
     def _collect(self, kind: str) -> None:
         self.clock.settle()
@@ -292,7 +353,7 @@ class Tuner:
                 if ph == "clean":
                     self._begin("overlap")
                 else:
-                    self.opt._comm.probe = self.opt._gates.probe = None
+                    self.opt.set_probe(None)
                     self._plan_now()
             else:
                 self._arm()
@@ -315,7 +376,7 @@ class Tuner:
         self.measured = {"clean": [], "overlap": []}
         self.windows = []
         if self.drift_work is not None and self.drift_work[0] is not None:
-            self.opt._chan.wait_host(self.drift_work[0], "all-reduce of the drift check")
+            self.opt.wait_host(self.drift_work[0], "all-reduce of the drift check")
         self.drift_work = None
         self.timer.take()
         if self.auto:
@@ -327,7 +388,7 @@ class Tuner:
     def _run(self, which: str) -> None:
         sched, source = (self.fallback, "<ddp-like fallback>") if which == "fallback" else self.plan
         if self.opt.schedule is not sched:
-            self.opt._switch(sched, source)
+            self.opt.switch(sched, source)
 
     # -- auto --------------------------------------------------------------------------------
 
@@ -374,12 +435,10 @@ class Tuner:
         else:
             self._settle_on("plan")
 
-    def _profile(self) -> Any:
-        from ..formats import CommSpec, Profile, TensorSpec
-
+    def _profile(self) -> Profile:
         opt = self.opt
-        g = opt._grads
-        n = g.n
+        named = opt.tensors()
+        n = len(named)
         clean, over = self.measured["clean"], self.measured["overlap"]
         if not clean:
             raise UsbyteError("no complete iteration was measured (a forward outside the "
@@ -394,46 +453,45 @@ class Tuner:
         # Maximum over ranks (the slowest rank gates every collective); -1 marks "none".
         vec = torch.tensor([F, B, step, B_over] + [x if not math.isnan(x) else -1.0 for x in ready]
                            + [x if not math.isnan(x) else -1.0 for x in need], dtype=torch.float64)
-        work = opt._chan.control_all_reduce(vec, dist.ReduceOp.MAX)
+        work = opt.control_all_reduce(vec, dist.ReduceOp.MAX)
         if work is not None:
-            opt._chan.wait_host(work, "all-reduce of the tuner's measurements")
+            opt.wait_host(work, "all-reduce of the tuner's measurements")
         vals = vec.tolist()
         F, B, step, B_over = (max(v, 1e-3) for v in vals[:4])
         ready = [min(v, B) if v >= 0 else B for v in vals[4:4 + n]]
         need = [min(v, F) if v >= 0 else F for v in vals[4 + n:]]
-        numel = [int(p.numel()) for p in g.params]
+        numel = [int(p.numel()) for _, p in named]
         total = sum(numel) or 1
         tensors = []
         for t in range(n):
-            p = g.params[t]
-            tensors.append(TensorSpec(g.names[t], tuple(int(d) for d in p.shape),
+            name, p = named[t]
+            tensors.append(TensorSpec(name, tuple(int(d) for d in p.shape),
                                       str(p.dtype).removeprefix("torch."), ready[t], need[t],
                                       step * numel[t] / total))
-        comm = self._sweep(sum(p.numel() * p.element_size() for p in g.params))
+        swept = self._sweep(sum(p.numel() * p.element_size() for _, p in named))
         lost = B_over - B
         bytes_bw = 0
         if issued > 0:
             blocks = opt.schedule.blocks
-            size = g.flats[0].element_size()
+            size = opt.grad_itemsize
             bytes_bw = sum((b.end - b.start) * size for b in blocks[:int(round(issued))])
         cpu_mb = 0.0
         if not self.clock.cuda and lost > 0.05 * B and bytes_bw > 0:
             cpu_mb = lost / (bytes_bw / 1e6)
         from ..formats.schema import MAX_ALGBW_GBS, MAX_MS
 
-        comm = CommSpec(comm.backend, comm.world_size, min(comm.alpha_ms, MAX_MS),
-                        min(comm.algbw_gbs, MAX_ALGBW_GBS), comm.samples, 0.0, cpu_mb)
+        comm = CommSpec(swept.backend, swept.world_size, min(swept.alpha_ms, MAX_MS),
+                        min(swept.algbw_gbs, MAX_ALGBW_GBS), swept.samples, 0.0, cpu_mb)
         meta = {"source": "usbyte_opt.runtime auto (measured in the training run)",
                 "iterations": {"clean": len(clean), "overlap": len(over)},
-                "backward_with_comm_ms": B_over, "device": opt._device.type}
+                "backward_with_comm_ms": B_over, "device": opt.device.type}
         return Profile("auto", F, B, tuple(tensors), comm, meta)
 
-    def _sweep(self, total_bytes: int) -> Any:
+    def _sweep(self, total_bytes: int) -> CommSpec:
         from ..collectives.issuers import backend_for
         from ..collectives.sweep import default_sizes, fit_comm, sweep_allreduce
 
         opt = self.opt
-        chan = opt._chan
         # Up to the whole gradient, and at least 4 MiB: below that a link's bandwidth does not
         # show against its latency, and the fit could not tell it.
         hi = max(4 << 20, min(64 << 20, int(total_bytes)))
@@ -441,38 +499,40 @@ class Tuner:
 
         def barrier() -> None:
             x = torch.zeros(1)
-            w = chan.control_all_reduce(x)
+            w = opt.control_all_reduce(x)
             if w is not None:
-                chan.wait_host(w, "tuner barrier")
+                opt.wait_host(w, "tuner barrier")
 
-        sweep = sweep_allreduce(sizes, repeats=3, warmup=1, device=opt._device, group=opt._group,
-                                barrier=barrier, issue=chan._issue)
-        spec, _ = fit_comm(sweep, backend_for(opt._group, opt._device), self.ws)
+        sweep = sweep_allreduce(sizes, repeats=3, warmup=1, device=opt.device, group=opt.group,
+                                barrier=barrier, issue=opt.all_reduce)
+        spec, _ = fit_comm(sweep, backend_for(opt.group, opt.device), self.ws)
         return spec
 
     def _broadcast(self, text: str) -> str:
         """Rank 0's ``text`` on every rank (the control group)."""
-        chan = self.opt._chan
+        opt = self.opt
         data = text.encode() if self.rank == 0 else b""
         n = torch.tensor([len(data)], dtype=torch.int64)
-        w = chan.control_broadcast(n)
+        w = opt.control_broadcast(n)
         if w is not None:
-            chan.wait_host(w, "broadcast of the planned schedule")
+            opt.wait_host(w, "broadcast of the planned schedule")
         buf = torch.zeros(int(n.item()), dtype=torch.uint8)
         if self.rank == 0:
             buf[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        w = chan.control_broadcast(buf)
+        w = opt.control_broadcast(buf)
         if w is not None:
-            chan.wait_host(w, "broadcast of the planned schedule")
+            opt.wait_host(w, "broadcast of the planned schedule")
         return bytes(buf.tolist()).decode()
 
-    def _write(self, profile: Any, sched: Schedule) -> None:
+    def _write(self, profile: Profile, sched: Schedule) -> None:
         from ..formats import save_profile, save_schedule
 
+        where = self.auto_dir
+        assert where is not None   # called only with a folder to write to
         try:
-            os.makedirs(self.auto_dir, exist_ok=True)  # type: ignore[arg-type]
-            p = save_profile(profile, os.path.join(self.auto_dir, "profile.json"))  # type: ignore[arg-type]
-            s = save_schedule(sched, os.path.join(self.auto_dir, "schedule.json"))  # type: ignore[arg-type]
+            os.makedirs(where, exist_ok=True)
+            p = save_profile(profile, os.path.join(where, "profile.json"))
+            s = save_schedule(sched, os.path.join(where, "schedule.json"))
             self.info["files"] = {"profile": str(p), "schedule": str(s)}
         except OSError as e:
             warnings.warn(f"{self.auto_dir}: cannot write the auto profile and schedule "
@@ -494,9 +554,9 @@ class Tuner:
         per = {k: _median([x for w, xs in self.windows if w == k for x in xs])
                for k in ("plan", "fallback")}
         vec = torch.tensor([per["plan"], per["fallback"]], dtype=torch.float64)
-        work = self.opt._chan.control_all_reduce(vec)
+        work = self.opt.control_all_reduce(vec)
         if work is not None:
-            self.opt._chan.wait_host(work, "all-reduce of the verification medians")
+            self.opt.wait_host(work, "all-reduce of the verification medians")
         plan_ms, fb_ms = (v / self.ws for v in vec.tolist())
         keep = plan_ms < fb_ms * (1.0 - MARGIN)
         self.info["measured_ms"] = {"plan": plan_ms, "fallback": fb_ms}
@@ -507,8 +567,8 @@ class Tuner:
     def _settle_on(self, which: str, note: str = "") -> None:
         self._run(which)
         self.phase = "settled"
-        self.opt._comm.defer = False
-        self.opt._comm.probe = self.opt._gates.probe = None
+        self.opt.hold_communication(False)
+        self.opt.set_probe(None)
         self.info["chosen"] = which
         self.info["settled_at_step"] = self.steps
         self.timer.take()
@@ -541,12 +601,12 @@ class Tuner:
         med = _median(self.timer.take_ready())
         vec = torch.tensor([0.0 if math.isnan(med) else med, 0.0 if math.isnan(med) else 1.0],
                            dtype=torch.float64)
-        prev, self.drift_work = self.drift_work, (self.opt._chan.control_all_reduce(vec), vec)
+        prev, self.drift_work = self.drift_work, (self.opt.control_all_reduce(vec), vec)
         if prev is None:
             return
         work, got = prev
         if work is not None:   # sent check_every steps ago: arrived long since
-            self.opt._chan.wait_host(work, "all-reduce of the drift check")
+            self.opt.wait_host(work, "all-reduce of the drift check")
         total, ranks = got.tolist()
         if ranks < 1:
             return

@@ -19,6 +19,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +30,39 @@ from ..errors import UsbyteError
 from ..formats import Schedule
 from .buffers import FlatGrads
 from .comm import Channel
+
+
+class Phase(enum.Enum):
+    """Where the step in progress is (:attr:`StepComm.phase`); :data:`TRANSITIONS` lists the
+    legal moves.
+
+    ``IDLE``: no gradient since the last ``step()``. ``ACCUMULATING``: gradients arrived in
+    passes that only accumulate (inside ``no_sync()``, or before the last of
+    ``backward_passes_per_step``). ``LAST_PASS``: the step's last backward pass runs (its
+    gradients are scaled and its blocks go out). ``ISSUED``: every block of the step is
+    issued. ``WAITED``: and waited for; the averaged gradients are readable.
+    """
+
+    IDLE = "idle"
+    ACCUMULATING = "accumulating"
+    LAST_PASS = "last pass"
+    ISSUED = "issued"
+    WAITED = "waited"
+
+
+#: The legal moves between phases; ``step()`` (:meth:`StepComm.reset`) goes back to ``IDLE``
+#: from any phase.
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.IDLE: frozenset({Phase.ACCUMULATING, Phase.LAST_PASS, Phase.ISSUED}),
+    Phase.ACCUMULATING: frozenset({Phase.ACCUMULATING, Phase.LAST_PASS, Phase.ISSUED}),
+    Phase.LAST_PASS: frozenset({Phase.ISSUED}),
+    Phase.ISSUED: frozenset({Phase.WAITED}),
+    Phase.WAITED: frozenset(),
+}
+
+
+IDLE, ACCUMULATING, LAST_PASS = Phase.IDLE, Phase.ACCUMULATING, Phase.LAST_PASS
+ISSUED, WAITED = Phase.ISSUED, Phase.WAITED
 
 
 class StepComm:
@@ -72,12 +106,11 @@ class StepComm:
         self.passes = 0                 # backward passes of this step so far
         #: Backward passes run now accumulate locally (``DistributedOptimizer.no_sync()``).
         self.no_sync = False
-        self.last = False               # the running pass is the step's last (it communicates)
-        self.cb_queued = False          # the final callback of the running pass is queued
-        self.started = False            # a gradient arrived since the last step()
-        self.issued = False             # every block of this step issued
+        #: Where the step is (:class:`Phase`); changed only by :meth:`_enter` and :meth:`reset`.
+        self.phase = Phase.IDLE
+        #: The final callback of the running backward pass is queued (a pass is running).
+        self.in_pass = False
         self.issued_by = ""             # what issued them before the end of backward
-        self.waited = False             # and waited for (averaged gradients readable)
         self.discard: bool | None = None  # zero_grad() between backward and step()
         self.usage: torch.Tensor | None = None
         self.usage_work: dist.Work | None = None
@@ -103,9 +136,9 @@ class StepComm:
         cuda, device = self.chan.cuda, self.chan.device
 
         def hook(p: torch.Tensor) -> None:
-            if not self.cb_queued:
+            if not self.in_pass:
                 self.begin_pass()
-            if self.issued:
+            if self.phase is ISSUED or self.phase is WAITED:
                 self.late_gradient(name)
             if flushed[t]:
                 raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
@@ -113,7 +146,7 @@ class StepComm:
                                   "modules that own it); call opt.synchronize() before such a "
                                   "forward")
             count[t] += 1
-            last = self.last
+            last = self.phase is LAST_PASS
             grad = p.grad
             if grad is not view:
                 g.take(t, grad, scale if last else None)
@@ -144,14 +177,27 @@ class StepComm:
                           "per step() as backward_passes_per_step, or run the passes that only "
                           "accumulate inside opt.no_sync()")
 
+    def _enter(self, phase: Phase) -> None:
+        if phase not in TRANSITIONS[self.phase]:
+            raise AssertionError(f"step phase {self.phase.value!r} cannot become {phase.value!r}")
+        self.phase = phase
+
+    @property
+    def accumulating(self) -> bool:
+        """Between the backward passes of an accumulation: gradients have arrived, the last
+        pass has not (the step's all-reduce is not due yet)."""
+        return self.phase is ACCUMULATING and not self.in_pass
+
     def begin_pass(self) -> None:
         """First gradient of a backward pass: queue the end-of-backward callback."""
-        if not self.started:
+        if self.phase is IDLE:
             self.begin_step()
         self.passes += 1
-        self.last = self.passes >= self.k and not self.no_sync
+        if self.phase is IDLE or self.phase is ACCUMULATING:
+            last = self.passes >= self.k and not self.no_sync
+            self._enter(LAST_PASS if last else ACCUMULATING)
         torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
-        self.cb_queued = True
+        self.in_pass = True
 
     def begin_step(self) -> None:
         """First gradient of a step: the previous step's updates must all be done before any
@@ -159,7 +205,6 @@ class StepComm:
         for t in self._flush():
             self.flushed_flag[t] = True
             self.flushed.append(t)
-        self.started = True
 
     def clear_flushed(self) -> None:
         """A new forward starts: tensors updated late are current again."""
@@ -169,8 +214,8 @@ class StepComm:
 
     def end_pass(self) -> None:
         """Autograd final callback: at the end of the step's last pass, issue the rest."""
-        self.cb_queued = False
-        if self.last and not self.issued:
+        self.in_pass = False
+        if self.phase is LAST_PASS:
             if self.probe is not None:
                 self.probe.backward_end(self.next)
             self.finish()
@@ -201,9 +246,9 @@ class StepComm:
     def finish(self) -> None:
         """Issue what is left of this step: the gradients not final yet (zeros for a tensor
         that got none), the remaining blocks in order, then the usage map."""
-        if self.issued:
+        if self.phase is ISSUED or self.phase is WAITED:
             return
-        if not self.started:
+        if self.phase is IDLE:
             self.begin_step()
         g, scale, count, local = self.grads, self.scale, self.count, self.local
         final, placed, zero_intent = self.final, self.placed, self.zero_intent
@@ -240,20 +285,29 @@ class StepComm:
             self.usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
             self.usage_work = self.chan.control_all_reduce(self.usage)
             self.global_used = None
-        self.issued = True
+        self._enter(ISSUED)
 
     def complete(self, by: str) -> None:
         """Issue (if a caller needs it before the end of backward) and wait for everything of
         this step; then every tensor some rank used has the average in ``p.grad``."""
-        if not self.issued:
+        if self.phase is not ISSUED and self.phase is not WAITED:
             self.issued_by = by
             self.finish()
         self.wait_blocks()
         self.expose_used()
-        self.waited = True
+        if self.phase is ISSUED:
+            self._enter(WAITED)
+
+    def complete_if_due(self, by: str, between_passes: bool = False) -> None:
+        """:meth:`complete`, unless there is nothing to wait for: no gradient yet, already
+        waited for, or (unless ``between_passes``) between the passes of an accumulation,
+        where the all-reduce is not due yet."""
+        ph = self.phase
+        if ph is not IDLE and ph is not WAITED and (between_passes or not self.accumulating):
+            self.complete(by)
 
     def wait_blocks(self) -> None:
-        if self.waited:
+        if self.phase is WAITED:
             return
         for k in range(self.m):
             w = self.works[k]
@@ -332,12 +386,9 @@ class StepComm:
         self.rem[:] = self.rem0
         self.next = 0
         self.passes = 0
-        self.last = False
-        self.cb_queued = False
-        self.started = False
-        self.issued = False
+        self.phase = IDLE
+        self.in_pass = False
         self.issued_by = ""
-        self.waited = False
         self.discard = None
         if clear_zero_intent:
             self.zero_intent[:] = [False] * n

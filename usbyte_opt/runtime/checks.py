@@ -17,7 +17,7 @@ import gc
 import math
 import os
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 
@@ -191,7 +191,7 @@ def check_not_wrapped(model: torch.nn.Module) -> None:
                                   f"optimizer: {_HINT}")
 
 
-def wrapped_now(model: torch.nn.Module, params: dict[str, torch.Tensor] | None) -> str:
+def wrapped_now(model: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> str:
     """What is wrong when ``model`` runs a forward now ('' if nothing): inside a DDP forward,
     or (with ``params``, the tensors the optimizer was built with) its parameters replaced, as
     FSDP does when it wraps a model. Cheap: one attribute read unless ``params`` is given."""
@@ -247,11 +247,12 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
     for ts in groups.values():
         chunk: list[torch.Tensor] = []
         size = 0
-        for t in ts + [None]:  # type: ignore[list-item]
-            if t is not None:
-                chunk.append(t)
-                size += t.numel() * t.element_size()
-            if chunk and (t is None or size >= chunk_bytes):
+        items: list[torch.Tensor | None] = [*ts, None]   # None: flush the last chunk
+        for x in items:
+            if x is not None:
+                chunk.append(x)
+                size += x.numel() * x.element_size()
+            if chunk and (x is None or size >= chunk_bytes):
                 with torch.no_grad():
                     flat = torch.cat([c.detach().reshape(-1) for c in chunk])
                     wait(dist.broadcast(flat, src, group=group, async_op=True),

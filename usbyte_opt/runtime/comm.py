@@ -98,7 +98,7 @@ class Channel:
         if self.control is None:
             return None
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        opts.reduceOp = op  # type: ignore[assignment]  # the stub says ReduceOp; it takes ReduceOp.SUM's RedOpType
         return self.control.allreduce([t], opts)
 
     def control_broadcast(self, t: torch.Tensor) -> dist.Work | None:

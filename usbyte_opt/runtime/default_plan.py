@@ -81,11 +81,11 @@ def profile_from_model(model: torch.nn.Module, world_size: int = 1, name: str = 
 
         raise UsbyteError(f"model {type(model).__name__}: expected at least one parameter with "
                           "requires_grad=True, got none")
-    for n, _, dt in specs:
+    for nm, _, dt in specs:
         if dt not in DTYPE_SIZES:
             from ..errors import UsbyteError
 
-            raise UsbyteError(f"parameter {n!r}: dtype {dt} cannot be all-reduced by usbyte-opt; "
+            raise UsbyteError(f"parameter {nm!r}: dtype {dt} cannot be all-reduced by usbyte-opt; "
                               f"expected one of {', '.join(DTYPE_SIZES)}")
     n = len(specs)
     tensors = tuple(TensorSpec(nm, shape, dt, ready_ms=float(n - 1 - i), need_ms=float(i))

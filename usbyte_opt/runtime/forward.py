@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from ..first_use import FirstUse
 from .comm import Channel
-from .updates import HostUpdates, StreamUpdates
+from .updates import Updates
 
 
 class ForwardGates:
@@ -47,7 +47,7 @@ class ForwardGates:
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
-                 updates: HostUpdates | StreamUpdates, chan: Channel,
+                 updates: Updates, chan: Channel,
                  buffers: list[torch.Tensor], clear_flushed: Callable[[], None]):
         self.model, self.updates, self.chan, self.buffers = model, updates, chan, buffers
         self.clear_flushed = clear_flushed
@@ -116,7 +116,7 @@ class ForwardGates:
 
     def module_hook(self, ts: list[int]) -> Callable[..., None]:
         upd = self.updates
-        pending = upd.pending if isinstance(upd, HostUpdates) else None
+        pending = upd.pending
 
         def hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():

@@ -26,9 +26,12 @@ The protocol (docs/design.md §5, docs/runtime.md), seen from one rank:
    In fence mode (``schedule.mode == Mode.FENCE``) ``step()`` waits for every block and applies
    every update at once, as DDP does.
 
-Module layout: this file holds the user-facing class and the per-step state; :mod:`.updates`
-the pending updates and the subset step; :mod:`.amp` GradScaler support; :mod:`.exit_hook`
-the release of optimizers left open at exit; :mod:`.comm` the collectives.
+Module layout: this file holds the user-facing class and what lasts across schedules (the
+wrapped optimizer, the channel, the step count); :mod:`.installed` the per-schedule state, one
+object that a plan switch replaces whole; :mod:`.backward` the step's communication and its
+phase; :mod:`.updates` the pending updates and the subset step; :mod:`.amp` GradScaler
+support; :mod:`.exit_hook` the release of optimizers left open at exit; :mod:`.comm` the
+collectives.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,8 +51,7 @@ from ..env import AUTO, SCHEDULE_ENV, TRACE_ENV
 from ..errors import UsbyteError
 from ..formats import Mode, Schedule
 from . import amp
-from .backward import StepComm
-from .buffers import FlatGrads
+from .backward import Phase
 from .checks import (
     broadcast_from_rank0,
     check_model,
@@ -61,8 +63,11 @@ from .checks import (
 from .comm import Channel
 from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
-from .forward import ForwardGates, _Hook
-from .updates import STREAM_UPDATE_GROUPS, HostUpdates, StreamUpdates, SubsetStepper
+from .installed import Installed, Options, install
+from .updates import STREAM_UPDATE_GROUPS
+
+if TYPE_CHECKING:
+    from .autotune import Probe, Tuner
 
 ScheduleArg = Schedule | str | os.PathLike | None
 
@@ -194,9 +199,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  check_every: int = 200, replan_on_drift: bool = False,
                  wait_in_backward: bool = False, trace: str | os.PathLike | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
-        if type(model).__name__ == "OptimizedModule" and isinstance(
-                getattr(model, "_orig_mod", None), torch.nn.Module):
-            model = model._orig_mod  # torch.compile(model): the hooks go on the module it runs
+        orig = getattr(model, "_orig_mod", None)
+        if type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module):
+            model = orig  # torch.compile(model): the hooks go on the module it runs
         self._opt = optimizer
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
@@ -249,10 +254,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         agree(process_group, None if sched is None else sched.digest(), error, device, timeout)
         assert sched is not None
         check_world_size(sched, ws, rank)
-        self.schedule = sched
-        self.schedule_source = source
-        #: The schedule's :class:`~usbyte_opt.formats.Mode`.
-        self.mode = sched.mode
         # 3. Same starting point everywhere: parameters (frozen ones too) and buffers.
         broadcast_from_rank0([p.detach() for p in model.parameters()], process_group, timeout)
         if broadcast_buffers:
@@ -261,90 +262,55 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._chan = Channel(process_group, device, timeout, one_in_flight)
         self._params = dict(params)
         self._device = device
-        self._options = {"passes": backward_passes_per_step, "find_unused": find_unused_parameters,
-                         "update_groups": update_groups, "wait_in_backward": bool(wait_in_backward),
-                         "buffers": list(model.buffers()) if broadcast_buffers and ws > 1 else []}
+        self._options = Options(backward_passes_per_step, find_unused_parameters, update_groups,
+                                bool(wait_in_backward),
+                                list(model.buffers()) if broadcast_buffers and ws > 1 else [],
+                                self._trace_path)
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
-        self._handles: list[Any] = []
-        self._trace = None
-        self._install(sched, source)
+        self._state = self._install(sched, source)
         self._closed = False
         OPEN.add(self)
-        self._tuner: Any = None
+        self._tuner: Tuner | None = None
         if auto or verify:
             from .autotune import Tuner
 
-            self._tuner = Tuner(self, auto=auto, verify=verify, auto_dir=auto_dir,
-                                check_every=check_every, replan_on_drift=replan_on_drift)
+            # The fallback is built once (auto runs start on it): the tuner compares schedules
+            # by identity.
+            fallback = sched if auto else fallback_schedule(model, ws)
+            self._tuner = Tuner(_Tuned(self), fallback, auto=auto, verify=verify,
+                                auto_dir=auto_dir, check_every=check_every,
+                                replan_on_drift=replan_on_drift)
 
-    def _install(self, sched: Schedule, source: str,
-                 carried: tuple[set[str], set[str]] | None = None) -> None:
-        """Build the per-schedule state (flat buffers, the step's communication, updates,
-        forward gates) and install the hooks. ``carried``: the names of the tensors seen in
-        their modules' forward and of those used outside them, learned by a previous
-        schedule's first iteration."""
-        model, device, o = self._model, self._device, self._options
-        self.schedule = sched
-        self.schedule_source = source
-        #: The schedule's :class:`~usbyte_opt.formats.Mode`.
-        self.mode = sched.mode
-        self._grads = g = FlatGrads(sched, self._params, device)
-        self._n, self._m = g.n, len(sched.blocks)
-        old = getattr(self, "_stepper", None)
-        self._stepper = SubsetStepper(self._opt, g, device, old.calls if old is not None else 0)
-        self._in_opt = [gi >= 0 for gi in self._stepper.group_of]
-        self._candidates = [t for t in range(g.n) if self._in_opt[t]]
-        self._updates: HostUpdates | StreamUpdates
-        if device.type == "cuda" and self.mode == Mode.OVERLAP:
-            self._updates = StreamUpdates(g, self._stepper, self._chan.wait, self._what, device,
-                                          o["update_groups"])
-        else:
-            self._updates = HostUpdates(g, self._stepper, self._chan.wait, self._what)
-        no_sync = getattr(self, "_comm", None) is not None and self._comm.no_sync
-        self._comm = StepComm(sched, g, self._chan, o["passes"], o["find_unused"],
-                              self._flush_for_backward, self._note_gradient,
-                              o["wait_in_backward"])
-        self._comm.no_sync = no_sync
-        self._gates = ForwardGates(model, g.params, self._updates, self._chan, o["buffers"],
-                                   self._comm.clear_flushed)
-        if carried is not None:
-            seen, extra = carried
-            gates = self._gates
-            gates.learning = False
-            gates.seen = [n in seen for n in g.names]
-            gates.root_extra = [t for t, n in enumerate(g.names) if n in extra]
-        self._handles = [p.register_post_accumulate_grad_hook(self._comm.hook(t))
-                         for t, p in enumerate(g.params)]
-        self._handles += self._gates.install()
-        self._handles.append(model.register_forward_pre_hook(_Hook(self._wrapper_check)))
-        # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
-        # only: a checkpoint may be written by rank 0 alone.
-        self._handles.append(model.register_state_dict_pre_hook(_Hook(self._settle_hook)))
-        self._handles.append(model.register_load_state_dict_pre_hook(_Hook(self._settle_hook)))
-        # A trace file given (or $USBYTE_TRACE): a Recorder of the measured timeline (.trace),
-        # else None. Imported only then, so the runtime does not depend on it.
-        if self._trace_path:
-            from .trace import attach
-
-            if self._trace is not None:
-                self._trace.close()
-            self._trace = self._comm.trace = attach(self, model, self._trace_path)
-            if isinstance(self._updates, HostUpdates):
-                self._updates.trace = self._trace
+    def _install(self, sched: Schedule, source: str, previous: Installed | None = None) -> Installed:
+        """The per-schedule state of ``sched``, its hooks installed (:mod:`.installed`)."""
+        return install(sched, source, self._model, self._options, optimizer=self._opt,
+                       params=self._params, chan=self._chan, wrapper_check=self._wrapper_check,
+                       settle=self._settle_hook, previous=previous)
 
     def _switch(self, sched: Schedule, source: str) -> None:
         """Run ``sched`` from the next iteration on: finish everything of the current one,
-        then rebuild. Every rank calls it at the same step (it waits, and issues nothing)."""
+        then replace the per-schedule state whole. Every rank calls it at the same step (it
+        waits, and issues nothing)."""
         self.synchronize()
-        gates, names = self._gates, self._grads.names
-        carried = ({names[t] for t in range(len(names)) if gates.seen[t]},
-                   {names[t] for t in gates.root_extra})
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        self._grads.detach()
-        self._install(sched, source, carried)
+        old = self._state
+        old.remove()
+        self._state = self._install(sched, source, old)
+
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule running."""
+        return self._state.schedule
+
+    @property
+    def schedule_source(self) -> str:
+        """Where the running schedule came from (a file, ``<auto schedule>``, ...)."""
+        return self._state.source
+
+    @property
+    def mode(self) -> Mode:
+        """The running schedule's :class:`~usbyte_opt.formats.Mode`."""
+        return self._state.schedule.mode
 
     # ------------------------------------------------------------------------------------
     # Set-up
@@ -371,16 +337,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         accumulation (inside :meth:`no_sync`, or before the last of
         ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
         read, Lightning's ``toggle_model``)."""
-        comm = self._comm
-        if comm.started and not comm.waited and not self._accumulating():
-            comm.complete("param_groups")
+        self._state.comm.complete_if_due("param_groups")
         return self._opt.param_groups
-
-    def _accumulating(self) -> bool:
-        """Between the backward passes of an accumulation: gradients have arrived, the last
-        pass has not (the step's all-reduce is not due yet)."""
-        comm = self._comm
-        return comm.started and not comm.issued and not comm.last and not comm.cb_queued
 
     @property
     def state(self) -> Any:  # type: ignore[override]
@@ -399,11 +357,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def optimizer_calls(self) -> int:
         """How many times the wrapped optimizer's ``step()`` has run (subset steps included),
         over every plan this optimizer has run."""
-        return self._stepper.calls
+        return self._state.stepper.calls
 
     def __repr__(self) -> str:
         return (f"DistributedOptimizer({type(self._opt).__name__}, schedule={self.schedule_source}"
-                f" [{self.schedule.strategy}, {self._m} blocks, {self.mode}], world_size="
+                f" [{self.schedule.strategy}, {self._state.m} blocks, {self.mode}], world_size="
                 f"{self._chan.world_size})")
 
     def __getattr__(self, name: str) -> Any:
@@ -432,35 +390,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self._trace is not None:
-            self._trace.step()
-        comm = self._comm
+        st = self._state
+        if st.trace is not None:
+            st.trace.step()
+        comm, stepper, mode = st.comm, st.stepper, st.mode
         comm.finish()  # every rank issues the whole step here at the latest
         found_inf = getattr(self, "found_inf", None)
         skip = False
         if found_inf is not None:  # called by GradScaler.step(self)
             skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
-        self._stepper.snapshot()
-        include = self._last_include = comm.include_rule(self._in_opt)
+        stepper.snapshot()
+        include = self._last_include = comm.include_rule(st.in_opt)
         if skip:
             comm.wait_blocks()
-            if self.mode == Mode.OVERLAP:
-                self._grads.release()
-        elif self.mode == Mode.FENCE:
+            if mode == Mode.OVERLAP:
+                st.grads.release()
+        elif mode == Mode.FENCE:
             comm.wait_blocks()
             probe = comm.probe
             if probe is not None:
                 probe.update_begin()
-            self._stepper.step([t for t in self._candidates if include(t)])
+            stepper.step([t for t in st.candidates if include(t)])
             if probe is not None:
                 probe.update_end()
             comm.expose_used()
         else:
-            self._updates.start(comm.works, include, self._candidates)
-            self._grads.release()
-        self._stepper.attrs = {}
-        comm.reset(clear_zero_intent=self.mode == Mode.OVERLAP)
-        self._gates.learning = False
+            st.updates.start(comm.works, include, st.candidates)
+            st.grads.release()
+        stepper.attrs = {}
+        comm.reset(clear_zero_intent=mode == Mode.OVERLAP)
+        st.gates.learning = False
         if self._tuner is not None:
             self._tuner.after_step()
         self._steps += 1
@@ -475,15 +434,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         uses in the next step is stepped with a zero gradient, as under DDP. Between backward
         and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
         """
-        g, comm = self._grads, self._comm
-        if comm.started and comm.issued and not comm.waited:
+        st = self._state
+        g, comm = st.grads, st.comm
+        if comm.phase is Phase.ISSUED:
             comm.complete("zero_grad()")  # never zero a buffer being all-reduced
-        if comm.waited:
+        if comm.phase is Phase.WAITED:
             comm.discard = set_to_none
         if set_to_none:
             for p in g.params:
                 p.grad = None
-            comm.zero_intent[:] = [False] * self._n
+            comm.zero_intent[:] = [False] * st.n
             return
         with torch.no_grad():
             for p in g.params:
@@ -493,10 +453,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        if self.mode == Mode.OVERLAP and (self._updates.n_pending or not comm.started):
+        if st.mode == Mode.OVERLAP and (st.updates.n_pending or comm.phase is Phase.IDLE):
             include = self._last_include
             zi = comm.zero_intent
-            for t in range(self._n):
+            for t in range(st.n):
                 if not zi[t] and (include(t) or g.params[t].grad is not None):
                     zi[t] = True
 
@@ -513,13 +473,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 if (i + 1) % 4 == 0:
                     opt.step(); opt.zero_grad()
         """
-        comm = self._comm
-        before = comm.no_sync
-        comm.no_sync = True
+        before = self._state.comm.no_sync
+        self._state.comm.no_sync = True
         try:
             yield
         finally:
-            self._comm.no_sync = before
+            self._state.comm.no_sync = before
 
     def _wrapper_check(self, *args: Any) -> None:
         """Forward pre-hook of the model: refuse a forward through DDP or FSDP (a trainer
@@ -534,7 +493,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         planning or verification the plan, the chosen side (``"plan"`` or ``"fallback"``),
         the measured ms per iteration of both, the prediction, and any drift warning."""
         base = {"schedule": {"source": self.schedule_source, "strategy": self.schedule.strategy,
-                             "mode": self.mode, "blocks": self._m},
+                             "mode": self.mode, "blocks": self._state.m},
                 "steps": self._steps, "world_size": self._chan.world_size}
         if self._tuner is not None:
             base.update(self._tuner.report())
@@ -558,20 +517,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         :meth:`no_sync`, or before the last of ``backward_passes_per_step``) there is nothing
         to wait for yet: it applies pending updates only, and the accumulation goes on.
         """
-        if self._comm.started and not self._comm.waited and not self._accumulating():
-            self._comm.complete("synchronize()")
+        self._state.comm.complete_if_due("synchronize()")
         self._settle()
-        if self._comm.usage_work is not None:
-            self._comm.usage_map()  # nothing of this step left in flight
+        comm = self._state.comm
+        if comm.usage_work is not None:
+            comm.usage_map()  # nothing of this step left in flight
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Wait for this step's averaged gradients, then clip them as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
         the total norm. Call it between ``backward()`` and ``step()``."""
-        if self._comm.started and not self._comm.waited:
-            self._comm.complete("clip_grad_norm_()")
-        params = [p for p in self._grads.params if p.grad is not None]
+        self._state.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
+        params = [p for p in self._state.grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
                                               foreach=foreach)
@@ -581,9 +539,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _settle(self) -> None:
         """Apply pending updates and install broadcast buffers: waits only, no new collective."""
-        if self._updates.n_pending:
-            self._updates.flush()
-        self._gates.wait_buffers()
+        st = self._state
+        if st.updates.n_pending:
+            st.updates.flush()
+        st.gates.wait_buffers()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, in its own format (pending updates applied
@@ -608,16 +567,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self.synchronize()
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-        self._grads.detach()
+        self._state.remove()
         self._release()
 
     def _release(self, grace_s: float | None = None) -> None:
         """Wait for every collective of this optimizer, drop the works and close the channel.
         With ``grace_s``, give up (and change nothing) if they have not all finished by then."""
-        works = self._comm.in_flight() + [w for w, *_ in self._gates.buf_pending]
+        st = self._state
+        works = st.comm.in_flight() + [w for w, *_ in st.gates.buf_pending]
         if grace_s is not None:
             deadline = time.monotonic() + grace_s
             while not all(w.is_completed() for w in works):
@@ -626,38 +583,70 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 time.sleep(0.002)
         for w in works:  # NCCL: completed on the host is not yet done on the stream
             self._chan.wait(w, "a collective in flight at close()")
-        self._comm.works = [None] * self._m
-        self._comm.usage_work = None
-        self._gates.buf_pending = []
+        st.comm.works = [None] * st.m
+        st.comm.usage_work = None
+        st.gates.buf_pending = []
         self._chan.close()
         self._closed = True
         OPEN.discard(self)
 
     # ------------------------------------------------------------------------------------
-    # Glue between the step's communication, the updates and the forward gates
+    # GradScaler
     # ------------------------------------------------------------------------------------
-
-    def _flush_for_backward(self) -> list[int]:
-        """The next backward starts: every pending update must be done first."""
-        return self._updates.flush() if self._updates.n_pending else []
-
-    def _note_gradient(self, t: int) -> None:
-        if self._gates.learning:
-            self._gates.note_gradient(t)
-
-    def _what(self, k: int) -> str:
-        b = self.schedule.blocks[k]
-        return f"all-reduce of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
 
     def _amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
         """GradScaler: unscale (if the scaler has not) and decide whether to skip the step.
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
-        self._comm.complete("GradScaler.step()")
-        amp.unscale(self._grads, grad_scale, self._chan.device)
+        st = self._state
+        st.comm.complete("GradScaler.step()")
+        amp.unscale(st.grads, grad_scale, self._chan.device)
         # A fused optimizer skips on the device, in either mode: no host read of found_inf.
         if self._chan.cuda and amp.supports_found_inf(self._opt):
-            self._stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
+            st.stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
             return False
         return amp.skip_on_host(found_inf)
 
 
+class _Tuned:
+    """The optimizer as its tuner sees it (:class:`~usbyte_opt.runtime.autotune.Tunable`):
+    the channel's control group, and the running schedule, its tensors and the hooks' probe
+    read through the per-schedule state in force."""
+
+    def __init__(self, opt: DistributedOptimizer):
+        self._opt = opt
+        chan = opt._chan
+        self.rank, self.world_size = chan.rank, chan.world_size
+        self.device, self.group = opt._device, opt._group
+        self.control_all_reduce = chan.control_all_reduce
+        self.control_broadcast = chan.control_broadcast
+        self.wait_host = chan.wait_host
+        self.all_reduce = chan.all_reduce_block
+        self.synchronize = opt.synchronize
+        self.switch = opt._switch
+
+    @property
+    def schedule(self) -> Schedule:
+        return self._opt.schedule
+
+    @property
+    def schedule_source(self) -> str:
+        return self._opt.schedule_source
+
+    @property
+    def tensor_count(self) -> int:
+        return self._opt._state.n
+
+    @property
+    def grad_itemsize(self) -> int:
+        return self._opt._state.grads.flats[0].element_size()
+
+    def tensors(self) -> list[tuple[str, torch.Tensor]]:
+        g = self._opt._state.grads
+        return list(zip(g.names, g.params))
+
+    def set_probe(self, probe: Probe | None) -> None:
+        st = self._opt._state
+        st.comm.probe = st.gates.probe = probe
+
+    def hold_communication(self, hold: bool) -> None:
+        self._opt._state.comm.defer = hold

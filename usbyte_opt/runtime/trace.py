@@ -52,7 +52,14 @@ import time
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from ..formats.chrome import ChromeTrace
+
+if TYPE_CHECKING:
+    from ..formats import Schedule
+    from .buffers import FlatGrads
+    from .comm import Channel
 
 #: Records kept per recorder at most (a long training run keeps its first ones).
 MAX_RECORDS = 200_000
@@ -152,15 +159,15 @@ class Recorder:
 
     def chrome(self) -> dict[str, Any]:
         """The Chrome trace-event document of what was recorded so far."""
+        return self._document().to_dict()
+
+    def _document(self) -> ChromeTrace:
         if self.clock is not None:
             self.records = self.clock.resolve(self.records)
-        us = 1e6
         pid = self.rank + 1
-        ev: list[dict[str, Any]] = [
-            {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": self.label}},
-            {"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "compute"}},
-            {"ph": "M", "pid": pid, "tid": 2, "name": "thread_name", "args": {"name": "all-reduce"}},
-        ]
+        tr = ChromeTrace(unit_us=1e6)
+        us = tr.us
+        tr.process(pid, self.label, {1: "compute", 2: "all-reduce"})
         recs = sorted(self.records, key=lambda r: r[-1] if r[0] != "G" else r[2])
         f0s = [r[1] for r in recs if r[0] == "F0"]
         f1s = [r[1] for r in recs if r[0] == "F1"]
@@ -172,23 +179,19 @@ class Recorder:
             if kind == "F0":
                 fwd_open = r[1]
             elif kind == "F1" and fwd_open is not None:
-                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "forward", "ts": fwd_open * us,
-                           "dur": (r[1] - fwd_open) * us})
+                tr.complete(pid, 1, "forward", fwd_open, r[1] - fwd_open)
                 fwd_open, bwd_open = None, r[1]
             elif kind == "S" and bwd_open is not None:
-                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "backward", "ts": bwd_open * us,
-                           "dur": (r[1] - bwd_open) * us})
+                tr.complete(pid, 1, "backward", bwd_open, r[1] - bwd_open)
                 bwd_open = None
             elif kind == "G":
                 need, t0, t1, t2 = r[1], r[2], r[3], r[4]
-                shown = [self.names[t] for t in need[:3]] + ([f"+{len(need) - 3}"] if len(need) > 3 else [])
-                label = ", ".join(shown)
+                label = ", ".join([self.names[t] for t in need[:3]]
+                                  + ([f"+{len(need) - 3}"] if len(need) > 3 else []))
                 if t1 - t0 > 0:
-                    ev.append({"ph": "X", "pid": pid, "tid": 1, "name": f"wait {label}",
-                               "ts": t0 * us, "dur": (t1 - t0) * us,
-                               "args": {"tensors": [self.names[t] for t in need]}})
-                ev.append({"ph": "X", "pid": pid, "tid": 1, "name": "update", "ts": t1 * us,
-                           "dur": max(t2 - t1, 0.0) * us})
+                    tr.complete(pid, 1, f"wait {label}", t0, t1 - t0,
+                                {"tensors": [self.names[t] for t in need]})
+                tr.complete(pid, 1, "update", t1, max(t2 - t1, 0.0))
         # The channel: blocks in issue order; each starts when issued and the previous is done.
         issued = [(r[2], r[1]) for r in self.records if r[0] == "I"]
         done: dict[int, list[float]] = {}
@@ -197,7 +200,6 @@ class Recorder:
                 done.setdefault(r[1], []).append(r[2])
         seen: dict[int, int] = {}
         prev_done = 0.0
-        blocks = []
         for t_issue, k in sorted(issued):
             i = seen.get(k, 0)
             seen[k] = i + 1
@@ -209,30 +211,25 @@ class Recorder:
             prev_done = max(prev_done, t_done)
             tensors = [self.names[t] for t in self.block_tensors[k]] if k < len(self.block_tensors) else []
             shown = ", ".join(tensors[:3]) + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
-            ev.append({"ph": "X", "pid": pid, "tid": 2, "name": f"#{k} {shown}", "ts": start * us,
-                       "dur": max(t_done - start, 0.0) * us,
-                       "args": {"bytes": self.block_bytes[k] if k < len(self.block_bytes) else None,
-                                "issued_us": t_issue * us, "queued_ms": (start - t_issue) * 1e3,
-                                "tensors": tensors}})
-            blocks.append((k, t_issue, t_done))
-        return {"traceEvents": ev, "displayTimeUnit": "ms",
-                "otherData": {"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
-                              "clock": ("CUDA events against a reference event, microseconds"
-                                        if self.clock is not None
-                                        else "time.perf_counter, microseconds"),
-                              "forward_begin_us": [t * us for t in f0s],
-                              "forward_end_us": [t * us for t in f1s],
-                              "step_us": [t * us for t in steps],
-                              "blocks": len(self.block_bytes)}}
+            tr.complete(pid, 2, f"#{k} {shown}", start, max(t_done - start, 0.0),
+                        {"bytes": self.block_bytes[k] if k < len(self.block_bytes) else None,
+                         "issued_us": us(t_issue), "queued_ms": (start - t_issue) * 1e3,
+                         "tensors": tensors})
+        tr.other.update({"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
+                         "clock": ("CUDA events against a reference event, microseconds"
+                                   if self.clock is not None else "time.perf_counter, microseconds"),
+                         "forward_begin_us": [us(t) for t in f0s],
+                         "forward_end_us": [us(t) for t in f1s],
+                         "step_us": [us(t) for t in steps],
+                         "blocks": len(self.block_bytes)})
+        return tr
 
     def save(self) -> Path | None:
         """Write the trace (atomically); ``None`` when nothing was recorded."""
         if not self.records:
             return None
-        from ..formats import write_json
-
         self.written = True
-        return write_json(self.path, self.chrome())
+        return self._document().write(self.path)
 
     def close(self) -> Path | None:
         """Remove the hooks and write the trace."""
@@ -242,26 +239,23 @@ class Recorder:
         return self.save()
 
 
-def attach(optimizer: Any, model: Any, path: str) -> Recorder:
-    """A recorder for ``optimizer`` (a DistributedOptimizer) writing ``path`` (per rank,
-    :func:`path_for_rank`). Installs its model hooks and registers it for :func:`flush_all`
-    and exit."""
+def attach(path: str, schedule: Schedule, grads: FlatGrads, chan: Channel) -> Recorder:
+    """A recorder of the runtime running ``schedule`` on the flat buffers ``grads`` over the
+    channel ``chan``, writing ``path`` (per rank, :func:`path_for_rank`); registered for
+    :func:`flush_all` and exit. Its model hooks are :meth:`Recorder.install`'s."""
     import torch.distributed as dist
 
     global _atexit_done
-    rank = dist.get_rank(optimizer._group) if dist.is_initialized() else 0
-    g = optimizer._grads
-    sched = optimizer.schedule
-    sizes = [(b.end - b.start) * v.element_size() for b, v in zip(sched.blocks, g.block_views)]
+    rank = dist.get_rank(chan.group) if dist.is_initialized() else 0
+    sizes = [(b.end - b.start) * v.element_size() for b, v in zip(schedule.blocks, grads.block_views)]
     from ..collectives.issuers import backend_for
 
-    device = optimizer._chan.device
-    host_finish = device.type == "cuda" and backend_for(optimizer._group, device) != "nccl"
-    rec = Recorder(path_for_rank(path, rank), rank, list(g.names), sizes,
-                   [list(ts) for ts in g.block_tensors],
-                   f"rank {rank} (measured, {sched.strategy})", device=device,
+    device = chan.device
+    host_finish = device.type == "cuda" and backend_for(chan.group, device) != "nccl"
+    rec = Recorder(path_for_rank(path, rank), rank, list(grads.names), sizes,
+                   [list(ts) for ts in grads.block_tensors],
+                   f"rank {rank} (measured, {schedule.strategy})", device=device,
                    host_finish=host_finish)
-    rec.install(model)
     with _lock:
         _recorders.add(rec)
         if not _atexit_done:

@@ -18,15 +18,51 @@ runs once the blocks covering it have finished. Three policies:
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from .buffers import FlatGrads
 
+if TYPE_CHECKING:
+    from .trace import Recorder
+
 #: Default number of optimizer calls per step in :class:`StreamUpdates`.
 STREAM_UPDATE_GROUPS = 8
+
+
+class Updates(Protocol):
+    """The pending updates of one step: what :class:`~usbyte_opt.runtime.DistributedOptimizer`
+    and its forward gates (:mod:`.forward`) ask of them, in overlap mode.
+
+    :class:`HostUpdates` and :class:`StreamUpdates` provide it; a third implementation (one
+    that steps a shard of each tensor and gathers the rest before use, say) must provide:
+
+    * :meth:`start`, at ``step()``: the tensors ``candidates`` are now pending on this step's
+      block collectives ``works`` (``None``: not issued on this rank, a world of one);
+      ``include(t)``, asked when ``t``'s update runs, says whether it is stepped (the works
+      may still be in flight);
+    * :meth:`gate`, in a module's forward pre-hook: the forward is about to read the tensors
+      ``need``; when it returns, their updated values are what the current stream reads;
+    * :meth:`flush`: every pending update is done (for the current stream) when it returns;
+      it returns the tensors no gate had covered (the stale-use check of the next backward);
+    * :attr:`n_pending`: how many tensors are pending (0: the gates do nothing);
+    * :attr:`pending`: per tensor, whether it is pending, or ``None`` when the
+      implementation does not track it per tensor (then every gate calls :meth:`gate`).
+    """
+
+    n_pending: int
+
+    @property
+    def pending(self) -> Sequence[bool] | None: ...
+
+    def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
+              candidates: Sequence[int]) -> None: ...
+
+    def gate(self, need: Sequence[int]) -> None: ...
+
+    def flush(self) -> list[int]: ...
 
 
 class SubsetStepper:
@@ -117,10 +153,12 @@ class HostUpdates:
         stepper: steps the wrapped optimizer.
         wait: ``wait(work, what)`` for a block's collective.
         what: ``what(k)`` describes block ``k`` in errors.
+        trace: the :class:`~usbyte_opt.runtime.trace.Recorder` that notes each gate, or None.
     """
 
     def __init__(self, grads: FlatGrads, stepper: SubsetStepper,
-                 wait: Callable[[dist.Work, str], None], what: Callable[[int], str]):
+                 wait: Callable[[dist.Work, str], None], what: Callable[[int], str],
+                 trace: Recorder | None = None):
         self.grads, self.stepper, self._wait, self._what = grads, stepper, wait, what
         n, m = grads.n, len(grads.block_views)
         self.n, self.m = n, m
@@ -133,7 +171,7 @@ class HostUpdates:
         self.ready: list[int] = []      # pending tensors whose blocks are all complete
         self.works: list[dist.Work | None] = [None] * m
         self.include: Callable[[int], bool] = lambda t: False
-        self.trace: Any = None
+        self.trace = trace
 
     def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
               candidates: Sequence[int]) -> None:
@@ -197,14 +235,6 @@ class HostUpdates:
         self.ready = []
         return self._apply([t for t in range(self.n) if self.pending[t]])
 
-    def wait_all(self) -> None:
-        """Wait for every block of the step without updating (a skipped step)."""
-        for k in range(self.m):
-            w = self.works[k]
-            if w is not None and not self.complete[k]:
-                self._wait(w, self._what(k))
-        self.complete = [True] * self.m
-
     def _apply(self, ts: list[int]) -> list[int]:
         if not ts:
             return []
@@ -251,6 +281,8 @@ class StreamUpdates:
         self.active = False
         self.waited = -1
         self.n_pending = 0
+        #: Not tracked per tensor: a gate is one event wait.
+        self.pending = None
 
     def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
               candidates: Sequence[int]) -> None:
@@ -303,11 +335,6 @@ class StreamUpdates:
         self.active = False
         self.n_pending = 0
         return late
-
-    def wait_all(self, works: Sequence[dist.Work | None]) -> None:
-        for k, w in enumerate(works):
-            if w is not None:
-                self._wait(w, self._what(k))
 
 
 def update_groups(last: Sequence[int], groups: int) -> list[int]:

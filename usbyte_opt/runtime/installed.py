@@ -1,0 +1,185 @@
+"""The per-schedule state of a :class:`~usbyte_opt.runtime.DistributedOptimizer`.
+
+Everything that depends on the schedule running (the flat buffers, the step's communication,
+the pending updates, the forward gates, their hooks, the trace recorder) is one
+:class:`Installed`, built by :func:`install` from the schedule, the model and the
+:class:`Options`. The optimizer holds one; a plan switch (the tuner's) removes it
+(:meth:`Installed.remove`) and installs a new one in its place, never a part of it. What lasts
+across schedules (the wrapped optimizer and its state, the channel, the step count) stays
+on the optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ..formats import Mode, Schedule
+from .backward import StepComm
+from .buffers import FlatGrads
+from .comm import Channel
+from .forward import ForwardGates, _Hook
+from .updates import HostUpdates, StreamUpdates, SubsetStepper, Updates
+
+if TYPE_CHECKING:
+    from .trace import Recorder
+
+
+@dataclass(frozen=True)
+class Options:
+    """The optimizer's options that every schedule is installed with.
+
+    Attributes:
+        passes: backward passes per ``step()``.
+        find_unused: exchange the usage map each step.
+        update_groups: optimizer calls per step of :class:`~.updates.StreamUpdates`.
+        wait_in_backward: DDP's gradient contract (wait at the end of backward).
+        buffers: the module buffers broadcast from rank 0 after each training forward.
+        trace_path: the Chrome trace to record (:mod:`.trace`), or None.
+    """
+
+    passes: int
+    find_unused: bool
+    update_groups: int
+    wait_in_backward: bool
+    buffers: list[torch.Tensor]
+    trace_path: str | None
+
+
+@dataclass(eq=False)
+class Installed:
+    """One schedule installed on the model: its state and the hooks that read it.
+
+    Attributes:
+        schedule: the schedule running.
+        source: where it came from (a file name, ``<auto schedule>``, ...).
+        grads: the flat gradient buffers.
+        stepper: steps the wrapped optimizer on subsets of the tensors.
+        in_opt: per tensor, whether the wrapped optimizer steps it.
+        candidates: the tensors it steps, in runtime order.
+        updates: the pending updates (overlap mode; in fence mode they are never started).
+        comm: the communication state of the step in progress.
+        gates: the forward-side hooks.
+        handles: every hook handle :func:`install` registered (:meth:`remove` removes them).
+        trace: the recorder of the measured timeline, or None.
+    """
+
+    schedule: Schedule
+    source: str
+    grads: FlatGrads
+    stepper: SubsetStepper
+    in_opt: list[bool]
+    candidates: list[int]
+    updates: Updates
+    comm: StepComm
+    gates: ForwardGates
+    handles: list[Any]
+    trace: Recorder | None
+
+    @property
+    def mode(self) -> Mode:
+        """The schedule's :class:`~usbyte_opt.formats.Mode`."""
+        return self.schedule.mode
+
+    @property
+    def n(self) -> int:
+        """Trainable tensors."""
+        return self.grads.n
+
+    @property
+    def m(self) -> int:
+        """Blocks of the schedule."""
+        return len(self.schedule.blocks)
+
+    def learned(self) -> tuple[set[str], set[str]]:
+        """The names of the tensors seen in their modules' forward, and of those used outside
+        them (learned in this schedule's first iteration), for the next schedule."""
+        gates, names = self.gates, self.grads.names
+        return ({names[t] for t in range(len(names)) if gates.seen[t]},
+                {names[t] for t in gates.root_extra})
+
+    def remove(self) -> None:
+        """Remove the hooks and give the parameters their own gradients back."""
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.grads.detach()
+
+
+def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Options, *,
+            optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
+            chan: Channel, wrapper_check: Callable[..., None], settle: Callable[..., None],
+            previous: Installed | None = None) -> Installed:
+    """Build the state of ``schedule`` and install its hooks on ``model``.
+
+    Args:
+        schedule: the schedule (checked against the model already).
+        source: where it came from.
+        model: the module being trained.
+        options: the optimizer's options.
+        optimizer: the wrapped optimizer.
+        params: the trainable parameters by name.
+        chan: the channel of the collectives.
+        wrapper_check: the model's forward pre-hook that refuses a DDP or FSDP wrapper.
+        settle: the model's state-dict pre-hook (applies pending updates).
+        previous: the state this one replaces (removed already): the optimizer calls so far,
+            ``no_sync()`` in force and what its first iteration learned carry over, and its
+            trace is closed.
+    """
+    device = chan.device
+    grads = FlatGrads(schedule, params, device)
+    stepper = SubsetStepper(optimizer, grads, device,
+                            previous.stepper.calls if previous is not None else 0)
+    in_opt = [gi >= 0 for gi in stepper.group_of]
+    trace: Recorder | None = None
+    # A trace file given (or $USBYTE_TRACE): a recorder of the measured timeline. Imported only
+    # then, so the runtime does not depend on it.
+    if options.trace_path:
+        from .trace import attach
+
+        if previous is not None and previous.trace is not None:
+            previous.trace.close()
+        trace = attach(options.trace_path, schedule, grads, chan)
+
+    # The step's callbacks into the updates and the gates, which are built below.
+    def flush_for_backward() -> list[int]:
+        """The next backward starts: every pending update must be done first."""
+        return updates.flush() if updates.n_pending else []
+
+    def note_gradient(t: int) -> None:
+        if gates.learning:
+            gates.note_gradient(t)
+
+    comm = StepComm(schedule, grads, chan, options.passes, options.find_unused,
+                    flush_for_backward, note_gradient, options.wait_in_backward)
+    comm.no_sync = previous is not None and previous.comm.no_sync
+    comm.trace = trace
+    updates: Updates
+    if device.type == "cuda" and schedule.mode == Mode.OVERLAP:
+        updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
+                                options.update_groups)
+    else:
+        updates = HostUpdates(grads, stepper, chan.wait, comm.what, trace)
+    gates = ForwardGates(model, grads.params, updates, chan, options.buffers,
+                         comm.clear_flushed)
+    if previous is not None:
+        seen, extra = previous.learned()
+        gates.learning = False
+        gates.seen = [n in seen for n in grads.names]
+        gates.root_extra = [t for t, n in enumerate(grads.names) if n in extra]
+    handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
+                          for t, p in enumerate(grads.params)]
+    handles += gates.install()
+    handles.append(model.register_forward_pre_hook(_Hook(wrapper_check)))
+    # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
+    # only: a checkpoint may be written by rank 0 alone.
+    handles.append(model.register_state_dict_pre_hook(_Hook(settle)))
+    handles.append(model.register_load_state_dict_pre_hook(_Hook(settle)))
+    if trace is not None:
+        trace.install(model)   # after the gates: its forward start runs before theirs
+    return Installed(schedule, source, grads, stepper, in_opt,
+                     [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
+                     trace)
