@@ -746,6 +746,32 @@ LOOPS.update({
 })
 
 
+def sched_aligned(model: nn.Module, ws: int = 2) -> Schedule:
+    """Crosscut blocks with their cuts inside tensors moved to 16-byte multiples of the
+    tensor's start (what the planner writes for an NCCL profile)."""
+    from usbyte_opt.planning.problem import align_cuts
+
+    s = sched_crosscut(model, ws)
+    pb = problem_of(model, ws)
+    lay = pb.layout(s.buffers)
+    return make_schedule(pb, lay, align_cuts(lay, s.blocks, 16), "aligned")
+
+
+def case_aligned(rank: int, ws: int, schedule: Callable) -> dict:
+    """Flat buffers with every tensor on a 16-byte boundary (what CUDA gets); with aligned
+    cuts every block starts on one too."""
+    out = run_plain(SmallCNN, OPTIMIZERS["adam"], schedule, image_batch, mse, rank, ws,
+                    usb_kwargs={"align_bytes": 16})
+    torch.manual_seed(0)
+    m = SmallCNN()
+    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, schedule(m, ws),
+                               verify=False, align_bytes=16)
+    g = opt._state.grads
+    out["block_offsets_bytes"] = [v.data_ptr() - g.flats[0].data_ptr() for v in g.block_views]
+    out["tensor_offsets_bytes"] = [v.data_ptr() - g.flats[0].data_ptr() for v in g.views]
+    return out
+
+
 STRATEGY_NAMES = ("wfbp", "ddp", "mgwfbp", "bytescheduler", "usbyte")
 
 CASES: dict[str, Callable[[int, int], dict]] = {}
@@ -778,6 +804,8 @@ CASES.update({
     "two_in_flight": lambda r, w: run_plain(SmallCNN, OPTIMIZERS["adam"], sched_crosscut,
                                             image_batch, mse, r, w,
                                             usb_kwargs={"one_in_flight": False}),
+    "aligned_buffers": lambda r, w: case_aligned(r, w, sched_crosscut),
+    "aligned_buffers_and_cuts": lambda r, w: case_aligned(r, w, sched_aligned),
 })
 for _n in STRATEGY_NAMES:
     CASES[f"strategy-{_n}"] = (lambda n: lambda r, w: case_strategy(n, r, w))(_n)
@@ -822,6 +850,17 @@ def test_matches_ddp(results: list[dict[str, dict]], case: str) -> None:
             pytest.skip(got["skip"])
         assert "error" not in got, f"rank {rank}: {got['error']}\n{got.get('trace', '')}"
         assert got["diff"] <= TOL, f"rank {rank}: max abs difference {got['diff']:.3g} > {TOL}"
+
+
+def test_aligned_buffers_start_every_tensor_and_aligned_block_on_16_bytes(
+        results: list[dict[str, dict]]) -> None:
+    for name in ("aligned_buffers", "aligned_buffers_and_cuts"):
+        got = results[0][name]
+        assert "error" not in got, got.get("trace")
+        assert all(o % 16 == 0 for o in got["tensor_offsets_bytes"]), got["tensor_offsets_bytes"]
+    offs = results[0]["aligned_buffers"]["block_offsets_bytes"]
+    assert any(o % 16 for o in offs), "crosscut blocks should include unaligned ones"
+    assert all(o % 16 == 0 for o in results[0]["aligned_buffers_and_cuts"]["block_offsets_bytes"])
 
 
 def test_batchnorm_buffers_follow_rank0(results: list[dict[str, dict]]) -> None:

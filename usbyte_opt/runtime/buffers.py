@@ -7,6 +7,12 @@ the optimizer's elementwise kernels see matching layouts). A block is a slice of
 buffer: the all-reduce needs no copy in or out. Tensors are indexed ``0..n-1`` in layout order
 (buffer by buffer).
 
+With ``align_bytes`` (16 on CUDA: NCCL's vectorised kernels want it) every tensor starts on a
+multiple of that many bytes of its buffer: the padding after a tensor is zeros, belongs to
+the block that ends there, and is all-reduced with it (zeros sum to zeros). A block boundary
+inside a tensor keeps its distance from the tensor's start, so it is aligned when the
+schedule cut it on such a multiple (:func:`usbyte_opt.planning.problem.align_cuts`).
+
 While a step's gradients are being produced, ``p.grad`` *is* the view (:meth:`FlatGrads.take`
 puts a fresh gradient there); between ``step()`` and the next backward the views belong to
 the pending update, and ``p.grad`` is ``None`` (:meth:`FlatGrads.release`), so nothing the
@@ -55,6 +61,16 @@ def dense_strides(shape: Sequence[int], stride: Sequence[int]) -> bool:
     return True
 
 
+def _place(starts: Sequence[int], at: Sequence[int], end: int, o: int) -> int:
+    """Where schedule offset ``o`` of a buffer lies in its flat tensor: at the same distance
+    from its tensor's start (``starts`` packed, ``at`` in the flat tensor, whose last entry is
+    its length); the buffer's end is the flat tensor's end, padding included."""
+    if o >= end:
+        return at[-1]
+    j = bisect_right(starts, o) - 1
+    return at[j] + (o - starts[j])
+
+
 class FlatGrads:
     """The flat buffers of one model and the maps between tensors and blocks.
 
@@ -62,34 +78,53 @@ class FlatGrads:
         schedule: a schedule already checked against the model (:func:`checks.check_model`).
         params: trainable parameters by name (every name the schedule lists).
         device: where the buffers live (the parameters' device).
+        align_bytes: start every tensor on a multiple of this many bytes (0: packed).
+
+    Example::
+
+        >>> import torch
+        >>> from usbyte_opt.runtime.default_plan import default_schedule, trainable_parameters
+        >>> model = torch.nn.Linear(3, 2)
+        >>> g = FlatGrads(default_schedule(model), dict(trainable_parameters(model)),
+        ...               torch.device("cpu"), align_bytes=16)
+        >>> g.region, g.flats[0].numel(), [tuple(v.shape) for v in g.block_views]
+        ([(0, 0, 2), (0, 4, 10)], 12, [(12,)])
     """
 
     __slots__ = ("names", "params", "flats", "views", "region", "block_views", "block_tensors",
                  "tensor_blocks", "index", "cuda")
 
     def __init__(self, schedule: Schedule, params: Mapping[str, torch.nn.Parameter],
-                 device: torch.device):
+                 device: torch.device, align_bytes: int = 0):
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.region: list[tuple[int, int, int]] = []
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
         self.cuda = device.type == "cuda"
-        starts: list[list[int]] = []
+        starts: list[list[int]] = []      # packed: the schedule's element offsets
+        phys: list[list[int]] = []        # where each tensor starts in the flat buffer
+        packed_end: list[int] = []
         members: list[list[int]] = []
         for b, buf in enumerate(schedule.buffers):
-            offs, idx, off = [], [], 0
+            dtype = params[buf.tensors[0]].dtype
+            a = max(1, align_bytes // torch.empty((), dtype=dtype).element_size())
+            offs, at, idx, off, pos = [], [], [], 0, 0
             for name in buf.tensors:
                 p = params[name]
                 offs.append(off)
+                at.append(pos)
                 idx.append(len(self.names))
                 self.names.append(name)
                 self.params.append(p)
-                self.region.append((b, off, off + p.numel()))
+                self.region.append((b, pos, pos + p.numel()))
                 off += p.numel()
+                pos += -(-p.numel() // a) * a
             starts.append(offs)
+            packed_end.append(off)
+            phys.append(at + [pos])
             members.append(idx)
-            self.flats.append(torch.zeros(off, dtype=params[buf.tensors[0]].dtype, device=device))
+            self.flats.append(torch.zeros(pos, dtype=dtype, device=device))
         self.index = {n: i for i, n in enumerate(self.names)}
         for t, p in enumerate(self.params):
             b, s, e = self.region[t]
@@ -103,8 +138,9 @@ class FlatGrads:
         self.block_tensors: list[list[int]] = []
         self.tensor_blocks: list[list[int]] = [[] for _ in self.names]
         for k, blk in enumerate(schedule.blocks):
-            self.block_views.append(self.flats[blk.buffer][blk.start:blk.end])
-            st = starts[blk.buffer]
+            st, at, end = starts[blk.buffer], phys[blk.buffer], packed_end[blk.buffer]
+            lo, hi = _place(st, at, end, blk.start), _place(st, at, end, blk.end)
+            self.block_views.append(self.flats[blk.buffer][lo:hi])
             lo = max(bisect_right(st, blk.start) - 1, 0)
             hi = bisect_left(st, blk.end)
             ts = members[blk.buffer][lo:hi]

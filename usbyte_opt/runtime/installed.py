@@ -39,6 +39,7 @@ class Options:
         wait_in_backward: DDP's gradient contract (wait at the end of backward).
         buffers: the module buffers broadcast from rank 0 after each training forward.
         trace_path: the Chrome trace to record (:mod:`.trace`), or None.
+        align_bytes: where each tensor of the flat buffers starts (:class:`~.buffers.FlatGrads`).
     """
 
     passes: int
@@ -47,6 +48,7 @@ class Options:
     wait_in_backward: bool
     buffers: list[torch.Tensor]
     trace_path: str | None
+    align_bytes: int = 0
 
 
 @dataclass(eq=False)
@@ -130,7 +132,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
             trace is closed.
     """
     device = chan.device
-    grads = FlatGrads(schedule, params, device)
+    grads = FlatGrads(schedule, params, device, options.align_bytes)
     stepper = SubsetStepper(optimizer, grads, device,
                             previous.stepper.calls if previous is not None else 0)
     in_opt = [gi >= 0 for gi in stepper.group_of]

@@ -161,6 +161,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         trace: record the measured timeline as a Chrome trace in this file (each rank but 0
             adds ``.rankN`` before the suffix, :mod:`usbyte_opt.runtime.trace`); default:
             ``$USBYTE_TRACE`` (what ``usbyte-opt launch --trace`` sets), else no trace.
+        align_bytes: start every tensor of the flat buffers on a multiple of this many bytes
+            (padding between tensors, all-reduced as zeros), so that each block starts there
+            when the schedule cuts tensors on such multiples (the planner does for an NCCL
+            profile); default 16 on CUDA, where NCCL's vectorised kernels want it, else none.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -197,7 +201,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  one_in_flight: bool | None = None, update_groups: int = STREAM_UPDATE_GROUPS,
                  verify: bool = True, auto_dir: str | os.PathLike | None = None,
                  check_every: int = 200, replan_on_drift: bool = False,
-                 wait_in_backward: bool = False, trace: str | os.PathLike | None = None):
+                 wait_in_backward: bool = False, trace: str | os.PathLike | None = None,
+                 align_bytes: int | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         orig = getattr(model, "_orig_mod", None)
         if type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module):
@@ -265,7 +270,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._options = Options(backward_passes_per_step, find_unused_parameters, update_groups,
                                 bool(wait_in_backward),
                                 list(model.buffers()) if broadcast_buffers and ws > 1 else [],
-                                self._trace_path)
+                                self._trace_path,
+                                (16 if device.type == "cuda" else 0) if align_bytes is None
+                                else int(align_bytes))
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
         self._state = self._install(sched, source)
