@@ -113,6 +113,11 @@ class Trainee:
         """The runtime's report (``DistributedOptimizer.report()``); ``None`` for the others."""
         return self.opt.report() if self.kind == "runtime" else None
 
+    def record_trace(self, on: bool) -> None:
+        """Turn the runtime's measured timeline on or off (a runtime with a trace file only)."""
+        if self.kind == "runtime":
+            self.opt.record_trace(on)
+
     def drain(self) -> None:
         """Finish pending communication and updates (the runtime's lazy updates)."""
         if self.kind == "runtime":
@@ -123,6 +128,9 @@ class Trainee:
         return torch.cat([p.detach().reshape(-1).float().cpu()
                           for p in self.plain.parameters() if p.requires_grad])
 
+
+#: Iterations of the untimed pass in which a runtime with a trace file records its timeline.
+TRACED = 10
 
 #: Iterations a planning or verifying runtime may take to settle before it is timed.
 SETTLE_CAP = 120
@@ -158,14 +166,18 @@ def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
 
 def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup: int,
                device: torch.device, first_warmup: int = 3,
-               progress: Callable[[str], None] | None = None) -> None:
+               progress: Callable[[str], None] | None = None, traced: int = 0) -> None:
     """Time ``iterations`` steady-state iterations of every trainee, in ``rounds`` turns each.
 
     Every trainee first runs ``first_warmup`` iterations once (DDP rebuilds its buckets after
     the first, the runtime learns its hooks' order in it); then, round after round, each takes
     a turn of ``warmup`` untimed and ``ceil(iterations / rounds)`` timed iterations (fewer in
-    the last round, so the total is ``iterations``).
+    the last round, so the total is ``iterations``). Runtimes with a trace file record their
+    measured timeline only in a last, untimed pass of ``traced`` iterations that every trainee
+    runs (recording costs the host time in the hooks, which DDP's timed iterations do not pay).
     """
+    for t in trainees:
+        t.record_trace(False)
     for t in trainees:
         for _ in range(first_warmup):
             t.iteration()
@@ -192,6 +204,14 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
             if progress:
                 progress(f"round {r + 1}/{rounds}: {t.name}")
             turn(t, warmup, k, device)
+    if traced > 0:
+        for t in trainees:
+            t.record_trace(True)
+            for _ in range(traced):
+                t.iteration()
+            t.drain()
+            t.record_trace(False)
+            dist.barrier()
 
 
-__all__ = ["BATCHES", "Trainee", "interleave", "turn"]
+__all__ = ["BATCHES", "TRACED", "Trainee", "interleave", "turn"]

@@ -162,7 +162,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     from ..group import init_from_env
     from ..profiler.run import profile_model
     from ..runtime import trace as trace_mod
-    from .train import Trainee, interleave
+    from .train import TRACED, Trainee, interleave
 
     dev = resolve_device(job.device)
     if dev.type == "cpu":
@@ -279,7 +279,8 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                                         verify=job.verify, trace=traces.get(s)))
         say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
         interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
-                   first_warmup=job.first_warmup, progress=say)
+                   first_warmup=job.first_warmup, progress=say,
+                   traced=min(TRACED, job.iterations) if job.trace else 0)
         t_train = time.perf_counter() - t_start - t_profile - t_probe - t_plan
         if job.trace:
             trace_mod.flush_all()

@@ -514,6 +514,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               "schedule=\"auto\" or a schedule with verify=True)")
         self._tuner.replan()
 
+    def record_trace(self, on: bool) -> None:
+        """Start (``True``) or stop recording the measured timeline, when a trace file was
+        given (``trace=`` or ``$USBYTE_TRACE``; else nothing to do). Recording is on from the
+        start; ``usbyte-opt bench`` times iterations with it off, as DDP's are timed, and
+        records a separate pass."""
+        if self._state.trace is not None:
+            self._state.trace.paused = not on
+
     def synchronize(self) -> None:
         """Finish all communication and updates: call before eval, checkpoints, the end.
 
