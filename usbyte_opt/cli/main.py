@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         argv.insert(0, "--debug")
     if debug:
         os.environ[DEBUG_ENV] = "1"  # for the ranks `launch` and `profile` start
+    from . import common
+
+    common.ARGV[:] = argv[1:] if argv[:1] == ["--debug"] else argv
     try:
         # Not standalone: usage errors come back here to be printed on one line, like the rest.
         code = app(args=argv, prog_name="usbyte-opt", standalone_mode=False)

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..collectives.sweep import median
-from ..errors import UsbyteError
+from ..errors import UsbyteError, first_line
 from ..first_use import FirstUse
 from ..models import check_loss
 
@@ -335,9 +335,8 @@ class IterationTimer:
             except Exception as e:
                 if type(e).__module__.startswith("torch.distributed"):
                     raise
-                first = str(e).splitlines()[0] if str(e) else ""
                 raise UsbyteError(f"model {self.label!r}: the first training iteration raised "
-                                  f"{type(e).__name__}: {first} (--debug shows the traceback)") from e
+                                  f"{type(e).__name__}: {first_line(e, '')} (--debug shows the traceback)") from e
             n_discovered = len(self.calls)
             got_grad = [p.grad is not None for p in self.params]
             tm = self.timings
