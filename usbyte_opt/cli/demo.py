@@ -147,7 +147,7 @@ def demo(
     Besides the strategies, the model also trains without communication (no-comm), which
     measures the compute the prediction assumed.
     """
-    from ..bench import BenchConfig, run_bench
+    from ..bench import BenchConfig, ProfileOptions, run_bench
 
     keep = output_dir is not None
     if keep:
@@ -156,8 +156,8 @@ def demo(
     cfg = BenchConfig(model=model, nproc=2, iterations=iterations, batch_size=batch_size,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       out_dir=out, rounds=2, warmup=1, reference=True, plot=keep, trace=keep,
-                      profile_warmup=2, profile_repeats=5, comm_points=8, comm_repeats=3,
-                      stable_s=5.0, timeout_s=600.0, extra={"probe_points": 3, "probe_repeats": 2})
+                      profiling=ProfileOptions(warmup=2, repeats=5, comm_points=8, comm_repeats=3,
+                                               stable_s=5.0), timeout_s=600.0)
     try:
         result = run_bench(cfg, progress=None if as_json else console.info)
     finally:
