@@ -72,6 +72,17 @@ class DistributedError(UsbyteError):
     exit_code = 4
 
 
+class PeerFailure(DistributedError):
+    """A collective failed on this rank because another rank stopped or timed out: not this
+    rank's own failure. Its error file says so (:mod:`usbyte_opt.launcher`), so that the
+    launcher names the rank that caused it; with ``silent`` (ranks that launcher started) the
+    rank prints nothing itself."""
+
+    def __init__(self, message: str, silent: bool = False):
+        super().__init__(message)
+        self.silent = silent
+
+
 def first_line(exc: BaseException, default: str | None = None) -> str:
     """The first line of ``exc``'s message, for a one-line report; ``default`` (the exception's
     type name unless given) when the message is empty.
@@ -89,5 +100,5 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return type(exc).__name__ if default is None else default
 
 
-__all__ = ["DistributedError", "ExitError", "FormatError", "MismatchError", "UsageError",
-           "UsbyteError", "first_line"]
+__all__ = ["DistributedError", "ExitError", "FormatError", "MismatchError", "PeerFailure",
+           "UsageError", "UsbyteError", "first_line"]

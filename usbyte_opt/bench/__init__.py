@@ -225,7 +225,8 @@ def _run_workers(job_path: Path, nproc: int, logs: Path, lab: Any, timeout_s: fl
                                f"(logs in {logs})")
     if res.failed:
         r = res.failed[0]
-        msg = res.errors.get(r) or f"exited with code {res.codes[r]}"
+        error = res.errors.get(r)
+        msg = error.message if error is not None else f"exited with code {res.codes[r]}"
         raise UsbyteError(f"bench: rank {r}: {msg} (log: {logs / f'rank{r}.log'})")
 
 

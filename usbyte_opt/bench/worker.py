@@ -17,7 +17,8 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
    to rank 0, which writes ``raw.json`` in the output folder.
 
 Rank 0 prints progress as ``@@ <text>`` lines on stderr (the launcher shows them); a failure
-is one ``error: <message>`` line and exit code 1.
+is recorded in the rank's torch elastic error file, which the launcher reads, and is one
+``error: <message>`` line in the rank's log; the exit code is 1.
 """
 
 from __future__ import annotations
@@ -495,17 +496,24 @@ def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: An
     }
 
 
+def _work(job_file: str) -> None:
+    run_rank(Job.load(job_file))
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``."""
+    """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``. A failure
+    is recorded in the rank's error file for the launcher (:func:`usbyte_opt.launcher.record_rank`)
+    and written to stderr (the rank's log) as one ``error:`` line."""
     from ..errors import UsbyteError, first_line
+    from ..launcher import record_rank
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run_rank(Job.load(argv[0]))
+        record_rank(_work)(argv[0])
     except UsbyteError as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
-    except Exception as e:  # noqa: BLE001 - one line for the launcher; traceback above it
+    except Exception as e:  # noqa: BLE001 - one line for the log; traceback above it
         import traceback
 
         traceback.print_exc()

@@ -18,8 +18,8 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import console
-from ..env import DEBUG_ENV, LAUNCHED_ENV, PEER_EXIT
-from ..errors import DistributedError, UsbyteError, first_line
+from ..env import DEBUG_ENV, LAUNCHED_ENV
+from ..errors import PeerFailure, UsbyteError, first_line
 from . import common
 
 
@@ -143,7 +143,7 @@ def _profile_here(model: str, batch_size: int | None, opts: Any, name: str | Non
                 failure = _collective_failed(e, rank)
                 if failure is None:
                     raise
-                raise failure from (None if isinstance(failure, typer.Exit) else e)
+                raise failure from e
         if rank != 0:
             return
         for w in caught:
@@ -172,18 +172,18 @@ def _progress_bar(rank: int) -> tuple[Any, Callable[[str, int, int], None]]:
     return bar, progress
 
 
-def _collective_failed(e: RuntimeError, rank: int) -> BaseException | None:
+def _collective_failed(e: RuntimeError, rank: int) -> PeerFailure | None:
     """What a rank reports when a collective failed: a rank died or timed out, and every
-    survivor lands here, so it is said once, plainly. ``None`` when ``e`` is no such failure."""
+    survivor lands here, so it is said once, plainly (by the launcher, which names the cause,
+    for ranks that ``--nproc-per-node`` started). ``None`` when ``e`` is no such failure."""
     from ..group import collective_failure
 
     if not collective_failure(e):
         return None
-    if os.environ.get(LAUNCHED_ENV) and not os.environ.get(DEBUG_ENV):
-        return typer.Exit(PEER_EXIT)  # the launcher names the cause
     first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first_line(e, "")).split(". This is")[0]
-    return DistributedError(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); "
-                            "another rank probably stopped or timed out")
+    return PeerFailure(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); another "
+                       "rank probably stopped or timed out",
+                       silent=bool(os.environ.get(LAUNCHED_ENV)) and not os.environ.get(DEBUG_ENV))
 
 
 def _summary(prof: Any, path: Path) -> None:
