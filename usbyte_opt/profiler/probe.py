@@ -75,8 +75,8 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
     forward and backward keep every core busy, and on a small CPU machine gloo's threads wait
-    for a core at every step of the ring: the measured traces showed 100-300 KB blocks taking
-    twice the sweep's time during backward. Here each sample issues one async all-reduce of
+    for a core at every step of the ring (docs/bench.md, "blocks during backward", has the
+    measured traces). Here each sample issues one async all-reduce of
     ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
     communication) until the future reports completion; the time is issue to completion, the
     minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).

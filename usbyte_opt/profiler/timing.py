@@ -159,10 +159,8 @@ def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[b
     Why not time a single-parameter step per tensor: each ``step()`` call carries a fixed
     overhead (Python, state lookup, kernel launches; on GPU the ``foreach`` multi-tensor
     kernels also batch the work of many tensors into one launch), so summing one step per
-    tensor overstates the step the training loop takes. Measured on CPU
-    (``benchmarks/profiler_overhead.md``): about 1.0x for a few large tensors (MLP, CNN),
-    1.2-1.8x for ResNet-50 and the small transformer, 1.7-2.3x for DenseNet-201's 604
-    tensors. Apportioning keeps
+    tensor overstates the step the training loop takes, the more so the more tensors
+    (docs/profiles.md, "why the step is apportioned", has the measurements). Apportioning keeps
     ``sum(update_ms)`` equal to the measured step, which is what the fence-mode baselines
     charge, while an element-wise optimizer's cost does grow with the element count.
     Tensors without a gradient are skipped by the optimizer and get 0.
