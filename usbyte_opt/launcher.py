@@ -323,33 +323,7 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
             reader = open(folder / "rank0.log", errors="replace")
             files.append(reader)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        codes: list[int | None] = [None] * nproc
-        failed: list[int] = []
-        timed_out = False
-        pending = ""
-        while True:
-            if reader is not None and progress is not None:
-                chunk = reader.read()
-                if chunk:
-                    pending += chunk
-                    *lines, pending = pending.split("\n")
-                    for ln in lines:
-                        if ln.startswith(PROGRESS_PREFIX):
-                            progress(ln[len(PROGRESS_PREFIX):])
-            for r, p in enumerate(procs):
-                if codes[r] is None:
-                    codes[r] = p.poll()
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                stop(procs, grace_s=grace_s)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                stop(procs)
-                timed_out = True
-                break
-            time.sleep(poll_s)
+        failed, timed_out = _watch(procs, reader, progress, deadline, grace_s, poll_s)
         final = tuple(int(p.wait()) for p in procs)
         # Ranks that failed during the grace period too, after the first one seen.
         failed = failed + [r for r, c in enumerate(final) if c != 0 and r not in failed]
@@ -362,6 +336,39 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
         for f in files:
             f.close()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def _watch(procs: Sequence[subprocess.Popen], reader: IO[str] | None,
+           progress: Callable[[str], None] | None, deadline: float | None, grace_s: float,
+           poll_s: float) -> tuple[list[int], bool]:
+    """Wait for ``procs``, passing rank 0's progress lines on, until every rank succeeded, one
+    failed (the others are then stopped after ``grace_s``) or the deadline passed (every rank
+    is stopped). Returns the ranks that had failed when it was seen, and whether the deadline
+    passed."""
+    codes: list[int | None] = [None] * len(procs)
+    pending = ""
+    while True:
+        if reader is not None and progress is not None:
+            chunk = reader.read()
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split("\n")
+                for ln in lines:
+                    if ln.startswith(PROGRESS_PREFIX):
+                        progress(ln[len(PROGRESS_PREFIX):])
+        for r, p in enumerate(procs):
+            if codes[r] is None:
+                codes[r] = p.poll()
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            stop(procs, grace_s=grace_s)
+            return failed, False
+        if all(c == 0 for c in codes):
+            return [], False
+        if deadline is not None and time.monotonic() > deadline:
+            stop(procs)
+            return [], True
+        time.sleep(poll_s)
 
 
 def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
