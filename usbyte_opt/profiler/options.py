@@ -14,16 +14,24 @@ Example::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 #: Time cap (seconds) of the extra rounds the sweep and the probe run until their numbers
 #: are stable.
 STABLE_S = 20.0
+
+#: The pydantic configuration of the option objects read from files: no coercion (JSON mode
+#: still reads an array as a tuple and an integer as a float), no unknown field, no NaN.
+STRICT: dict[str, Any] = {"strict": True, "extra": "forbid", "allow_inf_nan": False}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProfileOptions:
     """What to measure and how long: iterations, the optimizer, the all-reduce sweep, the
     probe of what all-reduce costs the training thread, the analytic fallback."""
+
+    #: How pydantic validates these options inside a bench job file (:mod:`usbyte_opt.bench.job`).
+    __pydantic_config__ = STRICT
 
     warmup: int = 3
     """Untimed iterations after the discovery pass."""
@@ -60,4 +68,4 @@ class ProfileOptions:
         return list(self.comm_sizes) if self.comm_sizes else default_sizes(points=self.comm_points)
 
 
-__all__ = ["STABLE_S", "ProfileOptions"]
+__all__ = ["STABLE_S", "STRICT", "ProfileOptions"]
