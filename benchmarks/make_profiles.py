@@ -48,7 +48,7 @@ sys.path.insert(0, str(REPO))
 from usbyte_opt import __version__  # noqa: E402
 from usbyte_opt.formats import Profile, TensorSpec, save_profile  # noqa: E402
 from usbyte_opt.models import resolve, transformers_factory  # noqa: E402
-from usbyte_opt.profiler import ProfileWarning, analytic_comm, profile_model  # noqa: E402
+from usbyte_opt.profiler import ProfileOptions, ProfileWarning, analytic_comm, profile_model  # noqa: E402
 
 #: The anchor: ResNet-50 v1.5, PyTorch, 1x V100-16GB, FP32 (NVIDIA DeepLearningExamples).
 ANCHOR_THROUGHPUT = 367.0
@@ -84,8 +84,8 @@ def make(name: str, repeats: int | None, out_dir: Path, anchor_flops: float) -> 
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileWarning)  # world size 1 is intended here
-        cpu = profile_model(factory, cpu_batch, name=name, device="cpu", warmup=1,
-                            repeats=repeats or cpu_repeats, optimizer="sgd")
+        cpu = profile_model(factory, cpu_batch, ProfileOptions(warmup=1, repeats=repeats or cpu_repeats,
+                                                               optimizer="sgd"), name=name, device="cpu")
     wall = time.perf_counter() - t0
     flops = forward_flops(spec)
     throughput = ANCHOR_THROUGHPUT * anchor_flops / flops

@@ -17,7 +17,7 @@ import pytest
 import torch
 from test_lab import SKIP as LAB_SKIP
 
-from usbyte_opt.bench import BenchConfig, run_bench
+from usbyte_opt.bench import BenchConfig, ProfileOptions, run_bench
 from usbyte_opt.bench.lab import list_namespaces
 from usbyte_opt.bench.report import compare_trace, markdown, stats, summarize
 from usbyte_opt.errors import UsbyteError
@@ -160,8 +160,9 @@ def test_short_lab_run(tmp_path):
     out = tmp_path / "lab"
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
                       strategies=("ddp", "usbyte"), out_dir=out, rounds=1, warmup=1,
-                      profile_warmup=1, profile_repeats=2, comm_points=4, comm_repeats=1,
-                      stable_s=0.0, timeout_s=240.0, extra={"probe_points": 2, "probe_repeats": 1})
+                      profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
+                                               stable_s=0.0, probe_points=2, probe_repeats=1),
+                      timeout_s=240.0)
     res = run_bench(cfg)
     check_result(res, out, ["ddp", "usbyte", "no-comm"])
     assert res["network"]["kind"] == "lab" and res["network"]["tbf"]["rate_bps"] == 200_000_000
@@ -209,8 +210,9 @@ def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
     out = tmp_path / "lab"
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
                       strategies=strategies, out_dir=out, rounds=1, warmup=1, reference=False,
-                      profile_warmup=1, profile_repeats=2, comm_points=4, comm_repeats=1,
-                      stable_s=0.0, timeout_s=300.0, extra={"probe_points": 2, "probe_repeats": 1})
+                      profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
+                                               stable_s=0.0, probe_points=2, probe_repeats=1),
+                      timeout_s=300.0)
     res = run_bench(cfg)
     check_result(res, out, list(strategies))
     auto = next(r for r in res["runs"] if r["strategy"] == "auto")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from usbyte_opt.cli.demo import EXPLAIN_COLUMNS, explain
+from usbyte_opt.bench.report import EXPLAIN_COLUMNS, explain
 
 
 def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):

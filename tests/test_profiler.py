@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from usbyte_opt.formats import load_profile
-from usbyte_opt.profiler import ProfileWarning, profile_model
+from usbyte_opt.profiler import ProfileOptions, ProfileWarning, profile_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,8 @@ def test_no_cpu_probe_leaves_the_option_out(edge_dir):
 
 def test_world_size_1_uses_analytic_comm_with_a_warning_and_overrides():
     with pytest.warns(ProfileWarning, match="world size 1"):
-        p = profile_model("transformer", batch_size=2, warmup=0, repeats=2, alpha_ms=0.5, algbw_gbs=3.0)
+        p = profile_model("transformer", 2, ProfileOptions(warmup=0, repeats=2, alpha_ms=0.5,
+                                                           algbw_gbs=3.0))
     assert p.comm.backend == "analytic" and (p.comm.alpha_ms, p.comm.algbw_gbs) == (0.5, 3.0)
     assert p.meta["warnings"] and p.meta["world_size"] == 1
     # nn.MultiheadAttention uses out_proj.weight functionally: anchored to its own hook.
@@ -270,7 +271,7 @@ def test_world_size_1_ready_order_matches_autograd():
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileWarning)
-        p = profile_model("transformer", batch_size=2, warmup=0, repeats=3)
+        p = profile_model("transformer", 2, ProfileOptions(warmup=0, repeats=3))
     got = [t.name for t in sorted(p.tensors, key=lambda t: t.ready_ms)]
     assert got == autograd_order(*build("transformer", 2))
 
@@ -278,7 +279,7 @@ def test_world_size_1_ready_order_matches_autograd():
 def test_update_ms_sums_to_the_step_and_follows_numel():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ProfileWarning)
-        p = profile_model("mlp", batch_size=2, warmup=0, repeats=2, optimizer="adam")
+        p = profile_model("mlp", 2, ProfileOptions(warmup=0, repeats=2, optimizer="adam"))
     assert p.meta["optimizer"] == "adam"
     assert sum(t.update_ms for t in p.tensors) == pytest.approx(p.meta["step_ms"], rel=1e-3)
     big, small = p.tensor("2.weight"), p.tensor("2.bias")

@@ -13,9 +13,8 @@ import pytest
 from rich.console import Console
 
 from usbyte_opt import console
-from usbyte_opt.bench.report import COLUMNS, summarize
+from usbyte_opt.bench.report import COLUMNS, EXPLAIN_COLUMNS, explain, summarize
 from usbyte_opt.cli.bench import DEFAULT_COLUMNS, render
-from usbyte_opt.cli.demo import EXPLAIN_COLUMNS, explain
 
 
 def raw_record() -> dict:

@@ -7,11 +7,12 @@ Every module that reads or sets one of them imports its name from here.
 - :data:`AUTO_DIR_ENV`: where a run with :data:`AUTO` writes the profile and schedule it built.
 - :data:`TRACE_ENV`: the file the runtime records its measured timeline in (one per rank).
 - :data:`DEBUG_ENV`: set (``usbyte-opt --debug``), every rank keeps its tracebacks.
-- :data:`RANK_ERRORS_ENV`: the folder where each rank under ``usbyte-opt launch`` leaves its
-  one-line error for the launcher to print.
+- :data:`ERROR_FILE_ENV`: torch elastic's own name for the file where a rank leaves its error
+  (torchrun sets it per rank, and so does :func:`usbyte_opt.launcher.run_ranks`); usbyte-opt's
+  ranks leave their one-line error there (:func:`usbyte_opt.launcher.record_rank`).
 - :data:`LAUNCHED_ENV`: set on ranks that ``--nproc-per-node`` started on this host; a rank
-  whose collective failed because another rank stopped then exits with :data:`PEER_EXIT`
-  and leaves the one line (the other rank's cause) to the launcher.
+  whose collective failed because another rank stopped then prints nothing and leaves the
+  one line (the other rank's cause) to the launcher.
 
 The ranks' place in the world uses torchrun's own names (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :mod:`usbyte_opt.launcher`
@@ -26,10 +27,8 @@ AUTO = "auto"
 AUTO_DIR_ENV = "USBYTE_AUTO_DIR"
 TRACE_ENV = "USBYTE_TRACE"
 DEBUG_ENV = "USBYTE_DEBUG"
-RANK_ERRORS_ENV = "USBYTE_RANK_ERRORS"
+ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 LAUNCHED_ENV = "USBYTE_LAUNCHED"
-#: Exit code of a rank started by the launcher whose collective failed because of a peer.
-PEER_EXIT = 75
 
-__all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "LAUNCHED_ENV", "PEER_EXIT", "RANK_ERRORS_ENV",
-           "SCHEDULE_ENV", "TRACE_ENV"]
+__all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "ERROR_FILE_ENV", "LAUNCHED_ENV", "SCHEDULE_ENV",
+           "TRACE_ENV"]

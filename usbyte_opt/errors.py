@@ -13,6 +13,28 @@ class UsbyteError(Exception):
     exit_code = 1
 
 
+class UsageError(UsbyteError):
+    """A command line or an output path that cannot be used as given (exit code 2, as for a
+    usage error of the command-line parser)."""
+
+    exit_code = 2
+
+
+class ExitError(UsbyteError):
+    """An error whose exit code is another process's: a failed rank's, or 128 + the signal
+    that stopped the run.
+
+    Example::
+
+        >>> ExitError("rank 1: no such dataset", 3).exit_code
+        3
+    """
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class FormatError(UsbyteError):
     """A profile or schedule file that does not follow its format.
 
@@ -48,3 +70,35 @@ class DistributedError(UsbyteError):
     """Ranks disagree (different schedules, world sizes) or a collective timed out."""
 
     exit_code = 4
+
+
+class PeerFailure(DistributedError):
+    """A collective failed on this rank because another rank stopped or timed out: not this
+    rank's own failure. Its error file says so (:mod:`usbyte_opt.launcher`), so that the
+    launcher names the rank that caused it; with ``silent`` (ranks that launcher started) the
+    rank prints nothing itself."""
+
+    def __init__(self, message: str, silent: bool = False):
+        super().__init__(message)
+        self.silent = silent
+
+
+def first_line(exc: BaseException, default: str | None = None) -> str:
+    """The first line of ``exc``'s message, for a one-line report; ``default`` (the exception's
+    type name unless given) when the message is empty.
+
+    Example::
+
+        >>> first_line(RuntimeError("peer closed\\n  at gloo.cc:12"))
+        'peer closed'
+        >>> first_line(KeyError()), first_line(ValueError(""), "")
+        ('KeyError', '')
+    """
+    text = str(exc).strip()
+    if text:
+        return text.splitlines()[0]
+    return type(exc).__name__ if default is None else default
+
+
+__all__ = ["DistributedError", "ExitError", "FormatError", "MismatchError", "PeerFailure",
+           "UsageError", "UsbyteError", "first_line"]

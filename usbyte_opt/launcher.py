@@ -21,8 +21,6 @@ Example::
     >>> env = rank_env(1, 2, master_port=29500)
     >>> env["RANK"], env["LOCAL_RANK"], env["WORLD_SIZE"], env["MASTER_ADDR"]
     ('1', '1', '2', '127.0.0.1')
-    >>> error_line("warming up\\nerror: model 'x': no such dataset\\n@@ progress\\n")
-    "model 'x': no such dataset"
     >>> from usbyte_opt.launcher import run_local
     >>> import torch.distributed as dist
     >>> def world(rank, ws):          # must be importable by the child processes
@@ -33,6 +31,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import os
 import pickle
 import shutil
@@ -49,8 +48,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from .env import LAUNCHED_ENV, PEER_EXIT
-from .errors import DistributedError, UsbyteError
+from .env import ERROR_FILE_ENV, LAUNCHED_ENV
+from .errors import DistributedError, ExitError, PeerFailure, UsbyteError, first_line
 
 #: The address ranks on this host meet at.
 LOOPBACK = "127.0.0.1"
@@ -123,16 +122,124 @@ def stop(procs: Sequence[Any], grace_s: float = 0.0, term_s: float = 5.0) -> Non
             _wait(p, None if isinstance(p, subprocess.Popen) else 5.0)
 
 
-def error_line(text: str) -> str:
-    """The one line that says why a rank failed, from its stderr: its last ``error:`` line
-    (without the prefix), else its last line that is not progress; ``""`` when it wrote
-    nothing."""
-    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    errs = [ln for ln in lines if ln.startswith("error:")]
-    if errs:
-        return errs[-1].removeprefix("error:").strip()
-    lines = [ln for ln in lines if not ln.startswith(PROGRESS_PREFIX)]
-    return lines[-1] if lines else ""
+# --------------------------------------------------------------------------------------------
+# Rank errors: torch elastic's error file
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RankError:
+    """What a failed rank left in its error file (torch elastic's format, the one torchrun
+    reads: ``{"message": {"message": ..., "extraInfo": {"timestamp": ..., ...}}}``)."""
+
+    message: str
+    """The one line that says why (a usbyte-opt error's message; else ``Type: first line``)."""
+    exit_code: int = 1
+    """The exit code the error stands for."""
+    peer: bool = False
+    """The rank failed because another rank stopped (:class:`~usbyte_opt.errors.PeerFailure`):
+    not a cause."""
+    usbyte: bool = False
+    """A usbyte-opt error, whose message is the whole story; else an exception of the rank's
+    own code, whose traceback is on the rank's stderr."""
+    timestamp: int = 0
+
+    @classmethod
+    def of(cls, data: Any) -> RankError | None:
+        """The error of an error file's parsed JSON; ``None`` when it holds none."""
+        msg = data.get("message") if isinstance(data, Mapping) else None
+        if isinstance(msg, str):
+            return cls(msg, timestamp=int(data.get("timestamp", 0) or 0))
+        if not isinstance(msg, Mapping) or not isinstance(msg.get("message"), str):
+            return None
+        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), Mapping) else {}
+        code = extra.get("exit_code", 1)
+        return cls(msg["message"], code if isinstance(code, int) and code > 0 else 1,
+                   extra.get("peer") is True, extra.get("usbyte") is True,
+                   int(extra.get("timestamp", 0) or 0))
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> RankError | None:
+        """The error in the file at ``path``; ``None`` when there is none (the rank succeeded,
+        or died without a word: a signal, ``os._exit``)."""
+        import json
+
+        try:
+            return cls.of(json.loads(Path(path).read_text()))
+        except (OSError, ValueError):
+            return None
+
+
+def describe(exc: BaseException) -> RankError:
+    """The :class:`RankError` a rank records for ``exc``: a usbyte-opt error's own message and
+    exit code, else ``Type: first line`` and 1.
+
+    Example::
+
+        >>> describe(ExitError("rank 1: bad", 3))
+        RankError(message='rank 1: bad', exit_code=3, peer=False, usbyte=True, timestamp=0)
+        >>> describe(KeyError("k")).message
+        "KeyError: 'k'"
+    """
+    if isinstance(exc, UsbyteError):
+        return RankError(first_line(exc), int(exc.exit_code), isinstance(exc, PeerFailure), True)
+    return RankError(f"{type(exc).__name__}: {first_line(exc, '')}", 1)
+
+
+def write_rank_error(exc: BaseException, path: str | os.PathLike | None = None) -> bool:
+    """Leave ``exc`` (as :func:`describe` says it) in this rank's error file: ``path``, default
+    :data:`~usbyte_opt.env.ERROR_FILE_ENV`. Returns whether a file was written (no file is
+    asked for outside torchrun and :func:`run_ranks`)."""
+    import json
+
+    target = path or os.environ.get(ERROR_FILE_ENV)
+    if not target:
+        return False
+    e = describe(exc)
+    data = {"message": {"message": e.message, "extraInfo": {
+        "py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time())),
+        "exit_code": e.exit_code, "peer": e.peer, "usbyte": e.usbyte}}}
+    try:
+        Path(target).write_text(json.dumps(data))
+    except OSError:
+        return False  # the launcher's folder is gone: the rank's own stderr still says it
+    return True
+
+
+def record_rank(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` as a rank's entry point: torch elastic's
+    :func:`~torch.distributed.elastic.multiprocessing.errors.record`, whose error handler
+    leaves an exception's one line (:func:`write_rank_error`) in the error file that torchrun,
+    ``usbyte-opt launch`` and :func:`run_ranks` read; then the exception propagates as before.
+    torch is imported when ``fn`` is first called."""
+    import functools
+
+    @functools.wraps(fn)
+    def entry(*args: Any, **kwargs: Any) -> Any:
+        from torch.distributed.elastic.multiprocessing.errors import record
+
+        return record(fn, error_handler=_error_handler())(*args, **kwargs)
+
+    return entry
+
+
+@functools.cache
+def _error_handler() -> Any:
+    """torch elastic's error handler, recording the one line of :func:`describe`."""
+    from torch.distributed.elastic.multiprocessing.errors import ErrorHandler
+
+    class OneLine(ErrorHandler):
+        def record_exception(self, e: BaseException) -> None:
+            if not _exits_quietly(e):
+                write_rank_error(e, self._get_error_file_path())
+
+    return OneLine()
+
+
+def _exits_quietly(e: BaseException) -> bool:
+    """A command-line exit (typer's ``Exit``, a usage error), not an error of the rank."""
+    return type(e).__name__ in ("Exit", "Abort") and type(e).__module__.split(".")[0] in ("click",
+                                                                                          "typer")
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,8 +251,8 @@ class Exit:
     failed: tuple[int, ...] = ()
     """The ranks that had failed on their own when the first failure was seen, in rank order
     (the others were then stopped); empty when every rank succeeded or the deadline passed."""
-    errors: Mapping[int, str] = field(default_factory=dict)
-    """Each rank's :func:`error_line` (not for a rank on the terminal)."""
+    errors: Mapping[int, RankError] = field(default_factory=dict)
+    """The error each failed rank left in its error file (:class:`RankError`)."""
     timed_out: bool = False
     """The deadline passed and every rank was stopped."""
 
@@ -161,7 +268,10 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
     """Run ``argv`` as ``nproc`` ranks on this host and wait for all of them.
 
     Each rank's environment is ``env`` (default: this process's) with :func:`rank_env` and
-    ``OMP_NUM_THREADS`` (unless set) from :func:`threads_per_rank`. On loopback the ranks meet
+    ``OMP_NUM_THREADS`` (unless set) from :func:`threads_per_rank`, and its own error file
+    (:data:`~usbyte_opt.env.ERROR_FILE_ENV`, in a temporary folder), read back once it has
+    ended: a rank's entry point under :func:`record_rank` leaves its one line there. On
+    loopback the ranks meet
     at a free port; with ``lab`` (an open :class:`usbyte_opt.bench.lab.Lab`) each rank runs as
     ``lab.command(rank, argv)`` with ``lab.env(rank)``, so that its bytes cross the lab's links.
 
@@ -180,8 +290,8 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
         poll_s: how often the ranks are looked at.
 
     Returns:
-        :class:`Exit`: every rank's code, the ranks that failed on their own and their error
-        lines, whether the deadline passed.
+        :class:`Exit`: every rank's code, the ranks that failed on their own and their errors,
+        whether the deadline passed.
     """
     if terminal and progress is not None:
         raise ValueError("progress lines are read from rank 0's log, which terminal=True does not keep")
@@ -190,14 +300,14 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
     addr, port = (LOOPBACK, free_port()) if lab is None else (lab.master_addr, LAB_PORT)
     procs: list[subprocess.Popen] = []
     files: list[IO[str]] = []
-    temp = None if logs is not None else Path(tempfile.mkdtemp(prefix="usbyte-ranks-"))
+    temp = Path(tempfile.mkdtemp(prefix="usbyte-ranks-"))  # error files, and logs unless kept
     folder = logs if logs is not None else temp
-    assert folder is not None
     folder.mkdir(parents=True, exist_ok=True)
     try:
         for r in range(nproc):
             rank_argv = list(argv)
-            env_r = dict(base, **rank_env(r, nproc, addr, port))
+            env_r = dict(base, **rank_env(r, nproc, addr, port),
+                         **{ERROR_FILE_ENV: str(temp / f"rank{r}.error.json")})
             if lab is not None:
                 env_r.update(lab.env(r))
                 rank_argv = lab.command(r, rank_argv)
@@ -213,49 +323,52 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
             reader = open(folder / "rank0.log", errors="replace")
             files.append(reader)
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        codes: list[int | None] = [None] * nproc
-        failed: list[int] = []
-        timed_out = False
-        pending = ""
-        while True:
-            if reader is not None and progress is not None:
-                chunk = reader.read()
-                if chunk:
-                    pending += chunk
-                    *lines, pending = pending.split("\n")
-                    for ln in lines:
-                        if ln.startswith(PROGRESS_PREFIX):
-                            progress(ln[len(PROGRESS_PREFIX):])
-            for r, p in enumerate(procs):
-                if codes[r] is None:
-                    codes[r] = p.poll()
-            failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                stop(procs, grace_s=grace_s)
-                break
-            if all(c == 0 for c in codes):
-                break
-            if deadline is not None and time.monotonic() > deadline:
-                stop(procs)
-                timed_out = True
-                break
-            time.sleep(poll_s)
+        failed, timed_out = _watch(procs, reader, progress, deadline, grace_s, poll_s)
         final = tuple(int(p.wait()) for p in procs)
         # Ranks that failed during the grace period too, after the first one seen.
         failed = failed + [r for r, c in enumerate(final) if c != 0 and r not in failed]
-        errors = {}
-        for r in range(nproc):
-            path = folder / f"rank{r}.log"
-            if not (terminal and r == 0) and path.exists():
-                errors[r] = error_line(path.read_text(errors="replace"))
+        errors = {r: e for r in range(nproc)
+                  if (e := RankError.read(temp / f"rank{r}.error.json")) is not None}
         return Exit(final, tuple(failed), errors, timed_out)
     finally:
         if any(p.poll() is None for p in procs):
             stop(procs)
         for f in files:
             f.close()
-        if temp is not None:
-            shutil.rmtree(temp, ignore_errors=True)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _watch(procs: Sequence[subprocess.Popen], reader: IO[str] | None,
+           progress: Callable[[str], None] | None, deadline: float | None, grace_s: float,
+           poll_s: float) -> tuple[list[int], bool]:
+    """Wait for ``procs``, passing rank 0's progress lines on, until every rank succeeded, one
+    failed (the others are then stopped after ``grace_s``) or the deadline passed (every rank
+    is stopped). Returns the ranks that had failed when it was seen, and whether the deadline
+    passed."""
+    codes: list[int | None] = [None] * len(procs)
+    pending = ""
+    while True:
+        if reader is not None and progress is not None:
+            chunk = reader.read()
+            if chunk:
+                pending += chunk
+                *lines, pending = pending.split("\n")
+                for ln in lines:
+                    if ln.startswith(PROGRESS_PREFIX):
+                        progress(ln[len(PROGRESS_PREFIX):])
+        for r, p in enumerate(procs):
+            if codes[r] is None:
+                codes[r] = p.poll()
+        failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            stop(procs, grace_s=grace_s)
+            return failed, False
+        if all(c == 0 for c in codes):
+            return [], False
+        if deadline is not None and time.monotonic() > deadline:
+            stop(procs)
+            return [], True
+        time.sleep(poll_s)
 
 
 def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
@@ -266,10 +379,10 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     kept aside. When a rank fails the others get a moment to fail on their own (a model that
     fails to build fails on every rank), then are stopped, so nothing waits on a collective
     that will never come. The ranks get :data:`~usbyte_opt.env.LAUNCHED_ENV`: a rank whose
-    collective failed only because a peer stopped exits with
-    :data:`~usbyte_opt.env.PEER_EXIT` and prints nothing. Returns ``(exit code, message)``:
-    the message is the error line of the first rank that failed on its own, unless that is
-    rank 0 (which has printed its own), or says that a collective failed when none did.
+    collective failed only because a peer stopped prints nothing, and its error file says so
+    (:class:`~usbyte_opt.errors.PeerFailure`). Returns ``(exit code, message)``: the message
+    is the error of the first rank that failed on its own, unless that is rank 0 (which has
+    printed its own), or says that a collective failed when none did.
     """
     if nproc < 1:
         raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
@@ -279,7 +392,7 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
         return 0, ""
     # The cause: the first rank that failed on its own, not because a peer stopped.
     # (a rank stopped by the launcher, with a negative code, is a cause only if seen first)
-    causes = [r for r in res.failed if res.codes[r] != PEER_EXIT
+    causes = [r for r in res.failed if not (r in res.errors and res.errors[r].peer)
               and (res.codes[r] > 0 or r == res.failed[0])]
     if not causes:
         return 1, (f"rank {res.failed[0]}: a collective failed; another rank stopped or timed out "
@@ -290,7 +403,8 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     code = res.codes[first] if res.codes[first] > 0 else 1
     if first == 0:
         return code, ""  # rank 0 failed on its own and has printed its error
-    shown = res.errors.get(first) or f"exited with code {res.codes[first]}"
+    error = res.errors.get(first)
+    shown = error.message if error is not None else f"exited with code {res.codes[first]}"
     return code, f"rank {first}: {shown}"
 
 
@@ -465,15 +579,14 @@ def run_torchrun(args: Any, quiet: bool = True) -> dict[int, Any] | None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         if e.sigval == signal.SIGINT:
             raise KeyboardInterrupt from None
-        err = UsbyteError(f"launch: stopped by {signal.Signals(e.sigval).name}")
-        err.exit_code = 128 + int(e.sigval)
-        raise err from None
+        raise ExitError(f"launch: stopped by {signal.Signals(e.sigval).name}",
+                        128 + int(e.sigval)) from None
     except ChildFailedError as e:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         return dict(e.failures) if e.failures else {}
     return None
 
 
-__all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankResult", "error_line", "free_port",
-           "rank_env", "run_command", "run_local", "run_ranks", "run_torchrun", "stop",
-           "threads_per_rank", "values"]
+__all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "free_port",
+           "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_torchrun", "stop",
+           "threads_per_rank", "values", "write_rank_error"]

@@ -48,6 +48,7 @@ from ..env import TRACE_ENV
 from ..errors import DistributedError, UsbyteError
 from ..formats import Mode
 from ..launcher import threads_per_rank
+from ..profiler.options import ProfileOptions
 from .job import Job
 from .worker import REFERENCE, TORCH_DDP
 
@@ -93,16 +94,13 @@ class BenchConfig:
     warmup: int = 2
     """Untimed iterations at the start of each turn."""
     device: str | None = None
-    optimizer: str = "sgd"
     trace: bool = True
-    """Record measured timelines (``USBYTE_TRACE``) of the runtime's strategies."""
+    """Record measured timelines of the runtime's strategies (each trainee's own trace file)."""
     plot: bool = True
-    profile_warmup: int = 3
-    profile_repeats: int = 10
-    comm_points: int = 10
-    comm_repeats: int = 5
-    stable_s: float = 20.0
-    """Time cap of the profile's extra sweep and probe rounds (``profile --stable-s``)."""
+    profiling: ProfileOptions = field(default_factory=lambda: ProfileOptions(comm_points=10))
+    """How the model is profiled (ignored with ``profile``, but for its probe settings when
+    that profile has no probe); its ``optimizer`` is the one trained with. The sweep's sizes
+    default to ``comm_points`` from 4 KiB to the model's whole gradient."""
     time_budget_s: float = 0.6
     """Local-search seconds of ``best``."""
     verify: bool = False
@@ -112,8 +110,8 @@ class BenchConfig:
     threads: int | None = None
     """Torch threads per rank (default: cores / ranks)."""
     name: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-    """Fields of the :class:`~.job.Job` that have no option here (``probe_points``, ...)."""
+    first_warmup: int = 3
+    """Untimed iterations of each strategy's first turn."""
 
     def spec(self) -> tuple[str, int | None]:
         """The model spec the ranks build, and the default batch size of a lab model."""
@@ -157,20 +155,16 @@ class BenchConfig:
             profile=str(Path(self.profile).resolve()) if self.profile else None,
             out_dir=str(out_dir.resolve()),
             device=self.device,
-            optimizer=self.optimizer,
             threads=self.threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE",
                                                                         self.nproc))),
-            profile_warmup=self.profile_warmup,
-            profile_repeats=self.profile_repeats,
-            comm_points=self.comm_points,
-            comm_repeats=self.comm_repeats,
+            profiling=self.profiling,
             verify=self.verify,
-            stable_s=self.stable_s,
             time_budget_s=self.time_budget_s,
             trace=self.trace,
             pg_timeout_s=max(300.0, self.timeout_s),
+            first_warmup=self.first_warmup,
         )
-        return Job.from_dict({**job.to_dict(), **self.extra}, "BenchConfig.extra") if self.extra else job
+        return job
 
 
 def _model_label(model: str) -> str:
@@ -207,7 +201,7 @@ def _comm_sizes(job: Job) -> tuple[int, ...]:
     model, _, _ = build(job.model, job.batch_size, "cpu")
     total = 4 * parameter_count(model)
     del model
-    return tuple(default_sizes(4 << 10, max(1 << 20, total), job.comm_points))
+    return tuple(default_sizes(4 << 10, max(1 << 20, total), job.profiling.comm_points))
 
 
 def _run_workers(job_path: Path, nproc: int, logs: Path, lab: Any, timeout_s: float,
@@ -231,7 +225,8 @@ def _run_workers(job_path: Path, nproc: int, logs: Path, lab: Any, timeout_s: fl
                                f"(logs in {logs})")
     if res.failed:
         r = res.failed[0]
-        msg = res.errors.get(r) or f"exited with code {res.codes[r]}"
+        error = res.errors.get(r)
+        msg = error.message if error is not None else f"exited with code {res.codes[r]}"
         raise UsbyteError(f"bench: rank {r}: {msg} (log: {logs / f'rank{r}.log'})")
 
 
@@ -258,8 +253,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     for sub in ("traces", "schedules", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
-    if job.profile is None and not job.comm_sizes:
-        job = dataclasses.replace(job, comm_sizes=_comm_sizes(job))
+    if job.profile is None and not job.profiling.comm_sizes:
+        job = dataclasses.replace(job, profiling=dataclasses.replace(job.profiling,
+                                                                     comm_sizes=_comm_sizes(job)))
     job_path = write_json(out / "job.json", job.to_dict())
     lab = None
     if torchrun:
@@ -339,4 +335,4 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["BenchConfig", "Job", "default_strategies", "network_info", "run_bench"]
+__all__ = ["BenchConfig", "Job", "ProfileOptions", "default_strategies", "network_info", "run_bench"]

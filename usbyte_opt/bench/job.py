@@ -2,15 +2,16 @@
 
 :meth:`usbyte_opt.bench.BenchConfig.job` makes it from the user's options and
 :func:`usbyte_opt.bench.run_bench` writes it to ``job.json`` in the output folder; every rank
-(:mod:`usbyte_opt.bench.worker`) reads it back with :meth:`Job.load`, which checks every field,
-so a rank never works from a default of its own.
+(:mod:`usbyte_opt.bench.worker`) reads it back with :meth:`Job.load`, which validates every
+field (pydantic, strict: no coercion, no unknown field), so a rank never works from a default
+of its own. How the model is profiled is the profiler's own
+:class:`~usbyte_opt.profiler.options.ProfileOptions`, embedded as ``profiling``.
 
 Example::
 
     >>> job = Job(model="cnn", name="cnn", batch_size=None, strategies=("ddp", "best"),
-    ...           iterations=4, rounds=2, warmup=1, out_dir="out", device=None,
-    ...           optimizer="sgd", threads=1, profile=None, profile_warmup=3, profile_repeats=10,
-    ...           comm_points=10, comm_repeats=5, stable_s=20.0, time_budget_s=0.6,
+    ...           iterations=4, rounds=2, warmup=1, out_dir="out", device=None, threads=1,
+    ...           profile=None, profiling=ProfileOptions(comm_points=10), time_budget_s=0.6,
     ...           trace=True, pg_timeout_s=600.0)
     >>> Job.from_dict(job.to_dict(), "job.json") == job
     True
@@ -18,22 +19,32 @@ Example::
     Traceback (most recent call last):
     ...
     usbyte_opt.errors.FormatError: job.json: iterations: expected int, got '4'
+    >>> Job.from_dict({**job.to_dict(), "profiling": {"stable_s": "x"}}, "job.json")
+    Traceback (most recent call last):
+    ...
+    usbyte_opt.errors.FormatError: job.json: profiling.stable_s: expected float, got 'x'
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..errors import FormatError
+from ..profiler.options import STRICT, ProfileOptions
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class Job:
     """Everything a rank of ``usbyte-opt bench`` needs to know."""
+
+    #: How pydantic validates a job file (a plain dict: pydantic is imported only to validate).
+    __pydantic_config__ = STRICT
 
     model: str
     """The model spec every rank builds (a lab model's factory spec, for a lab model)."""
@@ -53,41 +64,29 @@ class Job:
     """Where rank 0 writes ``raw.json``, ``profile.json``, schedules and traces."""
     device: str | None
     """``cpu`` or ``cuda``; ``None``: CUDA when available."""
-    optimizer: str
-    """The optimizer profiled and trained with."""
     threads: int
     """Torch threads per rank."""
     profile: str | None
     """A profile to use instead of profiling."""
-    profile_warmup: int
-    profile_repeats: int
-    comm_points: int
-    comm_repeats: int
-    stable_s: float
-    """Time cap of the profile's extra sweep and probe rounds."""
+    profiling: ProfileOptions
+    """How to profile (its ``optimizer`` is also the one trained with); with a profile that
+    has no probe, its probe settings measure all-reduce under compute before training (unless
+    ``cpu_probe`` is off)."""
     time_budget_s: float
     """Local-search seconds of ``best``."""
     trace: bool
     """Record the runtime strategies' measured timelines."""
     pg_timeout_s: float
     """The process group's timeout."""
-    comm_sizes: tuple[int, ...] | None = None
-    """The all-reduce sweep's sizes; ``None``: the profiler's own."""
     first_warmup: int = 3
     """Untimed iterations of each strategy's first turn."""
-    probe: bool = True
-    """With a profile that has no probe, measure all-reduce under compute before training."""
     verify: bool = False
     """Let the runtime verify its plan against the DDP-like fallback (``--verify``); off, every
     strategy is measured as planned."""
-    probe_points: int = 5
-    """Sizes of that probe."""
-    probe_repeats: int = 4
-    """Repeats of that probe."""
 
     def to_dict(self) -> dict[str, Any]:
         """The job as the JSON object of its file."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return json.loads(json.dumps(dataclasses.asdict(self)))
 
     @classmethod
     def from_dict(cls, doc: Any, source: str) -> Job:
@@ -95,24 +94,13 @@ class Job:
         ``source`` that is missing, unknown or of the wrong type."""
         if not isinstance(doc, Mapping):
             raise FormatError(source, "", "a JSON object", type(doc).__name__)
-        fields = {f.name: f for f in dataclasses.fields(cls)}
-        for key in doc:
-            if key not in fields:
-                raise FormatError(source, str(key), "a field of a bench job ("
-                                  + ", ".join(fields) + ")")
-        values: dict[str, Any] = {}
-        for name, f in fields.items():
-            if name not in doc:
-                if f.default is dataclasses.MISSING:
-                    raise FormatError(source, name, f"a value ({f.type})")
-                continue
-            value = doc[name]
-            if not _fits(value, str(f.type)):
-                raise FormatError(source, name, str(f.type), value)
-            if isinstance(value, list):
-                value = tuple(value)
-            values[name] = float(value) if str(f.type) == "float" else value
-        return cls(**values)
+        from pydantic import ValidationError
+
+        try:
+            # JSON mode: an array is a tuple, an integer a float; nothing else is converted.
+            return _adapter().validate_json(json.dumps(doc))
+        except ValidationError as e:
+            raise _format_error(e.errors()[0], source) from None
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Job:
@@ -122,24 +110,43 @@ class Job:
         return cls.from_dict(read_json(path), str(path))
 
 
-_KINDS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
-                                       "bool": (bool,)}
+@functools.cache
+def _adapter() -> Any:
+    """The pydantic validator of :class:`Job` (built once, on first use: pydantic is not
+    imported with this module)."""
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(Job)
 
 
-def _fits(value: Any, annotation: str) -> bool:
-    """Whether ``value`` (read from JSON) fits a field annotated ``annotation``: ``str``,
-    ``int``, ``float``, ``bool``, ``tuple[X, ...]`` (a list), each optionally ``| None``."""
-    for option in (t.strip() for t in annotation.split("|")):
-        if option == "None":
-            if value is None:
-                return True
-        elif option.startswith("tuple["):
-            inner = option[len("tuple["):].split(",")[0]
-            if isinstance(value, (list, tuple)) and all(_fits(v, inner) for v in value):
-                return True
-        elif isinstance(value, _KINDS[option]) and (option == "bool" or not isinstance(value, bool)):
-            return True
-    return False
+def _field_type(keys: tuple[Any, ...]) -> str:
+    """The annotation of the field at ``keys`` (``("profiling", "stable_s")``), as written."""
+    kind: Any = Job
+    text = ""
+    for key in keys:
+        fields = {f.name: f for f in dataclasses.fields(kind)} if dataclasses.is_dataclass(kind) else {}
+        if key not in fields:
+            return ""
+        text = str(fields[key].type)
+        kind = ProfileOptions if text == "ProfileOptions" else None
+    return text
+
+
+def _format_error(err: Mapping[str, Any], source: str) -> FormatError:
+    """The one line of pydantic's first error: the field, what it expects, what it got."""
+    keys = tuple(err["loc"])
+    path = ".".join(str(k) if not isinstance(k, int) else f"[{k}]" for k in keys).replace(".[", "[")
+    path = path or "(the whole job)"
+    named = tuple(k for k in keys if isinstance(k, str))
+    if err["type"] in ("extra_forbidden", "unexpected_keyword_argument"):
+        parent = ProfileOptions if named[:1] == ("profiling",) and len(named) > 1 else Job
+        return FormatError(source, path, "a field of " + ("the profiling options" if parent is
+                                                          ProfileOptions else "a bench job")
+                           + " (" + ", ".join(f.name for f in dataclasses.fields(parent)) + ")")
+    annotation = _field_type(named) or "a value"
+    if err["type"] == "missing":
+        return FormatError(source, path, f"a value ({annotation})")
+    return FormatError(source, path, annotation, err.get("input"))
 
 
 __all__ = ["Job"]

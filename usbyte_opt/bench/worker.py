@@ -17,7 +17,8 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
    to rank 0, which writes ``raw.json`` in the output folder.
 
 Rank 0 prints progress as ``@@ <text>`` lines on stderr (the launcher shows them); a failure
-is one ``error: <message>`` line and exit code 1.
+is recorded in the rank's torch elastic error file, which the launcher reads, and is one
+``error: <message>`` line in the rank's log; the exit code is 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,49 +56,106 @@ def _say(rank: int) -> Callable[[str], None]:
     return say
 
 
-def plan(profile: Any, strategies: list[str], time_budget_s: float) -> dict[str, Any]:
+@dataclass(slots=True)
+class Prediction:
+    """One strategy's predicted iteration time, in the mode its schedule runs in."""
+
+    ms: float | None
+    """The planner's prediction; ``None`` for ``auto`` until the run says what it chose."""
+    mode: str
+    """``overlap`` or ``fence`` (PyTorch DDP), ``compute`` (no-comm), ``auto``."""
+    blocks: int | None
+    refined_ms: float | None = None
+    """Set by :func:`refine` once training has run."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ms": self.ms, "mode": self.mode, "blocks": self.blocks, "refined_ms": self.refined_ms}
+
+
+@dataclass(slots=True)
+class Planned:
+    """What rank 0 planned (:func:`plan`) and every rank receives."""
+
+    schedules: dict[str, Any]
+    """Each planned strategy's :class:`~usbyte_opt.formats.Schedule`."""
+    predicted: dict[str, Prediction]
+    """Each requested strategy's prediction."""
+    lower_bound_ms: float
+    compute_ms: float
+    update_ms: float
+    all: dict[str, dict[str, Any]]
+    """Every registered strategy's result (iteration, mode, overlap/fence ms, blocks)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``planned`` object of ``raw.json`` (without the schedules, which are files)."""
+        return {"lower_bound_ms": self.lower_bound_ms, "compute_ms": self.compute_ms,
+                "update_ms": self.update_ms, "all": self.all,
+                "predicted": {s: p.to_dict() for s, p in self.predicted.items()}}
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedComm:
+    """All-reduce cost measured while the training thread computes, for the refined prediction:
+    from the profile's probe (``meta.cpu_probe``) or the bench's own."""
+
+    comm: Any
+    """The profile's :class:`~usbyte_opt.formats.CommSpec` with the bandwidth fitted to the
+    samples (:func:`.refine.loaded_comm`)."""
+    cpu_ms_per_mb: float
+    cpu_ms_per_block: float
+    step_alone_ms: float | None
+    samples: tuple[tuple[int, float], ...]
+    from_profile: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        """The ``loaded_comm`` object of ``raw.json``."""
+        return {"alpha_ms": self.comm.alpha_ms, "algbw_gbs": self.comm.algbw_gbs,
+                "cpu_ms_per_mb": self.cpu_ms_per_mb, "cpu_ms_per_block": self.cpu_ms_per_block,
+                "step_alone_ms": self.step_alone_ms,
+                "source": "profile (meta.cpu_probe)" if self.from_profile else "bench probe",
+                "samples": [list(x) for x in self.samples],
+                "method": "chains of blocks on the runtime's channel, issued after a barrier "
+                          "while training iterations run; issue to completion of the last, "
+                          "minimum over ranks, median of repeats, per block"}
+
+
+def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
     """Plan every registered strategy on ``profile``; return the schedules and predictions
     of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
     the planner's ``ms`` in the ``mode`` its schedule runs in (PyTorch DDP: fence);
     :func:`refine` adds ``refined_ms`` once training has run."""
+    from ..env import AUTO
+    from ..errors import UsbyteError
     from ..planning.planner import compare
 
     report = compare(profile, options={BEST: {"time_budget_s": time_budget_s}})
-    out: dict[str, Any] = {"schedules": {}, "predicted": {}, "lower_bound_ms": report.lower_bound_ms,
-                           "compute_ms": report.compute_ms,
-                           "update_ms": sum(t.update_ms for t in profile.tensors),
-                           "all": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
-                                       "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
-                                       "blocks": r.blocks}
-                                   for n, r in report.results.items()}}
-    from ..env import AUTO
-
+    out = Planned({}, {}, report.lower_bound_ms, report.compute_ms,
+                  sum(t.update_ms for t in profile.tensors),
+                  {n: {"iteration_ms": r.iteration_ms, "mode": r.mode, "overlap_ms": r.overlap_ms,
+                       "fence_ms": r.fence_ms, "blocks": r.blocks}
+                   for n, r in report.results.items()})
     for s in strategies:
         if s == REFERENCE:
-            ms = out["compute_ms"] + out["update_ms"]
-            out["predicted"][s] = {"ms": ms, "mode": "compute", "blocks": 0}
-            continue
-        if s == AUTO:  # planned inside the run; its own prediction is read after training
-            out["predicted"][s] = {"ms": None, "mode": "auto", "blocks": None}
-            continue
-        if s not in report.results:
-            from ..errors import UsbyteError
-
+            out.predicted[s] = Prediction(out.compute_ms + out.update_ms, "compute", 0)
+        elif s == AUTO:  # planned inside the run; its own prediction is read after training
+            out.predicted[s] = Prediction(None, "auto", None)
+        elif s not in report.results:
             raise UsbyteError(f"--strategies: {s}: {report.skipped.get(s, 'not planned')}")
-        r = report.results[s]
-        sched = report.schedule(s)
-        out["schedules"][s] = sched
-        out["predicted"][s] = {"ms": r.iteration_ms, "mode": r.mode, "blocks": r.blocks}
+        else:
+            r = report.results[s]
+            out.schedules[s] = report.schedule(s)
+            out.predicted[s] = Prediction(r.iteration_ms, r.mode, r.blocks)
     return out
 
 
-def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_scale: float = 1.0) -> None:
+def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
+           compute_scale: float = 1.0) -> None:
     """Set ``refined_ms`` of every prediction in ``planned`` (from :func:`plan`), in the mode
     its schedule runs in: the planner's model (with its compute-cost rule) on the all-reduce
-    cost measured under compute and the measured training-thread costs (``loaded = (comm,
-    cpu_ms_per_mb, cpu_ms_per_block)``, when probed), compute scaled by ``compute_scale``
-    (measured ``no-comm`` over predicted: :func:`~.refine.scaled`), and in overlap mode the
-    runtime's update rule (:func:`~.refine.refined_overlap`)."""
+    cost measured under compute and the measured training-thread costs (``loaded``, when
+    probed), compute scaled by ``compute_scale`` (measured ``no-comm`` over predicted:
+    :func:`~.refine.scaled`), and in overlap mode the runtime's update rule
+    (:func:`~.refine.refined_overlap`)."""
     import dataclasses
 
     from ..planning.problem import Problem
@@ -104,24 +163,25 @@ def refine(profile: Any, planned: dict[str, Any], loaded: Any = None, compute_sc
     from .refine import refined_overlap, scaled
 
     base = scaled(profile, compute_scale)
-    comm, per_mb, per_block = (loaded if loaded is not None else
-                               (None, profile.comm.cpu_ms_per_mb, profile.comm.cpu_ms_per_block))
-    comm = dataclasses.replace(comm if comm is not None else base.comm, cpu_ms_per_mb=per_mb,
-                               cpu_ms_per_block=per_block)
+    if loaded is not None:
+        comm = dataclasses.replace(loaded.comm, cpu_ms_per_mb=loaded.cpu_ms_per_mb,
+                                   cpu_ms_per_block=loaded.cpu_ms_per_block)
+    else:
+        comm = dataclasses.replace(base.comm, cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
+                                   cpu_ms_per_block=profile.comm.cpu_ms_per_block)
     rp = Problem.from_profile(base.with_comm(comm))
-    for s, pred in planned["predicted"].items():
+    for s, pred in planned.predicted.items():
         if s == REFERENCE:
-            pred["refined_ms"] = (planned["compute_ms"] + planned["update_ms"]) * compute_scale
-            continue
-        if s not in planned["schedules"]:  # auto: no schedule known ahead
-            pred["refined_ms"] = None
-            continue
-        sched = planned["schedules"][s]
-        lay = rp.layout(sched.buffers)
-        if pred["mode"] == Mode.FENCE:  # the whole step already runs on the training thread
-            pred["refined_ms"] = simulate_blocks(rp, lay, sched.blocks, Mode.FENCE).iteration_ms
+            pred.refined_ms = (planned.compute_ms + planned.update_ms) * compute_scale
+        elif s not in planned.schedules:  # auto: no schedule known ahead
+            pred.refined_ms = None
+        elif pred.mode == Mode.FENCE:  # the whole step already runs on the training thread
+            sched = planned.schedules[s]
+            pred.refined_ms = simulate_blocks(rp, rp.layout(sched.buffers), sched.blocks,
+                                              Mode.FENCE).iteration_ms
         else:
-            pred["refined_ms"] = refined_overlap(rp, lay, sched.blocks)
+            sched = planned.schedules[s]
+            pred.refined_ms = refined_overlap(rp, rp.layout(sched.buffers), sched.blocks)
 
 
 def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
@@ -152,17 +212,16 @@ def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
 
 def run_rank(job: Job) -> dict[str, Any] | None:
     """Run one rank of the benchmark ``job`` (made by :meth:`usbyte_opt.bench.BenchConfig.job`);
-    rank 0 returns the raw result (and writes it), the others ``None``."""
+    rank 0 returns the raw result (and writes it), the others ``None``.
+
+    Phases: :func:`_profile`, :func:`_loaded_comm`, :func:`_plan_everywhere`,
+    :func:`_train`, then :func:`_gather` and, on rank 0, :func:`_raw`."""
     import torch
     import torch.distributed as dist
 
     from ..device import resolve_device
     from ..errors import UsbyteError
-    from ..formats import load_profile, save_profile, save_schedule, write_json
     from ..group import init_from_env
-    from ..profiler.run import profile_model
-    from ..runtime import trace as trace_mod
-    from .train import TRACED, Trainee, interleave
 
     dev = resolve_device(job.device)
     if dev.type == "cpu":
@@ -174,205 +233,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     try:
         if job.threads:
             torch.set_num_threads(job.threads)
-        rank, world = dist.get_rank(), dist.get_world_size()
-        say = _say(rank)
-        out = Path(job.out_dir)
-        spec = job.model
-        t_start = time.perf_counter()
-
-        # 1-2. Profile on this process group (or load one).
-        if job.profile:
-            prof = load_profile(job.profile)
-            profile_path = job.profile
-        else:
-            say(f"profiling {job.name} on {world} ranks")
-            last = {}
-
-            def progress(phase: str, done: int, total: int) -> None:
-                if done == total or phase not in last:
-                    say(f"profile: {phase} {done}/{total}")
-                last[phase] = done
-
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                prof = profile_model(spec, job.batch_size, name=job.name, device=dev,
-                                     warmup=job.profile_warmup, repeats=job.profile_repeats,
-                                     optimizer=job.optimizer, comm_sizes=job.comm_sizes,
-                                     comm_repeats=job.comm_repeats, cpu_probe=job.probe,
-                                     progress=progress, stable_s=job.stable_s)
-            profile_path = str(out / "profile.json")
-            if rank == 0:
-                save_profile(prof, profile_path)
-        t_profile = time.perf_counter() - t_start
-
-        # 2b. All-reduce cost while the training thread computes (for the refined prediction).
-        batch = prof.meta.get("batch_size") if job.batch_size is None else job.batch_size
-        loaded = None
-        probe_samples: list[Any] = []
-        step_alone: float | None = None
-        record = prof.meta.get("cpu_probe") if isinstance(prof.meta, dict) else None
-        if isinstance(record, dict) and world > 1:
-            # The profiler measured it (usbyte_opt.profiler.probe): the same probe, reused.
-            from .refine import loaded_comm
-
-            probe_samples = [(int(x["bytes"]), float(x["ms"])) for x in record["samples"]]
-            loaded = (loaded_comm(prof.comm, probe_samples), float(record["cpu_ms_per_mb"]),
-                      float(record["cpu_ms_per_block"]))
-            step_alone = record.get("step_alone_ms")
-        elif job.probe and world > 1:
-            from ..collectives.issuers import block_issuer
-            from ..profiler.probe import comm_under_compute, probe_sizes
-            from .refine import loaded_comm
-
-            say("measuring all-reduce under compute")
-            # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and
-            # chains of 4 blocks up to the whole gradient (what bytes cost).
-            sizes, parts = probe_sizes(sum(t.nbytes for t in prof.tensors),
-                                       job.probe_points)
-            probe = Trainee("probe", "local", spec, batch, dev, job.optimizer, rank=rank)
-            # On the runtime's channel, each size as a chain of blocks, as training sends it.
-            issue, _ = block_issuer(None, dev)
-            probed = comm_under_compute(probe.iteration, sizes, job.probe_repeats,
-                                        device=dev, issue=issue, parts=parts)
-            del issue
-            probe_samples = list(probed.samples)
-            step_alone = probed.step_alone_ms
-            loaded = (loaded_comm(prof.comm, probe_samples), probed.cpu_ms_per_mb,
-                      probed.cpu_ms_per_block)
-            del probe
-        t_probe = time.perf_counter() - t_start - t_profile
-
-        # 3. Plan on rank 0; every rank gets the same schedules.
-        strategies = list(job.strategies)
-        payload: list[Any] = [None]
-        if rank == 0:
-            say("planning " + ", ".join(s for s in strategies if s != REFERENCE))
-            try:
-                payload[0] = plan(prof, strategies, job.time_budget_s)
-                for s, sched in payload[0]["schedules"].items():
-                    save_schedule(sched, out / "schedules" / f"{s}.json")
-            except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
-                payload[0] = {"error": f"{type(e).__name__}: {e}" if not isinstance(e, UsbyteError)
-                              else str(e)}
-        dist.broadcast_object_list(payload, src=0)
-        planned = payload[0]
-        if "error" in planned:
-            raise UsbyteError(planned["error"] if rank == 0 else f"rank 0: {planned['error']}")
-        t_plan = time.perf_counter() - t_start - t_profile - t_probe
-
-        # 4. Train side by side.
-        trainees = []
-        traces: dict[str, str] = {}
-        for s in strategies:
-            if s == REFERENCE:
-                trainees.append(Trainee(s, "local", spec, batch, dev, job.optimizer, rank=rank))
-            elif s == TORCH_DDP:
-                trainees.append(Trainee(s, "ddp", spec, batch, dev, job.optimizer, rank=rank))
-            elif s == DDP_TUNED:
-                trainees.append(Trainee(s, "ddp-tuned", spec, batch, dev, job.optimizer,
-                                        planned["schedules"][s], rank=rank))
-            else:
-                if job.trace:
-                    traces[s] = str(out / "traces" / f"{s}.measured.json")
-                trainees.append(Trainee(s, "runtime", spec, batch, dev, job.optimizer,
-                                        planned["schedules"].get(s, s), rank=rank,
-                                        verify=job.verify, trace=traces.get(s)))
-        say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
-        interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
-                   first_warmup=job.first_warmup, progress=say,
-                   traced=min(TRACED, job.iterations) if job.trace else 0)
-        t_train = time.perf_counter() - t_start - t_profile - t_probe - t_plan
-        if job.trace:
-            trace_mod.flush_all()
-
-        # 5. Correctness against the reference, then everything to rank 0.
-        ref = next((t for t in trainees if t.kind == "ddp"), None)
-        ref = ref or next((t for t in trainees if t.kind == "runtime"), None)
-        ref_params = ref.parameters() if ref is not None else None
-        mine = {}
-        for t in trainees:
-            diff = None
-            if ref_params is not None and t.kind != "local" and t is not ref:
-                # absolute below magnitude 1, relative above (as allclose with atol = rtol)
-                diff = float(((t.parameters() - ref_params).abs()
-                              / ref_params.abs().clamp(min=1.0)).max())
-            elif t is ref:
-                diff = 0.0
-            mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses,
-                            "steps": t.steps, "max_param_diff": diff,
-                            "runtime": t.report()}
-        every: list[Any] = [None] * world
-        dist.all_gather_object(every, mine)
-        if rank != 0:
-            return None
-        runs = {}
-        for s in strategies:
-            per_rank = [e[s] for e in every]
-            n = min(len(p["durations_ms"]) for p in per_rank)
-            # One number per iteration: the mean over ranks (they are coupled by the collectives).
-            durations = [sum(p["durations_ms"][i] for p in per_rank) / world for i in range(n)]
-            diffs = [p["max_param_diff"] for p in per_rank if p["max_param_diff"] is not None]
-            runs[s] = {"durations_ms": durations,
-                       "durations_by_rank_ms": [p["durations_ms"] for p in per_rank],
-                       "final_loss": per_rank[0]["losses"][-1] if per_rank[0]["losses"] else math.nan,
-                       "losses_rank0": per_rank[0]["losses"],
-                       "steps": per_rank[0]["steps"],
-                       "max_param_diff": max(diffs) if diffs else None,
-                       "runtime": per_rank[0]["runtime"]}
-            rt = per_rank[0]["runtime"] or {}
-            pred = planned["predicted"].get(s)
-            if pred is not None and pred["ms"] is None and rt.get("predicted_ms") is not None:
-                # auto: the prediction the runtime made for the plan it settled on
-                pred.update(ms=rt["predicted_ms"], mode=(rt.get("plan") or {}).get("mode", "auto"),
-                            blocks=(rt.get("plan") or {}).get("blocks"))
-        # The refined prediction, with compute recalibrated to the side-by-side no-comm run.
-        compute_scale = 1.0
-        if REFERENCE in runs and runs[REFERENCE]["durations_ms"]:
-            from ..collectives.sweep import median
-
-            expect = planned["compute_ms"] + planned["update_ms"]
-            if expect > 0:
-                compute_scale = median(runs[REFERENCE]["durations_ms"]) / expect
-        refine(prof, planned, loaded, compute_scale)
-        raw = {
-            "job": {k: v for k, v in job.to_dict().items() if k != "comm_sizes"},
-            "compute_scale": compute_scale,
-            "profile": profile_path,
-            "profile_name": prof.name,
-            "world_size": world,
-            "backend": str(dist.get_backend()),
-            "device": dev.type,
-            "threads": torch.get_num_threads(),
-            "torch": torch.__version__,
-            "batch_size": batch,
-            "forward_ms": prof.forward_ms,
-            "backward_ms": prof.backward_ms,
-            "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
-                     "algbw_gbs": prof.comm.algbw_gbs, "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
-                     "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
-                     "samples": [list(s) for s in prof.comm.samples]},
-            "loaded_comm": None if loaded is None else {
-                "alpha_ms": loaded[0].alpha_ms, "algbw_gbs": loaded[0].algbw_gbs,
-                "cpu_ms_per_mb": loaded[1], "cpu_ms_per_block": loaded[2],
-                "step_alone_ms": step_alone,
-                "source": "profile (meta.cpu_probe)" if isinstance(record, dict) else "bench probe",
-                "samples": [list(x) for x in probe_samples],
-                "method": "chains of blocks on the runtime's channel, issued after a barrier "
-                          "while training iterations run; issue to completion of the last, "
-                          "minimum over ranks, median of repeats, per block"},
-            "gradient_bytes": sum(t.nbytes for t in prof.tensors),
-            "tensors": len(prof.tensors),
-            "planned": {"lower_bound_ms": planned["lower_bound_ms"], "compute_ms": planned["compute_ms"],
-                        "update_ms": planned["update_ms"], "all": planned["all"],
-                        "predicted": planned["predicted"]},
-            "schedules": {s: str(out / "schedules" / f"{s}.json") for s in planned["schedules"]},
-            "traces": traces,
-            "runs": runs,
-            "phases_s": {"profile": t_profile, "probe": t_probe, "plan": t_plan, "train": t_train},
-            "reference": ref.name if ref is not None else None,
-        }
-        write_json(out / "raw.json", raw)
-        return raw
+        return _run(job, dev)
     finally:
         if owns and dist.is_initialized():
             try:
@@ -381,22 +242,283 @@ def run_rank(job: Job) -> dict[str, Any] | None:
                 pass
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``."""
+@dataclass(slots=True)
+class _Clock:
+    """Seconds each phase took, in order."""
+
+    start: float = field(default_factory=time.perf_counter)
+    phases: dict[str, float] = field(default_factory=dict)
+
+    def lap(self, phase: str) -> None:
+        self.phases[phase] = time.perf_counter() - self.start - sum(self.phases.values())
+
+
+def _run(job: Job, dev: Any) -> dict[str, Any] | None:
+    import torch.distributed as dist
+
+    from ..formats import write_json
+    from ..runtime import trace as trace_mod
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = _say(rank)
+    clock = _Clock()
+    prof, profile_path = _profile(job, dev, rank, world, say)
+    clock.lap("profile")
+    batch = prof.meta.get("batch_size") if job.batch_size is None else job.batch_size
+    loaded = _loaded_comm(job, prof, dev, batch, rank, world, say)
+    clock.lap("probe")
+    planned = _plan_everywhere(job, prof, rank, say)
+    clock.lap("plan")
+    trainees, traces = _train(job, planned, dev, batch, rank, say)
+    clock.lap("train")
+    if job.trace:
+        trace_mod.flush_all()
+    ref, every = _gather(trainees, world)
+    if rank != 0:
+        return None
+    runs = _runs(list(job.strategies), every, world, planned)
+    compute_scale = _compute_scale(runs, planned)
+    refine(prof, planned, loaded, compute_scale)
+    raw = _raw(job, prof, profile_path, batch, world, dev, planned, loaded, runs, traces,
+               compute_scale, clock, ref)
+    write_json(Path(job.out_dir) / "raw.json", raw)
+    return raw
+
+
+def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], None]) -> tuple[Any, str]:
+    """Profile on this process group (rank 0 writes ``profile.json``), or load ``job.profile``."""
+    from ..formats import load_profile, save_profile
+    from ..profiler.run import profile_model
+
+    if job.profile:
+        return load_profile(job.profile), job.profile
+    say(f"profiling {job.name} on {world} ranks")
+    last: dict[str, int] = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if done == total or phase not in last:
+            say(f"profile: {phase} {done}/{total}")
+        last[phase] = done
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        prof = profile_model(job.model, job.batch_size, job.profiling, name=job.name, device=dev,
+                             progress=progress)
+    path = str(Path(job.out_dir) / "profile.json")
+    if rank == 0:
+        save_profile(prof, path)
+    return prof, path
+
+
+def _loaded_comm(job: Job, prof: Any, dev: Any, batch: Any, rank: int, world: int,
+                 say: Callable[[str], None]) -> LoadedComm | None:
+    """All-reduce cost while the training thread computes (for the refined prediction): the
+    profile's probe when it has one, else this bench's own (unless the probe is off)."""
+    from ..formats.probe_record import CpuProbeRecord
+    from .refine import loaded_comm
+
+    if world < 2:
+        return None
+    record = CpuProbeRecord.of(prof.meta, job.profile or "profile.json")
+    if record is not None:  # the profiler measured it (usbyte_opt.profiler.probe): reused
+        return LoadedComm(loaded_comm(prof.comm, record.samples), record.cpu_ms_per_mb,
+                          record.cpu_ms_per_block, record.step_alone_ms, record.samples, True)
+    if not job.profiling.cpu_probe:
+        return None
+    from ..collectives.issuers import block_issuer
+    from ..profiler.probe import comm_under_compute, probe_sizes
+    from .train import Trainee
+
+    say("measuring all-reduce under compute")
+    # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and chains
+    # of 4 blocks up to the whole gradient (what bytes cost).
+    sizes, parts = probe_sizes(sum(t.nbytes for t in prof.tensors), job.profiling.probe_points)
+    probe = Trainee("probe", "local", job.model, batch, dev, job.profiling.optimizer, rank=rank)
+    # On the runtime's channel, each size as a chain of blocks, as training sends it.
+    issue, _ = block_issuer(None, dev)
+    probed = comm_under_compute(probe.iteration, sizes, job.profiling.probe_repeats, device=dev,
+                                issue=issue, parts=parts)
+    del issue, probe
+    samples = tuple(probed.samples)
+    return LoadedComm(loaded_comm(prof.comm, samples), probed.cpu_ms_per_mb,
+                      probed.cpu_ms_per_block, probed.step_alone_ms, samples, False)
+
+
+def _plan_everywhere(job: Job, prof: Any, rank: int, say: Callable[[str], None]) -> Planned:
+    """Plan on rank 0 (writing the schedules); every rank gets the same plan, or the same
+    error."""
+    import torch.distributed as dist
+
     from ..errors import UsbyteError
+    from ..formats import save_schedule
+
+    payload: list[Any] = [None]
+    if rank == 0:
+        say("planning " + ", ".join(s for s in job.strategies if s != REFERENCE))
+        try:
+            payload[0] = plan(prof, list(job.strategies), job.time_budget_s)
+            for s, sched in payload[0].schedules.items():
+                save_schedule(sched, Path(job.out_dir) / "schedules" / f"{s}.json")
+        except Exception as e:  # noqa: BLE001 - shared, then raised on every rank
+            payload[0] = str(e) if isinstance(e, UsbyteError) else f"{type(e).__name__}: {e}"
+    dist.broadcast_object_list(payload, src=0)
+    if isinstance(payload[0], str):
+        raise UsbyteError(payload[0] if rank == 0 else f"rank 0: {payload[0]}")
+    return payload[0]
+
+
+def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
+           say: Callable[[str], None]) -> tuple[list[Any], dict[str, str]]:
+    """Every requested strategy's trainee, trained side by side; and their trace files."""
+    from .train import TRACED, Trainee, interleave
+
+    out = Path(job.out_dir)
+    opt = job.profiling.optimizer
+    trainees = []
+    traces: dict[str, str] = {}
+    for s in job.strategies:
+        if s == REFERENCE:
+            trainees.append(Trainee(s, "local", job.model, batch, dev, opt, rank=rank))
+        elif s == TORCH_DDP:
+            trainees.append(Trainee(s, "ddp", job.model, batch, dev, opt, rank=rank))
+        elif s == DDP_TUNED:
+            trainees.append(Trainee(s, "ddp-tuned", job.model, batch, dev, opt,
+                                    planned.schedules[s], rank=rank))
+        else:
+            if job.trace:
+                traces[s] = str(out / "traces" / f"{s}.measured.json")
+            trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
+                                    planned.schedules.get(s, s), rank=rank, verify=job.verify,
+                                    trace=traces.get(s)))
+    say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
+    interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
+               first_warmup=job.first_warmup, progress=say,
+               traced=min(TRACED, job.iterations) if job.trace else 0)
+    return trainees, traces
+
+
+def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
+    """Correctness against the reference (DDP, else the first runtime strategy), then every
+    rank's timings to every rank: the reference and the ranks' outcomes."""
+    import torch.distributed as dist
+
+    ref = next((t for t in trainees if t.kind == "ddp"), None)
+    ref = ref or next((t for t in trainees if t.kind == "runtime"), None)
+    ref_params = ref.parameters() if ref is not None else None
+    mine = {}
+    for t in trainees:
+        diff = None
+        if ref_params is not None and t.kind != "local" and t is not ref:
+            # absolute below magnitude 1, relative above (as allclose with atol = rtol)
+            diff = float(((t.parameters() - ref_params).abs()
+                          / ref_params.abs().clamp(min=1.0)).max())
+        elif t is ref:
+            diff = 0.0
+        mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses, "steps": t.steps,
+                        "max_param_diff": diff, "runtime": t.report()}
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    return ref, every
+
+
+def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned) -> dict[str, Any]:
+    """Each strategy's run over all ranks; ``auto``'s prediction is the one the runtime made
+    for the plan it settled on."""
+    runs = {}
+    for s in strategies:
+        per_rank = [e[s] for e in every]
+        n = min(len(p["durations_ms"]) for p in per_rank)
+        # One number per iteration: the mean over ranks (they are coupled by the collectives).
+        durations = [sum(p["durations_ms"][i] for p in per_rank) / world for i in range(n)]
+        diffs = [p["max_param_diff"] for p in per_rank if p["max_param_diff"] is not None]
+        runs[s] = {"durations_ms": durations,
+                   "durations_by_rank_ms": [p["durations_ms"] for p in per_rank],
+                   "final_loss": per_rank[0]["losses"][-1] if per_rank[0]["losses"] else math.nan,
+                   "losses_rank0": per_rank[0]["losses"],
+                   "steps": per_rank[0]["steps"],
+                   "max_param_diff": max(diffs) if diffs else None,
+                   "runtime": per_rank[0]["runtime"]}
+        rt = per_rank[0]["runtime"] or {}
+        pred = planned.predicted.get(s)
+        if pred is not None and pred.ms is None and rt.get("predicted_ms") is not None:
+            pred.ms = rt["predicted_ms"]
+            pred.mode = (rt.get("plan") or {}).get("mode", "auto")
+            pred.blocks = (rt.get("plan") or {}).get("blocks")
+    return runs
+
+
+def _compute_scale(runs: dict[str, Any], planned: Planned) -> float:
+    """Measured ``no-comm`` over predicted compute (1 without a reference run): the refined
+    prediction's compute, recalibrated to the side-by-side run."""
+    from ..collectives.sweep import median
+
+    expect = planned.compute_ms + planned.update_ms
+    if REFERENCE in runs and runs[REFERENCE]["durations_ms"] and expect > 0:
+        return median(runs[REFERENCE]["durations_ms"]) / expect
+    return 1.0
+
+
+def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: Any,
+         planned: Planned, loaded: LoadedComm | None, runs: dict[str, Any],
+         traces: dict[str, str], compute_scale: float, clock: _Clock, ref: Any) -> dict[str, Any]:
+    """The ``raw.json`` document rank 0 writes."""
+    import torch
+    import torch.distributed as dist
+
+    out = Path(job.out_dir)
+    job_doc = job.to_dict()
+    job_doc["profiling"].pop("comm_sizes", None)
+    return {
+        "job": job_doc,
+        "compute_scale": compute_scale,
+        "profile": profile_path,
+        "profile_name": prof.name,
+        "world_size": world,
+        "backend": str(dist.get_backend()),
+        "device": dev.type,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "batch_size": batch,
+        "forward_ms": prof.forward_ms,
+        "backward_ms": prof.backward_ms,
+        "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
+                 "algbw_gbs": prof.comm.algbw_gbs, "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
+                 "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
+                 "samples": [list(s) for s in prof.comm.samples]},
+        "loaded_comm": None if loaded is None else loaded.to_dict(),
+        "gradient_bytes": sum(t.nbytes for t in prof.tensors),
+        "tensors": len(prof.tensors),
+        "planned": planned.to_dict(),
+        "schedules": {s: str(out / "schedules" / f"{s}.json") for s in planned.schedules},
+        "traces": traces,
+        "runs": runs,
+        "phases_s": dict(clock.phases),
+        "reference": ref.name if ref is not None else None,
+    }
+
+
+def _work(job_file: str) -> None:
+    run_rank(Job.load(job_file))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of a rank process: ``python -m usbyte_opt.bench.worker JOB.json``. A failure
+    is recorded in the rank's error file for the launcher (:func:`usbyte_opt.launcher.record_rank`)
+    and written to stderr (the rank's log) as one ``error:`` line."""
+    from ..errors import UsbyteError, first_line
+    from ..launcher import record_rank
 
     argv = sys.argv[1:] if argv is None else argv
     try:
-        run_rank(Job.load(argv[0]))
+        record_rank(_work)(argv[0])
     except UsbyteError as e:
         sys.stderr.write(f"error: {e}\n")
         return 1
-    except Exception as e:  # noqa: BLE001 - one line for the launcher; traceback above it
+    except Exception as e:  # noqa: BLE001 - one line for the log; traceback above it
         import traceback
 
         traceback.print_exc()
-        first = str(e).splitlines()[0] if str(e) else ""
-        sys.stderr.write(f"error: {type(e).__name__}: {first}\n")
+        sys.stderr.write(f"error: {type(e).__name__}: {first_line(e, '')}\n")
         return 1
     return 0
 

@@ -9,10 +9,15 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..errors import UsbyteError
+from ..errors import UsageError, UsbyteError
 from ..formats import CommSpec, Profile, dump_profile, load_profile, write_json
 from ..planning.planner import retargeted
 from ..planning.simulate import Timeline, chrome_trace
+
+#: The command line of this process as :func:`usbyte_opt.cli.main.main` was given it (without
+#: its ``--debug``, which the ranks inherit as ``USBYTE_DEBUG``): what ``profile
+#: --nproc-per-node`` forwards to the ranks it starts.
+ARGV: list[str] = []
 
 #: Options shared by several commands, as ``Annotated`` types (``x: common.Json = False``).
 WorldSize = Annotated[Optional[int], typer.Option(
@@ -43,13 +48,11 @@ def _nearest(path: Path) -> Path:
 
 
 def _unwritable(option: str, path: Path, why: str) -> UsbyteError:
-    err = UsbyteError(f"{option} {path}: expected a path this process can write, but {why}")
-    err.exit_code = 2
-    return err
+    return UsageError(f"{option} {path}: expected a path this process can write, but {why}")
 
 
 def check_output_file(path: str | os.PathLike, option: str = "--output") -> Path:
-    """Raise :class:`UsbyteError` (one line, exit code 2) unless a file can be written at
+    """Raise :class:`~usbyte_opt.errors.UsageError` (one line, exit code 2) unless a file can be written at
     ``path``; return it as a :class:`Path`. Called before any work, so that a bad output
     path costs nothing; nothing is left behind (missing folders are not created).
 
@@ -58,7 +61,7 @@ def check_output_file(path: str | os.PathLike, option: str = "--output") -> Path
         >>> check_output_file("/proc/x.json", "-o")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: -o /proc/x.json: expected a path this process can ...
+        usbyte_opt.errors.UsageError: -o /proc/x.json: expected a path this process can ...
     """
     p = Path(path)
     if p.is_dir():
@@ -83,7 +86,7 @@ def check_output_dir(path: str | os.PathLike, option: str = "--output-dir") -> P
         >>> check_output_dir("/proc/results", "-o")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: -o /proc/results: expected a path this process can ...
+        usbyte_opt.errors.UsageError: -o /proc/results: expected a path this process can ...
     """
     p = Path(path)
     folder = _nearest(p)

@@ -6,7 +6,8 @@ picks it up. Every torchrun option is accepted (``--nproc-per-node``, ``--nnodes
 ``--rdzv-endpoint``, ...); everything after SCRIPT goes to the script.
 
 Failures read as one line: each rank runs the script through :mod:`usbyte_opt.cli.rank`,
-so a usbyte-opt error on a rank (a schedule that does not fit the model names the first
+which leaves a usbyte-opt error in the rank's torch elastic error file, so a usbyte-opt error
+on a rank (a schedule that does not fit the model names the first
 tensor that differs, expected and got) is printed once as ``error: rank N: <message>`` with
 its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit code 130);
 ``--debug`` keeps every traceback. A script that fails in its own code keeps its traceback.
@@ -14,18 +15,16 @@ its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit c
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import typer
 
 from .. import console
-from ..env import AUTO, AUTO_DIR_ENV, DEBUG_ENV, RANK_ERRORS_ENV, SCHEDULE_ENV
-from ..errors import UsbyteError
+from ..env import AUTO, AUTO_DIR_ENV, DEBUG_ENV, SCHEDULE_ENV
+from ..errors import ExitError, UsageError
 
 USAGE = ("usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR] [torchrun options] SCRIPT "
          "[SCRIPT ARGS]\n\n"
@@ -53,9 +52,7 @@ def _parser() -> Any:
                              "schedule it built (exported as USBYTE_AUTO_DIR).")
 
     def error(message: str) -> None:
-        err = UsbyteError(f"launch: {message} (usage: {parser.usage})")
-        err.exit_code = 2
-        raise err
+        raise UsageError(f"launch: {message} (usage: {parser.usage})")
 
     parser.error = error  # type: ignore[method-assign]
     return parser
@@ -102,9 +99,7 @@ def launch(ctx: typer.Context) -> None:
                      "size")
     wrapped = not (args.no_python or args.run_path)
     if wrapped and not args.module and not Path(args.training_script).is_file():
-        err = UsbyteError(f"launch: {args.training_script}: expected an existing script file")
-        err.exit_code = 2
-        raise err
+        raise UsageError(f"launch: {args.training_script}: expected an existing script file")
     os.environ[SCHEDULE_ENV] = AUTO if auto else str(Path(args.schedule).resolve())
     if args.auto_dir:
         os.environ[AUTO_DIR_ENV] = str(Path(args.auto_dir).resolve())
@@ -123,43 +118,35 @@ def launch(ctx: typer.Context) -> None:
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
     from ..launcher import run_torchrun
 
-    with tempfile.TemporaryDirectory(prefix="usbyte-launch-") as errors:
-        os.environ[RANK_ERRORS_ENV] = errors
-        try:
-            failures = run_torchrun(args, quiet=not debug)
-            if failures is not None:
-                raise _failure(failures, script, Path(errors)) from None
-        finally:
-            os.environ.pop(RANK_ERRORS_ENV, None)
+    failures = run_torchrun(args, quiet=not debug)
+    if failures is not None:
+        raise _failure(failures, script) from None
 
 
-def _failure(failures: dict[int, Any], script: str, errors: Path) -> BaseException:
-    """The one error a failed run reports: the first usbyte-opt error a rank left in
-    ``errors`` (``rank N: message``, with its exit code), else the rank that exited first on
-    its own (the others were stopped by torchrun after it); ``KeyboardInterrupt`` when every
-    rank ended from Ctrl-C."""
+def _failure(failures: dict[int, Any], script: str) -> BaseException:
+    """The one error a failed run reports: the first usbyte-opt error a rank left in its error
+    file (``rank N: message``, with its exit code; torchrun read the file:
+    :class:`usbyte_opt.launcher.RankError`), else the rank that exited first on its own (the
+    others were stopped by torchrun after it); ``KeyboardInterrupt`` when every rank ended
+    from Ctrl-C."""
+    from ..launcher import RankError
+
     codes = {f.exitcode for f in failures.values()}
     if failures and codes <= {130, -signal.SIGINT, -signal.SIGTERM} and codes & {130, -signal.SIGINT}:
         return KeyboardInterrupt()
     left = []
     for rank, f in failures.items():
-        path = errors / f"rank{rank}.json"
-        try:
-            doc = json.loads(path.read_text())
-            left.append((f.timestamp, rank, str(doc["message"]), int(doc["exit_code"])))
-        except (OSError, ValueError, KeyError, TypeError):
-            continue
+        e = RankError.of(getattr(f, "error_file_data", None))
+        if e is not None and e.usbyte:
+            left.append((f.timestamp, rank, e.message, e.exit_code))
     if left:
         _, _, message, code = min(left)
-        err = UsbyteError(message)
-        err.exit_code = code
-        return err
+        return ExitError(message, code)
     rank, failure = min(failures.items(), key=lambda kv: (
         kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
     where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
-    err = UsbyteError(f"launch: {script}: {where}; its output is above")
-    err.exit_code = failure.exitcode if failure and failure.exitcode > 0 else 1
-    return err
+    return ExitError(f"launch: {script}: {where}; its output is above",
+                     failure.exitcode if failure and failure.exitcode > 0 else 1)
 
 
 def register(app: typer.Typer) -> None:

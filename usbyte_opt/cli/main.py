@@ -20,8 +20,8 @@ except ImportError:  # older typer runs on click itself
     from click.exceptions import ClickException
 
 from .. import __version__, console
-from ..env import DEBUG_ENV
-from ..errors import UsbyteError
+from ..env import DEBUG_ENV, ERROR_FILE_ENV
+from ..errors import PeerFailure, UsbyteError
 
 #: Subcommand modules under ``usbyte_opt.cli``, in ``--help`` order.
 COMMANDS = ("profile", "optimize", "simulate", "launch", "bench", "demo", "schema")
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
         argv.insert(0, "--debug")
     if debug:
         os.environ[DEBUG_ENV] = "1"  # for the ranks `launch` and `profile` start
+    from . import common
+
+    common.ARGV[:] = argv[1:] if argv[:1] == ["--debug"] else argv
     try:
         # Not standalone: usage errors come back here to be printed on one line, like the rest.
         code = app(args=argv, prog_name="usbyte-opt", standalone_mode=False)
@@ -106,13 +109,16 @@ def main(argv: list[str] | None = None) -> None:
         console.error("interrupted")
         sys.exit(130)
     except UsbyteError as e:
+        _record(e)
         if debug:
             raise
-        console.error(str(e))
+        if not (isinstance(e, PeerFailure) and e.silent):  # else the launcher names the cause
+            console.error(str(e))
         sys.exit(e.exit_code)
     except OSError as e:
         # A file that cannot be read or written (disk full, permissions, a folder vanished):
         # the environment's doing, not a bug, so one line like any other error.
+        _record(e)
         if debug:
             raise
         console.error(os_error_line(e))
@@ -125,6 +131,16 @@ def main(argv: list[str] | None = None) -> None:
     if code == 130:
         console.error("interrupted")  # typer's exit code for Ctrl-C inside a command
     sys.exit(code if isinstance(code, int) else 0)
+
+
+def _record(e: BaseException) -> None:
+    """On a rank (torchrun's, or one that ``--nproc-per-node`` started), leave the error in the
+    rank's error file for whoever started it (:func:`usbyte_opt.launcher.write_rank_error`:
+    torch elastic's format, written here without importing torch)."""
+    if os.environ.get(ERROR_FILE_ENV):
+        from ..launcher import write_rank_error
+
+        write_rank_error(e)
 
 
 def usage_error_line(e: ClickException) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
@@ -12,7 +13,7 @@ import typer
 
 from .. import console
 from ..errors import UsbyteError
-from ..formats import Mode, save_schedule
+from ..formats import Mode, Schedule, save_schedule
 from ..planning.planner import Progress, compare
 from ..planning.simulate import simulate
 from ..planning.strategies import load_builtin
@@ -77,8 +78,29 @@ def optimize(
                          progress=say)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
-    sched = report.schedule(strategy, profile_digest=original.digest())
     out = output if output is not None else Path("schedules") / f"{original.name}.json"
+    written = _write(report, strategy, original, out, trace)
+    if as_json:
+        console.emit_json(_document(report, written, prof, original.name))
+    else:
+        _print(report, written, prof, original.name, wide)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What ``optimize`` wrote: the chosen strategy's schedule, where, and its extras."""
+
+    strategy: str
+    schedule: Schedule
+    path: Path
+    trace: Path | None
+    caps: list[float] | None
+    """DDP's ``bucket_cap_mb_list`` for ``ddp-tuned``."""
+
+
+def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | None) -> Written:
+    """Write the schedule of ``strategy`` (and its predicted trace, when asked)."""
+    sched = report.schedule(strategy, profile_digest=original.digest())
     caps = None
     if strategy == "ddp-tuned":
         from ..ddp import bucket_caps_mb
@@ -88,39 +110,43 @@ def optimize(
     if trace is not None:
         common.write_trace(trace, simulate(report.problem, sched, check=False),
                            f"{original.name} / {strategy} ({sched.mode}, predicted)")
+    return Written(strategy, sched, out, trace, caps)
+
+
+def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
+    """The ``--json`` document."""
+    return {
+        "profile": name,
+        "world_size": prof.comm.world_size,
+        "alpha_ms": prof.comm.alpha_ms,
+        "algbw_gbs": prof.comm.algbw_gbs,
+        "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
+        "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
+        "compute_ms": report.compute_ms,
+        "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
+                           "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
+                           "blocks": r.blocks, "solve_s": r.solve_s}
+                       for n, r in report.results.items()},
+        "lower_bound_ms": report.lower_bound_ms,
+        "lower_bound_s": report.bound_s,
+        "gap": w.schedule.predicted["gap"],
+        "chosen": w.strategy,
+        "mode": w.schedule.mode,
+        "output": str(w.path),
+        "trace": str(w.trace) if w.trace else None,
+        **({"bucket_cap_mb_list": w.caps} if w.caps is not None else {}),
+        **({"skipped": report.skipped} if report.skipped else {}),
+    }
+
+
+def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
+    """The comparison table and what was written, for a terminal."""
     res = report.results
-    lb = report.lower_bound_ms
-    chosen = res[strategy]
-    slower = chosen.iteration_ms > res["ddp"].iteration_ms * (1 + 1e-9)
-    if as_json:
-        console.emit_json({
-            "profile": original.name,
-            "world_size": prof.comm.world_size,
-            "alpha_ms": prof.comm.alpha_ms,
-            "algbw_gbs": prof.comm.algbw_gbs,
-            "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
-            "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
-            "compute_ms": report.compute_ms,
-            "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
-                               "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
-                               "blocks": r.blocks, "solve_s": r.solve_s}
-                           for n, r in res.items()},
-            "lower_bound_ms": lb,
-            "lower_bound_s": report.bound_s,
-            "gap": sched.predicted["gap"],
-            "chosen": strategy,
-            "mode": sched.mode,
-            "output": str(out),
-            "trace": str(trace) if trace else None,
-            **({"bucket_cap_mb_list": caps} if caps is not None else {}),
-            **({"skipped": report.skipped} if report.skipped else {}),
-        })
-        return
     wfbp = res["wfbp"].iteration_ms
     ddp = res["ddp"].iteration_ms
     rows = []
     for n, r in res.items():
-        mark = " *" if n == strategy else ""
+        mark = " *" if n == w.strategy else ""
         row = [n + mark, r.mode, f"{r.iteration_ms:.2f}", f"{ddp / r.iteration_ms:.3f}x", r.blocks,
                f"{r.solve_s:.3f}"]
         if wide:
@@ -132,26 +158,27 @@ def optimize(
         columns[4:4] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
     c = prof.comm
     console.table(
-        f"{original.name}: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms "
+        f"{name}: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms "
         f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {c.world_size} ranks, "
         f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s" + common.cpu_cost_note(c),
         columns,
         rows,
         justify_right_from=2,
-        caption=f"lower bound {lb:.2f} ms; {strategy} ({sched.mode} mode) is "
-                f"{100 * sched.predicted['gap']:.2f}% above it",
+        caption=f"lower bound {report.lower_bound_ms:.2f} ms; {w.strategy} ({w.schedule.mode} mode) "
+                f"is {100 * w.schedule.predicted['gap']:.2f}% above it",
     )
-    if caps is not None:
-        console.paragraph(f"Stock PyTorch DDP with these {len(caps)} buckets: "
-                          f"DistributedDataParallel(model, bucket_cap_mb_list={short_caps(caps)})")
-        console.paragraph(f'or usbyte_opt.ddp.wrap(model, "{out}"), which also checks the model '
+    if w.caps is not None:
+        console.paragraph(f"Stock PyTorch DDP with these {len(w.caps)} buckets: "
+                          f"DistributedDataParallel(model, bucket_cap_mb_list={short_caps(w.caps)})")
+        console.paragraph(f'or usbyte_opt.ddp.wrap(model, "{w.path}"), which also checks the model '
                           "against the schedule (docs/runtime.md)")
-    for name, why in report.skipped.items():
-        console.warn(f"{name}: no plan: {why}")
-    if slower:
-        console.warn(f"{strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
+    for skipped, why in report.skipped.items():
+        console.warn(f"{skipped}: no plan: {why}")
+    chosen = res[w.strategy]
+    if chosen.iteration_ms > ddp * (1 + 1e-9):
+        console.warn(f"{w.strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
                      "best is never slower than ddp (--strategy best)")
-    console.info(f"wrote {out}" + (f" and {trace}" if trace else ""))
+    console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
 
 
 def short_caps(caps: list[float]) -> str:

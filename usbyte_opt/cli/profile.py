@@ -10,15 +10,16 @@ from __future__ import annotations
 import os
 import re
 import warnings
+from collections.abc import Callable
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
 from .. import console
-from ..env import DEBUG_ENV, LAUNCHED_ENV, PEER_EXIT
-from ..errors import DistributedError, UsbyteError
+from ..env import DEBUG_ENV, LAUNCHED_ENV
+from ..errors import PeerFailure, UsbyteError, first_line
 from . import common
 
 
@@ -87,92 +88,117 @@ def profile(
     if os.environ.get("RANK", "0") == "0":
         common.check_output_file(path, "--output")  # before any work: rank 0 writes it
     if nproc_per_node is not None and "RANK" not in os.environ:
-        from ..launcher import run_command
-        from ..models import resolve
-
-        resolve(model)  # a bad spec fails here, once, before any rank starts
-        argv = ["profile", model, "--warmup", str(warmup), "--repeats", str(repeats),
-                "--optimizer", optimizer.value, "--comm-min-kb", repr(comm_min_kb),
-                "--comm-max-mb", repr(comm_max_mb), "--comm-points", str(comm_points),
-                "--comm-repeats", str(comm_repeats), "--timeout-s", repr(timeout_s),
-                "--stable-s", repr(stable_s),
-                "--cpu-probe" if cpu_probe else "--no-cpu-probe"]
-        for flag, value in (("--batch-size", batch_size), ("--device", device and device.value),
-                            ("--output", output), ("--name", name), ("--alpha-ms", alpha_ms),
-                            ("--algbw-gbs", algbw_gbs)):
-            if value is not None:
-                argv += [flag, str(value)]
-        code, message = run_command(nproc_per_node, argv)
-        if code:
-            if message:
-                console.error(message)
-            raise typer.Exit(code)
+        _relaunch(model, nproc_per_node)
         return
-
-    import torch.distributed as dist
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    from ..collectives import sweep as comm_mod
-    from ..device import resolve_device
-    from ..formats import save_profile
-    from ..group import collective_failure, init_from_env
-    from ..profiler.run import profile_model
-
     if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
         raise UsbyteError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "
                           f"and {comm_max_mb} MiB")
-    dev = resolve_device(device.value if device else None)
+    from ..collectives.sweep import default_sizes
+    from ..profiler.options import ProfileOptions
+
+    opts = ProfileOptions(
+        warmup=warmup, repeats=repeats, optimizer=optimizer.value,
+        comm_sizes=tuple(default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)),
+                                       comm_points)),
+        comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
+        cpu_probe=cpu_probe, stable_s=stable_s)
+    _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
+
+
+def _relaunch(model: str, nproc: int) -> None:
+    """Run this very command line as ``nproc`` ranks on this host (each rank sees ``RANK`` and
+    ignores ``--nproc-per-node``); the first failing rank's line is the one error."""
+    from ..launcher import run_command
+    from ..models import resolve
+
+    resolve(model)  # a bad spec fails here, once, before any rank starts
+    code, message = run_command(nproc, common.ARGV)
+    if code:
+        if message:
+            console.error(message)
+        raise typer.Exit(code)
+
+
+def _profile_here(model: str, batch_size: int | None, opts: Any, name: str | None,
+                  device: str | None, path: Path, timeout_s: float) -> None:
+    """Profile on this rank's process group (or alone); rank 0 writes the file and prints."""
+    import torch.distributed as dist
+
+    from ..device import resolve_device
+    from ..formats import save_profile
+    from ..group import init_from_env
+    from ..profiler.run import profile_model
+
+    dev = resolve_device(device)
     owns_group = init_from_env(dev, timeout_s)
     try:
         rank = dist.get_rank() if dist.is_initialized() else 0
-        sizes = comm_mod.default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)), comm_points)
-        bar = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), console=console.err, transient=True,
-                       disable=rank != 0 or not console.err.is_terminal)
-        tasks: dict[str, int] = {}
-
-        def progress(phase: str, done: int, total: int) -> None:
-            if phase not in tasks:
-                tasks[phase] = bar.add_task(phase, total=total)
-            bar.update(tasks[phase], completed=done)
-
+        bar, progress = _progress_bar(rank)
         with bar, warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             try:
-                prof = profile_model(model, batch_size, name=name, device=dev, warmup=warmup,
-                                     repeats=repeats, optimizer=optimizer.value, comm_sizes=sizes,
-                                     comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-                                     cpu_probe=cpu_probe, progress=progress, stable_s=stable_s)
+                prof = profile_model(model, batch_size, opts, name=name, device=dev,
+                                     progress=progress)
             except RuntimeError as e:
-                if not collective_failure(e):
+                failure = _collective_failed(e, rank)
+                if failure is None:
                     raise
-                # A rank died or timed out: every survivor lands here, so say it once, plainly.
-                if os.environ.get(LAUNCHED_ENV) and not os.environ.get(DEBUG_ENV):
-                    raise typer.Exit(PEER_EXIT) from None  # the launcher names the cause
-                first = str(e).splitlines()[0] if str(e) else ""
-                first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first).split(". This is")[0]
-                raise DistributedError(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); "
-                                       "another rank probably stopped or timed out") from e
+                raise failure from e
         if rank != 0:
             return
         for w in caught:
             if w.category.__name__ == "ProfileWarning":
                 console.warn(str(w.message))
-        path = save_profile(prof, path)
-        total = sum(t.nbytes for t in prof.tensors)
-        c = prof.comm
-        console.table(f"profile {prof.name} → {path}", ["", "value"], [
-            ["tensors", f"{len(prof.tensors)} ({total / 1e6:.1f} MB)"],
-            ["forward / backward", f"{prof.forward_ms:.2f} / {prof.backward_ms:.2f} ms"],
-            ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({optimizer.value})"],
-            ["world", f"{prof.meta['world_size']} rank(s) on {prof.meta['hosts']} host(s), "
-                      f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
-            ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
-                           + (f" ({len(c.samples)} sizes)" if c.samples else "")],
-        ], justify_right_from=2)
+        _summary(prof, save_profile(prof, path))
     finally:
         if owns_group and dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _progress_bar(rank: int) -> tuple[Any, Callable[[str, int, int], None]]:
+    """Rank 0's progress bars on a terminal (one per phase), and the callback that feeds them."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), console=console.err, transient=True,
+                   disable=rank != 0 or not console.err.is_terminal)
+    tasks: dict[str, Any] = {}
+
+    def progress(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = bar.add_task(phase, total=total)
+        bar.update(tasks[phase], completed=done)
+
+    return bar, progress
+
+
+def _collective_failed(e: RuntimeError, rank: int) -> PeerFailure | None:
+    """What a rank reports when a collective failed: a rank died or timed out, and every
+    survivor lands here, so it is said once, plainly (by the launcher, which names the cause,
+    for ranks that ``--nproc-per-node`` started). ``None`` when ``e`` is no such failure."""
+    from ..group import collective_failure
+
+    if not collective_failure(e):
+        return None
+    first = re.sub(r"^\[[^\]]*\.(cc|cpp):\d+\]\s*", "", first_line(e, "")).split(". This is")[0]
+    return PeerFailure(f"rank {rank}: a collective failed ({type(e).__name__}: {first}); another "
+                       "rank probably stopped or timed out",
+                       silent=bool(os.environ.get(LAUNCHED_ENV)) and not os.environ.get(DEBUG_ENV))
+
+
+def _summary(prof: Any, path: Path) -> None:
+    """The table rank 0 prints once the profile is written."""
+    total = sum(t.nbytes for t in prof.tensors)
+    c = prof.comm
+    console.table(f"profile {prof.name} → {path}", ["", "value"], [
+        ["tensors", f"{len(prof.tensors)} ({total / 1e6:.1f} MB)"],
+        ["forward / backward", f"{prof.forward_ms:.2f} / {prof.backward_ms:.2f} ms"],
+        ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({prof.meta['optimizer']})"],
+        ["world", f"{prof.meta['world_size']} rank(s) on {prof.meta['hosts']} host(s), "
+                  f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
+        ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+                       + (f" ({len(c.samples)} sizes)" if c.samples else "")],
+    ], justify_right_from=2)
 
 
 def register(app: typer.Typer) -> None:

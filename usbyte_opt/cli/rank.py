@@ -6,8 +6,9 @@ It runs SCRIPT as ``python SCRIPT ARGS`` would (``sys.argv``, ``sys.path[0]`` an
 so that a failure reads as one line instead of a traceback per rank:
 
 - a :class:`usbyte_opt.errors.UsbyteError` (a schedule that does not fit the model, a
-  malformed file, ranks that disagree) is written as ``rank N: <message>`` to
-  ``$USBYTE_RANK_ERRORS/rankN.json``, where ``usbyte-opt launch`` reads it and prints the
+  malformed file, ranks that disagree) is recorded as ``rank N: <message>`` in the rank's
+  torch elastic error file (``TORCHELASTIC_ERROR_FILE``, which torchrun sets per rank:
+  :func:`usbyte_opt.launcher.record_rank`), where ``usbyte-opt launch`` reads it and prints the
   first rank's line once; without that variable the line goes to stderr. The exit code is
   the error's own.
 - Ctrl-C (``KeyboardInterrupt``, or any error while the interrupt unwinds a collective)
@@ -19,29 +20,30 @@ Any other exception is the script's own: its traceback is printed as Python woul
 
 from __future__ import annotations
 
-import json
 import os
 import runpy
 import signal
 import sys
 from pathlib import Path
 
-from ..env import DEBUG_ENV, RANK_ERRORS_ENV
+from ..env import DEBUG_ENV, ERROR_FILE_ENV
 
 
-def report(rank: str, message: str, exit_code: int) -> None:
-    """Leave ``rank N: message`` for the launcher, or print it when no launcher reads it."""
-    line = f"rank {rank}: {message}"
-    folder = os.environ.get(RANK_ERRORS_ENV)  # where each failing rank leaves rank<N>.json
-    if folder:
-        try:
-            path = Path(folder) / f"rank{rank}.json"
-            path.write_text(json.dumps({"message": line, "exit_code": exit_code}))
-            return
-        except OSError:
-            pass  # the launcher's folder is gone: say it here instead
-    sys.stderr.write(f"error: {line}\n")
-    sys.stderr.flush()
+def _run(target: str, module: bool, rank: str) -> None:
+    """Run the script (or module); a usbyte-opt error comes out as :class:`ExitError`
+    ``rank N: <message>`` with the error's exit code, which :func:`main`'s error handler
+    records."""
+    from ..errors import ExitError, UsbyteError
+
+    try:
+        if module:
+            runpy.run_module(target, run_name="__main__", alter_sys=True)
+        else:
+            runpy.run_path(target, run_name="__main__")
+    except UsbyteError as e:
+        if os.environ.get(DEBUG_ENV):
+            raise
+        raise ExitError(f"rank {rank}: {e}", e.exit_code) from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,25 +71,23 @@ def main(argv: list[str] | None = None) -> int:
     target = argv[0]
     sys.argv = argv
     sys.path[0] = os.getcwd() if module else str(Path(target).resolve().parent)
-    from ..errors import UsbyteError
+    from ..errors import ExitError
+    from ..launcher import record_rank
 
     try:
-        if module:
-            runpy.run_module(target, run_name="__main__", alter_sys=True)
-        else:
-            runpy.run_path(target, run_name="__main__")
+        record_rank(_run)(target, module, rank)
     except SystemExit:
         raise
     except KeyboardInterrupt:
         if debug:
             raise
         return 130
-    except UsbyteError as e:
-        if debug:
-            raise
+    except ExitError as e:
         if interrupted:
             return 130
-        report(rank, str(e), e.exit_code)
+        if not os.environ.get(ERROR_FILE_ENV):  # else in the error file, for the launcher
+            sys.stderr.write(f"error: {e}\n")
+            sys.stderr.flush()
         return e.exit_code
     except BaseException:
         if interrupted and not debug:

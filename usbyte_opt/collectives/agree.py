@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import SCHEDULE_ENV
-from ..errors import DistributedError
+from ..errors import DistributedError, first_line
 
 #: Bytes of one rank's start-up record (its digest and the first part of its error).
 RECORD_BYTES = 512
@@ -27,8 +27,7 @@ def wait(work: dist.Work, what: str, rank: int, timeout: timedelta | None) -> No
         else:
             work.wait(timeout)
     except RuntimeError as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise DistributedError(f"rank {rank}: {what} failed: {first} (a peer crashed, timed out "
+        raise DistributedError(f"rank {rank}: {what} failed: {first_line(e)} (a peer crashed, timed out "
                                "or issued different collectives)") from e
 
 

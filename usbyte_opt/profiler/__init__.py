@@ -4,21 +4,39 @@
 behind it, for use inside an already-initialised process group (every rank calls it; it
 returns the same :class:`usbyte_opt.formats.Profile` on every rank, and writes nothing).
 
+- :mod:`.options`: :class:`ProfileOptions`, every knob of a profile (no torch).
 - :mod:`.run`: profiling across ranks (build, time, sweep, aggregate).
 - :mod:`.timing`: hooks, clocks and medians of one rank's iterations.
-- :mod:`.comm`: the all-reduce sweep, the fitted line and the analytic fallback.
 - :mod:`.probe`: what all-reduce costs the training thread.
 - :mod:`.optimizers`: the optimizer whose step is timed.
 
-The ranks' device is :mod:`usbyte_opt.device`, their process group :mod:`usbyte_opt.group`,
+The all-reduce sweep, its fitted line and the analytic fallback are
+:mod:`usbyte_opt.collectives.sweep` (shared with the runtime). The ranks' device is
+:mod:`usbyte_opt.device`, their process group :mod:`usbyte_opt.group`,
 and ``--nproc-per-node`` starts them through :mod:`usbyte_opt.launcher`.
 """
 
-from ..collectives.sweep import analytic_comm, default_sizes, fit_comm, sweep_allreduce
-from .optimizers import OPTIMIZERS, make_optimizer
-from .run import ProfileWarning, profile_model
-from .timing import IterationTimer, Timings, summarize
+from typing import Any
 
-__all__ = ["IterationTimer", "OPTIMIZERS", "ProfileWarning", "Timings", "analytic_comm",
-           "default_sizes", "fit_comm", "make_optimizer", "profile_model", "summarize",
-           "sweep_allreduce"]
+from .options import STABLE_S, ProfileOptions
+
+#: Where each name that needs torch lives: imported when first used, so that
+#: :class:`ProfileOptions` (which the bench job and the CLI build) imports no torch.
+_LAZY = {"IterationTimer": ".timing", "Timings": ".timing", "summarize": ".timing",
+         "OPTIMIZERS": ".optimizers", "make_optimizer": ".optimizers",
+         "ProfileWarning": ".run", "profile_model": ".run",
+         "analytic_comm": "..collectives.sweep", "default_sizes": "..collectives.sweep",
+         "fit_comm": "..collectives.sweep", "sweep_allreduce": "..collectives.sweep"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name], __name__), name)
+
+
+__all__ = ["IterationTimer", "OPTIMIZERS", "ProfileOptions", "ProfileWarning", "STABLE_S", "Timings",
+           "analytic_comm", "default_sizes", "fit_comm", "make_optimizer", "profile_model",
+           "summarize", "sweep_allreduce"]

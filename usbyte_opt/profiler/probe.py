@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -75,8 +75,8 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
     forward and backward keep every core busy, and on a small CPU machine gloo's threads wait
-    for a core at every step of the ring: the measured traces showed 100-300 KB blocks taking
-    twice the sweep's time during backward. Here each sample issues one async all-reduce of
+    for a core at every step of the ring (docs/bench.md, "blocks during backward", has the
+    measured traces). Here each sample issues one async all-reduce of
     ``size`` bytes right after a barrier and runs ``step()`` (a training iteration without
     communication) until the future reports completion; the time is issue to completion, the
     minimum over ranks (as in the sweep: the last rank to arrive sees the collective alone).
@@ -102,108 +102,133 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     more than :data:`STABLE`, up to ``max_seconds`` (the ranks agree on each pass), and the
     fit's spread is stated (bootstrap, ``Probe.spread``).
     """
-    solo: list[float] = []      # iterations with nothing in flight
-    step_ms: list[float] = []   # iterations while an all-reduce is in flight
     dev = torch.device(device)
     # Buffers on the GPU when NCCL reduces GPU tensors on this group; else on the host.
     if not (dev.type == "cuda" and backend_for(group, dev) == "nccl"):
         dev = torch.device("cpu")
-    # On CUDA every time is a pair of CUDA events, read once the sample is over: the host runs
-    # ahead of the GPU, NCCL's futures complete at enqueue, and a host synchronize would wait
-    # for the collective as well.
-    clock = _EventClock(dev) if dev.type == "cuda" else None
-
-    def timed_step(into: list[float]) -> None:
-        if clock is not None:
-            clock.span(step, into)
-            return
-        t = time.perf_counter()
-        step()
-        into.append((time.perf_counter() - t) * 1e3)
-
-    dist.barrier(group=group)
-    for _ in range(alone):
-        timed_step(solo)
-    if clock is not None:
-        clock.resolve()
-
-    done_at: list[float] = []
-    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=dev)
-    if issue is None:
-        issue = sum_issuer(group)
     counts = [max(1, int(p)) for p in (parts if isinstance(parts, Sequence) else [parts] * len(sizes))]
     if len(counts) != len(sizes):
         raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
-    chains = []
-    for b, m in zip(sizes, counts):
-        n = b // 4
-        cuts = [n * k // m for k in range(m + 1)]
-        chains.append([buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo])
-    times: list[list[float]] = [[] for _ in sizes]       # per size: issue to completion
-    beside: list[list[list[float]]] = [[] for _ in sizes]  # per size, per sample: iterations
+    sampler = _Sampler(step, group, dev, issue if issue is not None else sum_issuer(group),
+                       sizes, counts)
+    dist.barrier(group=group)
+    for _ in range(alone):
+        sampler.timed_step(sampler.solo)
+    if sampler.clock is not None:
+        sampler.clock.resolve()
+    passes = sampler.until_stable(repeats, max_seconds)
+    return sampler.result(passes)
 
-    def sample(k: int) -> None:
-        xs = chains[k]
-        dist.barrier(group=group)
+
+@dataclass(slots=True)
+class _Sampler:
+    """The state of one :func:`comm_under_compute`: the chains of blocks, the clock, and the
+    iterations timed alone (``solo``) and beside each size's samples (``beside``)."""
+
+    step: Callable[[], None]
+    group: Any
+    dev: torch.device
+    issue: Callable[[Any], Any]
+    sizes: Sequence[int]
+    counts: list[int]
+    solo: list[float] = field(default_factory=list)
+    """Iterations with nothing in flight."""
+    times: list[list[float]] = field(default_factory=list)
+    """Per size: issue to completion of each sample."""
+    beside: list[list[list[float]]] = field(default_factory=list)
+    """Per size, per sample: the iterations that ran beside it."""
+    chains: list[list[torch.Tensor]] = field(default_factory=list)
+    clock: _EventClock | None = None
+
+    def __post_init__(self) -> None:
+        # On CUDA every time is a pair of CUDA events, read once the sample is over: the host
+        # runs ahead of the GPU, NCCL's futures complete at enqueue, and a host synchronize
+        # would wait for the collective as well.
+        self.clock = _EventClock(self.dev) if self.dev.type == "cuda" else None
+        buf = torch.zeros(max(self.sizes) // 4, dtype=torch.float32, device=self.dev)
+        for b, m in zip(self.sizes, self.counts):
+            n = b // 4
+            cuts = [n * k // m for k in range(m + 1)]
+            self.chains.append([buf.narrow(0, lo, hi - lo) for lo, hi in zip(cuts, cuts[1:]) if hi > lo])
+        self.times = [[] for _ in self.sizes]
+        self.beside = [[] for _ in self.sizes]
+
+    def timed_step(self, into: list[float]) -> None:
+        if self.clock is not None:
+            self.clock.span(self.step, into)
+            return
+        t = time.perf_counter()
+        self.step()
+        into.append((time.perf_counter() - t) * 1e3)
+
+    def sample(self, k: int) -> None:
+        """One sample of size ``k``: its chain issued after a barrier, training iterations
+        beside it until it completes, then one iteration alone."""
+        xs = self.chains[k]
+        dist.barrier(group=self.group)
         ran: list[float] = []
-        if clock is not None:
-            times[k].append(clock.collective(lambda: [issue(x) for x in xs],
-                                             lambda: timed_step(ran)))
-            timed_step(solo)  # paired: a slow spell of the machine hits both sides alike
-            clock.resolve()
+        if self.clock is not None:
+            self.times[k].append(self.clock.collective(lambda: [self.issue(x) for x in xs],
+                                                       lambda: self.timed_step(ran)))
+            self.timed_step(self.solo)  # paired: a slow spell of the machine hits both sides alike
+            self.clock.resolve()
         else:
-            done_at.clear()
+            done_at: list[float] = []
             t0 = time.perf_counter()
-            ws = [issue(x) for x in xs]
+            ws = [self.issue(x) for x in xs]
             ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
-                timed_step(ran)
+                self.timed_step(ran)
             for w in ws:
                 w.wait()
-            times[k].append((done_at[0] - t0) * 1e3)
-            timed_step(solo)
-        beside[k].append(ran)
-        step_ms.extend(ran)
+            self.times[k].append((done_at[0] - t0) * 1e3)
+            self.timed_step(self.solo)
+        self.beside[k].append(ran)
 
-    def fit() -> tuple[float, float]:
-        return _fit_losses(beside, solo, counts, sizes)
+    def fit(self) -> tuple[float, float]:
+        return _fit_losses(self.beside, self.solo, self.counts, self.sizes)
 
-    t_start = time.perf_counter()
-    passes = 0
-    prev = (math.inf, math.inf)
-    while True:
-        for k in range(len(sizes)):
-            sample(k)
-        passes += 1
-        if passes < repeats:
-            continue
-        cur = fit()
-        moved = max(_moved(prev[0], cur[0]), _moved(prev[1], cur[1]))
-        prev = cur
-        # Stop when another pass no longer moves the fit, or at the time cap; every rank alike.
-        more = torch.tensor([1.0 if moved > STABLE and time.perf_counter() - t_start < max_seconds
-                             else 0.0], dtype=torch.float64, device=dev)
-        dist.all_reduce(more, op=dist.ReduceOp.MAX, group=group)
-        if more.item() == 0:
-            break
-    flat = torch.tensor([t for ts in times for t in ts], dtype=torch.float64, device=dev)
-    dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
-    vals = flat.cpu().tolist()
-    out = []
-    pos = 0
-    for k, (b, m) in enumerate(zip(sizes, counts)):
-        mine = vals[pos:pos + len(times[k])]
-        pos += len(times[k])
-        # Per block of the chain: what one block of b / parts bytes costs on the channel.
-        out.append((int(b) // m, float(median(robust(mine))) / m))
-    per_block, per_mb = fit()
-    lo_hi = _spread(beside, solo, counts, sizes)
-    mine_t = torch.tensor([median(robust(solo)), per_mb, per_block, *lo_hi], dtype=torch.float64,
-                          device=dev)
-    dist.all_reduce(mine_t, op=dist.ReduceOp.MAX, group=group)
-    alone_ms, per_mb, per_block, b_lo, b_hi, m_lo, m_hi = mine_t.cpu().tolist()
-    return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block),
-                 {"cpu_ms_per_block": [b_lo, b_hi], "cpu_ms_per_mb": [m_lo, m_hi]}, passes)
+    def until_stable(self, repeats: int, max_seconds: float) -> int:
+        """Passes over the sizes: ``repeats``, then more while the last moved the fit by more
+        than :data:`STABLE`, up to ``max_seconds``; every rank alike. Returns the passes run."""
+        t_start = time.perf_counter()
+        passes = 0
+        prev = (math.inf, math.inf)
+        while True:
+            for k in range(len(self.sizes)):
+                self.sample(k)
+            passes += 1
+            if passes < repeats:
+                continue
+            cur = self.fit()
+            moved = max(_moved(prev[0], cur[0]), _moved(prev[1], cur[1]))
+            prev = cur
+            more = torch.tensor([1.0 if moved > STABLE and time.perf_counter() - t_start < max_seconds
+                                 else 0.0], dtype=torch.float64, device=self.dev)
+            dist.all_reduce(more, op=dist.ReduceOp.MAX, group=self.group)
+            if more.item() == 0:
+                return passes
+
+    def result(self, passes: int) -> Probe:
+        """The samples (minimum over ranks, per block) and the fitted costs (maximum over ranks)."""
+        flat = torch.tensor([t for ts in self.times for t in ts], dtype=torch.float64, device=self.dev)
+        dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=self.group)
+        vals = flat.cpu().tolist()
+        out = []
+        pos = 0
+        for k, (b, m) in enumerate(zip(self.sizes, self.counts)):
+            mine = vals[pos:pos + len(self.times[k])]
+            pos += len(self.times[k])
+            # Per block of the chain: what one block of b / parts bytes costs on the channel.
+            out.append((int(b) // m, float(median(robust(mine))) / m))
+        per_block, per_mb = self.fit()
+        lo_hi = _spread(self.beside, self.solo, self.counts, self.sizes)
+        mine_t = torch.tensor([median(robust(self.solo)), per_mb, per_block, *lo_hi],
+                              dtype=torch.float64, device=self.dev)
+        dist.all_reduce(mine_t, op=dist.ReduceOp.MAX, group=self.group)
+        alone_ms, per_mb, per_block, b_lo, b_hi, m_lo, m_hi = mine_t.cpu().tolist()
+        return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block),
+                     {"cpu_ms_per_block": [b_lo, b_hi], "cpu_ms_per_mb": [m_lo, m_hi]}, passes)
 
 
 #: The probe adds passes until one moves its fit by less than this (relative).

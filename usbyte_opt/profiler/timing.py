@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..collectives.sweep import median
-from ..errors import UsbyteError
+from ..errors import UsbyteError, first_line
 from ..first_use import FirstUse
 from ..models import check_loss
 
@@ -159,10 +159,8 @@ def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[b
     Why not time a single-parameter step per tensor: each ``step()`` call carries a fixed
     overhead (Python, state lookup, kernel launches; on GPU the ``foreach`` multi-tensor
     kernels also batch the work of many tensors into one launch), so summing one step per
-    tensor overstates the step the training loop takes. Measured on CPU
-    (``benchmarks/profiler_overhead.md``): about 1.0x for a few large tensors (MLP, CNN),
-    1.2-1.8x for ResNet-50 and the small transformer, 1.7-2.3x for DenseNet-201's 604
-    tensors. Apportioning keeps
+    tensor overstates the step the training loop takes, the more so the more tensors
+    (docs/profiles.md, "why the step is apportioned", has the measurements). Apportioning keeps
     ``sum(update_ms)`` equal to the measured step, which is what the fence-mode baselines
     charge, while an element-wise optimizer's cost does grow with the element count.
     Tensors without a gradient are skipped by the optimizer and get 0.
@@ -335,9 +333,8 @@ class IterationTimer:
             except Exception as e:
                 if type(e).__module__.startswith("torch.distributed"):
                     raise
-                first = str(e).splitlines()[0] if str(e) else ""
                 raise UsbyteError(f"model {self.label!r}: the first training iteration raised "
-                                  f"{type(e).__name__}: {first} (--debug shows the traceback)") from e
+                                  f"{type(e).__name__}: {first_line(e, '')} (--debug shows the traceback)") from e
             n_discovered = len(self.calls)
             got_grad = [p.grad is not None for p in self.params]
             tm = self.timings

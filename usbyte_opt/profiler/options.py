@@ -1,0 +1,71 @@
+"""How a model is profiled: every knob of :func:`usbyte_opt.profiler.profile_model`, in one
+object that ``usbyte-opt profile``, ``usbyte-opt bench`` and its job file share (this module
+imports no torch).
+
+Example::
+
+    >>> opts = ProfileOptions(repeats=2, comm_points=3, stable_s=0.0)
+    >>> opts.warmup, opts.sweep_sizes()
+    (3, [4096, 524288, 67108864])
+    >>> ProfileOptions(comm_sizes=(4096, 8192)).sweep_sizes()
+    [4096, 8192]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+#: Time cap (seconds) of the extra rounds the sweep and the probe run until their numbers
+#: are stable.
+STABLE_S = 20.0
+
+#: The pydantic configuration of the option objects read from files: no coercion (JSON mode
+#: still reads an array as a tuple and an integer as a float), no unknown field, no NaN.
+STRICT: dict[str, Any] = {"strict": True, "extra": "forbid", "allow_inf_nan": False}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ProfileOptions:
+    """What to measure and how long: iterations, the optimizer, the all-reduce sweep, the
+    probe of what all-reduce costs the training thread, the analytic fallback."""
+
+    #: How pydantic validates these options inside a bench job file (:mod:`usbyte_opt.bench.job`).
+    __pydantic_config__ = STRICT
+
+    warmup: int = 3
+    """Untimed iterations after the discovery pass."""
+    repeats: int = 10
+    """Timed iterations (medians are taken over them)."""
+    optimizer: str = "sgd"
+    """``sgd`` (momentum), ``adam`` or ``adamw``: whose step gives ``update_ms``."""
+    comm_sizes: tuple[int, ...] | None = None
+    """All-reduce sizes of the sweep in bytes; ``None``: ``comm_points`` log-spaced sizes from
+    4 KiB to 64 MiB."""
+    comm_points: int = 12
+    """Sizes of the sweep when ``comm_sizes`` is not given."""
+    comm_repeats: int = 5
+    """Timed all-reduces per size."""
+    alpha_ms: float | None = None
+    """World size 1: the analytic latency (ignored when measured)."""
+    algbw_gbs: float | None = None
+    """World size 1: the analytic bandwidth in GB/s (ignored when measured)."""
+    cpu_probe: bool = True
+    """With more than one rank, also measure what all-reduce costs the training thread
+    (:mod:`usbyte_opt.profiler.probe`)."""
+    probe_points: int = 5
+    """Sizes of that probe (chains of blocks up to the whole gradient)."""
+    probe_repeats: int = 4
+    """Passes of that probe before it adds passes until stable."""
+    stable_s: float = STABLE_S
+    """Time cap (seconds) of the extra rounds that the sweep and the probe each add until their
+    numbers are stable (0: none)."""
+
+    def sweep_sizes(self) -> list[int]:
+        """The all-reduce sizes the sweep times, in bytes."""
+        from ..collectives.sweep import default_sizes
+
+        return list(self.comm_sizes) if self.comm_sizes else default_sizes(points=self.comm_points)
+
+
+__all__ = ["STABLE_S", "STRICT", "ProfileOptions"]
