@@ -112,11 +112,10 @@ def _schedule(model: Any, ws: int, mode: str = "overlap", pieces: int = 2) -> An
 
     from usbyte_opt.planning.problem import Problem
     from usbyte_opt.runtime import profile_from_model, split_blocks
-    from usbyte_opt.runtime.default_plan import make_schedule
 
     pb = Problem.from_profile(profile_from_model(model, ws))
     lay = pb.layout()
-    sched = make_schedule(pb, lay, split_blocks(pb, lay, pieces, pb.need_order()), "split")
+    sched = pb.schedule("split", lay, split_blocks(pb, lay, pieces, pb.need_order()))
     return dataclasses.replace(sched, mode=mode)
 
 

@@ -39,7 +39,7 @@ from usbyte_opt.launcher import run_local, values
 from usbyte_opt.models import build, make_batches
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule, profile_from_model
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
+from usbyte_opt.runtime.default_plan import split_blocks
 
 HERE = Path(__file__).resolve().parent
 OUT = HERE / "runtime_overhead.md"
@@ -51,9 +51,9 @@ def schedule_for(kind: str, model: nn.Module, ws: int):
     pb = Problem.from_profile(profile_from_model(model, ws))
     lay = pb.layout()
     if kind == "wfbp":
-        return make_schedule(pb, lay, [lay.whole(i) for i in pb.ready_order()], "wfbp-like")
+        return pb.schedule("wfbp-like", lay, [lay.whole(i) for i in pb.ready_order()])
     if kind == "split4-forward":
-        return make_schedule(pb, lay, split_blocks(pb, lay, 4, pb.need_order()), "split4-forward")
+        return pb.schedule("split4-forward", lay, split_blocks(pb, lay, 4, pb.need_order()))
     raise ValueError(kind)
 
 

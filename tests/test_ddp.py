@@ -18,7 +18,7 @@ from usbyte_opt.launcher import run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import profile_from_model
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
+from usbyte_opt.runtime.default_plan import split_blocks
 
 
 def mlp() -> nn.Module:
@@ -34,7 +34,7 @@ def planned(model: nn.Module, ws: int = 2, mode: str = "fence", blocks=None):
         blocks = bucket_blocks(pb, lay, first_bucket_bytes=2000, bucket_cap_bytes=40000)
     elif callable(blocks):
         blocks = blocks(pb, lay)
-    return dataclasses.replace(make_schedule(pb, lay, blocks, "test"), mode=mode)
+    return dataclasses.replace(pb.schedule("test", lay, blocks), mode=mode)
 
 
 def train_side_by_side(rank: int, ws: int) -> dict:

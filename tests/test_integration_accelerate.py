@@ -33,7 +33,7 @@ from usbyte_opt.launcher import free_port, run_local  # noqa: E402
 from usbyte_opt.planning.problem import Problem  # noqa: E402
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
+from usbyte_opt.runtime.default_plan import split_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "accelerate_train.py"
@@ -63,10 +63,10 @@ def schedules(tmp: str, ws: int) -> dict[str, str]:
     (4 buckets), as files."""
     pb = Problem.from_profile(profile_from_model(Net(), ws))
     lay = pb.layout()
-    runtime = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 3), "test"),
+    runtime = dataclasses.replace(pb.schedule("test", lay, split_blocks(pb, lay, 3)),
                                   mode="overlap")
-    tuned = dataclasses.replace(make_schedule(pb, lay, bucket_blocks(
-        pb, lay, first_bucket_bytes=600, bucket_cap_bytes=2000), "ddp-tuned"), mode="fence")
+    tuned = dataclasses.replace(pb.schedule("ddp-tuned", lay, bucket_blocks(
+        pb, lay, first_bucket_bytes=600, bucket_cap_bytes=2000)), mode="fence")
     out = {}
     for name, s in (("runtime", runtime), ("tuned", tuned)):
         out[name] = str(save_schedule(s, os.path.join(tmp, f"{name}.json")))
@@ -274,7 +274,7 @@ def test_the_example_runs_under_usbyte_opt_launch_like_accelerates_ddp(tmp_path:
     model = ex.make_model("tiny")
     pb = Problem.from_profile(profile_from_model(model, 2))
     lay = pb.layout()
-    sched = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 2), "test"),
+    sched = dataclasses.replace(pb.schedule("test", lay, split_blocks(pb, lay, 2)),
                                 mode="overlap")
     path = save_schedule(sched, tmp_path / "s.json")
     args = ("--size", "tiny", "--steps", "4", "--accum", "2", "--report")

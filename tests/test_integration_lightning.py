@@ -37,7 +37,7 @@ from usbyte_opt.launcher import free_port, run_local  # noqa: E402
 from usbyte_opt.planning.problem import Problem  # noqa: E402
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
+from usbyte_opt.runtime.default_plan import split_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BATCH, STEPS_PER_EPOCH, EPOCHS = 4, 4, 2
@@ -103,9 +103,9 @@ def schedules(d: Path, ws: int = 2) -> dict[str, str]:
     (fc2 | fc1 | the rest, closed at layer boundaries whatever the order within a layer)."""
     pb = Problem.from_profile(profile_from_model(Net(), ws))
     lay = pb.layout()
-    over = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 3), "test"), mode="overlap")
-    tuned = dataclasses.replace(make_schedule(pb, lay, bucket_blocks(
-        pb, lay, first_bucket_bytes=600, bucket_cap_bytes=8000), "ddp-tuned"), mode="fence")
+    over = dataclasses.replace(pb.schedule("test", lay, split_blocks(pb, lay, 3)), mode="overlap")
+    tuned = dataclasses.replace(pb.schedule("ddp-tuned", lay, bucket_blocks(
+        pb, lay, first_bucket_bytes=600, bucket_cap_bytes=8000)), mode="fence")
     out = {"overlap": str(d / "overlap.json"), "tuned": str(d / "tuned.json")}
     save_schedule(over, out["overlap"])
     save_schedule(tuned, out["tuned"])
@@ -287,7 +287,7 @@ def test_example_under_usbyte_opt_launch_writes_its_report(runs, tmp_path):
     pb = Problem.from_profile(profile_from_model(lightning_train.CNN("tiny"), 2))
     lay = pb.layout()
     sched = tmp_path / "tiny.json"
-    save_schedule(dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 2), "test"),
+    save_schedule(dataclasses.replace(pb.schedule("test", lay, split_blocks(pb, lay, 2)),
                                       mode="overlap"), sched)
     report = tmp_path / "report.json"
     res = subprocess.run(

@@ -31,7 +31,7 @@ from usbyte_opt.launcher import free_port, run_local  # noqa: E402
 from usbyte_opt.planning.problem import Problem  # noqa: E402
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
 from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks  # noqa: E402
+from usbyte_opt.runtime.default_plan import split_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ACCUM, STEPS, BATCH = 3, 8, 4
@@ -95,14 +95,14 @@ def schedules(model: torch.nn.Module, ws: int, order: list[str]):
     prof = profile_from_model(model, ws)
     pb = Problem.from_profile(prof)
     lay = pb.layout()
-    runtime = dataclasses.replace(make_schedule(pb, lay, split_blocks(pb, lay, 3), "test"), mode="overlap")
+    runtime = dataclasses.replace(pb.schedule("test", lay, split_blocks(pb, lay, 3)), mode="overlap")
     pos = {n: i for i, n in enumerate(order)}
     real = dataclasses.replace(prof, tensors=tuple(dataclasses.replace(t, ready_ms=float(pos[t.name]))
                                                    for t in prof.tensors))
     pb = Problem.from_profile(real)
     lay = pb.layout()
     blocks = bucket_blocks(pb, lay, first_bucket_bytes=8_000, bucket_cap_bytes=40_000)
-    tuned = dataclasses.replace(make_schedule(pb, lay, blocks, "ddp-tuned"), mode="fence")
+    tuned = dataclasses.replace(pb.schedule("ddp-tuned", lay, blocks), mode="fence")
     return runtime, tuned
 
 

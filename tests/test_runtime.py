@@ -30,7 +30,6 @@ from usbyte_opt.runtime import (
     split_blocks,
 )
 from usbyte_opt.runtime.checks import check_model, resolve_schedule
-from usbyte_opt.runtime.default_plan import make_schedule
 
 
 def mlp() -> nn.Module:
@@ -41,7 +40,7 @@ def mlp() -> nn.Module:
 def split_schedule(model: nn.Module, pieces: int = 3):
     pb = Problem.from_profile(profile_from_model(model))
     lay = pb.layout()
-    return make_schedule(pb, lay, split_blocks(pb, lay, pieces, pb.need_order()), "split")
+    return pb.schedule("split", lay, split_blocks(pb, lay, pieces, pb.need_order()))
 
 
 # ------------------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from usbyte_opt.formats import save_schedule
 from usbyte_opt.launcher import run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
-from usbyte_opt.runtime.default_plan import default_schedule, make_schedule
+from usbyte_opt.runtime.default_plan import default_schedule
 
 LIMIT_S = 60.0
 
@@ -54,7 +54,7 @@ def scenarios(rank: int, ws: int, side_file: str) -> dict[str, Any]:
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     pb = Problem.from_profile(profile_from_model(m, ws))
     lay = pb.layout()
-    planned = make_schedule(pb, lay, split_blocks(pb, lay, 2), "split")
+    planned = pb.schedule("split", lay, split_blocks(pb, lay, 2))
 
     # 1. Different schedules.
     mine = planned if rank == 0 else default_schedule(m, ws)

@@ -29,7 +29,6 @@ import torch.nn as nn
 
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
-from usbyte_opt.runtime.default_plan import make_schedule
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -63,7 +62,7 @@ def model() -> nn.Module:
 def schedule(m: nn.Module):
     pb = Problem.from_profile(profile_from_model(m))
     lay = pb.layout()
-    return make_schedule(pb, lay, split_blocks(pb, lay, 3, pb.need_order()), "split")
+    return pb.schedule("split", lay, split_blocks(pb, lay, 3, pb.need_order()))
 
 
 def batch(step: int):

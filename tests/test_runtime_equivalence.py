@@ -33,7 +33,6 @@ from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning
 from usbyte_opt.runtime.default_plan import (
     default_schedule,
-    make_schedule,
     profile_from_model,
     split_blocks,
 )
@@ -200,14 +199,14 @@ def sched_wfbp(model: nn.Module, ws: int = 2) -> Schedule:
     """One block per tensor, in ready order."""
     pb = problem_of(model, ws)
     lay = pb.layout()
-    return make_schedule(pb, lay, [lay.whole(i) for i in pb.ready_order()], "wfbp-like")
+    return pb.schedule("wfbp-like", lay, [lay.whole(i) for i in pb.ready_order()])
 
 
 def sched_split_forward(model: nn.Module, ws: int = 2) -> Schedule:
     """Every tensor in three blocks, issued in forward (need) order."""
     pb = problem_of(model, ws)
     lay = pb.layout()
-    return make_schedule(pb, lay, split_blocks(pb, lay, 3, pb.need_order()), "split-forward")
+    return pb.schedule("split-forward", lay, split_blocks(pb, lay, 3, pb.need_order()))
 
 
 def sched_two_phase(model: nn.Module, ws: int = 2) -> Schedule:
@@ -223,15 +222,15 @@ def sched_two_phase(model: nn.Module, ws: int = 2) -> Schedule:
         if cut < e:
             rest[i] = Block(b, cut, e)
     second = [rest[i] for i in pb.need_order() if i in rest]
-    return make_schedule(pb, lay, first + second, "two-phase")
+    return pb.schedule("two-phase", lay, first + second)
 
 
 def sched_fuse(model: nn.Module, ws: int = 2) -> Schedule:
     """Neighbours fused: DDP-style buckets with tiny caps (2 KiB first, then 8 KiB)."""
     pb = problem_of(model, ws)
     lay = pb.layout()
-    return make_schedule(pb, lay, bucket_blocks(pb, lay, first_bucket_bytes=2048,
-                                                bucket_cap_bytes=8192), "fuse")
+    return pb.schedule("fuse", lay, bucket_blocks(pb, lay, first_bucket_bytes=2048,
+                                                bucket_cap_bytes=8192))
 
 
 def sched_crosscut(model: nn.Module, ws: int = 2) -> Schedule:
@@ -244,7 +243,7 @@ def sched_crosscut(model: nn.Module, ws: int = 2) -> Schedule:
         cuts = sorted({0, n, *(n * j // 7 + j for j in range(1, 7) if n * j // 7 + j < n)})
         blocks += [Block(b, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
     order = blocks[1::2] + blocks[::2][::-1]
-    return make_schedule(pb, lay, order, "crosscut")
+    return pb.schedule("crosscut", lay, order)
 
 
 SCHEDULES: dict[str, Callable[..., Schedule]] = {
@@ -754,7 +753,7 @@ def sched_aligned(model: nn.Module, ws: int = 2) -> Schedule:
     s = sched_crosscut(model, ws)
     pb = problem_of(model, ws)
     lay = pb.layout(s.buffers)
-    return make_schedule(pb, lay, align_cuts(lay, s.blocks, 16), "aligned")
+    return pb.schedule("aligned", lay, align_cuts(lay, s.blocks, 16))
 
 
 def case_aligned(rank: int, ws: int, schedule: Callable) -> dict:

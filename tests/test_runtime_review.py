@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.runtime import DistributedOptimizer, profile_from_model, split_blocks
-from usbyte_opt.runtime.default_plan import make_schedule
 
 
 class ReadsChildFirst(nn.Module):
@@ -42,7 +41,7 @@ class ReadsChildFirst(nn.Module):
 def schedule(m: nn.Module, pieces: int = 2):
     pb = Problem.from_profile(profile_from_model(m))
     lay = pb.layout()
-    return make_schedule(pb, lay, split_blocks(pb, lay, pieces, pb.need_order()), "split")
+    return pb.schedule("split", lay, split_blocks(pb, lay, pieces, pb.need_order()))
 
 
 def train(m: nn.Module, opt, steps: int = 5) -> None:

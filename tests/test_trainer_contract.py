@@ -23,7 +23,7 @@ from usbyte_opt.launcher import run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning, profile_from_model
-from usbyte_opt.runtime.default_plan import make_schedule, split_blocks
+from usbyte_opt.runtime.default_plan import split_blocks
 
 needs_list = pytest.mark.skipif(not uddp.supports_bucket_list(),
                                 reason="torch without bucket_cap_mb_list")
@@ -56,7 +56,7 @@ def schedule(model: nn.Module, ws: int, mode: str, split: int = 0):
     lay = pb.layout()
     blocks = (split_blocks(pb, lay, split) if split else
               bucket_blocks(pb, lay, first_bucket_bytes=4000, bucket_cap_bytes=20000))
-    return dataclasses.replace(make_schedule(pb, lay, blocks, "test"), mode=mode)
+    return dataclasses.replace(pb.schedule("test", lay, blocks), mode=mode)
 
 
 def batch(rank: int, i: int):
@@ -216,7 +216,7 @@ def tuned(model: nn.Module, ws: int):
     pb = Problem.from_profile(profile_from_model(model, ws))
     lay = pb.layout()
     blocks = bucket_blocks(pb, lay, first_bucket_bytes=5000, bucket_cap_bytes=9000)
-    return dataclasses.replace(make_schedule(pb, lay, blocks, "ddp-tuned"), mode="fence")
+    return dataclasses.replace(pb.schedule("ddp-tuned", lay, blocks), mode="fence")
 
 
 def stock(rank: int, ws: int, find_unused: bool) -> dict:

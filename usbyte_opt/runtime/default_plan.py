@@ -121,7 +121,7 @@ def default_schedule(model: torch.nn.Module, world_size: int = 1,
     layout = problem.layout()
     blocks = ddp_buckets(problem, layout, first_bucket_bytes=first_bucket_bytes,
                          bucket_cap_bytes=bucket_cap_bytes)
-    return make_schedule(problem, layout, blocks, "default")
+    return problem.schedule("default", layout, blocks)
 
 
 def fallback_schedule(model: torch.nn.Module, world_size: int = 1) -> Schedule:
@@ -139,12 +139,6 @@ def fallback_schedule(model: torch.nn.Module, world_size: int = 1) -> Schedule:
 
     return dataclasses.replace(default_schedule(model, world_size), strategy="ddp-like",
                                mode=Mode.FENCE)
-
-
-def make_schedule(problem: Problem, layout: Layout, blocks: Iterable[Block], strategy: str) -> Schedule:
-    """``problem.schedule(...)`` (which records the per-tensor ``shapes`` the runtime uses to
-    name the exact tensor whose shape differs from the model's)."""
-    return problem.schedule(strategy, layout, blocks)
 
 
 def split_blocks(problem: Problem, layout: Layout, pieces: int,
