@@ -53,15 +53,10 @@ def _r(x: float) -> float:
 
 @dataclass(frozen=True, slots=True)
 class RankMedians:
-    """One rank's medians over its repeats, as every rank receives them."""
+    """One rank's medians over its repeats (:class:`~.timing.Summary`), where and when it
+    measured them, as every rank receives them."""
 
-    forward_ms: float
-    backward_ms: float
-    step_ms: float
-    ready_ms: list[float]
-    need_ms: list[float]
-    update_ms: list[float]
-    spread: Any
+    medians: Summary
     host: str
     created: str
 
@@ -194,8 +189,7 @@ def _build(model: str | Factory, batch_size: int | None, dev: torch.device, worl
 
 def _aggregate(s: Summary, world: int, group: Any) -> Aggregate:
     """Every rank's medians to every rank; the slowest rank sets each number."""
-    mine = RankMedians(s.forward_ms, s.backward_ms, s.step_ms, s.ready_ms, s.need_ms, s.update_ms,
-                       s.spread, socket.gethostname(),
+    mine = RankMedians(s, socket.gethostname(),
                        _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
     if world > 1:
         gathered: list[Any] = [None] * world
@@ -203,10 +197,11 @@ def _aggregate(s: Summary, world: int, group: Any) -> Aggregate:
         every: list[RankMedians] = gathered
     else:
         every = [mine]
-    return Aggregate(every, max(r.forward_ms for r in every), max(r.backward_ms for r in every),
-                     [max(v) for v in zip(*(r.ready_ms for r in every))],
-                     [max(v) for v in zip(*(r.need_ms for r in every))],
-                     [max(v) for v in zip(*(r.update_ms for r in every))])
+    ms = [r.medians for r in every]
+    return Aggregate(every, max(m.forward_ms for m in ms), max(m.backward_ms for m in ms),
+                     [max(v) for v in zip(*(m.ready_ms for m in ms))],
+                     [max(v) for v in zip(*(m.need_ms for m in ms))],
+                     [max(v) for v in zip(*(m.update_ms for m in ms))])
 
 
 def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: torch.device,
@@ -295,10 +290,10 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "unused_in_forward": timings.unused,
         "unused_policy": "need_ms = forward_ms",
         "functional_use_tensors": timings.functional,
-        "spread": every[0].spread if world == 1 else {"rank0": every[0].spread},
-        "per_rank": [{"forward_ms": _r(r.forward_ms), "backward_ms": _r(r.backward_ms),
-                      "step_ms": _r(r.step_ms)} for r in every],
-        "step_ms": _r(max(r.step_ms for r in every)),
+        "spread": every[0].medians.spread if world == 1 else {"rank0": every[0].medians.spread},
+        "per_rank": [{"forward_ms": _r(r.medians.forward_ms), "backward_ms": _r(r.medians.backward_ms),
+                      "step_ms": _r(r.medians.step_ms)} for r in every],
+        "step_ms": _r(max(r.medians.step_ms for r in every)),
         "comm_sweep": measured.sweep,
     }
     if measured.probe is not None:
