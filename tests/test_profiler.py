@@ -240,13 +240,18 @@ def test_two_ranks_sweep_reduce_scatter_and_all_gather_beside_all_reduce(two_ran
         assert rec["sizes_bytes"] == [b for b, _ in cost.samples]
         assert all(len(ts) >= n for ts, n in zip(rec["raw_ms"], [21] * 5 + [7] * 3))
         assert rec["fit"]["alpha_ms"] == cost.alpha_ms
-    largest = max(ar)   # 16 MiB: a multiple of 8, the same size in all three sweeps
-    rs, ag = dict(c.reduce_scatter.samples)[largest], dict(c.all_gather.samples)[largest]
-    # All-gather moves each rank's half once: cheaper than all-reduce at 16 MiB. gloo's
-    # reduce-scatter is a whole all-reduce plus a copy (torch's ProcessGroupGloo), so it is
-    # not cheaper there: it costs about what all-reduce costs.
-    assert ag < ar[largest], (ag, ar[largest])
-    assert 0.7 * ar[largest] <= rs <= 1.6 * ar[largest], (rs, ar[largest])
+    # At the largest size (16 MiB), on the fitted lines (each read from all its sizes, so one
+    # median hit by load from elsewhere on this shared host does not decide): all-gather moves
+    # each rank's half once, cheaper than all-reduce. gloo's reduce-scatter is a whole
+    # all-reduce plus a clone and a copy (torch's ProcessGroupGloo), so it is not cheaper
+    # there: measured 1.2-1.5x all-reduce.
+    largest = max(ar)
+
+    def at(x):
+        return x.alpha_ms + largest / (x.algbw_gbs * 1e6)
+
+    assert at(c.all_gather) < at(c), (at(c.all_gather), at(c))
+    assert 0.7 * at(c) <= at(c.reduce_scatter) <= 2.0 * at(c), (at(c.reduce_scatter), at(c))
     assert "reduce-scatter" in r.stdout and "all-gather" in r.stdout
 
 

@@ -210,7 +210,7 @@ def _shard_collectives(rank: int, ws: int) -> dict:
     # The runtime channel's issuers (gloo: one serial group for all three), their results, and
     # a short sweep of each on that channel.
     from usbyte_opt.collectives.issuers import block_issuers
-    from usbyte_opt.collectives.sweep import fit_collective, shard_sizes, sweep_collective
+    from usbyte_opt.collectives.sweep import fit_collective, shard_sizes, sweep_collective, sweep_collectives
 
     issuers, channel = block_issuers(None, torch.device("cpu"), ("all-reduce", "reduce-scatter", "all-gather"))
     x = torch.arange(8, dtype=torch.float32) + 10 * rank
@@ -220,8 +220,13 @@ def _shard_collectives(rank: int, ws: int) -> dict:
     issuers["all-gather"](whole, shard).wait()
     sizes = shard_sizes([4096, 1 << 20, 4 << 20], ws)
     out = {"channel": channel, "shard": shard.tolist(), "whole": whole.tolist(), "sizes": sizes}
+    seen = []
+    swept = sweep_collectives({"all-reduce": [4096, 8192], "reduce-scatter": sizes, "all-gather": sizes},
+                              repeats=2, warmup=0, issues=issuers, progress=lambda *a: seen.append(a))
+    out["progress"] = seen[-1]
+    out["all-reduce"] = [len(ts) for ts in swept["all-reduce"].raw_ms]
     for kind in ("reduce-scatter", "all-gather"):
-        sw = sweep_collective(kind, sizes, repeats=2, warmup=0, issue=issuers[kind])
+        sw = swept[kind]
         cost, record = fit_collective(sw)
         out[kind] = (sw.kind, [len(ts) for ts in sw.raw_ms], cost, record["collective"])
     with pytest.raises(UsbyteError, match="multiples of 8 bytes"):
@@ -238,6 +243,7 @@ def test_reduce_scatter_and_all_gather_run_on_the_runtime_channel_of_two_ranks()
     assert got[0]["whole"] == got[1]["whole"] == total
     assert "runtime channel" in got[0]["channel"]
     assert got[0]["sizes"] == [4096, 1 << 20, 4 << 20]
+    assert got[0]["all-reduce"] == [6, 6] and got[0]["progress"] == ("collectives", 32, 32)
     for kind in ("reduce-scatter", "all-gather"):
         name, counts, cost, label = got[0][kind]
         assert name == label == kind and counts == [6, 2, 2]

@@ -2,7 +2,8 @@
 for all-reduce and, for sharded data parallel, reduce-scatter and all-gather.
 
 The sweep of one collective (:func:`sweep_collective`; :func:`sweep_allreduce` for
-all-reduce) is described below for all-reduce; reduce-scatter (input ``b`` bytes, output
+all-reduce), or of several together (:func:`sweep_collectives`, round-robin over every
+collective and size), is described below for all-reduce; reduce-scatter (input ``b`` bytes, output
 ``b / world_size`` per rank, summed) and all-gather (a shard in, ``b`` bytes out) are swept
 the same way, on the same channel. A sample's SIZE is always the whole, unsharded ``b``
 bytes, so the three fitted lines (``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``) compare
@@ -39,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -240,63 +241,92 @@ def sweep_collective(kind: str, sizes: Sequence[int], repeats: int = 5, warmup: 
                      progress: Progress | None = None, barrier: Callable[[], None] | None = None,
                      issue: Issue | None = None, chain: int = CHAIN,
                      max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> Sweep:
-    """Time collectives ``kind`` (one of :data:`KINDS`) of float32 tensors of each size (a
-    collective: every rank calls it with the same arguments).
+    """Time collectives ``kind`` (one of :data:`KINDS`) of float32 tensors of each size:
+    :func:`sweep_collectives` of that one kind."""
+    return sweep_collectives({kind: sizes}, repeats, warmup, device, group, progress, barrier,
+                             None if issue is None else {kind: issue}, chain, max_seconds,
+                             rel_tol)[kind]
+
+
+def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warmup: int = 1,
+                      device: torch.device | str = "cpu", group: Any = None,
+                      progress: Progress | None = None, barrier: Callable[[], None] | None = None,
+                      issues: Mapping[str, Issue] | None = None, chain: int = CHAIN,
+                      max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> dict[str, Sweep]:
+    """Time the collectives named by ``sizes`` (kinds of :data:`KINDS`), float32 tensors of
+    each of their sizes, in one sweep (a collective: every rank calls it with the same
+    arguments); one :class:`Sweep` per kind.
 
     A size is the whole block's bytes ``b``: an all-reduce of ``b`` bytes, a reduce-scatter of
     ``b`` bytes in (``b / world_size`` out per rank), an all-gather of ``b`` bytes out. For the
     last two every size must be a multiple of ``4 * world_size`` (:func:`shard_sizes`).
 
-    After the ``repeats`` rounds, while any size's median is less certain than ``rel_tol``
+    Each round times every (kind, size) once, round-robin: a burst of load from elsewhere then
+    touches every kind alike, so the lines compare (swept one after the other, a burst during
+    one kind's sweep made it dearer than another's by up to 2x on a shared host). After the
+    ``repeats`` rounds, while any median is less certain than ``rel_tol``
     (:func:`rel_halfwidth` of its samples, outliers removed) on any rank, that size gets
     another round, until ``max_seconds`` have passed (0: no extra rounds). The ranks agree on
     the sizes of each extra round (a max all-reduce), so they stay in step.
 
-    ``issue`` is the channel measured: it starts one asynchronous collective and returns its
-    work (default: ``kind`` on ``group``, :data:`usbyte_opt.collectives.issuers.ISSUERS`);
-    ``issue(x)`` for all-reduce, ``issue(output, input)`` for the others. Below 1 MiB a sample
-    is ``chain`` calls issued back to back, its time divided by ``chain``. On CUDA the time
-    comes from events around the calls on the current stream (the NCCL stream waits on it,
-    and ``wait()`` makes the current stream wait for NCCL); on CPU from ``perf_counter``
-    around issue and wait.
+    ``issues[kind]`` is the channel measured: it starts one asynchronous collective and
+    returns its work (default: ``kind`` on ``group``,
+    :data:`usbyte_opt.collectives.issuers.ISSUERS`); ``issue(x)`` for all-reduce,
+    ``issue(output, input)`` for the others. Below 1 MiB a sample is ``chain`` calls issued
+    back to back, its time divided by ``chain``. On CUDA the time comes from events around
+    the calls on the current stream (the NCCL stream waits on it, and ``wait()`` makes the
+    current stream wait for NCCL); on CPU from ``perf_counter`` around issue and wait.
     """
-    if kind not in KINDS:
-        raise UsbyteError(f"collective sweep: expected one of {'|'.join(KINDS)}, got {kind!r}")
+    kinds = list(sizes)
+    for kind in kinds:
+        if kind not in KINDS:
+            raise UsbyteError(f"collective sweep: expected one of {'|'.join(KINDS)}, got {kind!r}")
+    if not kinds or not all(sizes[k] for k in kinds):
+        raise UsbyteError("collective sweep: expected at least one size of each collective")
     if repeats < 1:
         raise UsbyteError(f"--comm-repeats: expected an integer >= 1, got {repeats}")
     if chain < 1:
-        raise UsbyteError(f"{kind} sweep: expected a chain of >= 1 calls, got {chain}")
+        raise UsbyteError(f"{kinds[0]} sweep: expected a chain of >= 1 calls, got {chain}")
     device = torch.device(device)
     cuda = device.type == "cuda"
-    world = dist.get_world_size(group) if kind != "all-reduce" else 1
-    bad = [b for b in sizes if b % (4 * world) or b <= 0]
-    if bad:
-        raise UsbyteError(f"{kind} sweep: expected sizes that are multiples of {4 * world} bytes "
-                          f"(4 times the world size {world}), got {bad[0]}")
-    if issue is None:
-        issue = ISSUERS[kind](group)
-    full = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    shard = torch.zeros(max(sizes) // 4 // world, dtype=torch.float32, device=device) \
-        if kind != "all-reduce" else full
-    sweep = Sweep(list(sizes), kind=kind)
-    args: list[tuple[torch.Tensor, ...]]
-    if kind == "all-reduce":
-        args = [(full.narrow(0, 0, b // 4),) for b in sizes]
-    elif kind == "reduce-scatter":   # (output shard, input block)
-        args = [(shard.narrow(0, 0, b // 4 // world), full.narrow(0, 0, b // 4)) for b in sizes]
-    else:                            # all-gather: (output block, input shard)
-        args = [(full.narrow(0, 0, b // 4), shard.narrow(0, 0, b // 4 // world)) for b in sizes]
-    counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
-    chains = [chain if b < SMALL_BYTES else 1 for b in sizes]
-    def run_chain(x: tuple[torch.Tensor, ...], k: int) -> None:
-        for w in [issue(*x) for _ in range(k)]:
+    world = dist.get_world_size(group) if kinds != ["all-reduce"] else 1
+    for kind in kinds:
+        unit = 4 * (world if kind != "all-reduce" else 1)
+        bad = [b for b in sizes[kind] if b % unit or b <= 0]
+        if bad:
+            raise UsbyteError(f"{kind} sweep: expected sizes that are multiples of {unit} bytes "
+                              f"(4 times the world size {world}), got {bad[0]}")
+    issue = {k: (issues[k] if issues is not None and k in issues else ISSUERS[k](group)) for k in kinds}
+    # One pair of buffers for every kind: the calls run one at a time.
+    full = torch.zeros(max(max(sizes[k]) for k in kinds) // 4, dtype=torch.float32, device=device)
+    sharded = [max(sizes[k]) for k in kinds if k != "all-reduce"]
+    shard = torch.zeros(max(sharded) // 4 // world, dtype=torch.float32, device=device) \
+        if sharded else full
+
+    def arguments(kind: str, b: int) -> tuple[torch.Tensor, ...]:
+        if kind == "all-reduce":
+            return (full.narrow(0, 0, b // 4),)
+        if kind == "reduce-scatter":   # (output shard, input block)
+            return (shard.narrow(0, 0, b // 4 // world), full.narrow(0, 0, b // 4))
+        return (full.narrow(0, 0, b // 4), shard.narrow(0, 0, b // 4 // world))  # all-gather
+
+    # Every (kind, size), in sweep order.
+    items = [(kind, b) for kind in kinds for b in sizes[kind]]
+    calls = [(issue[kind], arguments(kind, b)) for kind, b in items]
+    counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for _, b in items]
+    chains = [chain if b < SMALL_BYTES else 1 for _, b in items]
+    phase = kinds[0] if len(kinds) == 1 else "collectives"
+
+    def run_chain(call: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> None:
+        fn, x = call
+        for w in [fn(*x) for _ in range(k)]:
             w.wait()
 
     for _ in range(warmup):
-        for x, k in zip(args, chains):
-            run_chain(x, k)
+        for c, k in zip(calls, chains):
+            run_chain(c, k)
 
-    def timed(x: tuple[torch.Tensor, ...], k: int) -> float:
+    def timed(c: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> float:
         if cuda:
             torch.cuda.synchronize(device)
         if barrier is not None:
@@ -308,27 +338,26 @@ def sweep_collective(kind: str, sizes: Sequence[int], repeats: int = 5, warmup: 
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream = torch.cuda.current_stream(device)   # the profiled device's, not the current one
             start.record(stream)
-            run_chain(x, k)
+            run_chain(c, k)
             end.record(stream)
             end.synchronize()
             return start.elapsed_time(end) / k
         t = time.perf_counter()
-        run_chain(x, k)
+        run_chain(c, k)
         return (time.perf_counter() - t) * 1e3 / k
 
     # Round-robin over the sizes, not size after size: a burst of load from elsewhere then
     # touches every size alike instead of bending the curve at the sizes it happened to hit.
-    sweep.raw_ms = [[] for _ in sizes]
-    sweep.chains = chains
+    raw: list[list[float]] = [[] for _ in items]
     done, total = 0, sum(counts)
     t_start = time.perf_counter()
     for rep in range(max(counts)):
-        for k, x in enumerate(args):
+        for k, c in enumerate(calls):
             if rep < counts[k]:
-                sweep.raw_ms[k].append(timed(x, chains[k]))
+                raw[k].append(timed(c, chains[k]))
                 done += 1
         if progress:
-            progress(kind, done, total)
+            progress(phase, done, total)
     while max_seconds > 0:
         # Whether to run another round is decided together: a rank past its time cap asks
         # for nothing, and the round runs while any rank asks (its own clock alone would let
@@ -336,24 +365,31 @@ def sweep_collective(kind: str, sizes: Sequence[int], repeats: int = 5, warmup: 
         # never issues).
         over = time.perf_counter() - t_start >= max_seconds
         unsure = torch.tensor([1.0 if not over and rel_halfwidth(robust(ts)) > rel_tol else 0.0
-                               for ts in sweep.raw_ms], dtype=torch.float64)
+                               for ts in raw], dtype=torch.float64)
         unsure = unsure.to(device) if cuda else unsure
         dist.all_reduce(unsure, op=dist.ReduceOp.MAX, group=group)
         again = [k for k, u in enumerate(unsure.cpu().tolist()) if u > 0]
         if not again:
             break
         for k in again:
-            sweep.raw_ms[k].append(timed(args[k], chains[k]))
-        counts = [len(ts) for ts in sweep.raw_ms]
+            raw[k].append(timed(calls[k], chains[k]))
+        counts = [len(ts) for ts in raw]
     # The last-arriving rank's time for every sample: one MIN all-reduce of all of them.
-    flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
+    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64)
     flat = flat.to(device) if cuda else flat
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
     got: list[float] = flat.cpu().tolist()
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]
-    sweep.raw_ms = [got[e - c:e] for e, c in zip(ends, counts)]
-    sweep.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sweep.raw_ms]
-    return sweep
+    raw = [got[e - c:e] for e, c in zip(ends, counts)]
+    out: dict[str, Sweep] = {}
+    for kind in kinds:
+        mine = [k for k, (kd, _) in enumerate(items) if kd == kind]
+        sw = Sweep(list(sizes[kind]), kind=kind)
+        sw.raw_ms = [raw[k] for k in mine]
+        sw.chains = [chains[k] for k in mine]
+        sw.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sw.raw_ms]
+        out[kind] = sw
+    return out
 
 
 def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dict[str, Any]]:

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .. import __version__
 from ..collectives.agree import agree
 from ..collectives.issuers import backend_for, block_issuers
-from ..collectives.sweep import analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collective
+from ..collectives.sweep import analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
 from ..errors import UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, CommSpec, Profile, TensorSpec
@@ -220,25 +220,25 @@ def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: t
     kinds = ("all-reduce", "reduce-scatter", "all-gather") if opts.shard_sweep else ("all-reduce",)
     issuers, channel = block_issuers(group, dev, kinds)
     issue = issuers["all-reduce"]
-
-    def sweep(kind: str, sizes: list[int]) -> Any:
-        s = sweep_collective(kind, sizes, opts.comm_repeats, 1, dev, group, progress,
-                             barrier=lambda: barrier(group, dev, backend), issue=issuers[kind],
-                             max_seconds=opts.stable_s)
-        s.channel = channel
-        return s
-
-    swept = sweep("all-reduce", opts.sweep_sizes())
+    # One sweep of all of them, round-robin, so that a burst of load touches each alike;
+    # reduce-scatter and all-gather sizes are the whole block's bytes, split evenly over the
+    # ranks.
+    sizes = {k: opts.sweep_sizes() if k == "all-reduce" else shard_sizes(opts.sweep_sizes(), world)
+             for k in kinds}
+    swept = sweep_collectives(sizes, opts.comm_repeats, 1, dev, group, progress,
+                              barrier=lambda: barrier(group, dev, backend), issues=issuers,
+                              max_seconds=opts.stable_s)
+    for sw in swept.values():
+        sw.channel = channel
     # The profile format knows nccl/gloo/mpi/ucc; another backend is filed under the one it
     # stands in for on this device, and meta.backend keeps its real name.
     label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
-    comm, record = fit_comm(swept, label_backend, world)
+    comm, record = fit_comm(swept["all-reduce"], label_backend, world)
     if opts.shard_sweep:
-        # Sizes are the whole block's bytes, split evenly over the ranks.
-        sizes = shard_sizes(opts.sweep_sizes(), world)
-        rs, record["reduce_scatter"] = fit_collective(sweep("reduce-scatter", sizes))
-        ag, record["all_gather"] = fit_collective(sweep("all-gather", sizes))
+        rs, record["reduce_scatter"] = fit_collective(swept["reduce-scatter"])
+        ag, record["all_gather"] = fit_collective(swept["all-gather"])
         comm = dataclasses.replace(comm, reduce_scatter=rs, all_gather=ag)
+    del issuers
     out = Measured(comm, record)
     if opts.cpu_probe:
         out.probe = _probe(*training(), dev, group, issue, timings, progress, opts)
