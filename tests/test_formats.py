@@ -17,6 +17,7 @@ from usbyte_opt.formats import (
     MAX_GRADIENT_BYTES,
     SCHEDULE_MODES,
     Block,
+    CollectiveCost,
     CommSpec,
     check_against,
     dump_profile,
@@ -85,6 +86,16 @@ def mutate(path, fn):
     (lambda d: d.update(tensors={}), "tensors", "an array"),
     (lambda d: d.update(version=2), "version", "1"),
     (lambda d: d.update(format="usbyte-schedule"), "format", "usbyte-profile"),
+    (lambda d: d["comm"].update(reduce_scatter={"alpha_ms": 1.0, "algbw_gbs": 0}),
+     "comm.reduce_scatter.algbw_gbs", "a number > 0"),
+    (lambda d: d["comm"].update(all_gather={"algbw_gbs": 1.0}), "comm.all_gather.alpha_ms",
+     "field is missing"),
+    (lambda d: d["comm"].update(all_gather=[1.0, 2.0]), "comm.all_gather", "an object"),
+    (lambda d: d["comm"].update(reduce_scatter={"alpha_ms": -1, "algbw_gbs": 1.0}),
+     "comm.reduce_scatter.alpha_ms", "a number in [0, 3600000]"),
+    (lambda d: d["comm"].update(all_gather={"alpha_ms": 1, "algbw_gbs": 1.0,
+                                            "samples": [{"bytes": 0, "ms": 1.0}]}),
+     "comm.all_gather.samples[0].bytes", "an integer >= 1"),
 ])
 def test_profile_errors_name_file_field_and_expectation(files, fn, field, expected):
     _, _, pp, _ = files
@@ -228,6 +239,46 @@ def test_shipped_files_load_with_their_digests():
         check_against(sched, prof)
 
 
+def test_shipped_profiles_have_no_sharded_lines_and_write_back_byte_identical(tmp_path):
+    root = os.path.join(os.path.dirname(__file__), "..")
+    for name in ("resnet50", "vgg16", "densenet201", "bert-base", "gpt2", "resnet152"):
+        path = os.path.join(root, "profiles", f"{name}.json")
+        prof = load_profile(path)
+        assert prof.comm.reduce_scatter is None and prof.comm.all_gather is None
+        out = tmp_path / f"{name}.json"
+        save_profile(prof, out)
+        assert out.read_bytes() == open(path, "rb").read(), name
+
+
+def _sharded(prof):
+    return prof.with_comm(dataclasses.replace(
+        prof.comm, reduce_scatter=CollectiveCost(0.4, 2.0, ((4096, 0.41), (1 << 20, 0.9))),
+        all_gather=CollectiveCost(0.5, 2.5)))
+
+
+def test_profiles_with_and_without_sharded_lines_round_trip_byte_identically(tmp_path):
+    plain, sharded = three_layer(), _sharded(three_layer())
+    for prof in (plain, sharded):
+        a, b = tmp_path / "a.json", tmp_path / "b.json"
+        save_profile(prof, a)
+        back = load_profile(a)
+        assert back == prof and back.digest() == prof.digest()
+        save_profile(back, b)
+        assert a.read_bytes() == b.read_bytes()
+    raw = dump_profile(plain)["comm"]
+    assert "reduce_scatter" not in raw and "all_gather" not in raw   # absent: left out
+    comm = dump_profile(sharded)["comm"]
+    assert comm["reduce_scatter"] == {"alpha_ms": 0.4, "algbw_gbs": 2.0, "samples": [
+        {"bytes": 4096, "ms": 0.41}, {"bytes": 1 << 20, "ms": 0.9}]}
+    assert comm["all_gather"] == {"alpha_ms": 0.5, "algbw_gbs": 2.5}   # no samples: left out
+    assert sharded.digest() != plain.digest()
+    jsonschema = pytest.importorskip("jsonschema")
+    jsonschema.validate(dump_profile(sharded), profile_schema())
+    props = profile_schema()["$defs"]["CommEntry"]["properties"]
+    assert {"reduce_scatter", "all_gather"} <= set(props)
+    assert "reduce_scatter" not in profile_schema()["$defs"]["CommEntry"].get("required", [])
+
+
 def test_unreadable_json_is_a_format_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_bytes(b"\xff\xfe{}")
@@ -268,6 +319,8 @@ def _bad_profiles():
         prof.with_comm(CommSpec("analytic", 0, alpha_ms=1.0, algbw_gbs=1.0)),
         prof.with_comm(CommSpec("ib", 2, alpha_ms=1.0, algbw_gbs=1.0)),
         prof.with_comm(CommSpec("analytic", 2, 1.0, 1.0, samples=((0, 1.0),))),
+        prof.with_comm(CommSpec("analytic", 2, 1.0, 1.0, reduce_scatter=CollectiveCost(1.0, 0.0))),
+        prof.with_comm(CommSpec("analytic", 2, 1.0, 1.0, all_gather=CollectiveCost(-1.0, 1.0))),
         dataclasses.replace(prof, backward_ms=float("nan")),
         dataclasses.replace(prof, name=""),
         dataclasses.replace(prof, tensors=()),

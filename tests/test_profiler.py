@@ -216,6 +216,45 @@ def test_two_ranks_allreduce_fit_is_within_2x_of_samples(two_rank_profile):
     assert prof.meta["comm_sweep"]["chain"] == [4] * 5 + [1] * 3
 
 
+def test_two_ranks_sweep_reduce_scatter_and_all_gather_beside_all_reduce(two_rank_profile):
+    prof, raw, r = two_rank_profile
+    c = prof.comm
+    ar = dict(c.samples)
+    for key, cost in (("reduce_scatter", c.reduce_scatter), ("all_gather", c.all_gather)):
+        assert cost is not None, key
+        assert key in raw["comm"] and raw["comm"][key]["alpha_ms"] == cost.alpha_ms
+        assert cost.alpha_ms >= 0 and cost.algbw_gbs > 0
+        # All-reduce's sizes (the whole block's bytes), each to the nearest multiple of
+        # 2 ranks * 4 bytes.
+        sizes = [b for b, _ in cost.samples]
+        assert len(sizes) == len(c.samples) and all(b % 8 == 0 for b in sizes), key
+        assert all(abs(b - a) <= 4 for b, (a, _) in zip(sizes, c.samples)), key
+        # The line against its own medians, as all-reduce's: within 3x at the median over
+        # sizes and at every size of 1 MiB or more (small gloo collectives on 2 shared cores
+        # vary several-fold run to run).
+        ratio = {b: (cost.alpha_ms + b / (cost.algbw_gbs * 1e6)) / ms for b, ms in cost.samples}
+        assert 1 / 3 <= statistics.median(ratio.values()) <= 3.0, (key, ratio)
+        assert all(1 / 3 <= x <= 3.0 for b, x in ratio.items() if b >= 1 << 20), (key, ratio)
+        rec = prof.meta["comm_sweep"][key]
+        assert rec["collective"] == key.replace("_", "-") and "runtime channel" in rec["channel"]
+        assert rec["sizes_bytes"] == [b for b, _ in cost.samples]
+        assert all(len(ts) >= n for ts, n in zip(rec["raw_ms"], [21] * 5 + [7] * 3))
+        assert rec["fit"]["alpha_ms"] == cost.alpha_ms
+    # At the largest size (16 MiB), on the fitted lines (each read from all its sizes, so one
+    # median hit by load from elsewhere on this shared host does not decide): all-gather moves
+    # each rank's half once, cheaper than all-reduce. gloo's reduce-scatter is a whole
+    # all-reduce plus a clone and a copy (torch's ProcessGroupGloo), so it is not cheaper
+    # there: measured 1.2-1.5x all-reduce.
+    largest = max(ar)
+
+    def at(x):
+        return x.alpha_ms + largest / (x.algbw_gbs * 1e6)
+
+    assert at(c.all_gather) < at(c), (at(c.all_gather), at(c))
+    assert 0.7 * at(c) <= at(c.reduce_scatter) <= 2.0 * at(c), (at(c.reduce_scatter), at(c))
+    assert "reduce-scatter" in r.stdout and "all-gather" in r.stdout
+
+
 def test_two_ranks_record_what_allreduce_costs_the_training_thread(two_rank_profile):
     prof, raw, _ = two_rank_profile
     probe = prof.meta["cpu_probe"]
@@ -233,15 +272,17 @@ def test_two_ranks_record_what_allreduce_costs_the_training_thread(two_rank_prof
     assert all(s["ms"] > 0 for s in probe["samples"]) and probe["step_alone_ms"] > 0
 
 
-def test_no_cpu_probe_leaves_the_option_out(edge_dir):
+def test_no_cpu_probe_nor_shard_sweep_leaves_the_options_out(edge_dir):
     out = edge_dir / "profiles" / "noprobe.json"
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "4",
                  "--warmup", "1", "--repeats", "2", "--comm-max-mb", "1", "--comm-points", "3",
-                 "--comm-repeats", "2", "--no-cpu-probe", "--name", "noprobe", "-o", str(out),
-                 "--timeout-s", "60", "--stable-s", "0"], edge_dir)
+                 "--comm-repeats", "2", "--no-cpu-probe", "--no-shard-sweep", "--name", "noprobe",
+                 "-o", str(out), "--timeout-s", "60", "--stable-s", "0"], edge_dir)
     assert r.returncode == 0, r.stderr
     raw = json.loads(out.read_text())
     assert "cpu_ms_per_block" not in raw["comm"] and "cpu_probe" not in raw["meta"]
+    assert "reduce_scatter" not in raw["comm"] and "all_gather" not in raw["comm"]
+    assert "reduce_scatter" not in raw["meta"]["comm_sweep"]
 
 
 # --------------------------------------------------------------------------------------------

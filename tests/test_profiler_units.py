@@ -204,3 +204,58 @@ def test_sweep_rounds_are_decided_together_whatever_each_rank_clock_says():
     counts = values(run_local(_sweep_with_own_time_caps, 2, timeout_s=60, pg_timeout_s=20))
     first_rounds = 2 * SMALL_REPEAT_FACTOR + 2   # 4 KiB is below 1 MiB: more repeats
     assert counts[0] == counts[1] > first_rounds  # rank 1's extra rounds ran on both
+
+
+def _shard_collectives(rank: int, ws: int) -> dict:
+    # The runtime channel's issuers (gloo: one serial group for all three), their results, and
+    # a short sweep of each on that channel.
+    from usbyte_opt.collectives.issuers import block_issuers
+    from usbyte_opt.collectives.sweep import fit_collective, shard_sizes, sweep_collective, sweep_collectives
+
+    issuers, channel = block_issuers(None, torch.device("cpu"), ("all-reduce", "reduce-scatter", "all-gather"))
+    x = torch.arange(8, dtype=torch.float32) + 10 * rank
+    shard = torch.empty(8 // ws)
+    issuers["reduce-scatter"](shard, x).wait()
+    whole = torch.empty(8)
+    issuers["all-gather"](whole, shard).wait()
+    sizes = shard_sizes([4096, 1 << 20, 4 << 20], ws)
+    out = {"channel": channel, "shard": shard.tolist(), "whole": whole.tolist(), "sizes": sizes}
+    seen = []
+    swept = sweep_collectives({"all-reduce": [4096, 8192], "reduce-scatter": sizes, "all-gather": sizes},
+                              repeats=2, warmup=0, issues=issuers, progress=lambda *a: seen.append(a))
+    out["progress"] = seen[-1]
+    out["all-reduce"] = [len(ts) for ts in swept["all-reduce"].raw_ms]
+    for kind in ("reduce-scatter", "all-gather"):
+        sw = swept[kind]
+        cost, record = fit_collective(sw)
+        out[kind] = (sw.kind, [len(ts) for ts in sw.raw_ms], cost, record["collective"])
+    with pytest.raises(UsbyteError, match="multiples of 8 bytes"):
+        sweep_collective("all-gather", [4100], issue=issuers["all-gather"])
+    return out
+
+
+def test_reduce_scatter_and_all_gather_run_on_the_runtime_channel_of_two_ranks():
+    from usbyte_opt.launcher import run_local, values
+
+    got = values(run_local(_shard_collectives, 2, timeout_s=120, pg_timeout_s=60))
+    total = [float(i) + float(i) + 10 for i in range(8)]          # rank 0's x plus rank 1's
+    assert got[0]["shard"] == total[:4] and got[1]["shard"] == total[4:]
+    assert got[0]["whole"] == got[1]["whole"] == total
+    assert "runtime channel" in got[0]["channel"]
+    assert got[0]["sizes"] == [4096, 1 << 20, 4 << 20]
+    assert got[0]["all-reduce"] == [6, 6] and got[0]["progress"] == ("collectives", 32, 32)
+    for kind in ("reduce-scatter", "all-gather"):
+        name, counts, cost, label = got[0][kind]
+        assert name == label == kind and counts == [6, 2, 2]
+        assert cost.alpha_ms >= 0 and cost.algbw_gbs > 0 and len(cost.samples) == 3
+        assert got[1][kind][2] == cost      # the last-arriving rank's samples: the same on both
+
+
+def test_collective_sweeps_refuse_unknown_kinds_and_uneven_sizes(one_rank_group):
+    from usbyte_opt.collectives.sweep import shard_sizes, sweep_collective
+
+    with pytest.raises(UsbyteError, match="expected one of all-reduce.reduce-scatter.all-gather"):
+        sweep_collective("broadcast", [4096])
+    assert shard_sizes([4, 8, 4096, 4100, 4120], 2) == [8, 4096, 4120]   # 4100: nearest is 4096
+    sw = sweep_collective("reduce-scatter", [4096, 8192], repeats=1, warmup=0)   # one rank: a copy
+    assert sw.kind == "reduce-scatter" and all(m > 0 for m in sw.medians_ms)

@@ -70,6 +70,10 @@ def profile(
     algbw_gbs: Annotated[Optional[float], typer.Option(
         "--algbw-gbs", help="World size 1 only: analytic bandwidth in GB/s (default 1.79: 8 "
                             "workers, 25 Gbit/s).")] = None,
+    shard_sweep: Annotated[bool, typer.Option(
+        "--shard-sweep/--no-shard-sweep", help="With 2+ ranks, also sweep reduce-scatter and "
+                                               "all-gather (sharded data parallel's collectives) "
+                                               "beside all-reduce.")] = True,
     cpu_probe: Annotated[bool, typer.Option(
         "--cpu-probe/--no-cpu-probe", help="With 2+ ranks, also measure what all-reduce costs the "
                                            "training thread (per block and per MB, while training "
@@ -101,7 +105,7 @@ def profile(
         comm_sizes=tuple(default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)),
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-        cpu_probe=cpu_probe, stable_s=stable_s)
+        shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
 
 
@@ -198,6 +202,9 @@ def _summary(prof: Any, path: Path) -> None:
                   f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
         ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                        + (f" ({len(c.samples)} sizes)" if c.samples else "")],
+        *([name, f"alpha {x.alpha_ms:.3f} ms, algbw {x.algbw_gbs:.3f} GB/s"]
+          for name, x in (("reduce-scatter", c.reduce_scatter), ("all-gather", c.all_gather))
+          if x is not None),
     ], justify_right_from=2)
 
 

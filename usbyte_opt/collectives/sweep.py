@@ -1,4 +1,14 @@
-"""All-reduce cost of the real process group: a sweep over message sizes and a fitted line.
+"""Collective costs of the real process group: a sweep over message sizes and a fitted line,
+for all-reduce and, for sharded data parallel, reduce-scatter and all-gather.
+
+The sweep of one collective (:func:`sweep_collective`; :func:`sweep_allreduce` for
+all-reduce), or of several together (:func:`sweep_collectives`, round-robin over every
+collective and size), is described below for all-reduce; reduce-scatter (input ``b`` bytes, output
+``b / world_size`` per rank, summed) and all-gather (a shard in, ``b`` bytes out) are swept
+the same way, on the same channel. A sample's SIZE is always the whole, unsharded ``b``
+bytes, so the three fitted lines (``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``) compare
+directly; reduce-scatter and all-gather sizes are multiples of ``4 * world_size`` bytes
+(:func:`shard_sizes`).
 
 Each size is all-reduced ``warmup`` times untimed and ``repeats`` times timed (three times as
 many below 1 MiB, where a sample costs next to nothing and scheduler noise is largest),
@@ -30,7 +40,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,9 +48,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsbyteError
-from ..formats import CommSpec
+from ..formats import CollectiveCost, CommSpec
 from ..planning.cost import fit_samples, retarget
-from .issuers import sum_issuer
+from .issuers import ISSUERS
 
 Progress = Callable[[str, int, int], None]
 
@@ -56,8 +66,13 @@ SMALL_BYTES = 1 << 20
 SMALL_REPEAT_FACTOR = 3
 CHAIN = 4
 
-#: Issues one asynchronous sum all-reduce of a tensor on the measured channel.
-Issue = Callable[[torch.Tensor], Any]
+#: Issues one asynchronous collective on the measured channel: ``issue(x)`` for a sum
+#: all-reduce, ``issue(output, input)`` for reduce-scatter and all-gather
+#: (:mod:`usbyte_opt.collectives.issuers`).
+Issue = Callable[..., Any]
+
+#: The collectives a sweep can time (:data:`usbyte_opt.collectives.issuers.ISSUERS`).
+KINDS = ("all-reduce", "reduce-scatter", "all-gather")
 
 #: The sweep adds rounds while a size's median is less certain than this (relative half-width
 #: of its 95% interval), up to its time cap.
@@ -142,10 +157,35 @@ def default_sizes(min_bytes: int = 4 << 10, max_bytes: int = 64 << 20, points: i
     return out
 
 
+def shard_sizes(sizes: Sequence[int], world_size: int) -> list[int]:
+    """``sizes`` rounded to the nearest multiple of ``4 * world_size`` bytes (at least one), so
+    that a reduce-scatter or all-gather of that many float32 bytes splits evenly over the
+    ranks; without duplicates.
+
+    Example::
+
+        >>> shard_sizes([4096, 41284, 416128], 2)
+        [4096, 41280, 416128]
+        >>> shard_sizes([4, 8, 12], 4)
+        [16]
+    """
+    if world_size < 1:
+        raise UsbyteError(f"shard sizes: expected a world size >= 1, got {world_size}")
+    unit = 4 * world_size
+    out: list[int] = []
+    for b in sizes:
+        r = max(unit, int(round(b / unit)) * unit)
+        if r not in out:
+            out.append(r)
+    return sorted(out)
+
+
 def analytic_comm(alpha_ms: float | None = None, algbw_gbs: float | None = None,
                   world_size: int = ANALYTIC_WORLD_SIZE) -> CommSpec:
     """Comm settings of the reference cluster (ring formula of :func:`usbyte_opt.planning.cost.retarget`),
-    with ``alpha_ms`` / ``algbw_gbs`` overriding the derived values.
+    with ``alpha_ms`` / ``algbw_gbs`` overriding the derived values. No reduce-scatter or
+    all-gather lines: the cost model's default for them, half an all-reduce each, is the ring
+    formula already (:func:`usbyte_opt.planning.cost.cost_model`).
 
     Example::
 
@@ -169,7 +209,8 @@ def analytic_comm(alpha_ms: float | None = None, algbw_gbs: float | None = None,
 
 @dataclass(slots=True)
 class Sweep:
-    """Result of :func:`sweep_allreduce`: sizes, raw samples (slowest rank) and medians."""
+    """Result of :func:`sweep_collective`: sizes (whole, unsharded bytes), raw samples
+    (last-arriving rank) and medians."""
 
     sizes: list[int]
     raw_ms: list[list[float]] = field(default_factory=list)
@@ -177,6 +218,8 @@ class Sweep:
     chains: list[int] = field(default_factory=list)
     """Calls per sample, per size (a sample's time is per call)."""
     channel: str = "process group"
+    kind: str = "all-reduce"
+    """The collective timed (one of :data:`KINDS`)."""
 
     def samples(self) -> list[tuple[int, float]]:
         return [(b, m) for b, m in zip(self.sizes, self.medians_ms)]
@@ -187,43 +230,103 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
                     progress: Progress | None = None, barrier: Callable[[], None] | None = None,
                     issue: Issue | None = None, chain: int = CHAIN,
                     max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> Sweep:
-    """Time all-reduces of float32 tensors of each size (a collective: every rank calls it
-    with the same arguments).
+    """Time all-reduces of float32 tensors of each size: :func:`sweep_collective` of
+    ``"all-reduce"``."""
+    return sweep_collective("all-reduce", sizes, repeats, warmup, device, group, progress, barrier,
+                            issue, chain, max_seconds, rel_tol)
 
-    After the ``repeats`` rounds, while any size's median is less certain than ``rel_tol``
+
+def sweep_collective(kind: str, sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
+                     device: torch.device | str = "cpu", group: Any = None,
+                     progress: Progress | None = None, barrier: Callable[[], None] | None = None,
+                     issue: Issue | None = None, chain: int = CHAIN,
+                     max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> Sweep:
+    """Time collectives ``kind`` (one of :data:`KINDS`) of float32 tensors of each size:
+    :func:`sweep_collectives` of that one kind."""
+    return sweep_collectives({kind: sizes}, repeats, warmup, device, group, progress, barrier,
+                             None if issue is None else {kind: issue}, chain, max_seconds,
+                             rel_tol)[kind]
+
+
+def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warmup: int = 1,
+                      device: torch.device | str = "cpu", group: Any = None,
+                      progress: Progress | None = None, barrier: Callable[[], None] | None = None,
+                      issues: Mapping[str, Issue] | None = None, chain: int = CHAIN,
+                      max_seconds: float = 0.0, rel_tol: float = REL_TOL) -> dict[str, Sweep]:
+    """Time the collectives named by ``sizes`` (kinds of :data:`KINDS`), float32 tensors of
+    each of their sizes, in one sweep (a collective: every rank calls it with the same
+    arguments); one :class:`Sweep` per kind.
+
+    A size is the whole block's bytes ``b``: an all-reduce of ``b`` bytes, a reduce-scatter of
+    ``b`` bytes in (``b / world_size`` out per rank), an all-gather of ``b`` bytes out. For the
+    last two every size must be a multiple of ``4 * world_size`` (:func:`shard_sizes`).
+
+    Each round times every (kind, size) once, round-robin: a burst of load from elsewhere then
+    touches every kind alike, so the lines compare (swept one after the other, a burst during
+    one kind's sweep made it dearer than another's by up to 2x on a shared host). After the
+    ``repeats`` rounds, while any median is less certain than ``rel_tol``
     (:func:`rel_halfwidth` of its samples, outliers removed) on any rank, that size gets
     another round, until ``max_seconds`` have passed (0: no extra rounds). The ranks agree on
     the sizes of each extra round (a max all-reduce), so they stay in step.
 
-    ``issue`` is the channel measured: it starts one asynchronous all-reduce and returns its
-    work (default: ``dist.all_reduce`` on ``group``). Below 1 MiB a sample is ``chain`` calls
-    issued back to back, its time divided by ``chain``. On CUDA the time comes from events
-    around the calls on the current stream (the NCCL stream waits on it, and ``wait()``
-    makes the current stream wait for NCCL); on CPU from ``perf_counter`` around issue and
-    wait.
+    ``issues[kind]`` is the channel measured: it starts one asynchronous collective and
+    returns its work (default: ``kind`` on ``group``,
+    :data:`usbyte_opt.collectives.issuers.ISSUERS`); ``issue(x)`` for all-reduce,
+    ``issue(output, input)`` for the others. Below 1 MiB a sample is ``chain`` calls issued
+    back to back, its time divided by ``chain``. On CUDA the time comes from events around
+    the calls on the current stream (the NCCL stream waits on it, and ``wait()`` makes the
+    current stream wait for NCCL); on CPU from ``perf_counter`` around issue and wait.
     """
+    kinds = list(sizes)
+    for kind in kinds:
+        if kind not in KINDS:
+            raise UsbyteError(f"collective sweep: expected one of {'|'.join(KINDS)}, got {kind!r}")
+    if not kinds or not all(sizes[k] for k in kinds):
+        raise UsbyteError("collective sweep: expected at least one size of each collective")
     if repeats < 1:
         raise UsbyteError(f"--comm-repeats: expected an integer >= 1, got {repeats}")
     if chain < 1:
-        raise UsbyteError(f"all-reduce sweep: expected a chain of >= 1 calls, got {chain}")
+        raise UsbyteError(f"{kinds[0]} sweep: expected a chain of >= 1 calls, got {chain}")
     device = torch.device(device)
     cuda = device.type == "cuda"
-    if issue is None:
-        issue = sum_issuer(group)
-    buf = torch.zeros(max(sizes) // 4, dtype=torch.float32, device=device)
-    sweep = Sweep(list(sizes))
-    views = [buf.narrow(0, 0, b // 4) for b in sizes]
-    counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for b in sizes]
-    chains = [chain if b < SMALL_BYTES else 1 for b in sizes]
-    def run_chain(x: torch.Tensor, k: int) -> None:
-        for w in [issue(x) for _ in range(k)]:
+    world = dist.get_world_size(group) if kinds != ["all-reduce"] else 1
+    for kind in kinds:
+        unit = 4 * (world if kind != "all-reduce" else 1)
+        bad = [b for b in sizes[kind] if b % unit or b <= 0]
+        if bad:
+            raise UsbyteError(f"{kind} sweep: expected sizes that are multiples of {unit} bytes "
+                              f"(4 times the world size {world}), got {bad[0]}")
+    issue = {k: (issues[k] if issues is not None and k in issues else ISSUERS[k](group)) for k in kinds}
+    # One pair of buffers for every kind: the calls run one at a time.
+    full = torch.zeros(max(max(sizes[k]) for k in kinds) // 4, dtype=torch.float32, device=device)
+    sharded = [max(sizes[k]) for k in kinds if k != "all-reduce"]
+    shard = torch.zeros(max(sharded) // 4 // world, dtype=torch.float32, device=device) \
+        if sharded else full
+
+    def arguments(kind: str, b: int) -> tuple[torch.Tensor, ...]:
+        if kind == "all-reduce":
+            return (full.narrow(0, 0, b // 4),)
+        if kind == "reduce-scatter":   # (output shard, input block)
+            return (shard.narrow(0, 0, b // 4 // world), full.narrow(0, 0, b // 4))
+        return (full.narrow(0, 0, b // 4), shard.narrow(0, 0, b // 4 // world))  # all-gather
+
+    # Every (kind, size), in sweep order.
+    items = [(kind, b) for kind in kinds for b in sizes[kind]]
+    calls = [(issue[kind], arguments(kind, b)) for kind, b in items]
+    counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for _, b in items]
+    chains = [chain if b < SMALL_BYTES else 1 for _, b in items]
+    phase = kinds[0] if len(kinds) == 1 else "collectives"
+
+    def run_chain(call: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> None:
+        fn, x = call
+        for w in [fn(*x) for _ in range(k)]:
             w.wait()
 
     for _ in range(warmup):
-        for x, k in zip(views, chains):
-            run_chain(x, k)
+        for c, k in zip(calls, chains):
+            run_chain(c, k)
 
-    def timed(x: torch.Tensor, k: int) -> float:
+    def timed(c: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> float:
         if cuda:
             torch.cuda.synchronize(device)
         if barrier is not None:
@@ -235,27 +338,26 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             stream = torch.cuda.current_stream(device)   # the profiled device's, not the current one
             start.record(stream)
-            run_chain(x, k)
+            run_chain(c, k)
             end.record(stream)
             end.synchronize()
             return start.elapsed_time(end) / k
         t = time.perf_counter()
-        run_chain(x, k)
+        run_chain(c, k)
         return (time.perf_counter() - t) * 1e3 / k
 
     # Round-robin over the sizes, not size after size: a burst of load from elsewhere then
     # touches every size alike instead of bending the curve at the sizes it happened to hit.
-    sweep.raw_ms = [[] for _ in sizes]
-    sweep.chains = chains
+    raw: list[list[float]] = [[] for _ in items]
     done, total = 0, sum(counts)
     t_start = time.perf_counter()
     for rep in range(max(counts)):
-        for k, x in enumerate(views):
+        for k, c in enumerate(calls):
             if rep < counts[k]:
-                sweep.raw_ms[k].append(timed(x, chains[k]))
+                raw[k].append(timed(c, chains[k]))
                 done += 1
         if progress:
-            progress("all-reduce", done, total)
+            progress(phase, done, total)
     while max_seconds > 0:
         # Whether to run another round is decided together: a rank past its time cap asks
         # for nothing, and the round runs while any rank asks (its own clock alone would let
@@ -263,34 +365,50 @@ def sweep_allreduce(sizes: Sequence[int], repeats: int = 5, warmup: int = 1,
         # never issues).
         over = time.perf_counter() - t_start >= max_seconds
         unsure = torch.tensor([1.0 if not over and rel_halfwidth(robust(ts)) > rel_tol else 0.0
-                               for ts in sweep.raw_ms], dtype=torch.float64)
+                               for ts in raw], dtype=torch.float64)
         unsure = unsure.to(device) if cuda else unsure
         dist.all_reduce(unsure, op=dist.ReduceOp.MAX, group=group)
         again = [k for k, u in enumerate(unsure.cpu().tolist()) if u > 0]
         if not again:
             break
         for k in again:
-            sweep.raw_ms[k].append(timed(views[k], chains[k]))
-        counts = [len(ts) for ts in sweep.raw_ms]
+            raw[k].append(timed(calls[k], chains[k]))
+        counts = [len(ts) for ts in raw]
     # The last-arriving rank's time for every sample: one MIN all-reduce of all of them.
-    flat = torch.tensor([t for ts in sweep.raw_ms for t in ts], dtype=torch.float64)
+    flat = torch.tensor([t for ts in raw for t in ts], dtype=torch.float64)
     flat = flat.to(device) if cuda else flat
     dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=group)
     got: list[float] = flat.cpu().tolist()
     ends = [sum(counts[:i + 1]) for i in range(len(counts))]
-    sweep.raw_ms = [got[e - c:e] for e, c in zip(ends, counts)]
-    sweep.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sweep.raw_ms]
-    return sweep
+    raw = [got[e - c:e] for e, c in zip(ends, counts)]
+    out: dict[str, Sweep] = {}
+    for kind in kinds:
+        mine = [k for k, (kd, _) in enumerate(items) if kd == kind]
+        sw = Sweep(list(sizes[kind]), kind=kind)
+        sw.raw_ms = [raw[k] for k in mine]
+        sw.chains = [chains[k] for k in mine]
+        sw.medians_ms = [max(median(robust(ts)), 1e-6) for ts in sw.raw_ms]
+        out[kind] = sw
+    return out
 
 
 def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dict[str, Any]]:
-    """Fit ``alpha``/``algbw`` to the sweep's medians; return the CommSpec and a ``meta`` record
-    (sizes, raw samples, the fit and its largest relative error over the medians)."""
+    """Fit ``alpha``/``algbw`` to an all-reduce sweep's medians; return the CommSpec and a
+    ``meta`` record (sizes, raw samples, the fit and its largest relative error over the
+    medians)."""
+    cost, record = fit_collective(sweep)
+    return CommSpec(backend, world_size, cost.alpha_ms, cost.algbw_gbs, cost.samples), record
+
+
+def fit_collective(sweep: Sweep) -> tuple[CollectiveCost, dict[str, Any]]:
+    """Fit ``alpha``/``algbw`` to any sweep's medians (:func:`fit_comm` for all-reduce): the
+    :class:`~usbyte_opt.formats.data.CollectiveCost` (with the medians as its samples) and the
+    ``meta`` record of :func:`fit_comm`, which also names the collective."""
     samples = sweep.samples()
     alpha, algbw = fit_samples(samples)
     rel = [abs(alpha + b / (algbw * 1e6) - ms) / ms for b, ms in samples]
     spread = fit_spread(sweep)
-    record = {
+    record: dict[str, Any] = {
         "method": "barrier before each sample (below 1 MiB a chain of back-to-back calls, time per "
                   "call); last-arriving (minimum) rank per sample; outliers (> 5 MADs) dropped; "
                   "median per size, rounds added while a median's 95% interval is wider than "
@@ -304,7 +422,11 @@ def fit_comm(sweep: Sweep, backend: str, world_size: int) -> tuple[CommSpec, dic
         "fit": {"alpha_ms": alpha, "algbw_gbs": algbw,
                 "max_rel_error": max(rel) if rel else math.nan},
     }
-    return CommSpec(backend, world_size, alpha, algbw, tuple((int(b), float(m)) for b, m in samples)), record
+    if sweep.kind != "all-reduce":
+        record = {"collective": sweep.kind,
+                  "size": "whole (unsharded) bytes of the block; each rank sends or receives "
+                          "size / world_size", **record}
+    return CollectiveCost(alpha, algbw, tuple((int(b), float(m)) for b, m in samples)), record
 
 
 def fit_spread(sweep: Sweep, rounds: int = BOOTSTRAP, seed: int = 0) -> dict[str, list[float]]:

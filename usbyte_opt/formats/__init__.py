@@ -33,6 +33,7 @@ from .data import (
                    VERSION,
                    Block,
                    Buffer,
+                   CollectiveCost,
                    CommSpec,
                    Mode,
                    Profile,
@@ -61,7 +62,7 @@ from .schema import (
 __all__ = [
     "COMM_BACKENDS", "DTYPE_SIZES", "MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES",
     "MAX_MS", "MAX_WORLD_SIZE", "MIN_ALGBW_GBS", "PROFILE_FORMAT", "SCHEDULE_FORMAT",
-    "SCHEDULE_MODES", "VERSION", "Block", "Buffer", "CommSpec", "Mode", "Profile", "Schedule",
+    "SCHEDULE_MODES", "VERSION", "Block", "Buffer", "CollectiveCost", "CommSpec", "Mode", "Profile", "Schedule",
     "TensorSpec", "check_against", "check_coverage", "dump_profile", "dump_schedule",
     "fingerprint", "load_profile", "load_schedule", "parse_profile", "parse_schedule",
     "profile_schema", "read_json", "save_profile", "save_schedule", "schedule_schema",

@@ -110,8 +110,28 @@ class TensorSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class CollectiveCost:
+    """Fitted cost of one kind of collective other than all-reduce (reduce-scatter, all-gather)
+    on the process group: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``, where ``b`` is the whole
+    (unsharded) block's bytes, as for all-reduce, so that the lines compare directly.
+
+    Example::
+
+        >>> CollectiveCost(0.4, 2.0).samples
+        ()
+    """
+
+    alpha_ms: float
+    algbw_gbs: float
+    """Bytes of the whole block over time, GB/s."""
+    samples: tuple[tuple[int, float], ...] = ()
+    """Measured medians ``(bytes, ms)``, optional."""
+
+
+@dataclass(frozen=True, slots=True)
 class CommSpec:
-    """All-reduce cost of the process group: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``."""
+    """All-reduce cost of the process group: ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``; and,
+    optionally, the reduce-scatter and all-gather lines of sharded data parallel."""
 
     backend: str
     world_size: int
@@ -124,6 +144,11 @@ class CommSpec:
     backend's polling on a shared core), optional: the planner's compute-cost option."""
     cpu_ms_per_mb: float = 0.0
     """Training-thread time per MB all-reduced while compute runs, optional (same option)."""
+    reduce_scatter: CollectiveCost | None = None
+    """Measured reduce-scatter cost (``b`` bytes in, ``b / world_size`` out per rank), optional:
+    ``None`` where not measured (every profile before sharded sweeps)."""
+    all_gather: CollectiveCost | None = None
+    """Measured all-gather cost (a shard in, ``b`` bytes out), optional as ``reduce_scatter``."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -47,6 +47,7 @@ from .data import (
     VERSION,
     Block,
     Buffer,
+    CollectiveCost,
     CommSpec,
     Mode,
     Profile,
@@ -158,6 +159,18 @@ class SampleEntry(TypedDict):
     ms: PositiveMs
 
 
+@_record("collective cost")
+class CollectiveEntry(TypedDict):
+    """Cost of one collective other than all-reduce: alpha_ms + bytes / (algbw_gbs * 1e6), bytes
+    the whole (unsharded) block's."""
+
+    alpha_ms: Annotated[Ms, Rule(description="latency of one call")]
+    algbw_gbs: Annotated[float, Rule(ge=MIN_ALGBW_GBS, le=MAX_ALGBW_GBS,
+                                     description="whole block's bytes over time, GB/s")]
+    samples: NotRequired[Annotated[list[SampleEntry], Rule(
+        default=[], description="the (bytes, ms) measurements the line was fitted to")]]
+
+
 @_record("comm")
 class CommEntry(TypedDict):
     """All-reduce cost of the process group: alpha_ms + bytes / (algbw_gbs * 1e6)."""
@@ -175,6 +188,12 @@ class CommEntry(TypedDict):
         default=0.0, description="training-thread ms per all-reduce under compute")]]
     cpu_ms_per_mb: NotRequired[Annotated[Ms, Rule(
         default=0.0, description="training-thread ms per MB all-reduced under compute")]]
+    reduce_scatter: NotRequired[Annotated[CollectiveEntry, Rule(
+        description="measured reduce-scatter cost (bytes in; bytes / world_size out per rank); "
+                    "absent: half an all-reduce")]]
+    all_gather: NotRequired[Annotated[CollectiveEntry, Rule(
+        description="measured all-gather cost (bytes out; bytes / world_size in per rank); "
+                    "absent: half an all-reduce")]]
 
 
 @_record("usbyte-opt profile")
@@ -695,6 +714,9 @@ def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
         comm["cpu_ms_per_block"] = c.cpu_ms_per_block
     if c.cpu_ms_per_mb:
         comm["cpu_ms_per_mb"] = c.cpu_ms_per_mb
+    for key, cost in (("reduce_scatter", c.reduce_scatter), ("all_gather", c.all_gather)):
+        if cost is not None:
+            comm[key] = _dump_collective(cost)
     tensors = []
     for t in profile.tensors:
         d: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
@@ -716,6 +738,20 @@ def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
         _walk(ProfileFile, out, [], out, source)
         _check_profile(out, source)
     return out
+
+
+def _dump_collective(cost: CollectiveCost) -> dict[str, Any]:
+    out: dict[str, Any] = {"alpha_ms": cost.alpha_ms, "algbw_gbs": cost.algbw_gbs}
+    if cost.samples:
+        out["samples"] = [{"bytes": b, "ms": ms} for b, ms in cost.samples]
+    return out
+
+
+def _parse_collective(c: dict[str, Any] | None) -> CollectiveCost | None:
+    if c is None:
+        return None
+    return CollectiveCost(c["alpha_ms"], c["algbw_gbs"],
+                          tuple((s["bytes"], s["ms"]) for s in c["samples"]))
 
 
 def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, Any]:
@@ -776,7 +812,8 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
     c = d["comm"]
     comm = CommSpec(c["backend"], c["world_size"], c["alpha_ms"], c["algbw_gbs"],
                     tuple((s["bytes"], s["ms"]) for s in c["samples"]), c["cpu_ms_per_block"],
-                    c["cpu_ms_per_mb"])
+                    c["cpu_ms_per_mb"], _parse_collective(c.get("reduce_scatter")),
+                    _parse_collective(c.get("all_gather")))
     return Profile(d["name"], d["forward_ms"], d["backward_ms"], tensors, comm, dict(d["meta"]))
 
 

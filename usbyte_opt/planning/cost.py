@@ -1,4 +1,4 @@
-"""All-reduce cost models: the :class:`CostModel` interface that planning asks for costs, and
+"""Collective cost models: the :class:`CostModel` interface that planning asks for costs, and
 its linear implementation :class:`LinearCost`, ``c(b) = alpha_ms + b / (algbw_gbs * 1e6)``
 (docs/design.md §2.2), which every profile gets today (:func:`cost_model`).
 
@@ -12,6 +12,15 @@ so ``alpha = 2 (n - 1) * hop_ms`` and ``algbw = busbw * n / (2 (n - 1))``, where
 the per-link bandwidth (``--bandwidth-gbps X`` gives ``busbw = X / 8`` GB/s) and ``hop_ms`` the
 latency of one ring step (``--latency-us``). Values not given are derived from the profile's
 own measurement at its own world size.
+
+Sharded data parallel replaces a block's all-reduce by a reduce-scatter in backward and an
+all-gather in the next forward. On the same ring each is half an all-reduce:
+
+    t(b) = (n - 1) * hop_ms  +  ((n - 1) / n) * b / busbw
+
+with ``b`` the whole (unsharded) block's bytes, so ``alpha = (n - 1) * hop_ms`` and
+``algbw = busbw * n / (n - 1)``. A profile that measured them (``comm.reduce_scatter``,
+``comm.all_gather``) has its own lines, which :func:`retarget` moves with the same formula.
 """
 
 from __future__ import annotations
@@ -24,7 +33,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import UsbyteError
-from ..formats import CommSpec
+from ..formats import CollectiveCost, CommSpec
 
 
 class CostModel(Protocol):
@@ -32,11 +41,14 @@ class CostModel(Protocol):
 
     Strategies, the scorer and the bounds ask the problem's model (``Problem.cost``) and
     nothing else, so a model other than a line (piecewise linear from the profile's samples,
-    per-link hierarchical) fits in by implementing these three methods. An algorithm whose
+    per-link hierarchical) fits in by implementing these methods. An algorithm whose
     proof or rule needs a line (the lower bound, best's alpha-aware rule, US-Byte's unit
     rule, the dynamic programmes over runs) says so and reads :meth:`linear_bound`; with a
     model that is not a line (:attr:`is_linear` false) it still returns a valid plan, and its
     candidates are scored by :meth:`allreduce_ms` through the one scorer.
+
+    :meth:`reduce_scatter_ms` and :meth:`all_gather_ms` cost the two collectives of sharded
+    data parallel (no strategy asks for them yet).
     """
 
     @property
@@ -58,10 +70,23 @@ class CostModel(Protocol):
         allows: what the lower bound may charge per block and per byte."""
         ...
 
+    def reduce_scatter_ms(self, nbytes: float) -> float:
+        """Milliseconds of one reduce-scatter of a block of ``nbytes`` (whole, unsharded)."""
+        ...
+
+    def all_gather_ms(self, nbytes: float) -> float:
+        """Milliseconds of one all-gather into a block of ``nbytes`` (whole, unsharded)."""
+        ...
+
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
     """The linear :class:`CostModel`: ``alpha_ms + nbytes / (algbw_gbs * 1e6)``.
+
+    Reduce-scatter and all-gather of a block (``nbytes`` its whole, unsharded size) cost their
+    own lines ``(alpha_ms, algbw_gbs)`` where given (a profile that measured them), else half
+    an all-reduce each: what a ring gives (module docstring), with half the latency and twice
+    the algorithm bandwidth.
 
     Example::
 
@@ -70,10 +95,19 @@ class LinearCost:
         2.5
         >>> c.linear_bound(), c.is_linear
         ((0.5, 5e-07), True)
+        >>> c.reduce_scatter_ms(4_000_000), c.all_gather_ms(4_000_000)   # half of 2.5 each
+        (1.25, 1.25)
+        >>> m = LinearCost(0.5, 2.0, reduce_scatter=(0.2, 5.0), all_gather=(0.3, 4.0))
+        >>> m.reduce_scatter_ms(4_000_000), m.all_gather_ms(4_000_000), m.allreduce_ms(4_000_000)
+        (1.0, 1.3, 2.5)
     """
 
     alpha_ms: float
     algbw_gbs: float
+    reduce_scatter: tuple[float, float] | None = None
+    """``(alpha_ms, algbw_gbs)`` of reduce-scatter; ``None``: half an all-reduce."""
+    all_gather: tuple[float, float] | None = None
+    """``(alpha_ms, algbw_gbs)`` of all-gather; ``None``: half an all-reduce."""
 
     @property
     def beta_ms_per_byte(self) -> float:
@@ -92,14 +126,40 @@ class LinearCost:
     def linear_bound(self) -> tuple[float, float]:
         return self.alpha_ms, self.beta_ms_per_byte
 
+    def reduce_scatter_ms(self, nbytes: float) -> float:
+        if self.reduce_scatter is None:
+            return 0.5 * self.allreduce_ms(nbytes)
+        alpha, algbw = self.reduce_scatter
+        return alpha + nbytes / (algbw * 1e6)
+
+    def all_gather_ms(self, nbytes: float) -> float:
+        if self.all_gather is None:
+            return 0.5 * self.allreduce_ms(nbytes)
+        alpha, algbw = self.all_gather
+        return alpha + nbytes / (algbw * 1e6)
+
     @classmethod
     def from_comm(cls, comm: CommSpec) -> LinearCost:
-        return cls(comm.alpha_ms, comm.algbw_gbs)
+        def line(c: CollectiveCost | None) -> tuple[float, float] | None:
+            return None if c is None else (c.alpha_ms, c.algbw_gbs)
+        return cls(comm.alpha_ms, comm.algbw_gbs, line(comm.reduce_scatter), line(comm.all_gather))
 
 
 def cost_model(comm: CommSpec) -> CostModel:
     """The cost model of a profile's ``comm``: :class:`LinearCost` (its ``alpha_ms`` and
-    ``algbw_gbs``)."""
+    ``algbw_gbs``; reduce-scatter and all-gather from ``comm.reduce_scatter`` and
+    ``comm.all_gather`` when the profile measured them, else half an all-reduce each).
+
+    Example::
+
+        >>> from usbyte_opt.formats import CollectiveCost
+        >>> old = cost_model(CommSpec("gloo", 2, 1.0, 0.5))              # no sharded lines
+        >>> old.allreduce_ms(1e6), old.reduce_scatter_ms(1e6), old.all_gather_ms(1e6)
+        (3.0, 1.5, 1.5)
+        >>> new = cost_model(CommSpec("gloo", 2, 1.0, 0.5, reduce_scatter=CollectiveCost(0.4, 1.0)))
+        >>> new.allreduce_ms(1e6), new.reduce_scatter_ms(1e6), new.all_gather_ms(1e6)
+        (3.0, 1.4, 1.5)
+    """
     return LinearCost.from_comm(comm)
 
 
@@ -191,11 +251,28 @@ def ring_parameters(comm: CommSpec) -> tuple[float, float]:
     return comm.alpha_ms / steps, comm.algbw_gbs * steps / n
 
 
+def ring_shard_parameters(cost: CollectiveCost, world_size: int) -> tuple[float, float]:
+    """``(hop_ms, busbw_gbs)`` of a ring reduce-scatter or all-gather that matches ``cost`` at
+    ``world_size`` ranks (``(n - 1)`` steps; module docstring).
+
+    Example::
+
+        >>> hop, busbw = ring_shard_parameters(CollectiveCost(0.7, 4.0), 8)   # 7 hops
+        >>> round(hop, 6), busbw                                            # 4 * 7 / 8
+        (0.1, 3.5)
+    """
+    n = max(world_size, 2)
+    steps = n - 1
+    return cost.alpha_ms / steps, cost.algbw_gbs * steps / n
+
+
 def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: float | None = None,
              latency_us: float | None = None) -> CommSpec:
     """Move ``comm`` to another world size, link bandwidth (Gbit/s) or hop latency (µs).
 
-    Ring all-reduce, see the module docstring. With nothing given, ``comm`` is returned as is.
+    Ring all-reduce, see the module docstring; a measured reduce-scatter or all-gather line
+    moves with its own ring formula (its own hop latency and bus bandwidth, unless given),
+    and stays absent when absent. With nothing given, ``comm`` is returned as is.
 
     Example::
 
@@ -205,6 +282,10 @@ def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: floa
         (3.0, 4.667)
         >>> round(retarget(c, bandwidth_gbps=100).algbw_gbs, 3)   # 12.5 GB/s * 8 / 14
         7.143
+        >>> s = CommSpec("gloo", 2, 2.0, 1.0, reduce_scatter=CollectiveCost(1.0, 2.0))
+        >>> rs = retarget(s, world_size=8).reduce_scatter   # 7 hops of 1 ms; busbw 1 GB/s
+        >>> round(rs.alpha_ms, 3), round(rs.algbw_gbs, 4), retarget(s, world_size=8).all_gather
+        (7.0, 1.1429, None)
     """
     if world_size is None and bandwidth_gbps is None and latency_us is None:
         return comm
@@ -223,6 +304,15 @@ def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: floa
         hop = latency_us / 1000.0
     steps = 2 * (n - 1)
     backend = comm.backend if world_size is None else "analytic"
+
+    def shard(cost: CollectiveCost | None) -> CollectiveCost | None:
+        if cost is None:
+            return None
+        h, bw = ring_shard_parameters(cost, comm.world_size)
+        h = latency_us / 1000.0 if latency_us is not None else h
+        bw = bandwidth_gbps / 8.0 if bandwidth_gbps is not None else bw
+        return CollectiveCost(h * (n - 1), bw * n / (n - 1))
+
     # The training thread's share of a collective is the host's, not the link's: kept.
     return CommSpec(backend, n, hop * steps, busbw * n / steps, (), comm.cpu_ms_per_block,
-                    comm.cpu_ms_per_mb)
+                    comm.cpu_ms_per_mb, shard(comm.reduce_scatter), shard(comm.all_gather))

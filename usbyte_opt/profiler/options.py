@@ -27,8 +27,9 @@ STRICT: dict[str, Any] = {"strict": True, "extra": "forbid", "allow_inf_nan": Fa
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class ProfileOptions:
-    """What to measure and how long: iterations, the optimizer, the all-reduce sweep, the
-    probe of what all-reduce costs the training thread, the analytic fallback."""
+    """What to measure and how long: iterations, the optimizer, the all-reduce sweep (and
+    those of reduce-scatter and all-gather), the probe of what all-reduce costs the training
+    thread, the analytic fallback."""
 
     #: How pydantic validates these options inside a bench job file (:mod:`usbyte_opt.bench.job`).
     __pydantic_config__ = STRICT
@@ -50,6 +51,9 @@ class ProfileOptions:
     """World size 1: the analytic latency (ignored when measured)."""
     algbw_gbs: float | None = None
     """World size 1: the analytic bandwidth in GB/s (ignored when measured)."""
+    shard_sweep: bool = True
+    """With more than one rank, also sweep reduce-scatter and all-gather (the collectives of
+    sharded data parallel) on the same channel: ``comm.reduce_scatter``, ``comm.all_gather``."""
     cpu_probe: bool = True
     """With more than one rank, also measure what all-reduce costs the training thread
     (:mod:`usbyte_opt.profiler.probe`)."""

@@ -1,5 +1,5 @@
-"""Profiling a model across ranks: build it, time it on every rank, sweep all-reduce,
-aggregate across ranks, return a :class:`usbyte_opt.formats.Profile`.
+"""Profiling a model across ranks: build it, time it on every rank, sweep all-reduce (and
+reduce-scatter and all-gather), aggregate across ranks, return a :class:`usbyte_opt.formats.Profile`.
 
 Cross-rank aggregation: each rank reduces its own repeats to medians; the profile takes,
 for every number (forward, backward, each tensor's ready/need/update), the **maximum over
@@ -29,8 +29,8 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..collectives.agree import agree
-from ..collectives.issuers import backend_for, block_issuer
-from ..collectives.sweep import analytic_comm, fit_comm, sweep_allreduce
+from ..collectives.issuers import backend_for, block_issuers
+from ..collectives.sweep import analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
 from ..errors import UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, CommSpec, Profile, TensorSpec
@@ -210,16 +210,30 @@ def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: t
     """The all-reduce sweep on the runtime's channel, its fitted line, the probe (when on),
     and a warning when the fit is poor enough to change the plan."""
     # The channel the runtime's blocks take (on gloo its one-thread group), so that alpha is
-    # what one more block costs there.
-    issue, channel = block_issuer(group, dev)
-    sweep = sweep_allreduce(opts.sweep_sizes(), opts.comm_repeats, 1, dev, group, progress,
-                            barrier=lambda: barrier(group, dev, backend), issue=issue,
-                            max_seconds=opts.stable_s)
-    sweep.channel = channel
+    # what one more block costs there; a sharded runtime's reduce-scatters and all-gathers
+    # take the same one.
+    kinds = ("all-reduce", "reduce-scatter", "all-gather") if opts.shard_sweep else ("all-reduce",)
+    issuers, channel = block_issuers(group, dev, kinds)
+    issue = issuers["all-reduce"]
+    # One sweep of all of them, round-robin, so that a burst of load touches each alike;
+    # reduce-scatter and all-gather sizes are the whole block's bytes, split evenly over the
+    # ranks.
+    sizes = {k: opts.sweep_sizes() if k == "all-reduce" else shard_sizes(opts.sweep_sizes(), world)
+             for k in kinds}
+    swept = sweep_collectives(sizes, opts.comm_repeats, 1, dev, group, progress,
+                              barrier=lambda: barrier(group, dev, backend), issues=issuers,
+                              max_seconds=opts.stable_s)
+    for sw in swept.values():
+        sw.channel = channel
     # The profile format knows nccl/gloo/mpi/ucc; another backend is filed under the one it
     # stands in for on this device, and meta.backend keeps its real name.
     label_backend = backend if backend in COMM_BACKENDS else ("nccl" if dev.type == "cuda" else "gloo")
-    comm, record = fit_comm(sweep, label_backend, world)
+    comm, record = fit_comm(swept["all-reduce"], label_backend, world)
+    if opts.shard_sweep:
+        rs, record["reduce_scatter"] = fit_collective(swept["reduce-scatter"])
+        ag, record["all_gather"] = fit_collective(swept["all-gather"])
+        comm = dataclasses.replace(comm, reduce_scatter=rs, all_gather=ag)
+    del issuers
     out = Measured(comm, record)
     if opts.cpu_probe:
         out.probe = _probe(*training(), dev, group, issue, timings, progress, opts)
