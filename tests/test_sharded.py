@@ -250,6 +250,7 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
             o.zero_grad()
     o_usb.synchronize()
     t_usb.synchronize()
+    t2_usb.synchronize()
     res["continued_unsharded_diff"] = max_diff(mod, fresh)
     res["continued_loaded_diff"] = max(max_diff(ref, twin), max_diff(ref, twin2))
     t_usb.close()
@@ -260,6 +261,41 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
     res["closed_restores"] = (sorted(back["state"]) == sorted(sd["state"])
                               and o_usb.optimizer.param_groups[0]["params"][0] is mod.conv1.weight)
     return res
+
+
+def case_gated(rank: int, ws: int) -> dict:
+    """The all-gathers are waited for in the next forward, tensor by tensor: right after
+    step() no parameter has its new value yet; the forward's gates give every module its
+    own; an eval forward under no_grad and model.state_dict() see the updated values."""
+    ref, mod = twins(SmallCNN)
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adam"](ref.parameters())
+    o_usb = DistributedOptimizer(OPTIMIZERS["adam"](mod.parameters()), mod, verify=False,
+                                 schedule=SHARDED_CROSSCUT(mod, ws))
+    out: dict[str, Any] = {"pending_after_step": [], "stale_after_step": []}
+    xe, _ = image_batch(99, 0)
+    worst = 0.0
+    for step in range(6):
+        x, y = image_batch(rank, step)
+        mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        mse(mod(x), y).backward()
+        before = [p.detach().clone() for p in mod.parameters()]
+        o_usb.step(); o_usb.zero_grad()
+        out["pending_after_step"].append(o_usb._state.updates.n_pending)
+        out["stale_after_step"].append(all(torch.equal(a, p) for a, p in
+                                           zip(before, mod.parameters())))
+        if step == 3:
+            sd = mod.state_dict()   # the state-dict hook applies the pending updates
+            worst = max(worst, max((sd[n] - t).abs().max().item()
+                                   for n, t in ref.state_dict().items()))
+        elif step == 4:
+            with torch.no_grad():
+                worst = max(worst, (mod(xe) - ref(xe)).abs().max().item())
+    o_usb.synchronize()
+    out["diff"] = max(worst, max_diff(ref, mod))
+    out["n"] = o_usb._state.n
+    o_usb.close()
+    return out
 
 
 def _refused(fn: Callable[[], Any]) -> str:
@@ -319,6 +355,7 @@ CASES.update({
     "lr_scheduler": case_lr_scheduler,
     "state_bytes": case_state_bytes,
     "refusals": case_refusals,
+    "gated": case_gated,
 })
 
 
@@ -392,6 +429,13 @@ def test_state_dict_full_and_loadable(results: list[dict[str, dict]], opt_name: 
         assert got["continued_unsharded_diff"] == 0.0
         assert got["continued_loaded_diff"] == 0.0
         assert got["closed_restores"]
+
+
+def test_all_gathers_wait_in_the_next_forward(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        got = r["gated"]
+        assert got["pending_after_step"] == [got["n"]] * 6
+        assert all(got["stale_after_step"])
 
 
 def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:

@@ -44,7 +44,8 @@ class Mode(str, Enum):
     communication overlaps that forward. ``FENCE``: every block waited for, then every update,
     then the next forward, as DDP. ``SHARDED``: ZeRO-1, each block reduce-scattered instead of
     all-reduced, each rank steps its shard of every block (the optimizer state is sharded), and
-    the updated shards are all-gathered at ``step()`` (docs/runtime.md). The planner plans in
+    the updated shards are all-gathered from ``step()`` on, each tensor's waited for right
+    before its first use in the next forward (docs/runtime.md). The planner plans in
     overlap and fence mode only (:data:`usbyte_opt.planning.simulate.MODES`). A mode is its
     file value as a string (``Mode.FENCE == "fence"``, ``str(Mode.FENCE) == "fence"``), so
     that messages and files read alike. Each member is one line: its file value and its
@@ -64,7 +65,8 @@ class Mode(str, Enum):
     OVERLAP = "overlap", "each update right before its first use in the next forward"
     FENCE = "fence", "all blocks, then all updates (as DDP)"
     SHARDED = "sharded", ("ZeRO-1: blocks reduce-scattered, each rank steps its shard, "
-                          "parameters all-gathered at step()")
+                          "parameters all-gathered, each before its first use in the next "
+                          "forward")
 
     def __new__(cls, value: str, note: str = "") -> Mode:
         member = str.__new__(cls, value)

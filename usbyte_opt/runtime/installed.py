@@ -22,7 +22,7 @@ from .backward import StepComm
 from .buffers import FlatGrads
 from .comm import Channel
 from .forward import ForwardGates, _Hook
-from .sharded import Sharded
+from .sharded import GatherBack, Sharded
 from .updates import HostUpdates, StreamUpdates, SubsetStepper, Updates
 
 if TYPE_CHECKING:
@@ -168,7 +168,9 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         comm.collective = "reduce-scatter"
     comm.trace = trace
     updates: Updates
-    if device.type == "cuda" and schedule.mode == Mode.OVERLAP:
+    if sharded is not None:  # the pending updates are the parameters' all-gathers
+        updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace)
+    elif device.type == "cuda" and schedule.mode == Mode.OVERLAP:
         updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
                                 options.update_groups)
     else:

@@ -424,8 +424,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 st.grads.release()
         elif st.sharded is not None:
             comm.wait_blocks()
-            st.sharded.step(include, comm.discard is False, self._chan.wait)
+            gathers = st.sharded.step(include, comm.discard is False)
             stepper.calls += 1
+            st.updates.start(gathers, lambda t: True, range(st.n))
             st.grads.release()
         elif mode == Mode.FENCE:
             comm.wait_blocks()

@@ -22,9 +22,13 @@ world size, as for the all-reduce) as soon as it is its turn and its gradients a
 (:class:`~.backward.StepComm` issues through :meth:`Sharded.reduce_scatter`). ``step()``:
 wait for them, copy the owned pieces of the parameters into the shards (so a parameter changed
 outside the optimizer, by ``model.load_state_dict`` say, is what gets stepped), step the
-optimizer on the shards, all-gather every block's parameter shard into the flat buffer (the
-gradients there are dead by then) and copy each tensor's view into its parameter. Everything
-happens inside ``step()``, as in fence mode.
+optimizer on the shards, and issue the all-gather of every block's parameter shard into the
+flat buffer (the gradients there are dead by then), in schedule order. The copy of a tensor's
+gathered values into its parameter is its pending update (:class:`GatherBack`, run by
+:class:`~.updates.HostUpdates`): the forward pre-hook of the tensor's module waits for that
+tensor's blocks only, as overlap mode does for its updates, so the all-gathers of later
+tensors overlap the forward; the next backward, an eval forward, ``synchronize()`` and the
+state-dict hooks apply what is left.
 """
 
 from __future__ import annotations
@@ -76,6 +80,20 @@ def _flat_of(p: torch.Tensor) -> torch.Tensor:
     if dense_strides(d.shape, d.stride()):
         return d.as_strided((d.numel(),), (1,), d.storage_offset())
     return d.reshape(-1)
+
+
+class GatherBack:
+    """The :class:`~.updates.HostUpdates` stepper of sharded mode: a tensor's pending update
+    is the copy of its gathered values into the parameter, run by the forward gate of the
+    tensor's module once its blocks' all-gathers have finished."""
+
+    __slots__ = ("sharded",)
+
+    def __init__(self, sharded: Sharded):
+        self.sharded = sharded
+
+    def step(self, ts: Sequence[int]) -> None:
+        self.sharded.copy_back(ts)
 
 
 class Sharded:
@@ -144,6 +162,8 @@ class Sharded:
                 self.shard_params.append(sp)
                 by_group[gi].append((sp, t, out[a - olo:e - olo]))
         self.by_group = by_group
+        #: Staged blocks gathered but not yet copied into the flat buffer.
+        self.unstaged = [False] * len(self.stage)
         self.refresh()
         optimizer.state.clear()
         for grp, members in zip(optimizer.param_groups, by_group):
@@ -179,10 +199,11 @@ class Sharded:
                 olo = lo[k] + r * size[k]
                 self.pshard[k][a - olo:e - olo].copy_(src[a - ts:e - ts])
 
-    def step(self, include: Callable[[int], bool], zeroed: bool,
-             wait: Callable[[dist.Work, str], None]) -> None:
-        """Step this rank's shards (the reduce-scatters waited for), then all-gather the
-        parameters. ``zeroed``: ``zero_grad(set_to_none=False)`` ran after backward."""
+    def step(self, include: Callable[[int], bool], zeroed: bool) -> list[dist.Work | None]:
+        """Step this rank's shards (the reduce-scatters waited for), then issue the
+        all-gathers of the parameters; returns their works, one per block (the pending
+        updates of :class:`GatherBack`). ``zeroed``: ``zero_grad(set_to_none=False)`` ran
+        after backward."""
         if zeroed:
             for out in self.rs_out:
                 out.zero_()
@@ -205,24 +226,30 @@ class Sharded:
             for members in self.by_group:
                 for sp, _, _ in members:
                     sp.grad = None
-        self.gather(wait)
-
-    def gather(self, wait: Callable[[dist.Work, str], None]) -> None:
-        """All-gather every block's parameter shard into the flat buffers, then into the
-        parameters."""
-        g = self.grads
-        works = []
+        views = self.grads.block_views
+        works: list[dist.Work | None] = []
         for k in range(len(self.pshard)):
             dst = self.stage[k]
-            works.append(self._ag(g.block_views[k] if dst is None else dst, self.pshard[k]))
-        for k, w in enumerate(works):
-            wait(w, f"all-gather of block {k}'s parameters")
-            dst = self.stage[k]
-            if dst is not None:
-                g.block_views[k].copy_(dst[:self.length[k]])
+            works.append(self._ag(views[k] if dst is None else dst, self.pshard[k]))
+        self.unstaged = [dst is not None for dst in self.stage]
+        return works
+
+    def what(self, k: int) -> str:
+        return f"all-gather of block {k}'s parameters"
+
+    def copy_back(self, ts: Sequence[int]) -> None:
+        """Tensors ``ts``, whose blocks' all-gathers have finished: their gathered values (in
+        the flat buffer, out of a staging tensor first) into the parameters."""
+        g = self.grads
         with torch.no_grad():
-            for p, v in zip(g.params, g.views):
-                p.copy_(v)
+            for t in ts:
+                for k in g.tensor_blocks[t]:
+                    if self.unstaged[k]:
+                        stage = self.stage[k]
+                        assert stage is not None
+                        g.block_views[k].copy_(stage[:self.length[k]])
+                        self.unstaged[k] = False
+                g.params[t].copy_(g.views[t])
 
     # -- state dicts -------------------------------------------------------------------------
 
