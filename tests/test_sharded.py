@@ -22,7 +22,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from tests.test_runtime_equivalence import (
     OPTIMIZERS,
     Mixed,
+    Parent,
     SmallCNN,
+    TinyGPT,
     Unused,
     image_batch,
     max_diff,
@@ -174,6 +176,23 @@ def case_mixed_dtypes(rank: int, ws: int) -> dict:
     rel = max(((pr[n].float() - pm[n].float()).abs() / pr[n].float().abs().clamp_min(1e-3))
               .max().item() for n in bf16)
     return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in fp32), "bf16_rel": rel}
+
+
+def case_parent(rank: int, ws: int) -> dict:
+    """A root-owned parameter, a non-leaf owner and a child's weight read without its
+    forward (gated at the root from the first iteration on)."""
+    return result(train(Parent, OPTIMIZERS["sgd_momentum"], vec_batch, rank, ws))
+
+
+def gpt_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randint(0, 40, (4, 8), generator=g), torch.randn(4, 8, 40, generator=g)
+
+
+def case_transformer(rank: int, ws: int) -> dict:
+    """nn.TransformerEncoderLayer blocks (MultiheadAttention reads out_proj.weight without
+    calling out_proj), tied embeddings and a root-owned position table."""
+    return result(train(TinyGPT, OPTIMIZERS["adamw_wd"], gpt_batch, rank, ws))
 
 
 def case_accumulation(rank: int, ws: int) -> dict:
@@ -350,6 +369,8 @@ CASES.update({
     "unused_zero_grad": case_unused_zero_grad_keep,
     "foreach_fused": case_foreach_fused,
     "mixed_dtypes": case_mixed_dtypes,
+    "parent": case_parent,
+    "transformer": case_transformer,
     "accumulation": case_accumulation,
     "no_sync": case_no_sync,
     "lr_scheduler": case_lr_scheduler,

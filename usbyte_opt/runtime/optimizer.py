@@ -24,7 +24,10 @@ The protocol (docs/design.md §5, docs/runtime.md), seen from one rank:
    input-side tensors overlaps the next forward. Pending updates the forward never reached
    run when the next backward starts, or in :meth:`DistributedOptimizer.synchronize`.
    In fence mode (``schedule.mode == Mode.FENCE``) ``step()`` waits for every block and applies
-   every update at once, as DDP does.
+   every update at once, as DDP does. In sharded mode (``Mode.SHARDED``, ZeRO-1,
+   :mod:`.sharded`) the blocks are reduce-scattered, ``step()`` steps this rank's shard of
+   each block and issues the all-gathers of the parameters, and each tensor's gathered values
+   are copied into it right before its first use in the next forward.
 
 Module layout: this file holds the user-facing class and what lasts across schedules (the
 wrapped optimizer, the channel, the step count); :mod:`.installed` the per-schedule state, one
@@ -99,7 +102,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       keeps its meaning for tensors no rank uses in the next step (they are stepped with a
       zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
-      ``step()``, as under DDP.
+      ``step()``, as under DDP. In sharded mode the average never exists whole: ``p.grad`` is
+      never the averaged gradient, ``synchronize()`` and ``clip_grad_norm_()`` are refused
+      between ``backward()`` and ``step()``, and ``p.grad`` is ``None`` after ``step()``.
 
     With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
     backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
