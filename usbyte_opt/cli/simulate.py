@@ -8,9 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from .. import console
-from ..formats import SCHEDULE_MODES, Mode, load_schedule
+from ..errors import UsbyteError
+from ..formats import Mode, load_schedule
 from ..planning.bounds import lower_bound
 from ..planning.problem import Problem
+from ..planning.simulate import MODES
 from ..planning.simulate import simulate as run_simulation
 from . import common
 
@@ -37,11 +39,15 @@ def simulate(
     --trace writes the predicted timeline for Perfetto; --wide adds the other mode's
     prediction and what communication cost the compute.
     """
-    if mode is not None and mode not in SCHEDULE_MODES:
-        raise typer.BadParameter(f"expected one of {', '.join(SCHEDULE_MODES)}, got {mode!r}",
+    modelled = [str(m) for m in MODES]   # the planner's modes (not sharded, yet)
+    if mode is not None and mode not in modelled:
+        raise typer.BadParameter(f"expected one of {', '.join(modelled)}, got {mode!r}",
                                  param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     sched = load_schedule(schedule)
+    if mode is None and sched.mode not in MODES:
+        raise UsbyteError(f"{schedule}: the planner does not model {sched.mode} mode yet; pass "
+                          f"--mode {' or --mode '.join(modelled)} to predict its blocks in one")
     problem = Problem.from_profile(prof)
     tl = run_simulation(problem, sched, mode=mode, source=str(schedule))
     other = Mode.FENCE if tl.mode == Mode.OVERLAP else Mode.OVERLAP

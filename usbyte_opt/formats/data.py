@@ -42,15 +42,20 @@ class Mode(str, Enum):
 
     ``OVERLAP``: each tensor's update right before its first use in the next forward, so
     communication overlaps that forward. ``FENCE``: every block waited for, then every update,
-    then the next forward, as DDP. A mode is its file value as a string (``Mode.FENCE ==
-    "fence"``, ``str(Mode.FENCE) == "fence"``), so that messages and files read alike. Each
-    member is one line: its file value and its :attr:`note` (what the JSON Schema says of the
-    mode); the modes a file may give are exactly these.
+    then the next forward, as DDP. ``SHARDED``: ZeRO-1, each block reduce-scattered instead of
+    all-reduced, each rank steps its shard of every block (the optimizer state is sharded), and
+    the updated shards are all-gathered from ``step()`` on, each tensor's waited for right
+    before its first use in the next forward (docs/runtime.md). The planner plans in
+    overlap and fence mode only (:data:`usbyte_opt.planning.simulate.MODES`). A mode is its
+    file value as a string (``Mode.FENCE == "fence"``, ``str(Mode.FENCE) == "fence"``), so
+    that messages and files read alike. Each member is one line: its file value and its
+    :attr:`note` (what the JSON Schema says of the mode); the modes a file may give are
+    exactly these.
 
     Example::
 
         >>> Mode("fence") is Mode.FENCE, f"{Mode.OVERLAP}", [str(m) for m in Mode]
-        (True, 'overlap', ['overlap', 'fence'])
+        (True, 'overlap', ['overlap', 'fence', 'sharded'])
         >>> Mode.FENCE.note
         'all blocks, then all updates (as DDP)'
     """
@@ -59,6 +64,9 @@ class Mode(str, Enum):
 
     OVERLAP = "overlap", "each update right before its first use in the next forward"
     FENCE = "fence", "all blocks, then all updates (as DDP)"
+    SHARDED = "sharded", ("ZeRO-1: blocks reduce-scattered, each rank steps its shard, "
+                          "parameters all-gathered, each before its first use in the next "
+                          "forward")
 
     def __new__(cls, value: str, note: str = "") -> Mode:
         member = str.__new__(cls, value)

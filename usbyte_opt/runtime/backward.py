@@ -125,6 +125,10 @@ class StepComm:
         self.defer = False
         #: The tuner's measurement of this iteration, or None.
         self.probe: Any = None
+        #: Issues block ``k`` instead of its all-reduce (sharded mode's reduce-scatter), or None.
+        self.issue_block: Callable[[int, tuple], dist.Work] | None = None
+        #: The blocks' collective, in errors.
+        self.collective = "all-reduce"
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -239,7 +243,10 @@ class StepComm:
         if self.chan.cuda:
             streams = tuple({s for s in (self.streams[t] for t in self.grads.block_tensors[k])
                              if s is not None})
-        self.works[k] = self.chan.all_reduce_block(self.grads.block_views[k], streams)
+        if self.issue_block is not None:
+            self.works[k] = self.issue_block(k, streams)
+        else:
+            self.works[k] = self.chan.all_reduce_block(self.grads.block_views[k], streams)
         if self.trace is not None:
             self.trace.issue(k, self.works[k])
 
@@ -328,7 +335,7 @@ class StepComm:
 
     def what(self, k: int) -> str:
         b = self.schedule.blocks[k]
-        return f"all-reduce of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
+        return f"{self.collective} of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
 
     # -- the update rule ---------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ from .backward import StepComm
 from .buffers import FlatGrads
 from .comm import Channel
 from .forward import ForwardGates, _Hook
+from .sharded import GatherBack, Sharded
 from .updates import HostUpdates, StreamUpdates, SubsetStepper, Updates
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ class Installed:
         gates: the forward-side hooks.
         handles: every hook handle :func:`install` registered (:meth:`remove` removes them).
         trace: the recorder of the measured timeline, or None.
+        sharded: the shards of sharded mode (:mod:`.sharded`), or None.
     """
 
     schedule: Schedule
@@ -80,6 +82,7 @@ class Installed:
     gates: ForwardGates
     handles: list[Any]
     trace: Recorder | None
+    sharded: Sharded | None = None
 
     @property
     def mode(self) -> Mode:
@@ -158,9 +161,16 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     comm = StepComm(schedule, grads, chan, options.passes, options.find_unused,
                     flush_for_backward, note_gradient, options.wait_in_backward)
     comm.no_sync = previous is not None and previous.comm.no_sync
+    sharded: Sharded | None = None
+    if schedule.mode == Mode.SHARDED:
+        sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan)
+        comm.issue_block = sharded.reduce_scatter
+        comm.collective = "reduce-scatter"
     comm.trace = trace
     updates: Updates
-    if device.type == "cuda" and schedule.mode == Mode.OVERLAP:
+    if sharded is not None:  # the pending updates are the parameters' all-gathers
+        updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace)
+    elif device.type == "cuda" and schedule.mode == Mode.OVERLAP:
         updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
                                 options.update_groups)
     else:
@@ -184,4 +194,4 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         trace.install(model)   # after the gates: its forward start runs before theirs
     return Installed(schedule, source, grads, stepper, in_opt,
                      [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
-                     trace)
+                     trace, sharded)

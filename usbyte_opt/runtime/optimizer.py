@@ -24,7 +24,10 @@ The protocol (docs/design.md §5, docs/runtime.md), seen from one rank:
    input-side tensors overlaps the next forward. Pending updates the forward never reached
    run when the next backward starts, or in :meth:`DistributedOptimizer.synchronize`.
    In fence mode (``schedule.mode == Mode.FENCE``) ``step()`` waits for every block and applies
-   every update at once, as DDP does.
+   every update at once, as DDP does. In sharded mode (``Mode.SHARDED``, ZeRO-1,
+   :mod:`.sharded`) the blocks are reduce-scattered, ``step()`` steps this rank's shard of
+   each block and issues the all-gathers of the parameters, and each tensor's gathered values
+   are copied into it right before its first use in the next forward.
 
 Module layout: this file holds the user-facing class and what lasts across schedules (the
 wrapped optimizer, the channel, the step count); :mod:`.installed` the per-schedule state, one
@@ -64,6 +67,7 @@ from .comm import Channel
 from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
+from .sharded import check_sharded
 from .updates import STREAM_UPDATE_GROUPS
 
 if TYPE_CHECKING:
@@ -98,7 +102,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
       keeps its meaning for tensors no rank uses in the next step (they are stepped with a
       zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
-      ``step()``, as under DDP.
+      ``step()``, as under DDP. In sharded mode the average never exists whole: ``p.grad`` is
+      never the averaged gradient, ``synchronize()`` and ``clip_grad_norm_()`` are refused
+      between ``backward()`` and ``step()``, and ``p.grad`` is ``None`` after ``step()``.
 
     With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
     backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
@@ -205,7 +211,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  align_bytes: int | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         orig = getattr(model, "_orig_mod", None)
-        if type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module):
+        compiled = type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module)
+        if compiled:
+            assert isinstance(orig, torch.nn.Module)
             model = orig  # torch.compile(model): the hooks go on the module it runs
         self._opt = optimizer
         self._model = model
@@ -253,6 +261,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_not_wrapped(model)
             check_model(sched, model_tensors(model), source)
             self._check_optimizer()
+            if sched.mode == Mode.SHARDED:
+                check_sharded(optimizer, wait_in_backward=wait_in_backward, compiled=compiled)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.
@@ -279,6 +289,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._closed = False
         OPEN.add(self)
         self._tuner: Tuner | None = None
+        if sched.mode == Mode.SHARDED:
+            verify = False  # a switch to the fallback would have to move the sharded state
         if auto or verify:
             from .autotune import Tuner
 
@@ -344,7 +356,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         accumulation (inside :meth:`no_sync`, or before the last of
         ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
         read, Lightning's ``toggle_model``)."""
-        self._state.comm.complete_if_due("param_groups")
+        if self._state.sharded is None:  # sharded: no averaged gradient to wait for
+            self._state.comm.complete_if_due("param_groups")
         return self._opt.param_groups
 
     @property
@@ -404,6 +417,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm.finish()  # every rank issues the whole step here at the latest
         found_inf = getattr(self, "found_inf", None)
         skip = False
+        if found_inf is not None and st.sharded is not None:
+            st.sharded.require("GradScaler")
         if found_inf is not None:  # called by GradScaler.step(self)
             skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
         stepper.snapshot()
@@ -412,6 +427,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comm.wait_blocks()
             if mode == Mode.OVERLAP:
                 st.grads.release()
+        elif st.sharded is not None:
+            comm.wait_blocks()
+            gathers = st.sharded.step(include, comm.discard is False)
+            stepper.calls += 1
+            st.updates.start(gathers, lambda t: True, range(st.n))
+            st.grads.release()
         elif mode == Mode.FENCE:
             comm.wait_blocks()
             probe = comm.probe
@@ -425,7 +446,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.updates.start(comm.works, include, st.candidates)
             st.grads.release()
         stepper.attrs = {}
-        comm.reset(clear_zero_intent=mode == Mode.OVERLAP)
+        comm.reset(clear_zero_intent=mode != Mode.FENCE)
         st.gates.learning = False
         if self._tuner is not None:
             self._tuner.after_step()
@@ -460,7 +481,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        if st.mode == Mode.OVERLAP and (st.updates.n_pending or comm.phase is Phase.IDLE):
+        if st.mode != Mode.FENCE and (st.updates.n_pending or comm.phase is Phase.IDLE):
             include = self._last_include
             zi = comm.zero_intent
             for t in range(st.n):
@@ -532,7 +553,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
         :meth:`no_sync`, or before the last of ``backward_passes_per_step``) there is nothing
         to wait for yet: it applies pending updates only, and the accumulation goes on.
         """
-        self._state.comm.complete_if_due("synchronize()")
+        if self._state.sharded is not None:
+            ph = self._state.comm.phase
+            if ph is not Phase.IDLE and not self._state.comm.accumulating:
+                self._state.sharded.require("synchronize() between backward() and step()")
+        else:
+            self._state.comm.complete_if_due("synchronize()")
         self._settle()
         comm = self._state.comm
         if comm.usage_work is not None:
@@ -543,6 +569,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for this step's averaged gradients, then clip them as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
         the total norm. Call it between ``backward()`` and ``step()``."""
+        if self._state.sharded is not None:
+            self._state.sharded.require("clip_grad_norm_()")
         self._state.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
         params = [p for p in self._state.grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -561,13 +589,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, in its own format (pending updates applied
-        first; local, so rank 0 alone may call it)."""
+        first; local, so rank 0 alone may call it). In sharded mode, the full state gathered
+        from every rank's shards, keyed as the unsharded optimizer over the model's
+        parameters keys it: a collective, every rank calls it."""
         self._settle()
+        if self._state.sharded is not None:
+            return self._state.sharded.full_state()
         return self._opt.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state dict of the wrapped optimizer (pending updates are applied first)."""
+        """Load a state dict of the wrapped optimizer (pending updates are applied first). In
+        sharded mode, a full one (as :meth:`state_dict` returns it, or an unsharded
+        optimizer's over the model's parameters); each rank keeps its shards of it."""
         self._settle()
+        if self._state.sharded is not None:
+            self._state.sharded.load_full(state_dict)
+            return
         self._opt.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -582,8 +619,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             return
         self.synchronize()
+        sharded = self._state.sharded
+        full = sharded.full_state() if sharded is not None else None
         self._state.remove()
         self._release()
+        if sharded is not None and full is not None:
+            sharded.restore()
+            self._opt.load_state_dict(full)
 
     def _release(self, grace_s: float | None = None) -> None:
         """Wait for every collective of this optimizer, drop the works and close the channel.

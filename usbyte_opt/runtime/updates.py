@@ -65,6 +65,14 @@ class Updates(Protocol):
     def flush(self) -> list[int]: ...
 
 
+class Stepper(Protocol):
+    """What :class:`HostUpdates` runs on tensors whose blocks have finished: the subset step
+    (:class:`SubsetStepper`), or in sharded mode the copy of the gathered parameters
+    (:class:`~usbyte_opt.runtime.sharded.GatherBack`)."""
+
+    def step(self, ts: Sequence[int]) -> None: ...
+
+
 class SubsetStepper:
     """Steps the wrapped optimizer on a subset of the model's tensors.
 
@@ -150,13 +158,13 @@ class HostUpdates:
 
     Args:
         grads: the flat buffers.
-        stepper: steps the wrapped optimizer.
+        stepper: steps the wrapped optimizer (in sharded mode: copies the gathered values).
         wait: ``wait(work, what)`` for a block's collective.
         what: ``what(k)`` describes block ``k`` in errors.
         trace: the :class:`~usbyte_opt.runtime.trace.Recorder` that notes each gate, or None.
     """
 
-    def __init__(self, grads: FlatGrads, stepper: SubsetStepper,
+    def __init__(self, grads: FlatGrads, stepper: Stepper,
                  wait: Callable[[dist.Work, str], None], what: Callable[[int], str],
                  trace: Recorder | None = None):
         self.grads, self.stepper, self._wait, self._what = grads, stepper, wait, what

@@ -1,0 +1,470 @@
+"""Sharded mode (ZeRO-1) gives the parameters of plain data parallelism (DDP).
+
+Two gloo ranks run every case in one spawned run; each case trains the same model twice side
+by side, under ``DistributedDataParallel`` with a plain optimizer and under the runtime with a
+schedule in sharded mode (blocks reduce-scattered, each rank steps its shard, parameters
+all-gathered at ``step()``), and reports the largest absolute parameter difference. With two
+ranks ``a/2 + b/2`` is the same sum in either collective, so the runs agree bitwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from tests.test_runtime_equivalence import (
+    OPTIMIZERS,
+    Mixed,
+    Parent,
+    SmallCNN,
+    TinyGPT,
+    Unused,
+    image_batch,
+    max_diff,
+    mse,
+    sched_crosscut,
+    sched_default,
+    token_batch,
+    twins,
+    unused_forward,
+    vec_batch,
+)
+from usbyte_opt.errors import UsbyteError
+from usbyte_opt.formats import Mode, Schedule
+from usbyte_opt.launcher import run_local
+from usbyte_opt.runtime import DistributedOptimizer
+
+STEPS = 12
+
+
+class FrozenTied(nn.Module):
+    """A frozen embedding of positions, a tied token embedding / head, and an odd-sized bias
+    (shards of unequal length)."""
+
+    def __init__(self):
+        super().__init__()
+        self.tok = nn.Embedding(20, 8)
+        self.pos = nn.Embedding(5, 8)
+        self.pos.weight.requires_grad_(False)
+        self.mix = nn.Linear(8, 7)
+        self.back = nn.Linear(7, 8)
+        self.head = nn.Linear(8, 20, bias=False)
+        self.head.weight = self.tok.weight
+
+    def forward(self, idx):
+        h = self.tok(idx) + self.pos(torch.arange(idx.shape[1]))
+        return self.head(self.back(torch.tanh(self.mix(h)))).mean(1)
+
+
+def sharded(make: Callable[[nn.Module, int], Schedule]) -> Callable[[nn.Module, int], Schedule]:
+    return lambda m, ws: dataclasses.replace(make(m, ws), mode=Mode.SHARDED)
+
+
+SHARDED_CROSSCUT = sharded(sched_crosscut)
+
+
+def state_bytes(opt: torch.optim.Optimizer) -> int:
+    return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
+               if torch.is_tensor(v))
+
+
+def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: int, ws: int, *,
+          schedule: Callable = SHARDED_CROSSCUT, steps: int = STEPS,
+          set_to_none: bool = True, lr_scheduler: bool = False, passes: int = 1,
+          use_no_sync: bool = False, forward: Callable | None = None) -> dict[str, Any]:
+    """DDP and the sharded runtime side by side; ``passes`` micro-batches per step (the
+    runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``)."""
+    ref, mod = twins(make)
+    ddp = DDP(ref, find_unused_parameters=forward is not None)
+    o_ref = opt(ref.parameters())
+    fwd = forward or (lambda m, x, step: m(x))
+    kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws)}
+    if not use_no_sync:
+        kw["backward_passes_per_step"] = passes
+    o_usb = DistributedOptimizer(opt(mod.parameters()), mod, **kw)
+    scheds = []
+    if lr_scheduler:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
+                  for o in (o_ref, o_usb)]
+    for step in range(steps):
+        for i in range(passes):
+            x, y = batch(rank, passes * step + i)
+            if i < passes - 1:
+                with ddp.no_sync():
+                    (mse(fwd(ddp, x, step), y) / passes).backward()
+            else:
+                (mse(fwd(ddp, x, step), y) / passes).backward()
+        o_ref.step()
+        o_ref.zero_grad(set_to_none=set_to_none)
+        for i in range(passes):
+            x, y = batch(rank, passes * step + i)
+            if use_no_sync and i < passes - 1:
+                with o_usb.no_sync():
+                    (mse(fwd(mod, x, step), y) / passes).backward()
+            else:
+                (mse(fwd(mod, x, step), y) / passes).backward()
+        o_usb.step()
+        o_usb.zero_grad(set_to_none=set_to_none)
+        for s in scheds:
+            s.step()
+    o_usb.synchronize()
+    out = {"diff": max_diff(ref, mod), "ref": ref, "mod": mod, "o_ref": o_ref, "o_usb": o_usb,
+           "ddp": ddp}
+    if lr_scheduler:
+        out["lr"] = [o_usb.param_groups[0]["lr"], o_ref.param_groups[0]["lr"]]
+    return out
+
+
+def result(out: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in out.items() if k in ("diff", "lr")}
+
+
+def case_matrix(opt_name: str, rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS[opt_name], image_batch, rank, ws))
+
+
+def case_default_schedule(rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS["adamw_wd"], image_batch, rank, ws,
+                        schedule=sharded(sched_default)))
+
+
+def case_frozen_tied(opt_name: str, rank: int, ws: int) -> dict:
+    return result(train(FrozenTied, OPTIMIZERS[opt_name], token_batch, rank, ws))
+
+
+def case_zero_grad_keep(rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS["sgd_momentum"], image_batch, rank, ws,
+                        set_to_none=False))
+
+
+def case_unused_zero_grad_keep(rank: int, ws: int) -> dict:
+    """Tensors no rank uses in a step: skipped after zero_grad(set_to_none=True), stepped with
+    a zero gradient (momentum, weight decay) after zero_grad(set_to_none=False), as by DDP."""
+    out = {}
+    for keep in (False, True):
+        out[f"keep={keep}"] = train(Unused, OPTIMIZERS["adamw_wd"], vec_batch, rank, ws,
+                                    set_to_none=not keep, forward=unused_forward)["diff"]
+    return {"diff": max(out.values()), **out}
+
+
+def case_foreach_fused(rank: int, ws: int) -> dict:
+    d1 = train(SmallCNN, lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), image_batch,
+               rank, ws)["diff"]
+    d2 = train(SmallCNN, lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9, nesterov=True,
+                                                    foreach=True), image_batch, rank, ws)["diff"]
+    # Fused Adam's CPU kernel rounds vectorised chunks and their scalar tail differently, and
+    # a shard starts at another element than its tensor: last-bit differences (<= 1e-6).
+    return {"diff": d2, "fused_diff": d1}
+
+
+def case_mixed_dtypes(rank: int, ws: int) -> dict:
+    """fp32 and bf16 parameters: two flat buffers, each block sharded in its dtype. Two steps:
+    the fp32 parameters agree bitwise; the bf16 ones within one bf16 rounding, since torch's
+    CPU kernels round a bf16 tensor's vectorised chunks and its scalar tail differently and a
+    shard starts elsewhere than its tensor (later steps carry that into every parameter)."""
+    out = train(Mixed, OPTIMIZERS["sgd_momentum"], vec_batch, rank, ws, steps=2)
+    pr, pm = dict(out["ref"].named_parameters()), dict(out["mod"].named_parameters())
+    fp32 = [n for n in pr if pr[n].dtype == torch.float32]
+    bf16 = [n for n in pr if pr[n].dtype == torch.bfloat16]
+    rel = max(((pr[n].float() - pm[n].float()).abs() / pr[n].float().abs().clamp_min(1e-3))
+              .max().item() for n in bf16)
+    return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in fp32), "bf16_rel": rel}
+
+
+def case_parent(rank: int, ws: int) -> dict:
+    """A root-owned parameter, a non-leaf owner and a child's weight read without its
+    forward (gated at the root from the first iteration on)."""
+    return result(train(Parent, OPTIMIZERS["sgd_momentum"], vec_batch, rank, ws))
+
+
+def gpt_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * rank + step)
+    return torch.randint(0, 40, (4, 8), generator=g), torch.randn(4, 8, 40, generator=g)
+
+
+def case_transformer(rank: int, ws: int) -> dict:
+    """nn.TransformerEncoderLayer blocks (MultiheadAttention reads out_proj.weight without
+    calling out_proj), tied embeddings and a root-owned position table."""
+    return result(train(TinyGPT, OPTIMIZERS["adamw_wd"], gpt_batch, rank, ws))
+
+
+def case_accumulation(rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS["adam"], image_batch, rank, ws, passes=2))
+
+
+def case_no_sync(rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS["adamw_wd"], image_batch, rank, ws, passes=2,
+                        use_no_sync=True))
+
+
+def case_lr_scheduler(rank: int, ws: int) -> dict:
+    return result(train(SmallCNN, OPTIMIZERS["adamw_wd"], image_batch, rank, ws,
+                        lr_scheduler=True))
+
+
+def case_state_bytes(rank: int, ws: int) -> dict:
+    """The wrapped optimizer holds the state of this rank's shards only; the pieces of the
+    two ranks cover every element of every tensor once."""
+    out = train(SmallCNN, OPTIMIZERS["adam"], image_batch, rank, ws, steps=2)
+    o_usb = out["o_usb"]
+    st = o_usb._state
+    assert st.sharded is not None
+    regions = [(b, s, e) for b, s, e in st.grads.region]
+    return {"diff": out["diff"], "sharded_bytes": state_bytes(o_usb.optimizer),
+            "plain_bytes": state_bytes(out["o_ref"]), "pieces": st.sharded.coverage(),
+            "regions": regions}
+
+
+def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
+    """state_dict(): the full state in the optimizer's own format, which an unsharded run
+    loads and continues from as the sharded run continues; load_state_dict() takes a full
+    (DDP's optimizer's) state and continues as DDP does."""
+    make = OPTIMIZERS[opt_name]
+    out = train(SmallCNN, make, image_batch, rank, ws, steps=5)
+    ref, mod, o_ref, o_usb, ddp = out["ref"], out["mod"], out["o_ref"], out["o_usb"], out["ddp"]
+    sd = o_usb.state_dict()
+    plain_sd = o_ref.state_dict()
+    res: dict[str, Any] = {"diff": out["diff"]}
+    # The keys and shapes are those of the unsharded optimizer's state dict.
+    res["same_keys"] = (sorted(sd["state"]) == sorted(plain_sd["state"])
+                        and all(sorted(sd["state"][i]) == sorted(plain_sd["state"][i])
+                                for i in sd["state"])
+                        and [g["params"] for g in sd["param_groups"]]
+                        == [g["params"] for g in plain_sd["param_groups"]])
+    res["state_diff"] = max(
+        (a - plain_sd["state"][i][k]).abs().max().item()
+        for i, st in sd["state"].items() for k, a in st.items() if torch.is_tensor(a))
+    # 1. A fresh unsharded copy loads the sharded state and continues 3 steps under DDP.
+    fresh = SmallCNN()
+    fresh.load_state_dict(mod.state_dict())
+    f_ddp = DDP(fresh)
+    f_opt = make(fresh.parameters())
+    f_opt.load_state_dict(sd)
+    # 2. A fresh sharded copy of the reference loads DDP's optimizer state.
+    twin = SmallCNN()
+    twin.load_state_dict(ref.state_dict())
+    t_usb = DistributedOptimizer(make(twin.parameters()), twin, verify=False,
+                                 schedule=sharded(sched_crosscut)(twin, ws))
+    t_usb.load_state_dict(plain_sd)
+    # 3. The same, the state loaded into the optimizer before it is wrapped.
+    twin2 = SmallCNN()
+    twin2.load_state_dict(ref.state_dict())
+    loaded = make(twin2.parameters())
+    loaded.load_state_dict(plain_sd)
+    t2_usb = DistributedOptimizer(loaded, twin2, verify=False,
+                                  schedule=sharded(sched_crosscut)(twin2, ws))
+    for step in range(STEPS, STEPS + 3):
+        x, y = image_batch(rank, step)
+        for m, o in ((mod, o_usb), (f_ddp, f_opt), (ddp, o_ref), (twin, t_usb),
+                     (twin2, t2_usb)):
+            mse(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    o_usb.synchronize()
+    t_usb.synchronize()
+    t2_usb.synchronize()
+    res["continued_unsharded_diff"] = max_diff(mod, fresh)
+    res["continued_loaded_diff"] = max(max_diff(ref, twin), max_diff(ref, twin2))
+    t_usb.close()
+    t2_usb.close()
+    o_usb.close()
+    # close() hands the optimizer back over the model's parameters, with the full state.
+    back = o_usb.optimizer.state_dict()
+    res["closed_restores"] = (sorted(back["state"]) == sorted(sd["state"])
+                              and o_usb.optimizer.param_groups[0]["params"][0] is mod.conv1.weight)
+    return res
+
+
+def case_gated(rank: int, ws: int) -> dict:
+    """The all-gathers are waited for in the next forward, tensor by tensor: right after
+    step() no parameter has its new value yet; the forward's gates give every module its
+    own; an eval forward under no_grad and model.state_dict() see the updated values."""
+    ref, mod = twins(SmallCNN)
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adam"](ref.parameters())
+    o_usb = DistributedOptimizer(OPTIMIZERS["adam"](mod.parameters()), mod, verify=False,
+                                 schedule=SHARDED_CROSSCUT(mod, ws))
+    out: dict[str, Any] = {"pending_after_step": [], "stale_after_step": []}
+    xe, _ = image_batch(99, 0)
+    worst = 0.0
+    for step in range(6):
+        x, y = image_batch(rank, step)
+        mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        mse(mod(x), y).backward()
+        before = [p.detach().clone() for p in mod.parameters()]
+        o_usb.step(); o_usb.zero_grad()
+        out["pending_after_step"].append(o_usb._state.updates.n_pending)
+        out["stale_after_step"].append(all(torch.equal(a, p) for a, p in
+                                           zip(before, mod.parameters())))
+        if step == 3:
+            sd = mod.state_dict()   # the state-dict hook applies the pending updates
+            worst = max(worst, max((sd[n] - t).abs().max().item()
+                                   for n, t in ref.state_dict().items()))
+        elif step == 4:
+            with torch.no_grad():
+                worst = max(worst, (mod(xe) - ref(xe)).abs().max().item())
+    o_usb.synchronize()
+    out["diff"] = max(worst, max_diff(ref, mod))
+    out["n"] = o_usb._state.n
+    o_usb.close()
+    return out
+
+
+def _refused(fn: Callable[[], Any]) -> str:
+    try:
+        fn()
+    except UsbyteError as e:
+        return str(e)
+    return ""
+
+
+def case_refusals(rank: int, ws: int) -> dict:
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"diff": 0.0}
+
+    def build(opt: Callable, **kw: Any) -> DistributedOptimizer:
+        m = SmallCNN()
+        return DistributedOptimizer(opt(m.parameters()), m, verify=False,
+                                    schedule=sharded(sched_crosscut)(m, ws), **kw)
+
+    out["rmsprop"] = _refused(lambda: build(lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
+    out["wait_in_backward"] = _refused(lambda: build(OPTIMIZERS["adam"], wait_in_backward=True))
+    m = SmallCNN()
+    o = DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+                             schedule=sharded(sched_crosscut)(m, ws))
+    x, y = image_batch(rank, 0)
+    mse(m(x), y).backward()
+    out["clip"] = _refused(lambda: o.clip_grad_norm_(1.0))
+    out["synchronize"] = _refused(o.synchronize)
+    o.step()
+    o.zero_grad()
+    out["after_step_grad_none"] = all(p.grad is None for p in m.parameters())
+    scaler = torch.amp.GradScaler("cpu")
+    x, y = image_batch(rank, 1)
+    scaler.scale(mse(m(x), y)).backward()
+    out["grad_scaler"] = _refused(lambda: scaler.step(o))
+    for attr in ("grad_scale", "found_inf"):   # left by the refused GradScaler.step()
+        o.__dict__.pop(attr, None)
+    o.step()
+    o.synchronize()  # after step(): nothing to refuse
+    o.close()
+    return out
+
+
+CASES: dict[str, Callable[[int, int], dict]] = {}
+for _o in OPTIMIZERS:
+    CASES[f"{_o}-crosscut"] = (lambda o: lambda r, w: case_matrix(o, r, w))(_o)
+    CASES[f"frozen_tied-{_o}"] = (lambda o: lambda r, w: case_frozen_tied(o, r, w))(_o)
+    CASES[f"state_dict-{_o}"] = (lambda o: lambda r, w: case_state_dict(o, r, w))(_o)
+CASES.update({
+    "default_schedule": case_default_schedule,
+    "zero_grad_keep": case_zero_grad_keep,
+    "unused_zero_grad": case_unused_zero_grad_keep,
+    "foreach_fused": case_foreach_fused,
+    "mixed_dtypes": case_mixed_dtypes,
+    "parent": case_parent,
+    "transformer": case_transformer,
+    "accumulation": case_accumulation,
+    "no_sync": case_no_sync,
+    "lr_scheduler": case_lr_scheduler,
+    "state_bytes": case_state_bytes,
+    "refusals": case_refusals,
+    "gated": case_gated,
+})
+
+
+def run_cases(rank: int, ws: int, names: list[str]) -> dict[str, dict]:
+    torch.manual_seed(0)
+    out: dict[str, dict] = {}
+    for name in names:
+        try:
+            out[name] = CASES[name](rank, ws)
+        except Exception as e:  # noqa: BLE001 - reported per case
+            out[name] = {"error": f"{type(e).__name__}: {e}"}
+        dist.barrier()
+    return out
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict]]:
+    res = run_local(run_cases, 2, args=(list(CASES),), timeout_s=300, pg_timeout_s=60)
+    for r in res:
+        assert r.error_type is None, r.error
+    return [r.value for r in res]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_sharded_matches_ddp(results: list[dict[str, dict]], case: str) -> None:
+    for rank, per_rank in enumerate(results):
+        got = per_rank[case]
+        assert "error" not in got, f"rank {rank}: {got['error']}"
+        assert got["diff"] == 0.0, f"rank {rank}: max abs parameter difference {got['diff']}"
+
+
+def test_bf16_within_one_rounding(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["mixed_dtypes"]["bf16_rel"] <= 2 ** -8
+
+
+def test_fused_adam_within_rounding(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["foreach_fused"]["fused_diff"] <= 1e-6
+
+
+def test_lr_scheduler_acts_on_the_shards(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        lr_usb, lr_ref = r["lr_scheduler"]["lr"]
+        assert lr_usb == lr_ref < 1e-2
+
+
+def test_state_is_sharded(results: list[dict[str, dict]]) -> None:
+    sizes = [r["state_bytes"]["sharded_bytes"] for r in results]
+    plain = results[0]["state_bytes"]["plain_bytes"]
+    assert all(0.4 * plain < s < 0.6 * plain for s in sizes), (sizes, plain)
+    # Every element of every tensor is in exactly one rank's pieces.
+    owned: dict[int, list[tuple[int, int]]] = {}
+    for r in results:
+        for b, a, e in r["state_bytes"]["pieces"]:
+            owned.setdefault(b, []).append((a, e))
+    want: dict[int, list[tuple[int, int]]] = {}
+    for b, s, e in results[0]["state_bytes"]["regions"]:
+        want.setdefault(b, []).append((s, e))
+    for b, spans in want.items():
+        elems = sorted(i for a, e in owned.get(b, []) for i in range(a, e))
+        assert elems == sorted(i for s, e in spans for i in range(s, e))
+
+
+@pytest.mark.parametrize("opt_name", list(OPTIMIZERS))
+def test_state_dict_full_and_loadable(results: list[dict[str, dict]], opt_name: str) -> None:
+    for r in results:
+        got = r[f"state_dict-{opt_name}"]
+        assert got["same_keys"]
+        assert got["state_diff"] == 0.0
+        assert got["continued_unsharded_diff"] == 0.0
+        assert got["continued_loaded_diff"] == 0.0
+        assert got["closed_restores"]
+
+
+def test_all_gathers_wait_in_the_next_forward(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        got = r["gated"]
+        assert got["pending_after_step"] == [got["n"]] * 6
+        assert all(got["stale_after_step"])
+
+
+def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        got = r["refusals"]
+        assert "RMSprop is not supported" in got["rmsprop"]
+        assert "wait_in_backward" in got["wait_in_backward"]
+        assert "clip_grad_norm_() is not supported in sharded mode" in got["clip"]
+        assert "synchronize() between backward() and step()" in got["synchronize"]
+        assert got["after_step_grad_none"]
+        assert "GradScaler is not supported in sharded mode" in got["grad_scaler"]
