@@ -428,7 +428,7 @@ def schedule_schema() -> dict[str, Any]:
     Example::
 
         >>> schedule_schema()["properties"]["mode"]["enum"]
-        ['overlap', 'fence']
+        ['overlap', 'fence', 'sharded']
     """
     return copy.deepcopy(_schema("schedule"))
 
