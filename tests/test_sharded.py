@@ -468,3 +468,17 @@ def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
         assert "synchronize() between backward() and step()" in got["synchronize"]
         assert got["after_step_grad_none"]
         assert "GradScaler is not supported in sharded mode" in got["grad_scaler"]
+
+
+def test_trainer_integrations_refuse_a_sharded_schedule_in_one_line(tmp_path):
+    from usbyte_opt.errors import UsbyteError
+    from usbyte_opt.formats import save_schedule
+    from usbyte_opt.integrations._common import resolve
+    from usbyte_opt.runtime import default_schedule
+
+    path = tmp_path / "s.json"
+    save_schedule(dataclasses.replace(default_schedule(torch.nn.Linear(4, 4)), mode="sharded"), path)
+    with pytest.raises(UsbyteError) as e:
+        resolve(str(path))
+    assert str(e.value).startswith(f"{path}: mode: expected overlap or fence in a trainer, got sharded")
+    assert len(str(e.value).splitlines()) == 1

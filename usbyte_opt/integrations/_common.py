@@ -72,6 +72,8 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
 
     Raises:
         FormatError: the schedule file is missing or malformed.
+        UsbyteError: a sharded schedule (trainers read and clip ``p.grad`` after backward,
+            which sharded mode does not keep, and checkpoint its optimizer on rank 0 only).
 
     Example::
 
@@ -93,6 +95,10 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
         sched, source = schedule, f"<{schedule.strategy} schedule>"
     else:
         sched, source = load_schedule(schedule), str(schedule)
+    if sched.mode is Mode.SHARDED:
+        raise UsbyteError(f"{source}: mode: expected overlap or fence in a trainer, got sharded "
+                          "(sharded mode keeps no averaged p.grad and gathers its optimizer state "
+                          "on every rank; run it with DistributedOptimizer in your own loop)")
     why = expressible(sched)
     return Plan("runtime" if why else "ddp", sched, source, why)
 
