@@ -23,6 +23,7 @@ is recorded in the rank's torch elastic error file, which the launcher reads, an
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -302,7 +303,10 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        prof = profile_model(job.model, job.batch_size, job.profiling, name=job.name, device=dev,
+        # The bench trains all-reduce strategies only: reduce-scatter and all-gather are not
+        # swept (they would only lengthen the run).
+        opts = dataclasses.replace(job.profiling, shard_sweep=False)
+        prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
                              progress=progress)
     path = str(Path(job.out_dir) / "profile.json")
     if rank == 0:
