@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..collectives.shard import all_gather_issuer, reduce_scatter_issuer
+from ..collectives.issuers import all_gather_issuer, reduce_scatter_issuer
 from ..errors import UsbyteError
 from ..formats import Schedule
 from .buffers import FlatGrads, dense_strides
