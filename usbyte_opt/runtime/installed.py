@@ -145,9 +145,10 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if options.trace_path:
         from .trace import attach
 
+        trace = attach(options.trace_path, schedule, grads, chan)
         if previous is not None and previous.trace is not None:
             previous.trace.close()
-        trace = attach(options.trace_path, schedule, grads, chan)
+            trace.paused = previous.trace.paused  # record_trace() holds across a plan switch
 
     # The step's callbacks into the updates and the gates, which are built below.
     def flush_for_backward() -> list[int]:
