@@ -417,9 +417,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         comm.finish()  # every rank issues the whole step here at the latest
         found_inf = getattr(self, "found_inf", None)
         skip = False
-        if found_inf is not None and st.sharded is not None:
-            st.sharded.require("GradScaler")
         if found_inf is not None:  # called by GradScaler.step(self)
+            if st.sharded is not None:
+                st.sharded.require("GradScaler")
             skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
