@@ -229,9 +229,33 @@ class Schedule:
     shapes: Mapping[str, tuple[int, ...]] | None = None
     """Every tensor's shape, by name (optional field ``shapes``), so that the runtime can name
     the exact tensor whose shape differs from the model's; ``None`` where a file has none."""
+    gathers: tuple[tuple[int, ...], ...] | None = None
+    """Sharded mode only (optional field ``gathers``): the all-gathers of the updated
+    parameters in issue order, each the indices of the blocks whose shards it gathers together;
+    every block in exactly one. ``None``: one all-gather per block, in reverse block order
+    (:meth:`gather_groups`)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
+        if self.gathers is not None:
+            object.__setattr__(self, "gathers", tuple(tuple(int(k) for k in g)
+                                                      for g in self.gathers))
+
+    def gather_groups(self) -> tuple[tuple[int, ...], ...]:
+        """The all-gathers of sharded mode, in issue order: :attr:`gathers`, or by default one
+        per block in reverse block order (blocks are issued in backward order, so the reverse
+        is about the order the next forward needs them).
+
+        Example::
+
+            >>> s = Schedule("s", "p", "0" * 16, "f" * 16, 2, (Buffer("float32", ("a",)),),
+            ...              (Block(0, 0, 4), Block(0, 4, 8)), mode="sharded")
+            >>> s.gather_groups()
+            ((1,), (0,))
+        """
+        if self.gathers is not None:
+            return self.gathers
+        return tuple((k,) for k in reversed(range(len(self.blocks))))
 
     def digest(self) -> str:
         """Digest of what every rank must agree on: layout and blocks (not predictions)."""
@@ -241,6 +265,8 @@ class Schedule:
         agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
         if self.mode is not Mode.OVERLAP:  # the default mode is left out: it adds nothing to agree on
             agreed["mode"] = str(self.mode)
+        if "gathers" in d:
+            agreed["gathers"] = d["gathers"]
         return _digest(agreed)
 
 

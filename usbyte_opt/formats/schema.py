@@ -275,6 +275,12 @@ class ScheduleFile(TypedDict):
                                              "every buffer exactly once")]
     predicted: NotRequired[Annotated[PredictedEntry, Rule(default={})]]
     shapes: NotRequired[Annotated[dict[str, Shape], Rule(description="every tensor's shape")]]
+    gathers: NotRequired[Annotated[list[Annotated[list[Annotated[int, Rule(ge=0)]],
+                                                  Rule(min_length=1)]],
+                                   Rule(description="sharded mode: the parameter all-gathers in "
+                                        "issue order, each a list of block indices gathered "
+                                        "together; every block in exactly one (default: one "
+                                        "per block, in reverse block order)")]]
     comm: NotRequired[Annotated[dict[str, Any], Rule(description="the cost model planned for")]]
     info: NotRequired[Annotated[dict[str, Any], Rule(description="the strategy's knobs")]]
 
@@ -681,7 +687,29 @@ def _check_schedule(d: dict[str, Any], source: str) -> list[int]:
             raise FormatError(source, f"{p}.end", f"an offset > start ({s})", e)
         if numels and e > numels[bi]:
             raise FormatError(source, f"{p}.end", f"an offset <= the buffer's numel ({numels[bi]})", e)
+    if "gathers" in d:
+        _check_gathers(d["gathers"], len(d["blocks"]), d.get("mode", str(Mode.OVERLAP)), source)
     return numels
+
+
+def _check_gathers(gathers: list[list[int]], n_blocks: int, mode: str, source: str) -> None:
+    """``gathers`` is sharded mode's, and lists every block index exactly once."""
+    if mode != str(Mode.SHARDED):
+        raise FormatError(source, "gathers", f"no gathers in {mode} mode (only sharded mode "
+                          "all-gathers parameters)")
+    seen: dict[int, str] = {}
+    for i, grp in enumerate(gathers):
+        for j, k in enumerate(grp):
+            p = f"gathers[{i}][{j}]"
+            if k >= n_blocks:
+                raise FormatError(source, p, f"a block index < {n_blocks}", k)
+            if k in seen:
+                raise FormatError(source, p, f"each block in one all-gather (block {k} is also "
+                                  f"in {seen[k]})", k)
+            seen[k] = p
+    if len(seen) != n_blocks:
+        k = min(set(range(n_blocks)) - set(seen))
+        raise FormatError(source, "gathers", f"every block in an all-gather (block {k} is in none)")
 
 
 # --------------------------------------------------------------------------------------------
@@ -787,6 +815,8 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
     }
     if schedule.shapes is not None:
         out["shapes"] = {n: list(s) for n, s in schedule.shapes.items()}
+    if schedule.gathers is not None:
+        out["gathers"] = [list(g) for g in schedule.gathers]
     for k, v in schedule.extra.items():
         out.setdefault(k, v)
     if source is not None:
@@ -819,7 +849,7 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
 
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
 _SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "fingerprint", "world_size",
-                  "mode", "buffers", "blocks", "predicted", "shapes"}
+                  "mode", "buffers", "blocks", "predicted", "shapes", "gathers"}
 
 
 def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
@@ -833,7 +863,8 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
                      tuple(Block(k["buffer"], k["start"], k["end"]) for k in d["blocks"]),
                      dict(d["predicted"]), tuple(numels),
                      {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
-                     None if shapes is None else {n: tuple(s) for n, s in shapes.items()})
+                     None if shapes is None else {n: tuple(s) for n, s in shapes.items()},
+                     None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]))
     if numels:
         check_coverage(sched, numels, source)
     return sched
