@@ -44,6 +44,16 @@ def optimize(
         "--mode", help="Plan best in this mode only: fence (every block done by the end of "
                        "backward: what runs in a trainer, whose clipping waits for the averaged "
                        "gradients; docs/integrations.md) or overlap. Default: the faster.")] = None,
+    shard: Annotated[bool, typer.Option(
+        "--shard", help="Plan sharded mode (ZeRO-1: each block reduce-scattered in backward, "
+                        "each rank steps its shard, the parameters all-gathered before the "
+                        "next forward needs them) with fsdp-like, dear-like and best-sharded "
+                        "(--strategy best means best-sharded); the table adds each plan's "
+                        "optimizer state per rank beside its time.")] = False,
+    optimizer: Annotated[Optional[str], typer.Option(
+        "--optimizer", help="With --shard: the optimizer whose state the memory column counts "
+                            "(sgd: a momentum buffer, adam or adamw: two moments); default: the "
+                            "one the profile timed.")] = None,
     trace: common.Trace = None,
     as_json: common.Json = False,
     wide: common.Wide = False,
@@ -61,8 +71,16 @@ def optimize(
     compute-cost fields when it has them; best is never predicted slower than any other
     strategy, DDP included. --wide adds both modes' times, the speedup over wfbp and the
     exposed communication. On a terminal, planning that takes over a second shows its progress
-    on stderr, one line per strategy.
+    on stderr, one line per strategy. With --shard it plans sharded mode instead
+    (docs/planner.md, "Sharded mode") against that mode's own lower bound, and shows
+    unsharded DDP's time and memory beside it.
     """
+    if shard:
+        _optimize_sharded(profile, output, strategy, world_size, bandwidth_gbps, latency_us,
+                          optimizer, trace, as_json)
+        return
+    if optimizer is not None:
+        raise typer.BadParameter("only with --shard (the memory column)", param_hint="--optimizer")
     registry = load_builtin()
     if strategy not in registry:
         raise typer.BadParameter(f"expected one of {', '.join(registry)}", param_hint="--strategy")
@@ -84,6 +102,67 @@ def optimize(
         console.emit_json(_document(report, written, prof, original.name))
     else:
         _print(report, written, prof, original.name, wide)
+
+
+def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_size: int | None,
+                      bandwidth_gbps: float | None, latency_us: float | None,
+                      optimizer: str | None, trace: Path | None, as_json: bool) -> None:
+    """``optimize --shard``."""
+    from ..planning.sharded import STATE_SLOTS
+    from ..planning.strategies import load_sharded
+
+    registry = load_sharded()
+    strategy = "best-sharded" if strategy == "best" else strategy
+    if strategy not in registry:
+        raise typer.BadParameter(f"expected one of {', '.join(registry)} (or best) with --shard",
+                                 param_hint="--strategy")
+    if optimizer is not None and optimizer not in STATE_SLOTS:
+        raise typer.BadParameter(f"expected one of {', '.join(STATE_SLOTS)}, got {optimizer!r}",
+                                 param_hint="--optimizer")
+    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    with progress_display(enabled=not as_json) as say:
+        report = compare(prof, shard=True, progress=say, optimizer=optimizer)
+    if strategy in report.skipped:
+        raise UsbyteError(report.skipped[strategy])
+    out = output if output is not None else Path("schedules") / f"{original.name}.json"
+    written = _write(report, strategy, original, out, trace)
+    ref = report.reference
+    assert ref is not None
+    if as_json:
+        doc = _document(report, written, prof, original.name)
+        doc["reference"] = {"strategy": ref.name, "iteration_ms": ref.iteration_ms,
+                            "mode": ref.mode, "state_bytes_per_rank": ref.state_bytes}
+        doc["state_slots"] = report.state_slots
+        console.emit_json(doc)
+        return
+    rows = []
+    for n, r in report.results.items():
+        rows.append([n + (" *" if n == strategy else ""), r.mode, f"{r.iteration_ms:.2f}",
+                     f"{ref.iteration_ms / r.iteration_ms:.3f}x", _mb(r.state_bytes),
+                     f"{r.state_bytes / ref.state_bytes:.2f}x" if ref.state_bytes else "-",
+                     r.blocks, r.gathers, f"{r.solve_s:.3f}"])
+    rows.append([f"{ref.name} (unsharded)", ref.mode, f"{ref.iteration_ms:.2f}", "1.000x",
+                 _mb(ref.state_bytes), "1.00x", ref.blocks, "-", "-"])
+    c = prof.comm
+    w = written
+    console.table(
+        f"{original.name}, sharded: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms, "
+        f"{c.world_size} ranks, all-reduce alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+        + ("" if c.reduce_scatter or c.all_gather else " (reduce-scatter and all-gather: half "
+           "an all-reduce each, not measured)") + common.cpu_cost_note(c),
+        ["strategy", "mode", "predicted ms", "vs ddp", "state MB/rank", "state vs ddp",
+         "reduce-scatters", "all-gathers", "solve s"],
+        rows, justify_right_from=2,
+        caption=f"optimizer state: {report.state_slots} x the gradients' bytes unsharded; "
+                f"sharded lower bound {report.lower_bound_ms:.2f} ms; {w.strategy} is "
+                f"{100 * w.schedule.predicted['gap']:.2f}% above it")
+    for skipped, why in report.skipped.items():
+        console.warn(f"{skipped}: no plan: {why}")
+    console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
+
+
+def _mb(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,7 +204,9 @@ def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
         "compute_ms": report.compute_ms,
         "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
                            "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
-                           "blocks": r.blocks, "solve_s": r.solve_s}
+                           "blocks": r.blocks, "solve_s": r.solve_s,
+                           "state_bytes_per_rank": r.state_bytes,
+                           **({"all_gathers": r.gathers} if r.plan.gathers is not None else {})}
                        for n, r in report.results.items()},
         "lower_bound_ms": report.lower_bound_ms,
         "lower_bound_s": report.bound_s,

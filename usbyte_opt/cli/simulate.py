@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 import typer
 
 from .. import console
-from ..errors import UsbyteError
 from ..formats import Mode, load_schedule
 from ..planning.bounds import lower_bound
 from ..planning.problem import Problem
+from ..planning.sharded import sharded_lower_bound
 from ..planning.simulate import MODES
 from ..planning.simulate import simulate as run_simulation
 from . import common
@@ -21,9 +21,11 @@ def simulate(
     profile: Annotated[Path, typer.Argument(dir_okay=False, help="Profile JSON.")],
     schedule: Annotated[Path, typer.Argument(dir_okay=False, help="Schedule JSON.")],
     mode: Annotated[Optional[str], typer.Option(
-        "--mode", help="overlap (each update gated in the next forward) or fence (every block, "
-                       "then every update, as DDP); default: the schedule's own mode, the one the "
-                       "runtime runs it in.")] = None,
+        "--mode", help="overlap (each update gated in the next forward), fence (every block, "
+                       "then every update, as DDP) or sharded (each block reduce-scattered, the "
+                       "shards stepped, the parameters all-gathered before the next forward "
+                       "needs them); default: the schedule's own mode, the one the runtime runs "
+                       "it in.")] = None,
     world_size: common.WorldSize = None,
     bandwidth_gbps: common.BandwidthGbps = None,
     latency_us: common.LatencyUs = None,
@@ -39,21 +41,19 @@ def simulate(
     --trace writes the predicted timeline for Perfetto; --wide adds the other mode's
     prediction and what communication cost the compute.
     """
-    modelled = [str(m) for m in MODES]   # the planner's modes (not sharded, yet)
+    modelled = [str(m) for m in MODES]
     if mode is not None and mode not in modelled:
         raise typer.BadParameter(f"expected one of {', '.join(modelled)}, got {mode!r}",
                                  param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
     sched = load_schedule(schedule)
-    if mode is None and sched.mode not in MODES:
-        raise UsbyteError(f"{schedule}: the planner does not model {sched.mode} mode yet; pass "
-                          f"--mode {' or --mode '.join(modelled)} to predict its blocks in one")
     problem = Problem.from_profile(prof)
     tl = run_simulation(problem, sched, mode=mode, source=str(schedule))
-    other = Mode.FENCE if tl.mode == Mode.OVERLAP else Mode.OVERLAP
+    other = Mode.FENCE if tl.mode != Mode.FENCE else Mode.OVERLAP
     other_ms = run_simulation(problem, sched, mode=other, check=False).iteration_ms
     charge = tl.meta.get("cpu_charge_ms", {"backward": 0.0, "forward": 0.0})
-    lb = lower_bound(problem)
+    sharded = tl.mode == Mode.SHARDED
+    lb = sharded_lower_bound(problem) if sharded else lower_bound(problem)
     if sched.profile_name != original.name:
         console.warn(f"{schedule}: made for profile {sched.profile_name!r}, simulated on "
                      f"{original.name!r} (same tensors)")
@@ -74,6 +74,7 @@ def simulate(
             "comm_busy_ms": tl.comm_busy_ms,
             "lower_bound_ms": lb,
             "blocks": len(tl.blocks),
+            "all_gathers": len(tl.gathers),
             "schedule_predicted_ms": sched.predicted.get("iteration_ms"),
             "world_size": prof.comm.world_size,
             "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
@@ -86,7 +87,9 @@ def simulate(
         ["iteration", f"{tl.iteration_ms:.3f} ms"],
         ["compute (F + B)", f"{tl.compute_ms:.3f} ms"],
         ["exposed communication", f"{tl.exposed_ms:.3f} ms"],
-        ["channel busy", f"{tl.comm_busy_ms:.3f} ms in {len(tl.blocks)} blocks"],
+        ["channel busy", f"{tl.comm_busy_ms:.3f} ms in "
+                         + (f"{len(tl.blocks)} reduce-scatters and {len(tl.gathers)} all-gathers"
+                            if sharded else f"{len(tl.blocks)} blocks")],
         ["lower bound", f"{lb:.3f} ms (gap {100 * (tl.iteration_ms - lb) / lb:.2f}%)"],
         ["cluster", f"{c.world_size} ranks, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                     + common.cpu_cost_note(c)],
@@ -98,7 +101,10 @@ def simulate(
         if problem.charges_cpu:
             rows.insert(3, ["communication's compute cost",
                             f"backward +{charge['backward']:.3f} ms, forward +{charge['forward']:.3f} ms"])
-    if tl.mode == Mode.OVERLAP and waits and waits[0].wait_ms > 0:
+    if sharded:
+        rows.insert(3, ["shard step", f"{tl.update_ms:.3f} ms, forward from "
+                                      f"{tl.forward_start_ms:.3f} ms"])
+    if tl.mode != Mode.FENCE and waits and waits[0].wait_ms > 0:
         rows.append(["longest forward waits",
                      ", ".join(f"{g.name} {g.wait_ms:.2f} ms" for g in waits if g.wait_ms > 0)])
     console.table(f"{sched.strategy} schedule on {original.name} ({tl.mode} mode"

@@ -48,7 +48,8 @@ class CostModel(Protocol):
     candidates are scored by :meth:`allreduce_ms` through the one scorer.
 
     :meth:`reduce_scatter_ms` and :meth:`all_gather_ms` cost the two collectives of sharded
-    data parallel (no strategy asks for them yet).
+    data parallel (:mod:`usbyte_opt.planning.sharded`), :meth:`shard_bounds` their lines at or
+    below.
     """
 
     @property
@@ -76,6 +77,12 @@ class CostModel(Protocol):
 
     def all_gather_ms(self, nbytes: float) -> float:
         """Milliseconds of one all-gather into a block of ``nbytes`` (whole, unsharded)."""
+        ...
+
+    def shard_bounds(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """``((alpha, beta) of reduce-scatter, (alpha, beta) of all-gather)``: lines at or
+        below :meth:`reduce_scatter_ms` and :meth:`all_gather_ms` at every size, as
+        :meth:`linear_bound` is for all-reduce (the sharded lower bound charges them)."""
         ...
 
 
@@ -137,6 +144,13 @@ class LinearCost:
             return 0.5 * self.allreduce_ms(nbytes)
         alpha, algbw = self.all_gather
         return alpha + nbytes / (algbw * 1e6)
+
+    def shard_bounds(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        half = (0.5 * self.alpha_ms, 0.5 * self.beta_ms_per_byte)
+
+        def line(c: tuple[float, float] | None) -> tuple[float, float]:
+            return half if c is None else (c[0], 1.0 / (c[1] * 1e6))
+        return line(self.reduce_scatter), line(self.all_gather)
 
     @classmethod
     def from_comm(cls, comm: CommSpec) -> LinearCost:

@@ -33,6 +33,7 @@ from .bounds import lower_bound
 from .cost import retarget
 from .fastsim import scorer_for
 from .problem import Problem, UpdateRule
+from .sharded import state_bytes, state_slots
 from .strategies import NotApplicable, Plan, load_builtin
 
 #: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
@@ -51,12 +52,22 @@ class StrategyResult:
     iteration_ms: float
     """Predicted time in that mode: what the schedule is predicted to take."""
     overlap_ms: float
+    """The plan's blocks all-reduced in overlap mode (for a sharded plan too: what its blocks
+    would take unsharded)."""
     fence_ms: float
     solve_s: float
+    state_bytes: int = 0
+    """Optimizer-state bytes on the rank holding the most (:func:`usbyte_opt.planning.sharded.state_bytes`):
+    every gradient's worth unsharded, about ``1 / world_size`` of it sharded."""
 
     @property
     def blocks(self) -> int:
         return len(self.plan.blocks)
+
+    @property
+    def gathers(self) -> int:
+        """All-gathers of a sharded plan (0 otherwise)."""
+        return len(self.plan.gathers or ())
 
 
 @dataclass(slots=True)
@@ -69,6 +80,13 @@ class Report:
     skipped: dict[str, str] = field(default_factory=dict)
     """Strategies that have no plan for this profile, with the reason (one line each), e.g.
     ``ddp-tuned`` on tensors of several dtypes."""
+    sharded: bool = False
+    """Whether these are sharded-mode plans (``compare(shard=True)``); the lower bound is then
+    sharded mode's (:func:`usbyte_opt.planning.sharded.sharded_lower_bound`)."""
+    reference: StrategyResult | None = None
+    """Sharded reports: unsharded DDP's plan, its time and state, to weigh them against."""
+    state_slots: int = 0
+    """Optimizer state per element, in element sizes, that ``state_bytes`` counts."""
 
     @property
     def compute_ms(self) -> float:
@@ -93,7 +111,12 @@ class Report:
             "overlap_ms": r.overlap_ms,
             "fence_ms": r.fence_ms,
             "baselines": self.baselines(),
+            "state_bytes_per_rank": r.state_bytes,
         }
+        if self.reference is not None:
+            predicted["reference"] = {"strategy": self.reference.name,
+                                      "iteration_ms": self.reference.iteration_ms,
+                                      "state_bytes_per_rank": self.reference.state_bytes}
         comm = self.problem.profile.comm
         # Wall-clock figures stay out: the file depends on the profile alone, so planning it
         # again writes the same bytes.
@@ -105,7 +128,8 @@ class Report:
             extra["comm"].update(cpu_ms_per_block=comm.cpu_ms_per_block,
                                  cpu_ms_per_mb=comm.cpu_ms_per_mb)
         return self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
-                                     mode=r.mode, profile_digest=profile_digest)
+                                     mode=r.mode, profile_digest=profile_digest,
+                                     gathers=r.plan.gathers)
 
 
 def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: float | None = None,
@@ -117,7 +141,8 @@ def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: 
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
-            update_rule: UpdateRule = UpdateRule.AVAIL) -> Report:
+            update_rule: UpdateRule = UpdateRule.AVAIL, shard: bool = False,
+            optimizer: str | None = None) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
@@ -129,7 +154,16 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     step on the training thread, as the bench's refined prediction scores it. A strategy that has no
     plan for the profile (:class:`~usbyte_opt.planning.strategies.NotApplicable`) is left out
     of ``results`` and named in ``skipped``.
+
+    ``shard=True`` plans sharded mode instead (:data:`~usbyte_opt.planning.strategies.SHARDED_STRATEGIES`:
+    ``fsdp-like``, ``dear-like``, ``best-sharded``, the last seeded with the others), scored
+    by :func:`usbyte_opt.planning.sharded.sharded_time` against sharded mode's lower bound,
+    with unsharded DDP as the report's ``reference``. Every result's ``state_bytes`` counts
+    the optimizer state of ``optimizer`` (``sgd``, ``adam``, ``adamw``; default: the one the
+    profile timed, :func:`usbyte_opt.planning.sharded.state_slots`).
     """
+    if shard:
+        return _compare_sharded(profile, strategies, options, progress, optimizer)
     registry = load_builtin()
     names = list(strategies) if strategies is not None else list(registry)
     for n in names:
@@ -137,6 +171,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
             raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)}")
     say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, update_rule=update_rule)
+    slots = state_slots(problem, optimizer)
     say("start", "lower bound", 0.0)
     t0 = time.perf_counter()
     report = Report(problem, lower_bound(problem))
@@ -164,8 +199,65 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
         stats = sc.stats(plan.blocks)
         ov, fe = sc.score(stats, Mode.OVERLAP), sc.score(stats, Mode.FENCE)
         T = fe if plan.mode == Mode.FENCE else ov
-        report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve)
+        report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve,
+                                            state_bytes(problem, plan.layout, None, slots))
         say("done", n, solve)
     # Keep the report in registry order.
+    report.results = {n: report.results[n] for n in names if n in report.results}
+    return report
+
+
+def _compare_sharded(profile: Profile, strategies: Sequence[str] | None,
+                     options: Mapping[str, Mapping[str, Any]] | None,
+                     progress: Progress | None, optimizer: str | None) -> Report:
+    """:func:`compare` with ``shard=True``."""
+    from .sharded import sharded_lower_bound, sharded_time
+    from .strategies import load_builtin, load_sharded
+
+    registry = load_sharded()
+    names = list(strategies) if strategies is not None else list(registry)
+    for n in names:
+        if n not in registry:
+            raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)} "
+                              "(sharded mode)")
+    say = progress or (lambda event, name, seconds: None)
+    problem = Problem.from_profile(profile)
+    slots = state_slots(problem, optimizer)
+    say("start", "lower bound", 0.0)
+    t0 = time.perf_counter()
+    report = Report(problem, sharded_lower_bound(problem), sharded=True, state_slots=slots)
+    report.bound_s = time.perf_counter() - t0
+    say("done", "lower bound", report.bound_s)
+    ref = load_builtin()["ddp"].plan(problem)
+    sc = scorer_for(problem, ref.layout)
+    st = sc.stats(ref.blocks)
+    fe = sc.score(st, Mode.FENCE)
+    report.reference = StrategyResult("ddp", ref, ref.mode, fe, sc.score(st, Mode.OVERLAP), fe,
+                                      0.0, state_bytes(problem, ref.layout, None, slots))
+    options = options or {}
+    best = "best-sharded"
+    ordered = [n for n in names if n != best] + ([best] if best in names else [])
+    for n in ordered:
+        kw = dict(options.get(n, {}))
+        if n == best:
+            kw.setdefault("seeds", [r.plan for r in report.results.values()])
+            kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+        say("start", n, 0.0)
+        t0 = time.perf_counter()
+        try:
+            plan = registry[n].plan(problem, **kw)
+        except NotApplicable as e:
+            report.skipped[n] = str(e)
+            say("done", n, time.perf_counter() - t0)
+            continue
+        solve = time.perf_counter() - t0
+        plan.info.setdefault("strategy", n)
+        T = sharded_time(problem, plan.layout, plan.blocks, plan.gathers)
+        sc = scorer_for(problem, plan.layout)
+        st = sc.stats(plan.blocks)
+        report.results[n] = StrategyResult(n, plan, Mode.SHARDED, T, sc.score(st, Mode.OVERLAP),
+                                            sc.score(st, Mode.FENCE), solve,
+                                            state_bytes(problem, plan.layout, plan.blocks, slots))
+        say("done", n, solve)
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report

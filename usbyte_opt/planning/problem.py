@@ -267,7 +267,8 @@ class Problem:
     def schedule(self, strategy: str, layout: Layout, blocks: Iterable[Block | tuple[int, int, int]],
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  check: bool = True, mode: Mode = Mode.OVERLAP,
-                 profile_digest: str | None = None, align_bytes: int | None = None) -> Schedule:
+                 profile_digest: str | None = None, align_bytes: int | None = None,
+                 gathers: Sequence[Sequence[int]] | None = None) -> Schedule:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
         ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
@@ -279,11 +280,22 @@ class Problem:
         from the tensor's start (:func:`align_cuts`; default :data:`NCCL_ALIGN_BYTES` for a
         profile measured on NCCL, else none): the runtime starts every tensor of its flat
         buffers on such a boundary on CUDA, so every block starts there too.
+
+        ``gathers`` (sharded mode): the all-gathers, as block indices (a block that alignment
+        leaves empty drops out of its all-gather).
         """
         as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         if align_bytes is None:
             align_bytes = NCCL_ALIGN_BYTES if self.profile.comm.backend == "nccl" else 0
         if align_bytes > 1:
+            aligned = [align_cuts(layout, [k], align_bytes) for k in as_blocks]
+            if gathers is not None:
+                new_index, j = {}, 0
+                for k, a in enumerate(aligned):
+                    if a:
+                        new_index[k], j = j, j + 1
+                gathers = [g2 for g2 in ([new_index[k] for k in g if k in new_index]
+                                         for g in gathers) if g2]
             as_blocks = align_cuts(layout, as_blocks, align_bytes)
         prof = self.profile
         sched = Schedule(
@@ -299,6 +311,7 @@ class Problem:
             extra=dict(extra or {}),
             mode=mode,
             shapes={t.name: t.shape for t in prof.tensors},
+            gathers=None if gathers is None else tuple(tuple(g) for g in gathers),
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")

@@ -59,8 +59,8 @@ from ..formats import Block, Mode, Profile, Schedule, check_against
 from ..formats.chrome import ChromeTrace
 from .problem import Layout, Problem, UpdateRule
 
-#: The modes the planner models (sharded mode is not costed yet: issue 20).
-MODES = (Mode.OVERLAP, Mode.FENCE)
+#: The modes the planner models (sharded mode's model is :mod:`usbyte_opt.planning.sharded`).
+MODES = (Mode.OVERLAP, Mode.FENCE, Mode.SHARDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +103,9 @@ class Timeline:
     forward: tuple[ForwardGate, ...]
     update_ms: float = 0.0
     meta: dict[str, Any] = field(default_factory=dict)
+    gathers: tuple[Any, ...] = ()
+    """Sharded mode: the all-gathers (:class:`usbyte_opt.planning.sharded.GatherTiming`), after
+    the reduce-scatters of ``blocks`` on the same channel."""
 
     @property
     def compute_ms(self) -> float:
@@ -122,6 +125,10 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     ``meta["cpu_charge_ms"]`` holds what backward and forward paid."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
+    if mode == Mode.SHARDED:
+        from .sharded import simulate_sharded
+
+        return simulate_sharded(problem, layout, blocks)
     gated = problem.update_rule == UpdateRule.GATE and mode == Mode.OVERLAP
     tl = _walk(problem, layout, blocks, mode, gated and not problem.charges_cpu)
     if not problem.charges_cpu:
@@ -139,6 +146,8 @@ def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
     forward's segments between its waits (overlap mode), or the step and the forward after
     the fence."""
     out = [(0.0, timeline.backward_ms)]
+    if timeline.mode == Mode.SHARDED and timeline.update_ms > 0:  # the shard step
+        out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_start_ms))
     if timeline.mode == Mode.FENCE:
         out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_end_ms))
         return out
@@ -275,21 +284,28 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
     if check:
         check_against(schedule, problem.profile, source)
     layout = problem.layout(schedule.buffers)
-    return simulate_blocks(problem, layout, schedule.blocks, Mode(mode or schedule.mode))
+    mode = Mode(mode or schedule.mode)
+    if mode == Mode.SHARDED:
+        from .sharded import simulate_sharded
+
+        return simulate_sharded(problem, layout, schedule.blocks, schedule.gather_groups())
+    return simulate_blocks(problem, layout, schedule.blocks, mode)
 
 
 def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any]:
     """A Chrome trace-event document (``{"traceEvents": [...]}``) of a timeline.
 
-    Track 1 is compute (backward, optimizer fence, forward segments and the waits that gate
-    them), track 2 the communication channel (one slice per block). Times in microseconds
+    Track 1 is compute (backward, optimizer fence or shard step, forward segments and the
+    waits that gate them), track 2 the communication channel (one slice per block; in sharded
+    mode the reduce-scatters, then the all-gathers). Times in microseconds
     (:class:`usbyte_opt.formats.chrome.ChromeTrace`).
     """
     tr = ChromeTrace(unit_us=1000.0, other={"mode": timeline.mode,
                                             "iteration_ms": timeline.iteration_ms})
-    tr.process(1, label, {1: "compute", 2: "all-reduce"})
+    sharded = timeline.mode == Mode.SHARDED
+    tr.process(1, label, {1: "compute", 2: "reduce-scatter, all-gather" if sharded else "all-reduce"})
     tr.complete(1, 1, "backward", 0.0, timeline.backward_ms)
-    if timeline.mode == Mode.FENCE and timeline.update_ms > 0:
+    if timeline.mode in (Mode.FENCE, Mode.SHARDED) and timeline.update_ms > 0:
         tr.complete(1, 1, "optimizer step", timeline.forward_start_ms - timeline.update_ms,
                     timeline.update_ms)
     prev_t = timeline.forward_start_ms
@@ -305,7 +321,12 @@ def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any
         tr.complete(1, 1, "forward", prev_t, timeline.forward_end_ms - prev_t)
     for b in timeline.blocks:
         shown = ", ".join(b.tensors[:3]) + (f" +{len(b.tensors) - 3}" if len(b.tensors) > 3 else "")
-        tr.complete(1, 2, f"#{b.index} {shown}", b.start_ms, b.finish_ms - b.start_ms,
+        tr.complete(1, 2, f"{'reduce-scatter ' if sharded else ''}#{b.index} {shown}",
+                    b.start_ms, b.finish_ms - b.start_ms,
                     {"buffer": b.buffer, "elements": [b.start, b.end], "bytes": b.nbytes,
                      "ready_ms": b.ready_ms, "tensors": list(b.tensors)})
+    for g in timeline.gathers:
+        shown = ", ".join(g.tensors[:3]) + (f" +{len(g.tensors) - 3}" if len(g.tensors) > 3 else "")
+        tr.complete(1, 2, f"all-gather #{g.index} {shown}", g.start_ms, g.finish_ms - g.start_ms,
+                    {"blocks": list(g.blocks), "bytes": g.nbytes, "tensors": list(g.tensors)})
     return tr.to_dict()

@@ -36,6 +36,9 @@ class Plan:
     §3.1), or for ``best`` whichever is faster."""
     info: dict[str, Any] = field(default_factory=dict)
     """Tuned knobs and anything worth reporting (e.g. ``{"partition": 4_000_000}``)."""
+    gathers: list[tuple[int, ...]] | None = None
+    """Sharded mode: the all-gathers in issue order, each the indices of the blocks it
+    gathers (:attr:`usbyte_opt.formats.Schedule.gathers`)."""
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
@@ -51,17 +54,23 @@ class Strategy:
 
 
 STRATEGIES: dict[str, Strategy] = {}
+#: The strategies of sharded mode (``optimize --shard``): plans of reduce-scatter blocks and
+#: all-gather groups, scored by :mod:`usbyte_opt.planning.sharded`.
+SHARDED_STRATEGIES: dict[str, Strategy] = {}
 
 #: The built-in strategies, in report order; each is registered by the module of its name
 #: (``-`` read as ``_``).
 _BUILTIN = ("wfbp", "ddp", "ddp-tuned", "mgwfbp", "bytescheduler", "usbyte", "best")
+#: The built-in sharded strategies, in report order (modules named alike).
+_BUILTIN_SHARDED = ("fsdp-like", "dear-like", "best-sharded")
 
 
-def register(name: str) -> Callable[[PlanFn], PlanFn]:
-    """Decorator: ``@register("wfbp")`` enters the plan function under ``name``."""
+def register(name: str, sharded: bool = False) -> Callable[[PlanFn], PlanFn]:
+    """Decorator: ``@register("wfbp")`` enters the plan function under ``name``;
+    ``sharded=True`` enters a sharded-mode strategy (:data:`SHARDED_STRATEGIES`)."""
 
     def deco(fn: PlanFn) -> PlanFn:
-        STRATEGIES[name] = Strategy(name, fn)
+        (SHARDED_STRATEGIES if sharded else STRATEGIES)[name] = Strategy(name, fn)
         return fn
 
     return deco
@@ -84,3 +93,15 @@ def load_builtin() -> dict[str, Strategy]:
     STRATEGIES.clear()
     STRATEGIES.update(ordered)
     return STRATEGIES
+
+
+def load_sharded() -> dict[str, Strategy]:
+    """Import the built-in sharded strategies; returns :data:`SHARDED_STRATEGIES` in report
+    order (as :func:`load_builtin`)."""
+    for name in _BUILTIN_SHARDED:
+        importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
+    ordered = {n: SHARDED_STRATEGIES[n] for n in _BUILTIN_SHARDED}
+    ordered.update((n, s) for n, s in SHARDED_STRATEGIES.items() if n not in ordered)
+    SHARDED_STRATEGIES.clear()
+    SHARDED_STRATEGIES.update(ordered)
+    return SHARDED_STRATEGIES
