@@ -9,6 +9,7 @@ import random
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 
 from usbyte_opt.formats import Block, CommSpec, Mode, Profile, TensorSpec, load_profile, load_schedule
 from usbyte_opt.planning.planner import compare
@@ -22,8 +23,6 @@ from usbyte_opt.planning.sharded import (
 )
 from usbyte_opt.planning.simulate import simulate
 from usbyte_opt.planning.synthetic import random_profile
-
-from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 
