@@ -45,8 +45,9 @@ class Mode(str, Enum):
     then the next forward, as DDP. ``SHARDED``: ZeRO-1, each block reduce-scattered instead of
     all-reduced, each rank steps its shard of every block (the optimizer state is sharded), and
     the updated shards are all-gathered from ``step()`` on, each tensor's waited for right
-    before its first use in the next forward (docs/runtime.md). The planner plans in
-    overlap and fence mode only (:data:`usbyte_opt.planning.simulate.MODES`). A mode is its
+    before its first use in the next forward (docs/runtime.md); in the order and groups of
+    :attr:`Schedule.gathers`. The planner models all three
+    (:data:`usbyte_opt.planning.simulate.MODES`). A mode is its
     file value as a string (``Mode.FENCE == "fence"``, ``str(Mode.FENCE) == "fence"``), so
     that messages and files read alike. Each member is one line: its file value and its
     :attr:`note` (what the JSON Schema says of the mode); the modes a file may give are
