@@ -18,7 +18,7 @@ check = load_benchmark("gpu_check")
 
 def test_parts_are_ordered_by_value_and_fit_the_deadline():
     names = [n for n, _, _ in check.PARTS]
-    assert names == ["imports", "tests", "sync_debug", "probes", "two_ranks", "flow"]
+    assert names == ["imports", "tests", "sync_debug", "probes", "two_ranks", "sharded", "flow"]
     assert check.DEADLINE_S <= 360
     assert all(limit <= check.DEADLINE_S for _, limit, _ in check.PARTS)
 
@@ -64,6 +64,9 @@ def test_report_renders_every_part_as_the_gpu_would_give_it(tmp_path):
                  {"ph": "X", "cat": "gpu_user_annotation", "name": "usbyte_forward", "ts": 0,
                   "dur": 8e3, "args": {"stream": 7}}]})},
             {"error": "DistributedError: rank 1 died"}]},
+        "sharded": {"ok": False, "nccl_one_rank": {"error": "RuntimeError: no reduce_scatter"},
+                    "two_ranks": [{"sgd": {"diff": 0.0, "state_bytes": 10, "ref_state_bytes": 20,
+                                           "blocks": 3, "all_gathers": 2}}, {"error": "X: y"}]},
         "flow": {"ok": False, "error": "timed out after 120 s (killed)", "part_s": 120.0},
     }
     text = check.report(res)
@@ -75,6 +78,9 @@ def test_report_renders_every_part_as_the_gpu_would_give_it(tmp_path):
     o = res["two_ranks"]["ranks"][0]["overlap"]
     assert (o["compute_ms"], o["other_ms"], o["overlap_ms"], o["streams"]) == (20.0, 10.0, 8.0, 2)
     assert "rank 1: FAILED: DistributedError" in text and "## flow: FAILED (120 s)" in text
+    assert "NCCL, world size 1, vs the plain optimizer, rank 0: FAILED: RuntimeError" in text
+    assert "CUDA tensors, vs DDP, rank 0, sgd: max |sharded - reference| = 0; optimizer state " \
+        "10 bytes vs 20; 3 reduce-scatters, 2 all-gathers" in text
     # A result the report does not foresee still leaves a file.
     (tmp_path / "parts").mkdir()
     out = check._write(tmp_path, {"imports": {"ok": True, "modules": 3}})

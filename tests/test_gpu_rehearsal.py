@@ -132,7 +132,7 @@ def test_gpu_check_smoke_runs_from_a_clean_copy_with_only_the_image_and_the_bund
     report = (out / "ok" / "gpu_check.md").read_text() if (out / "ok" / "gpu_check.md").exists() else ""
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     for part in ("imports: ok", "tests: ok", "sync_debug: skipped", "probes: ok",
-                 "two_ranks: ok", "flow: ok"):
+                 "two_ranks: ok", "sharded: ok", "flow: ok"):
         assert f"## {part}" in report, report
     assert "max |runtime - DDP| = 0" in report and "matches DDP: True" in report
     assert "(race visible)" in report
