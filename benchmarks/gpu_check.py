@@ -75,7 +75,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The whole check's deadline (seconds), from the start of the import check.
-DEADLINE_S = 420.0
+DEADLINE_S = 360.0
 
 #: (name, time limit in seconds, runs under --smoke), in order of value.
 PARTS: list[tuple[str, float, bool]] = [
@@ -84,7 +84,7 @@ PARTS: list[tuple[str, float, bool]] = [
     ("sync_debug", 45.0, False),
     ("probes", 45.0, True),
     ("two_ranks", 75.0, True),
-    ("sharded", 60.0, True),
+    ("sharded", 50.0, True),
     ("flow", 120.0, True),
 ]
 
