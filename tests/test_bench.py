@@ -1,11 +1,14 @@
 """``usbyte-opt bench``: report arithmetic, a loopback run and (as root) a short lab run.
 
 The runs assert what must hold on any machine — training matches DDP, every file of the
-report is written, ``--json`` is pure JSON, the lab is gone afterwards — never timings.
+report is written, ``--json`` is pure JSON, the lab is gone afterwards, FSDP2 and the sharded
+runtime hold about half of DDP's optimizer state on each of 2 ranks — never timings.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import json
 import math
 import os
@@ -17,11 +20,17 @@ import pytest
 import torch
 from test_lab import SKIP as LAB_SKIP
 
-from usbyte_opt.bench import BenchConfig, ProfileOptions, run_bench
+from usbyte_opt.bench import SHARDED_STRATEGIES, BenchConfig, ProfileOptions, run_bench
 from usbyte_opt.bench.lab import list_namespaces
-from usbyte_opt.bench.report import compare_trace, markdown, stats, summarize
+from usbyte_opt.bench.report import COLUMNS, compare_trace, markdown, stats, summarize, table_rows
 from usbyte_opt.errors import UsbyteError
+from usbyte_opt.launcher import run_local, values
 from usbyte_opt.models import make_batches
+from usbyte_opt.planning.planner import compare
+
+#: Whether the planner plans the sharded strategies yet (``compare(..., shard=True)``).
+SHARD_PLANNER = "shard" in inspect.signature(compare).parameters
+NO_SHARD_PLANNER = "the planner's compare() takes no shard= yet (sharded strategies not landed)"
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -49,8 +58,10 @@ def raw_record(ddp=(100.0, 110.0, 105.0), best=(80.0, 84.0, 82.0), diff=0.0):
                                   "best": {"ms": 82.0, "refined_ms": 84.0, "mode": "overlap",
                                            "blocks": 5}}},
         "schedules": {}, "traces": {},
-        "runs": {"ddp": {"durations_ms": list(ddp), "final_loss": 1.0, "max_param_diff": 0.0},
-                 "best": {"durations_ms": list(best), "final_loss": 1.0, "max_param_diff": diff}},
+        "runs": {"ddp": {"durations_ms": list(ddp), "final_loss": 1.0, "max_param_diff": 0.0,
+                         "state_bytes_by_rank": [4_000_000, 4_000_000]},
+                 "best": {"durations_ms": list(best), "final_loss": 1.0, "max_param_diff": diff,
+                          "state_bytes_by_rank": [2_000_004, 1_999_996]}},
         "phases_s": {"profile": 1.0, "plan": 0.1, "train": 2.0},
         "reference": "ddp",
     }
@@ -74,6 +85,24 @@ def test_summarize_errors_and_speedups(tmp_path):
     assert res["correct"] is True
     md = markdown(res)
     assert "| best | runtime | 82.0 |" in md and "same parameters as `ddp`" in md
+    # Optimizer state: the rank holding most, and every rank's.
+    assert by["best"]["state_bytes"] == 2_000_004
+    assert by["best"]["state_bytes_by_rank"] == [2_000_004, 1_999_996]
+    rows = {r[0]: r for r in table_rows(res)}
+    assert rows["ddp"][COLUMNS.index("state MB")] == "4.00"
+    assert rows["best"][COLUMNS.index("state MB")] == "2.00"
+
+
+def test_a_strategy_without_prediction_has_none_not_nan(tmp_path):
+    raw = raw_record()
+    raw["planned"]["predicted"]["fsdp2"] = {"ms": None, "mode": "none", "blocks": None}
+    raw["runs"]["fsdp2"] = {"durations_ms": [90.0, 91.0], "final_loss": 1.0, "max_param_diff": 0.0}
+    res = summarize(raw, {"kind": "x", "short": "x", "description": "x"}, tmp_path)
+    row = next(r for r in res["runs"] if r["strategy"] == "fsdp2")
+    assert row["runner"] == "torch FSDP2" and row["speedup_vs_ddp"] == pytest.approx(105.0 / 90.5)
+    assert row["predicted_ms"] is row["error"] is row["refined_ms"] is row["state_bytes"] is None
+    json.dumps(res, allow_nan=False)  # valid JSON: no NaN
+    assert "| fsdp2 | torch FSDP2 | 90.5 |" in markdown(res)
 
 
 def test_a_parameter_difference_is_reported_as_incorrect(tmp_path):
@@ -110,6 +139,40 @@ def test_config_errors():
         BenchConfig(model="cnn", strategies=("ddp", "nope")).job(Path("x"))
     with pytest.raises(UsbyteError, match="unknown model"):
         run_bench(BenchConfig(model="no-such-model", out_dir=Path("/nonexistent/x")))
+    assert "fsdp2" in BenchConfig(model="cnn", strategies=("ddp", "fsdp2")).job(Path("x")).strategies
+
+
+def test_fsdp2_is_refused_in_one_line_on_a_torch_without_it(monkeypatch):
+    import usbyte_opt.bench.train as train
+
+    monkeypatch.setattr(train, "fsdp2_missing", lambda: "fsdp2 needs torch.distributed.fsdp."
+                        "fully_shard (torch >= 2.6); this is torch 2.3")
+    with pytest.raises(UsbyteError, match=r"^--strategies: fsdp2 needs .*torch >= 2\.6[^\n]*$"):
+        BenchConfig(model="cnn", strategies=("ddp", "fsdp2")).job(Path("x"))
+
+
+@pytest.mark.skipif(SHARD_PLANNER, reason="the planner plans sharded strategies: nothing refused")
+def test_sharded_names_are_refused_in_one_line_before_the_planner_has_them():
+    with pytest.raises(UsbyteError, match=r"^--strategies: fsdp-like: .*no sharded strategies yet"):
+        BenchConfig(model="cnn", strategies=("ddp", "fsdp-like")).job(Path("x"))
+
+
+@pytest.mark.skipif(not SHARD_PLANNER, reason=NO_SHARD_PLANNER)
+def test_sharded_names_are_planned_in_sharded_mode():
+    """The planner's sharded strategies (``compare(..., shard=True)``): every one a schedule in
+    sharded mode, with a predicted per-rank state; the all-reduce ones as before."""
+    import random
+
+    from usbyte_opt.bench.worker import plan
+    from usbyte_opt.formats import Mode
+    from usbyte_opt.planning.synthetic import random_profile
+
+    prof = random_profile(random.Random(0), 20)
+    planned = plan(prof, ["ddp", *SHARDED_STRATEGIES, "no-comm"], 0.1)
+    for s in SHARDED_STRATEGIES:
+        assert planned.schedules[s].mode == Mode.SHARDED, s
+        assert planned.predicted[s].ms > 0 and planned.predicted[s].state_bytes > 0, s
+    assert planned.schedules["ddp"].mode == Mode.FENCE
 
 
 def test_bandwidth_without_root_is_one_clear_line(tmp_path, monkeypatch, capsys):
@@ -128,27 +191,45 @@ def test_bandwidth_without_root_is_one_clear_line(tmp_path, monkeypatch, capsys)
 # --------------------------------------------------------------------------------------------
 
 
-def check_result(res: dict, out: Path, strategies: list[str]) -> None:
+def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True) -> None:
     assert [r["strategy"] for r in res["runs"]] == strategies
     assert res["correct"] is True, [(r["strategy"], r["max_param_diff"]) for r in res["runs"]]
     for r in res["runs"]:
-        assert r["measured_ms"] > 0 and r["predicted_ms"] > 0 and r["iterations"] >= 2
+        assert r["measured_ms"] > 0 and r["iterations"] >= 2
+        # fsdp2 is torch's own: nothing planned, nothing predicted.
+        assert r["predicted_ms"] is None if r["strategy"] == "fsdp2" else r["predicted_ms"] > 0
         assert math.isfinite(r["final_loss"])
-    for name in ("report.md", "result.json", "profile.json", "raw.json", "logs/rank0.log"):
+        assert len(r["state_bytes_by_rank"]) == res["world_size"]
+        assert r["state_bytes"] == max(r["state_bytes_by_rank"]) > 0
+    for name in ("report.md", "result.json", "profile.json", "raw.json", *(["logs/rank0.log"] * logs)):
         assert (out / name).exists(), name
     md = (out / "report.md").read_text()
     for s in strategies:
         assert f"| {s} |" in md
 
 
+def half_of(state: list[int], whole: list[int]) -> bool:
+    """Every rank holds about half of ``whole``'s state (2 ranks; shard padding aside)."""
+    return all(abs(s / w - 0.5) < 0.01 for s, w in zip(state, whole, strict=True))
+
+
 def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path):
+    """DDP, the runtime and FSDP2 (``fsdp2``: torch's ``fully_shard``, which runs on CPU with
+    gloo): training matches DDP's, FSDP2 holding half of DDP's optimizer state per rank."""
     out = tmp_path / "b"
-    p = cli("bench", "lab-cnn", "--batch-size", "2", "--iterations", "2", "--strategies", "ddp,best",
-            "--no-reference", "--json", "--output-dir", str(out))
+    p = cli("bench", "lab-cnn", "--batch-size", "2", "--iterations", "2", "--strategies",
+            "ddp,best,fsdp2", "--no-reference", "--json", "--output-dir", str(out))
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout)  # nothing but JSON on stdout
     assert res["network"]["kind"] == "loopback" and res["world_size"] == 2
-    check_result(res, out, ["ddp", "best"])
+    check_result(res, out, ["ddp", "best", "fsdp2"])
+    by = {r["strategy"]: r for r in res["runs"]}
+    assert by["fsdp2"]["runner"] == "torch FSDP2" and by["fsdp2"]["max_param_diff"] is not None
+    # The whole model's momentum on every rank under DDP and the all-reduce runtime; FSDP2's
+    # DTensor state is counted by its local shards.
+    assert by["best"]["state_bytes_by_rank"] == by["ddp"]["state_bytes_by_rank"]
+    assert half_of(by["fsdp2"]["state_bytes_by_rank"], by["ddp"]["state_bytes_by_rank"])
+    assert "| state MB |" in (out / "report.md").read_text()
     assert (out / "schedules" / "best.json").exists()
     trace = json.loads((out / "traces" / "best.compare.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"]}
@@ -228,6 +309,57 @@ def test_gpu_check_smoke_runs_its_two_rank_and_flow_parts_on_cpu(tmp_path):
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     text = (tmp_path / "gpu_check.md").read_text()
     assert "max |runtime - DDP| = 0" in text and "matches DDP: True" in text
+
+
+def bench_with_converted_sharded_schedule(rank: int, world: int, cfg: BenchConfig):
+    """One rank of a bench under torchrun's variables (``run_bench`` on this process group),
+    with a planner that plans sharded strategies the way ``compare(..., shard=True)`` will:
+    here the sharded strategy ``ddp-sharded`` is DDP's all-reduce schedule put in sharded mode
+    (``dataclasses.replace(schedule, mode=Mode.SHARDED)``), which the runtime runs as ZeRO-1."""
+    import usbyte_opt.bench as bench
+    from usbyte_opt.formats import Mode
+    from usbyte_opt.planning import planner
+
+    real = planner.compare
+
+    class ShardedReport:
+        """What ``compare(..., shard=True)`` returns: ``results``, ``skipped``, ``schedule()``."""
+
+        def __init__(self, profile, names):
+            self.base = real(profile, ["ddp"])
+            r = self.base.results["ddp"]
+            self.results = {n: dataclasses.replace(r, name=n, mode=Mode.SHARDED) for n in names}
+            self.skipped = {}
+
+        def schedule(self, name):
+            return dataclasses.replace(self.base.schedule("ddp"), strategy=name, mode=Mode.SHARDED)
+
+    def compare_with_shard(profile, strategies=None, *args, shard=False, **kw):
+        return ShardedReport(profile, strategies) if shard else real(profile, strategies, *args, **kw)
+
+    planner.compare = compare_with_shard
+    bench.SHARDED_STRATEGIES = ("ddp-sharded",)
+    return run_bench(cfg)
+
+
+def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
+    """A sharded schedule trained on the runtime (its wrapped optimizer holds this rank's
+    shard only): training matches DDP's, with about half of DDP's optimizer state per rank,
+    and the strategy reaches it through the sharded planning path of the bench
+    (:func:`usbyte_opt.bench.plan_reports`), as the planner's own sharded names will."""
+    out = tmp_path / "s"
+    cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=("ddp", "ddp-sharded"),
+                      out_dir=out, rounds=1, warmup=1, reference=False, plot=False,
+                      profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
+                                               stable_s=0.0, probe_points=2, probe_repeats=1),
+                      timeout_s=240.0)
+    res = values(run_local(bench_with_converted_sharded_schedule, 2, args=(cfg,), timeout_s=300))[0]
+    check_result(res, out, ["ddp", "ddp-sharded"], logs=False)  # torchrun's ranks: no logs/
+    by = {r["strategy"]: r for r in res["runs"]}
+    assert by["ddp-sharded"]["runner"] == "runtime sharded"
+    assert by["ddp-sharded"]["predicted_mode"] == "sharded" and by["ddp-sharded"]["refined_ms"] is None
+    assert json.loads((out / "schedules" / "ddp-sharded.json").read_text())["mode"] == "sharded"
+    assert half_of(by["ddp-sharded"]["state_bytes_by_rank"], by["ddp"]["state_bytes_by_rank"])
 
 
 def unseeded_factory(batch_size: int):

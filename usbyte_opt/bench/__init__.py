@@ -1,8 +1,10 @@
 """Real training side by side with DDP, measured against predicted (``usbyte-opt bench``).
 
 :func:`run_bench` profiles a model on real ranks (or takes a profile), plans every strategy,
-trains the same model with PyTorch DDP and with the runtime under each schedule, and returns
-the measured iteration times beside the simulator's predictions. It writes into
+trains the same model with PyTorch DDP (and, when asked, PyTorch FSDP2: ``fsdp2``) and with
+the runtime under each schedule — all-reduce schedules, and the sharded (ZeRO-1) ones of
+:data:`SHARDED_STRATEGIES` — and returns the measured iteration times beside the simulator's
+predictions, with every trainee's optimizer-state bytes per rank. It writes into
 ``out_dir``: ``result.json`` (the ``--json`` document), ``report.md``, ``plot.png`` (with
 matplotlib), ``profile.json``, ``schedules/<strategy>.json``, ``traces/`` (measured, and
 predicted beside measured) and ``logs/rank<r>.log``.
@@ -39,7 +41,7 @@ import os
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +52,63 @@ from ..formats import Mode
 from ..launcher import threads_per_rank
 from ..profiler.options import ProfileOptions
 from .job import Job
-from .worker import REFERENCE, TORCH_DDP
+from .worker import REFERENCE, TORCH_DDP, TORCH_FSDP2
+
+#: The planner's sharded strategies (schedules in ``Mode.SHARDED``, ZeRO-1 on the runtime)
+#: that ``--strategies`` takes; planned by ``planning.planner.compare(..., shard=True)``
+#: (:func:`plan_reports`), and refused in one line while the planner cannot do that
+#: (:func:`sharded_planning_missing`).
+SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp-like", "dear-like", "best-sharded")
+
+
+def sharded_planning_missing() -> str | None:
+    """Why the planner cannot plan :data:`SHARDED_STRATEGIES` (``None`` when it can): its
+    ``compare`` takes no ``shard`` argument yet."""
+    import inspect
+
+    from ..planning import planner
+
+    if "shard" in inspect.signature(planner.compare).parameters:
+        return None
+    return ("this usbyte-opt's planner has no sharded strategies yet (planning.planner.compare "
+            "takes no shard=)")
+
+
+def split_strategies(strategies: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``strategies`` split into those the all-reduce planner plans and the sharded ones
+    (:data:`SHARDED_STRATEGIES`), each in the given order.
+
+    Example::
+
+        >>> split_strategies(["ddp", "fsdp-like", "best", "best-sharded"])
+        (['ddp', 'best'], ['fsdp-like', 'best-sharded'])
+    """
+    sharded = [s for s in strategies if s in SHARDED_STRATEGIES]
+    return [s for s in strategies if s not in SHARDED_STRATEGIES], sharded
+
+
+def plan_reports(profile: Any, strategies: Sequence[str],
+                 options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Any, Any]:
+    """The planner's reports for ``strategies``: every registered all-reduce strategy
+    (``compare(profile, names, options)``, so that ``best`` is seeded with all of them), and,
+    only when ``strategies`` has sharded names, every one of :data:`SHARDED_STRATEGIES`
+    (``compare(profile, names, shard=True)``; else ``None``).
+
+    Raises:
+        UsbyteError: a sharded name was asked for and the planner cannot plan it.
+    """
+    from ..planning import planner
+    from ..planning.strategies import load_builtin
+
+    _, sharded = split_strategies(strategies)
+    names = [n for n in load_builtin() if n not in SHARDED_STRATEGIES]
+    report = planner.compare(profile, names, options=options)
+    if not sharded:
+        return report, None
+    missing = sharded_planning_missing()
+    if missing:
+        raise UsbyteError(f"--strategies: {', '.join(sharded)}: {missing}")
+    return report, planner.compare(profile, list(SHARDED_STRATEGIES), shard=True)
 
 
 def default_strategies() -> tuple[str, ...]:
@@ -81,7 +139,8 @@ class BenchConfig:
     iterations: int = 20
     """Timed steady-state iterations per strategy."""
     strategies: tuple[str, ...] = field(default_factory=default_strategies)
-    """``ddp`` is PyTorch DDP itself; the others run on the runtime with their schedule."""
+    """``ddp`` is PyTorch DDP itself, ``fsdp2`` PyTorch FSDP2; the others run on the runtime
+    with their schedule (those of :data:`SHARDED_STRATEGIES` in sharded mode)."""
     reference: bool = True
     """Also time training without communication (the compute the prediction assumes)."""
     profile: str | None = None
@@ -122,17 +181,29 @@ class BenchConfig:
         return self.model, None
 
     def strategy_list(self) -> list[str]:
+        """The strategies to train, each once, in order (``no-comm`` last with ``reference``).
+
+        Raises:
+            UsbyteError: an unknown name; ``fsdp2`` on a torch without FSDP2, or a sharded
+                name the planner cannot plan yet — before any rank starts.
+        """
         from ..env import AUTO
         from ..planning.strategies import load_builtin
+        from .train import fsdp2_missing
 
         registry = load_builtin()
-        known = [*registry, AUTO]
+        known = list(dict.fromkeys([*registry, AUTO, TORCH_FSDP2, *SHARDED_STRATEGIES]))
         out: list[str] = []
         for s in self.strategies:
             if s not in known:
                 raise UsbyteError(f"--strategies: {s!r}: expected names among {', '.join(known)}")
             if s not in out:
                 out.append(s)
+        if TORCH_FSDP2 in out and (missing := fsdp2_missing()):
+            raise UsbyteError(f"--strategies: {missing}")
+        _, sharded = split_strategies(out)
+        if sharded and (missing := sharded_planning_missing()):
+            raise UsbyteError(f"--strategies: {', '.join(sharded)}: {missing}")
         if not out:
             raise UsbyteError("--strategies: expected at least one strategy")
         if self.reference:
@@ -307,7 +378,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
 
 def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> dict[str, tuple[Path, Any]]:
     from ..formats import load_profile, load_schedule, write_json
-    from ..planning.simulate import chrome_trace, simulate
+    from ..planning.simulate import MODES, chrome_trace, simulate
     from .report import compare_trace, load_json
 
     docs: dict[str, tuple[Path, Any]] = {}
@@ -317,7 +388,10 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
         try:
             prof = prof or load_profile(raw["profile"])
             sched = load_schedule(path)
-            mode = Mode.FENCE if s == TORCH_DDP else Mode.OVERLAP
+            mode = (Mode.FENCE if s == TORCH_DDP else
+                    Mode.SHARDED if sched.mode == Mode.SHARDED else Mode.OVERLAP)
+            if mode not in MODES:
+                continue  # a sharded schedule: the simulator has no timeline of it yet
             predicted = chrome_trace(simulate(prof, sched, mode=mode), f"{s} (predicted)")
             measured = []
             mpath = raw["traces"].get(s)
@@ -335,4 +409,6 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["BenchConfig", "Job", "ProfileOptions", "default_strategies", "network_info", "run_bench"]
+__all__ = ["SHARDED_STRATEGIES", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
+           "network_info", "plan_reports", "run_bench", "sharded_planning_missing",
+           "split_strategies"]

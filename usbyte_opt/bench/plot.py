@@ -11,6 +11,7 @@ time. Right panel: one steady-state iteration of the fastest runtime strategy, p
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -55,10 +56,11 @@ def plot(result: dict[str, Any], path: Path, compare: dict[str, Any] | None = No
     hi = [r["p90_ms"] - r["measured_ms"] for r in runs]
     ax.bar([i - 0.2 for i in x], meas, 0.4, yerr=[lo, hi], capsize=3, label="measured (median, p10–p90)",
            color="#4C72B0")
-    ax.bar([i + 0.2 for i in x], [r["predicted_ms"] for r in runs], 0.4, label="predicted",
-           color="#DD8452")
+    # No bar where nothing is predicted (fsdp2).
+    ax.bar([i + 0.2 for i in x], [math.nan if r["predicted_ms"] is None else r["predicted_ms"]
+                                  for r in runs], 0.4, label="predicted", color="#DD8452")
     for i, r in enumerate(runs):
-        if r["error"] is not None:
+        if r["error"] is not None and r["predicted_ms"] is not None:
             ax.annotate(f"{100 * r['error']:+.0f}%", (i, max(r["measured_ms"], r["predicted_ms"])),
                         ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
     ax.set_xticks(list(x), names, rotation=20)

@@ -7,7 +7,8 @@ Definitions, per strategy:
   of one iteration, forward start to forward start); ``p10_ms``/``p90_ms`` their spread.
 * ``predicted_ms``: the planner's prediction (docs/planner.md, with the profile's compute-cost
   option when it carries one) on the profile, in ``predicted_mode``, the mode the schedule
-  runs in (fence for PyTorch DDP); for ``no-comm`` forward + backward + optimizer step.
+  runs in (fence for PyTorch DDP); for ``no-comm`` forward + backward + optimizer step;
+  ``None`` where nothing is predicted (``fsdp2``, torch's own).
 * ``error``: ``(measured - predicted) / measured`` (positive: slower than predicted).
 * ``refined_ms`` / ``refined_error``: the same with the runtime's update rule (overlap mode),
   the all-reduce cost measured while training computes and the training-thread costs the
@@ -16,6 +17,10 @@ Definitions, per strategy:
   over the profile's forward + backward + step; 1 without it).
 * ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
   same with predictions).
+* ``state_bytes``: the optimizer state's bytes on the rank holding most of it, after training
+  (its peak: the optimizers trained with only grow their state); ``state_bytes_by_rank`` per
+  rank. The whole model's under DDP, about ``1 / world_size`` of it under ``fsdp2`` and the
+  runtime's sharded strategies. ``predicted_state_bytes``: the planner's, where it predicts it.
 
 :func:`explain` (what ``usbyte-opt demo`` prints) splits how far each prediction was off into
 the part compute explains and the part communication does, and says whether the verdict
@@ -37,7 +42,7 @@ from typing import Any
 
 from ..collectives.sweep import median
 from ..profiler.timing import quantile
-from .worker import DDP_TUNED, REFERENCE, TORCH_DDP
+from .worker import DDP_TUNED, REFERENCE, TORCH_DDP, TORCH_FSDP2
 
 #: Largest parameter difference from the reference that still counts as "same training":
 #: absolute for parameters of magnitude up to 1, relative above (``max_param_diff`` is
@@ -45,7 +50,8 @@ from .worker import DDP_TUNED, REFERENCE, TORCH_DDP
 #: an absolute bound (the runtime and DDP agree bitwise in practice in fp32).
 PARAM_TOLERANCE = 1e-4
 
-RUNNERS = {TORCH_DDP: "torch DDP", DDP_TUNED: "torch DDP", REFERENCE: "no comm"}
+RUNNERS = {TORCH_DDP: "torch DDP", DDP_TUNED: "torch DDP", TORCH_FSDP2: "torch FSDP2",
+           REFERENCE: "no comm"}
 
 
 def stats(durations: Sequence[float]) -> dict[str, float]:
@@ -69,23 +75,29 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         st = stats(run["durations_ms"])
         p = predicted[s]
         m = st["median_ms"]
-        p_ms = p["ms"] if p["ms"] is not None else math.nan
+        p_ms = p["ms"]
         refined = p.get("refined_ms")
-        refined = p_ms if refined is None else refined
+        # No refined model of sharded mode: none, rather than the plain prediction again.
+        refined = p_ms if refined is None and p["mode"] != "sharded" else refined
         rt = run.get("runtime") or {}
+        by_rank = run.get("state_bytes_by_rank") or []
+        runner = RUNNERS.get(s, "runtime sharded" if p["mode"] == "sharded" else "runtime")
         row = {
             "strategy": s,
-            "runner": RUNNERS.get(s, "runtime"),
+            "runner": runner,
             "measured_ms": m,
             "p10_ms": st["p10_ms"],
             "p90_ms": st["p90_ms"],
             "spread": round((st["p90_ms"] - st["p10_ms"]) / m, 6) if m else None,
             "iterations": len(run["durations_ms"]),
-            "predicted_ms": round(p_ms, 6),
+            "state_bytes": max(by_rank) if by_rank else None,
+            "state_bytes_by_rank": by_rank or None,
+            "predicted_state_bytes": p.get("state_bytes"),
+            "predicted_ms": None if p_ms is None else round(p_ms, 6),
             "predicted_mode": p["mode"],
-            "error": round((m - p_ms) / m, 6) if m else None,
-            "refined_ms": round(refined, 6),
-            "refined_error": round((m - refined) / m, 6) if m else None,
+            "error": round((m - p_ms) / m, 6) if m and p_ms is not None else None,
+            "refined_ms": None if refined is None else round(refined, 6),
+            "refined_error": round((m - refined) / m, 6) if m and refined is not None else None,
             "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != REFERENCE else None,
             "predicted_speedup_vs_ddp": (round(ddp_pred / p_ms, 6)
                                          if ddp_pred and p_ms and s != REFERENCE else None),
@@ -144,18 +156,20 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
     """The report's table, one row per strategy (shared by Markdown and the terminal)."""
     rows = []
     for r in result["runs"]:
+        state = r.get("state_bytes")
         rows.append([r["strategy"], r["runner"], _f(r["measured_ms"]),
-                     f"{_f(r['p10_ms'])}–{_f(r['p90_ms'])}", _f(r["predicted_ms"]),
+                     f"{_f(r['p10_ms'])}–{_f(r['p90_ms'])}",
+                     _f(None if state is None else state / 1e6, ".2f"), _f(r["predicted_ms"]),
                      r["predicted_mode"], _f(None if r["error"] is None else 100 * r["error"], "+.1f", "%"),
                      _f(r["refined_ms"]),
                      _f(None if r["refined_error"] is None else 100 * r["refined_error"], "+.1f", "%"),
                      _f(r["speedup_vs_ddp"], ".2f", "x"), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
-                     _f(r.get("vs_lower_bound"), ".2f", "x"), str(r["blocks"]),
+                     _f(r.get("vs_lower_bound"), ".2f", "x"), _f(r["blocks"], "d"),
                      _f(r["max_param_diff"], ".1e")])
     return rows
 
 
-COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "predicted ms", "mode", "error",
+COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "state MB", "predicted ms", "mode", "error",
            "refined ms", "refined error", "vs DDP", "predicted vs DDP", "vs bound", "blocks",
            "max |Δparam|"]
 
@@ -209,13 +223,17 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
         "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
+        "- state MB: the optimizer state's bytes (1 MB = 10^6 bytes) on the rank holding most "
+        "of it, after training, which is its peak (SGD, Adam and AdamW only grow their state); "
+        "every rank's in result.json (`state_bytes_by_rank`)",
         f"- predicted: the planner on the profile, in the mode each schedule runs in (fence for "
         "DDP; with the profile's compute-cost option when it has one); "
         f"lower bound {result['lower_bound_ms']:.1f} ms; error = (measured − predicted) / measured; "
         "refined: the same with every optimizer step on the training thread (overlap mode), as the runtime runs it, "
         "the all-reduce cost measured while training computes, compute charged for what "
         "communication costs the training thread, and compute recalibrated to the side-by-side "
-        f"no-comm run (x{result.get('compute_scale', 1.0):.3f})",
+        f"no-comm run (x{result.get('compute_scale', 1.0):.3f}); neither for fsdp2 (torch's own, "
+        "nothing planned), no refined one for sharded schedules",
         "",
         "| " + " | ".join(COLUMNS) + " |",
         "|" + "|".join(["---"] * 2 + ["---:"] * (len(COLUMNS) - 2)) + "|",

@@ -1,11 +1,16 @@
-"""Real training, timed: PyTorch DDP, the runtime with a schedule, or no communication at all.
+"""Real training, timed: PyTorch DDP, PyTorch FSDP2, the runtime with a schedule (all-reduce
+or sharded), or no communication at all.
 
 Runs inside an initialised process group, on every rank. Each :class:`Trainee` owns a fresh
 copy of the model (seeded with :data:`SEED` before the factory runs, so every trainee starts
 from the same weights even when the factory does not seed itself), its
 own optimizer and the same sequence of rank-dependent batches, so after the same number of
 steps every trainee must hold the same parameters (the runtime's guarantee; DDP is the
-reference).
+reference; FSDP2 reduce-scatters, so it may differ in the last bits beyond 2 ranks).
+
+Each trainee also reports its optimizer state on this rank (:meth:`Trainee.state_bytes`): the
+whole model's under DDP, about ``1 / world_size`` of it under FSDP2 and the runtime's sharded
+mode (ZeRO-1).
 
 Timing (:func:`interleave`): an iteration is the time from the start of one forward to the
 start of the next, which is what a training loop pays per step in steady state (a forward
@@ -25,6 +30,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import UsbyteError
 from ..formats import Schedule
 from ..models import build, make_batches
 from ..profiler.optimizers import make_optimizer
@@ -35,14 +41,119 @@ BATCHES = 4
 SEED = 0
 
 
+def fsdp2_missing() -> str | None:
+    """Why this torch cannot train FSDP2 (``None`` when it can): ``fully_shard`` is public in
+    ``torch.distributed.fsdp`` from torch 2.6 on.
+
+    Example::
+
+        >>> fsdp2_missing() is None or fsdp2_missing().startswith("fsdp2 needs")
+        True
+    """
+    try:
+        from torch.distributed.fsdp import fully_shard  # noqa: F401
+    except ImportError:
+        return (f"fsdp2 needs torch.distributed.fsdp.fully_shard (torch >= 2.6); this is torch "
+                f"{torch.__version__}")
+    return None
+
+
+def fsdp2_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules :func:`apply_fsdp2` shards on their own, children before parents: the
+    blocks, as torch's FSDP2 docs shard each transformer block — every element of an
+    ``nn.Sequential`` or ``nn.ModuleList`` anywhere in ``model`` (the layers of a plain
+    ``Sequential``, the blocks of a ResNet stage or a transformer's stack) that has
+    parameters and shares none with a module outside it (tied weights: FSDP2 cannot shard one
+    parameter in two groups, so they stay with an enclosing group, as the docs do for tied
+    embeddings). The root is not in the list; what no unit takes is the root's.
+
+    Not every module with parameters of its own: a unit must be *called*, since FSDP2 gathers
+    a unit's parameters in its forward pre-hook, and a module may read a child's parameters
+    without calling it (``nn.MultiheadAttention`` reads ``out_proj.weight``: sharded alone, it
+    fails with "mixed torch.Tensor and DTensor"). A container's elements are called.
+
+    Example::
+
+        >>> lin = torch.nn.Linear
+        >>> m = torch.nn.Sequential(lin(3, 3), torch.nn.ReLU(), torch.nn.Sequential(lin(3, 3), lin(3, 3)))
+        >>> [type(u).__name__ for u in fsdp2_units(m)]
+        ['Linear', 'Linear', 'Sequential', 'Linear']
+        >>> m[0].weight = m[2][1].weight      # tied: m[0], m[2][1] and m[2] stay with the root
+        >>> [type(u).__name__ for u in fsdp2_units(m)]
+        ['Linear']
+    """
+    inside: dict[int, set[int]] = {}  # a module's id -> ids of the modules in its subtree
+    for mod in model.modules():
+        inside[id(mod)] = {id(x) for x in mod.modules()}
+    owners: dict[int, set[int]] = {}  # a parameter's id -> the modules that hold it
+    for mod in model.modules():
+        for p in mod.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(id(mod))
+    units = []
+    for container in model.modules():
+        if not isinstance(container, (torch.nn.Sequential, torch.nn.ModuleList)):
+            continue
+        for mod in container.children():
+            params = list(mod.parameters())
+            if params and all(owners[id(p)] <= inside[id(mod)] for p in params):
+                units.append(mod)
+    units = list({id(u): u for u in units}.values())  # one module in two containers: once
+    order = {id(m): i for i, m in enumerate(model.modules())}
+    return sorted(units, key=lambda u: -order[id(u)])  # modules() is parents first
+
+
+def apply_fsdp2(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` sharded by torch's FSDP2 as its docs recommend: ``fully_shard`` on each block
+    (:func:`fsdp2_units`), then on the root (which takes every parameter left). One mesh
+    over every rank of the default group, on ``device``'s type (gloo on CPU, NCCL on CUDA)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for unit in fsdp2_units(model):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of every tensor in ``optimizer.state`` held on this rank: a DTensor's (FSDP2)
+    counts its local shard only (``to_local()``).
+
+    The bench reads it after training, and that is the peak: SGD, Adam and AdamW create their
+    state at a parameter's first step and only ever update it in place afterwards, so the
+    state never shrinks (the optimizers :func:`~usbyte_opt.profiler.make_optimizer` makes).
+
+    Example::
+
+        >>> p = torch.nn.Parameter(torch.zeros(10))
+        >>> opt = torch.optim.SGD([p], lr=0.1, momentum=0.9)
+        >>> p.grad = torch.ones(10); opt.step()
+        >>> state_bytes(opt)    # the momentum buffer: 10 float32
+        40
+    """
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for st in optimizer.state.values():
+        for v in st.values():
+            if isinstance(v, DTensor):
+                v = v.to_local()
+            if torch.is_tensor(v):
+                total += v.numel() * v.element_size()
+    return total
+
+
 class Trainee:
-    """One way of training the model: ``"ddp"`` (torch DDP, default buckets), ``"runtime"``
-    (DistributedOptimizer with ``schedule``) or ``"local"`` (no communication: the compute
-    reference).
+    """One way of training the model: ``"ddp"`` (torch DDP, default buckets), ``"fsdp2"``
+    (torch FSDP2, :func:`apply_fsdp2`), ``"runtime"`` (DistributedOptimizer with
+    ``schedule``, in the schedule's mode: all-reduce or sharded) or ``"local"`` (no
+    communication: the compute reference). All of them with the same optimizer type and
+    hyperparameters (:func:`~usbyte_opt.profiler.make_optimizer`).
 
     Args:
         name: the strategy name it reports under.
-        kind: ``ddp``, ``runtime`` or ``local``.
+        kind: ``ddp``, ``ddp-tuned``, ``fsdp2``, ``runtime`` or ``local``.
         spec: the model spec (built-in name, ``module:factory`` or a factory).
         batch_size: per-rank batch size.
         device: the training device.
@@ -76,6 +187,13 @@ class Trainee:
             ids = [device.index] if device.type == "cuda" else None
             self.model = wrap(model, schedule, device_ids=ids)
             self.opt = make_optimizer(optimizer, params)
+        elif kind == "fsdp2":
+            missing = fsdp2_missing()
+            if missing:
+                raise UsbyteError(missing)
+            self.model = apply_fsdp2(model, device)
+            # fully_shard swapped the parameters for DTensor shards: the optimizer takes those.
+            self.opt = make_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad])
         elif kind == "runtime":
             from ..runtime import DistributedOptimizer
 
@@ -86,7 +204,7 @@ class Trainee:
             self.model = model
             self.opt = make_optimizer(optimizer, params)
         else:
-            raise ValueError(f"kind: expected ddp, ddp-tuned, runtime or local, got {kind!r}")
+            raise ValueError(f"kind: expected ddp, ddp-tuned, fsdp2, runtime or local, got {kind!r}")
         self.steps = 0
         self._losses: list[torch.Tensor] = []
         self.durations_ms: list[float] = []
@@ -124,9 +242,21 @@ class Trainee:
             self.opt.synchronize()
 
     def parameters(self) -> torch.Tensor:
-        """Every trainable parameter, flattened (after :meth:`drain`)."""
-        return torch.cat([p.detach().reshape(-1).float().cpu()
+        """Every trainable parameter, flattened (after :meth:`drain`). FSDP2's are gathered
+        whole from their shards (``full_tensor()``, a collective: every rank calls this for
+        the same trainees in the same order)."""
+        from torch.distributed.tensor import DTensor
+
+        return torch.cat([(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach())
+                          .reshape(-1).float().cpu()
                           for p in self.plain.parameters() if p.requires_grad])
+
+    def state_bytes(self) -> int:
+        """This rank's optimizer-state bytes (:func:`state_bytes`, the peak after training):
+        of the user's optimizer object, the one the runtime wraps (``opt.optimizer``; in
+        sharded mode it holds this rank's shards only), for the others of their optimizer
+        (FSDP2: the local shards of its DTensor state)."""
+        return state_bytes(self.opt.optimizer if self.kind == "runtime" else self.opt)
 
 
 #: Iterations of the untimed pass in which a runtime with a trace file records its timeline.
@@ -214,4 +344,5 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
             dist.barrier()
 
 
-__all__ = ["BATCHES", "TRACED", "Trainee", "interleave", "turn"]
+__all__ = ["BATCHES", "TRACED", "Trainee", "apply_fsdp2", "fsdp2_missing", "fsdp2_units", "interleave",
+           "state_bytes", "turn"]

@@ -11,10 +11,11 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
    training iterations run (:func:`usbyte_opt.profiler.probe.comm_under_compute`, kept in the
    profile's ``meta.cpu_probe``) — or loads ``--profile`` (probing here if it has no probe);
 3. rank 0 plans every strategy (:func:`usbyte_opt.planning.planner.compare`, so ``best`` is seeded
-   with all of them) and broadcasts the schedules;
+   with all of them; the sharded ones with ``shard=True``, :func:`usbyte_opt.bench.plan_reports`)
+   and broadcasts the schedules;
 4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
 5. compares each trainee's final parameters with the reference (DDP) and sends its timings
-   to rank 0, which writes ``raw.json`` in the output folder.
+   and its optimizer-state bytes to rank 0, which writes ``raw.json`` in the output folder.
 
 Rank 0 prints progress as ``@@ <text>`` lines on stderr (the launcher shows them); a failure
 is recorded in the rank's torch elastic error file, which the launcher reads, and is one
@@ -47,6 +48,9 @@ BEST = "best"
 REFERENCE = "no-comm"
 #: Stock PyTorch DDP with the planned buckets (``usbyte_opt.ddp.wrap``).
 DDP_TUNED = "ddp-tuned"
+#: PyTorch FSDP2 itself (``fully_shard`` per block, :func:`usbyte_opt.bench.train.apply_fsdp2`):
+#: nothing planned, nothing predicted.
+TORCH_FSDP2 = "fsdp2"
 
 
 def _say(rank: int) -> Callable[[str], None]:
@@ -64,13 +68,18 @@ class Prediction:
     ms: float | None
     """The planner's prediction; ``None`` for ``auto`` until the run says what it chose."""
     mode: str
-    """``overlap`` or ``fence`` (PyTorch DDP), ``compute`` (no-comm), ``auto``."""
+    """``overlap`` or ``fence`` (PyTorch DDP), ``sharded`` (ZeRO-1), ``compute`` (no-comm),
+    ``auto``, ``none`` (FSDP2: no prediction)."""
     blocks: int | None
     refined_ms: float | None = None
     """Set by :func:`refine` once training has run."""
+    state_bytes: int | None = None
+    """Predicted optimizer-state bytes per rank, where the planner predicts them (its
+    sharded strategies)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {"ms": self.ms, "mode": self.mode, "blocks": self.blocks, "refined_ms": self.refined_ms}
+        return {"ms": self.ms, "mode": self.mode, "blocks": self.blocks, "refined_ms": self.refined_ms,
+                "state_bytes": self.state_bytes}
 
 
 @dataclass(slots=True)
@@ -121,31 +130,41 @@ class LoadedComm:
 
 
 def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
-    """Plan every registered strategy on ``profile``; return the schedules and predictions
-    of ``strategies`` (``no-comm``: forward + backward + optimizer step). Each prediction has
-    the planner's ``ms`` in the ``mode`` its schedule runs in (PyTorch DDP: fence);
-    :func:`refine` adds ``refined_ms`` once training has run."""
+    """Plan every registered strategy on ``profile`` (and, when ``strategies`` has sharded
+    names, every sharded one: :func:`usbyte_opt.bench.plan_reports`); return the schedules
+    and predictions of ``strategies`` (``no-comm``: forward + backward + optimizer step;
+    ``fsdp2``: none). Each prediction has the planner's ``ms`` in the ``mode`` its schedule
+    runs in (PyTorch DDP: fence); :func:`refine` adds ``refined_ms`` once training has run."""
     from ..env import AUTO
     from ..errors import UsbyteError
-    from ..planning.planner import compare
+    from . import plan_reports
 
-    report = compare(profile, options={BEST: {"time_budget_s": time_budget_s}})
+    report, sharded = plan_reports(profile, strategies, {BEST: {"time_budget_s": time_budget_s}})
     out = Planned({}, {}, report.lower_bound_ms, report.compute_ms,
                   sum(t.update_ms for t in profile.tensors),
                   {n: {"iteration_ms": r.iteration_ms, "mode": r.mode, "overlap_ms": r.overlap_ms,
                        "fence_ms": r.fence_ms, "blocks": r.blocks}
                    for n, r in report.results.items()})
+    if sharded is not None:
+        out.all.update({n: {"iteration_ms": r.iteration_ms, "mode": r.mode, "blocks": r.blocks,
+                            "state_bytes": getattr(r, "state_bytes", None)}
+                        for n, r in sharded.results.items()})
     for s in strategies:
+        rep_s = sharded if sharded is not None and s in sharded.results else report
         if s == REFERENCE:
             out.predicted[s] = Prediction(out.compute_ms + out.update_ms, "compute", 0)
         elif s == AUTO:  # planned inside the run; its own prediction is read after training
             out.predicted[s] = Prediction(None, "auto", None)
-        elif s not in report.results:
-            raise UsbyteError(f"--strategies: {s}: {report.skipped.get(s, 'not planned')}")
+        elif s == TORCH_FSDP2:  # torch's own sharding: nothing to plan
+            out.predicted[s] = Prediction(None, "none", None)
+        elif s not in rep_s.results:
+            skipped = {**report.skipped, **(sharded.skipped if sharded is not None else {})}
+            raise UsbyteError(f"--strategies: {s}: {skipped.get(s, 'not planned')}")
         else:
-            r = report.results[s]
-            out.schedules[s] = report.schedule(s)
-            out.predicted[s] = Prediction(r.iteration_ms, r.mode, r.blocks)
+            r = rep_s.results[s]
+            out.schedules[s] = rep_s.schedule(s)
+            out.predicted[s] = Prediction(r.iteration_ms, r.mode, r.blocks,
+                                          state_bytes=getattr(r, "state_bytes", None))
     return out
 
 
@@ -174,7 +193,9 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
     for s, pred in planned.predicted.items():
         if s == REFERENCE:
             pred.refined_ms = (planned.compute_ms + planned.update_ms) * compute_scale
-        elif s not in planned.schedules:  # auto: no schedule known ahead
+        elif s not in planned.schedules:  # auto: no schedule known ahead; fsdp2: none
+            pred.refined_ms = None
+        elif planned.schedules[s].mode == Mode.SHARDED:  # no refined model of sharded mode
             pred.refined_ms = None
         elif pred.mode == Mode.FENCE:  # the whole step already runs on the training thread
             sched = planned.schedules[s]
@@ -385,10 +406,12 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
             trainees.append(Trainee(s, "local", job.model, batch, dev, opt, rank=rank))
         elif s == TORCH_DDP:
             trainees.append(Trainee(s, "ddp", job.model, batch, dev, opt, rank=rank))
+        elif s == TORCH_FSDP2:
+            trainees.append(Trainee(s, "fsdp2", job.model, batch, dev, opt, rank=rank))
         elif s == DDP_TUNED:
             trainees.append(Trainee(s, "ddp-tuned", job.model, batch, dev, opt,
                                     planned.schedules[s], rank=rank))
-        else:
+        else:  # the runtime, in its schedule's mode (all-reduce or sharded)
             if job.trace:
                 traces[s] = str(out / "traces" / f"{s}.measured.json")
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
@@ -402,12 +425,14 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
 
 
 def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
-    """Correctness against the reference (DDP, else the first runtime strategy), then every
-    rank's timings to every rank: the reference and the ranks' outcomes."""
+    """Correctness against the reference (DDP, else the first runtime strategy, else FSDP2),
+    then every rank's timings and optimizer-state bytes to every rank: the reference and the
+    ranks' outcomes."""
     import torch.distributed as dist
 
     ref = next((t for t in trainees if t.kind == "ddp"), None)
     ref = ref or next((t for t in trainees if t.kind == "runtime"), None)
+    ref = ref or next((t for t in trainees if t.kind == "fsdp2"), None)
     ref_params = ref.parameters() if ref is not None else None
     mine = {}
     for t in trainees:
@@ -419,7 +444,8 @@ def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
         elif t is ref:
             diff = 0.0
         mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses, "steps": t.steps,
-                        "max_param_diff": diff, "runtime": t.report()}
+                        "max_param_diff": diff, "runtime": t.report(),
+                        "state_bytes": t.state_bytes()}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     return ref, every
@@ -441,6 +467,7 @@ def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned)
                    "losses_rank0": per_rank[0]["losses"],
                    "steps": per_rank[0]["steps"],
                    "max_param_diff": max(diffs) if diffs else None,
+                   "state_bytes_by_rank": [p["state_bytes"] for p in per_rank],
                    "runtime": per_rank[0]["runtime"]}
         rt = per_rank[0]["runtime"] or {}
         pred = planned.predicted.get(s)

@@ -1,8 +1,9 @@
 """``usbyte-opt bench MODEL``: real training side by side with DDP, measured against predicted.
 
 Profiles MODEL on real ranks (or takes ``--profile``), plans every strategy, trains the same
-model with PyTorch DDP and with the runtime under each strategy's schedule, and prints the
-measured iteration time beside the prediction. ``--bandwidth 200mbit`` runs the ranks in the
+model with PyTorch DDP (and PyTorch FSDP2, ``fsdp2``) and with the runtime under each
+strategy's schedule (the sharded ones in ZeRO-1 mode), and prints the measured iteration time
+beside the prediction and each strategy's optimizer-state bytes per rank. ``--bandwidth 200mbit`` runs the ranks in the
 lab (network namespaces joined by a tbf-shaped veth link; root only). The domain work is
 :func:`usbyte_opt.bench.run_bench`.
 """
@@ -15,16 +16,16 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import console
-from ..bench import default_strategies
-from ..bench.worker import TORCH_DDP
+from ..bench import SHARDED_STRATEGIES, default_strategies
+from ..bench.worker import TORCH_DDP, TORCH_FSDP2
 from ..env import AUTO
 from ..planning.strategies import load_builtin
 from . import common
 
 #: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
 #: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
-DEFAULT_COLUMNS = ("strategy", "measured ms", "predicted ms", "error", "vs DDP", "vs bound",
-                   "blocks")
+DEFAULT_COLUMNS = ("strategy", "measured ms", "state MB", "predicted ms", "error", "vs DDP",
+                   "vs bound", "blocks")
 
 
 def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
@@ -61,10 +62,16 @@ def bench(
         "--iterations", "-k", min=1, help="Timed steady-state iterations per strategy.")] = 20,
     strategies: Annotated[str, typer.Option(
         "--strategies", "-s",
-        help=f"Comma-separated, among {', '.join(load_builtin())} and {AUTO}; {TORCH_DDP} is "
-             f"PyTorch DDP itself, ddp-tuned stock DDP with the planned buckets, {AUTO} the "
-             "runtime planning in the run (no profile given to it), the others the usbyte-opt "
-             "runtime with their schedule.")] = ", ".join(default_strategies()),
+        help=f"Comma-separated, among {', '.join(load_builtin())}, {AUTO}, {TORCH_FSDP2} and "
+             f"the sharded {', '.join(SHARDED_STRATEGIES)}; {TORCH_DDP} is PyTorch DDP itself, "
+             f"ddp-tuned stock DDP with the planned buckets, {TORCH_FSDP2} PyTorch FSDP2 "
+             "(fully_shard on every module with parameters of its own, then the root; not "
+             f"planned, not predicted, not in the default), {AUTO} the runtime planning in the "
+             "run (no profile given to it), the others the usbyte-opt runtime with their "
+             f"schedule: {', '.join(SHARDED_STRATEGIES)} in sharded mode (ZeRO-1: each rank "
+             "keeps the optimizer state of its shard; refused while the planner cannot plan "
+             "them). state MB: the optimizer state of the rank holding most of it.")]
+        = ", ".join(default_strategies()),
     profile: Annotated[Optional[Path], typer.Option(
         "--profile", "-p", dir_okay=False, exists=True, help="Use this profile instead of "
                                                              "profiling first.")] = None,
@@ -90,7 +97,8 @@ def bench(
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
-    """Train MODEL with DDP and with each strategy's schedule; report measured against predicted."""
+    """Train MODEL with DDP and with each strategy's schedule; report measured against predicted,
+    and each one's optimizer state per rank."""
     from ..bench import BenchConfig, default_out_dir, run_bench
 
     cfg = BenchConfig(model=model, nproc=nproc_per_node, bandwidth=bandwidth, iterations=iterations,
