@@ -7,8 +7,6 @@ runtime hold about half of DDP's optimizer state on each of 2 ranks — never ti
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import json
 import math
 import os
@@ -26,11 +24,6 @@ from usbyte_opt.bench.report import COLUMNS, compare_trace, markdown, stats, sum
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.launcher import run_local, values
 from usbyte_opt.models import make_batches
-from usbyte_opt.planning.planner import compare
-
-#: Whether the planner plans the sharded strategies yet (``compare(..., shard=True)``).
-SHARD_PLANNER = "shard" in inspect.signature(compare).parameters
-NO_SHARD_PLANNER = "the planner's compare() takes no shard= yet (sharded strategies not landed)"
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -151,13 +144,6 @@ def test_fsdp2_is_refused_in_one_line_on_a_torch_without_it(monkeypatch):
         BenchConfig(model="cnn", strategies=("ddp", "fsdp2")).job(Path("x"))
 
 
-@pytest.mark.skipif(SHARD_PLANNER, reason="the planner plans sharded strategies: nothing refused")
-def test_sharded_names_are_refused_in_one_line_before_the_planner_has_them():
-    with pytest.raises(UsbyteError, match=r"^--strategies: fsdp-like: .*no sharded strategies yet"):
-        BenchConfig(model="cnn", strategies=("ddp", "fsdp-like")).job(Path("x"))
-
-
-@pytest.mark.skipif(not SHARD_PLANNER, reason=NO_SHARD_PLANNER)
 def test_sharded_names_are_planned_in_sharded_mode():
     """The planner's sharded strategies (``compare(..., shard=True)``): every one a schedule in
     sharded mode, with a predicted per-rank state; the all-reduce ones as before."""
@@ -311,55 +297,35 @@ def test_gpu_check_smoke_runs_its_two_rank_and_flow_parts_on_cpu(tmp_path):
     assert "max |runtime - DDP| = 0" in text and "matches DDP: True" in text
 
 
-def bench_with_converted_sharded_schedule(rank: int, world: int, cfg: BenchConfig):
-    """One rank of a bench under torchrun's variables (``run_bench`` on this process group),
-    with a planner that plans sharded strategies the way ``compare(..., shard=True)`` will:
-    here the sharded strategy ``ddp-sharded`` is DDP's all-reduce schedule put in sharded mode
-    (``dataclasses.replace(schedule, mode=Mode.SHARDED)``), which the runtime runs as ZeRO-1."""
-    import usbyte_opt.bench as bench
-    from usbyte_opt.formats import Mode
-    from usbyte_opt.planning import planner
-
-    real = planner.compare
-
-    class ShardedReport:
-        """What ``compare(..., shard=True)`` returns: ``results``, ``skipped``, ``schedule()``."""
-
-        def __init__(self, profile, names):
-            self.base = real(profile, ["ddp"])
-            r = self.base.results["ddp"]
-            self.results = {n: dataclasses.replace(r, name=n, mode=Mode.SHARDED) for n in names}
-            self.skipped = {}
-
-        def schedule(self, name):
-            return dataclasses.replace(self.base.schedule("ddp"), strategy=name, mode=Mode.SHARDED)
-
-    def compare_with_shard(profile, strategies=None, *args, shard=False, **kw):
-        return ShardedReport(profile, strategies) if shard else real(profile, strategies, *args, **kw)
-
-    planner.compare = compare_with_shard
-    bench.SHARDED_STRATEGIES = ("ddp-sharded",)
+def bench_rank(rank: int, world: int, cfg: BenchConfig):
+    """One rank of a bench under torchrun's variables (``run_bench`` on this process group)."""
     return run_bench(cfg)
 
 
 def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
-    """A sharded schedule trained on the runtime (its wrapped optimizer holds this rank's
-    shard only): training matches DDP's, with about half of DDP's optimizer state per rank,
-    and the strategy reaches it through the sharded planning path of the bench
-    (:func:`usbyte_opt.bench.plan_reports`), as the planner's own sharded names will."""
+    """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
+    this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
+    per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
+    reduce-scatter and all-gather."""
     out = tmp_path / "s"
-    cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=("ddp", "ddp-sharded"),
+    cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=("ddp", "best-sharded"),
                       out_dir=out, rounds=1, warmup=1, reference=False, plot=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)
-    res = values(run_local(bench_with_converted_sharded_schedule, 2, args=(cfg,), timeout_s=300))[0]
-    check_result(res, out, ["ddp", "ddp-sharded"], logs=False)  # torchrun's ranks: no logs/
+    res = values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0]
+    check_result(res, out, ["ddp", "best-sharded"], logs=False)  # torchrun's ranks: no logs/
     by = {r["strategy"]: r for r in res["runs"]}
-    assert by["ddp-sharded"]["runner"] == "runtime sharded"
-    assert by["ddp-sharded"]["predicted_mode"] == "sharded" and by["ddp-sharded"]["refined_ms"] is None
-    assert json.loads((out / "schedules" / "ddp-sharded.json").read_text())["mode"] == "sharded"
-    assert half_of(by["ddp-sharded"]["state_bytes_by_rank"], by["ddp"]["state_bytes_by_rank"])
+    bs = by["best-sharded"]
+    assert bs["runner"] == "runtime sharded" and bs["predicted_mode"] == "sharded"
+    assert bs["refined_ms"] > 0 and bs["predicted_state_bytes"] > 0
+    assert bs["vs_lower_bound"] == pytest.approx(bs["measured_ms"] / res["sharded_lower_bound_ms"],
+                                                 rel=1e-3)
+    sched = json.loads((out / "schedules" / "best-sharded.json").read_text())
+    assert sched["mode"] == "sharded" and "gathers" in sched
+    prof = json.loads((out / "profile.json").read_text())
+    assert "reduce_scatter" in prof["comm"] and "all_gather" in prof["comm"]
+    assert half_of(bs["state_bytes_by_rank"], by["ddp"]["state_bytes_by_rank"])
 
 
 def unseeded_factory(batch_size: int):

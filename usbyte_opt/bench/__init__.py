@@ -50,28 +50,15 @@ from ..env import TRACE_ENV
 from ..errors import DistributedError, UsbyteError
 from ..formats import Mode
 from ..launcher import threads_per_rank
+from ..planning.strategies import load_sharded
 from ..profiler.options import ProfileOptions
 from .job import Job
 from .worker import REFERENCE, TORCH_DDP, TORCH_FSDP2
 
 #: The planner's sharded strategies (schedules in ``Mode.SHARDED``, ZeRO-1 on the runtime)
 #: that ``--strategies`` takes; planned by ``planning.planner.compare(..., shard=True)``
-#: (:func:`plan_reports`), and refused in one line while the planner cannot do that
-#: (:func:`sharded_planning_missing`).
-SHARDED_STRATEGIES: tuple[str, ...] = ("fsdp-like", "dear-like", "best-sharded")
-
-
-def sharded_planning_missing() -> str | None:
-    """Why the planner cannot plan :data:`SHARDED_STRATEGIES` (``None`` when it can): its
-    ``compare`` takes no ``shard`` argument yet."""
-    import inspect
-
-    from ..planning import planner
-
-    if "shard" in inspect.signature(planner.compare).parameters:
-        return None
-    return ("this usbyte-opt's planner has no sharded strategies yet (planning.planner.compare "
-            "takes no shard=)")
+#: (:func:`plan_reports`).
+SHARDED_STRATEGIES: tuple[str, ...] = tuple(load_sharded())
 
 
 def split_strategies(strategies: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -93,9 +80,6 @@ def plan_reports(profile: Any, strategies: Sequence[str],
     (``compare(profile, names, options)``, so that ``best`` is seeded with all of them), and,
     only when ``strategies`` has sharded names, every one of :data:`SHARDED_STRATEGIES`
     (``compare(profile, names, shard=True)``; else ``None``).
-
-    Raises:
-        UsbyteError: a sharded name was asked for and the planner cannot plan it.
     """
     from ..planning import planner
     from ..planning.strategies import load_builtin
@@ -105,9 +89,6 @@ def plan_reports(profile: Any, strategies: Sequence[str],
     report = planner.compare(profile, names, options=options)
     if not sharded:
         return report, None
-    missing = sharded_planning_missing()
-    if missing:
-        raise UsbyteError(f"--strategies: {', '.join(sharded)}: {missing}")
     return report, planner.compare(profile, list(SHARDED_STRATEGIES), shard=True)
 
 
@@ -184,8 +165,8 @@ class BenchConfig:
         """The strategies to train, each once, in order (``no-comm`` last with ``reference``).
 
         Raises:
-            UsbyteError: an unknown name; ``fsdp2`` on a torch without FSDP2, or a sharded
-                name the planner cannot plan yet — before any rank starts.
+            UsbyteError: an unknown name, or ``fsdp2`` on a torch without FSDP2 — before any
+                rank starts.
         """
         from ..env import AUTO
         from ..planning.strategies import load_builtin
@@ -201,9 +182,6 @@ class BenchConfig:
                 out.append(s)
         if TORCH_FSDP2 in out and (missing := fsdp2_missing()):
             raise UsbyteError(f"--strategies: {missing}")
-        _, sharded = split_strategies(out)
-        if sharded and (missing := sharded_planning_missing()):
-            raise UsbyteError(f"--strategies: {', '.join(sharded)}: {missing}")
         if not out:
             raise UsbyteError("--strategies: expected at least one strategy")
         if self.reference:
@@ -391,7 +369,7 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
             mode = (Mode.FENCE if s == TORCH_DDP else
                     Mode.SHARDED if sched.mode == Mode.SHARDED else Mode.OVERLAP)
             if mode not in MODES:
-                continue  # a sharded schedule: the simulator has no timeline of it yet
+                continue
             predicted = chrome_trace(simulate(prof, sched, mode=mode), f"{s} (predicted)")
             measured = []
             mpath = raw["traces"].get(s)
@@ -410,5 +388,5 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
 
 
 __all__ = ["SHARDED_STRATEGIES", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
-           "network_info", "plan_reports", "run_bench", "sharded_planning_missing",
+           "network_info", "plan_reports", "run_bench",
            "split_strategies"]

@@ -95,10 +95,15 @@ class Planned:
     update_ms: float
     all: dict[str, dict[str, Any]]
     """Every registered strategy's result (iteration, mode, overlap/fence ms, blocks)."""
+    sharded_lower_bound_ms: float | None = None
+    """Sharded mode's lower bound, when sharded strategies were planned: what their measured
+    times are held against (:func:`usbyte_opt.planning.sharded.sharded_lower_bound`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """The ``planned`` object of ``raw.json`` (without the schedules, which are files)."""
-        return {"lower_bound_ms": self.lower_bound_ms, "compute_ms": self.compute_ms,
+        return {"lower_bound_ms": self.lower_bound_ms,
+                "sharded_lower_bound_ms": self.sharded_lower_bound_ms,
+                "compute_ms": self.compute_ms,
                 "update_ms": self.update_ms, "all": self.all,
                 "predicted": {s: p.to_dict() for s, p in self.predicted.items()}}
 
@@ -146,6 +151,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
                        "fence_ms": r.fence_ms, "blocks": r.blocks}
                    for n, r in report.results.items()})
     if sharded is not None:
+        out.sharded_lower_bound_ms = sharded.lower_bound_ms
         out.all.update({n: {"iteration_ms": r.iteration_ms, "mode": r.mode, "blocks": r.blocks,
                             "state_bytes": getattr(r, "state_bytes", None)}
                         for n, r in sharded.results.items()})
@@ -195,8 +201,10 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
             pred.refined_ms = (planned.compute_ms + planned.update_ms) * compute_scale
         elif s not in planned.schedules:  # auto: no schedule known ahead; fsdp2: none
             pred.refined_ms = None
-        elif planned.schedules[s].mode == Mode.SHARDED:  # no refined model of sharded mode
-            pred.refined_ms = None
+        elif planned.schedules[s].mode == Mode.SHARDED:  # its own model, on the loaded comm
+            from ..planning.simulate import simulate
+
+            pred.refined_ms = simulate(rp, planned.schedules[s], check=False).iteration_ms
         elif pred.mode == Mode.FENCE:  # the whole step already runs on the training thread
             sched = planned.schedules[s]
             pred.refined_ms = simulate_blocks(rp, rp.layout(sched.buffers), sched.blocks,
@@ -324,9 +332,12 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        # The bench trains all-reduce strategies only: reduce-scatter and all-gather are not
-        # swept (they would only lengthen the run).
-        opts = dataclasses.replace(job.profiling, shard_sweep=False)
+        # Reduce-scatter and all-gather are swept only for sharded strategies (they would only
+        # lengthen the run of all-reduce ones).
+        from . import split_strategies
+
+        opts = dataclasses.replace(job.profiling,
+                                   shard_sweep=bool(split_strategies(job.strategies)[1]))
         prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
                              progress=progress)
     path = str(Path(job.out_dir) / "profile.json")
