@@ -10,6 +10,8 @@ ranks ``a/2 + b/2`` is the same sum in either collective, so the runs agree bitw
 from __future__ import annotations
 
 import dataclasses
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +71,20 @@ def sharded(make: Callable[[nn.Module, int], Schedule]) -> Callable[[nn.Module, 
 
 SHARDED_CROSSCUT = sharded(sched_crosscut)
 
+#: All-gather groups over crosscut's 7 blocks (odd lengths: 1, 3, 6): non-adjacent blocks
+#: together, out of block order, a padded block alone (3), two padded together (6, 1), two
+#: unpadded together (2, 0) and unpadded ones alone (gathered straight into the flat buffer).
+GATHERS_7 = ((2, 0), (3,), (6, 1), (5,), (4,))
+#: Over Mixed's 14 crosscut blocks: buffer 0 (fp32) holds 0-2 and 10-13, buffer 1 (bf16) 3-9.
+GATHERS_MIXED = ((11, 0), (5, 3, 8), (13,), (4,), (9, 6), (1, 2, 10, 12), (7,))
+
+
+def grouped(gathers: tuple[tuple[int, ...], ...],
+            make: Callable[[nn.Module, int], Schedule] = SHARDED_CROSSCUT
+            ) -> Callable[[nn.Module, int], Schedule]:
+    """``make``'s schedule with these all-gather groups."""
+    return lambda m, ws: dataclasses.replace(make(m, ws), gathers=gathers)
+
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
@@ -78,14 +94,15 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: int, ws: int, *,
           schedule: Callable = SHARDED_CROSSCUT, steps: int = STEPS,
           set_to_none: bool = True, lr_scheduler: bool = False, passes: int = 1,
-          use_no_sync: bool = False, forward: Callable | None = None) -> dict[str, Any]:
+          use_no_sync: bool = False, forward: Callable | None = None,
+          **usb_kwargs: Any) -> dict[str, Any]:
     """DDP and the sharded runtime side by side; ``passes`` micro-batches per step (the
     runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``)."""
     ref, mod = twins(make)
     ddp = DDP(ref, find_unused_parameters=forward is not None)
     o_ref = opt(ref.parameters())
     fwd = forward or (lambda m, x, step: m(x))
-    kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws)}
+    kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws), **usb_kwargs}
     if not use_no_sync:
         kw["backward_passes_per_step"] = passes
     o_usb = DistributedOptimizer(opt(mod.parameters()), mod, **kw)
@@ -176,6 +193,47 @@ def case_mixed_dtypes(rank: int, ws: int) -> dict:
     rel = max(((pr[n].float() - pm[n].float()).abs() / pr[n].float().abs().clamp_min(1e-3))
               .max().item() for n in bf16)
     return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in fp32), "bf16_rel": rel}
+
+
+def case_gathers(opt_name: str, rank: int, ws: int) -> dict:
+    """Grouped all-gathers in a non-trivial order (:data:`GATHERS_7`)."""
+    return result(train(SmallCNN, OPTIMIZERS[opt_name], image_batch, rank, ws, steps=6,
+                        schedule=grouped(GATHERS_7)))
+
+
+def case_gathers_tied(rank: int, ws: int) -> dict:
+    """Grouped all-gathers with a frozen, a tied and an odd-sized tensor."""
+    return result(train(FrozenTied, OPTIMIZERS["adam"], token_batch, rank, ws, steps=6,
+                        schedule=grouped(GATHERS_7)))
+
+
+def case_gathers_mixed(rank: int, ws: int) -> dict:
+    """Grouped all-gathers over an fp32 and a bf16 buffer (each group of one dtype); the fp32
+    parameters bitwise, as :func:`case_mixed_dtypes`."""
+    out = train(Mixed, OPTIMIZERS["sgd_momentum"], vec_batch, rank, ws, steps=2,
+                schedule=grouped(GATHERS_MIXED))
+    pr, pm = dict(out["ref"].named_parameters()), dict(out["mod"].named_parameters())
+    return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in pr
+                        if pr[n].dtype == torch.float32)}
+
+
+def case_gather_order(rank: int, ws: int) -> dict:
+    """The order the all-gathers go out and end, read from the runtime's trace: each is
+    recorded when it is handed to the process group, and again from its work's future when
+    gloo finishes it (on the one-thread group the blocks go through, in issue order)."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    out = train(SmallCNN, OPTIMIZERS["sgd_momentum"], image_batch, rank, ws, steps=3,
+                schedule=grouped(GATHERS_7), trace=path)
+    o_usb = out["o_usb"]
+    rec = o_usb._state.trace
+    assert rec is not None
+    evs = [e for e in rec.chrome()["traceEvents"]
+           if e.get("ph") == "X" and "gather" in e.get("args", {})]
+    by_issue = [e["args"]["gather"] for e in sorted(evs, key=lambda e: e["args"]["issued_us"])]
+    by_done = [e["args"]["gather"] for e in sorted(evs, key=lambda e: e["args"]["done_us"])]
+    o_usb.close()
+    return {"diff": out["diff"], "by_issue": by_issue, "by_done": by_done,
+            "blocks": [e["args"]["blocks"] for e in evs[:len(GATHERS_7)]]}
 
 
 def case_parent(rank: int, ws: int) -> dict:
@@ -336,6 +394,16 @@ def case_refusals(rank: int, ws: int) -> dict:
 
     out["rmsprop"] = _refused(lambda: build(lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
     out["wait_in_backward"] = _refused(lambda: build(OPTIMIZERS["adam"], wait_in_backward=True))
+
+    def build_gathers(make: Callable[[], nn.Module], gathers: tuple) -> DistributedOptimizer:
+        m = make()
+        return DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+                                    schedule=grouped(gathers)(m, ws))
+
+    out["gathers_missing"] = _refused(lambda: build_gathers(SmallCNN, ((2, 0), (3, 1), (6,))))
+    out["gathers_twice"] = _refused(lambda: build_gathers(SmallCNN, GATHERS_7 + ((0,),)))
+    mixed = tuple((k,) for k in range(14) if k not in (0, 3)) + ((0, 3),)
+    out["gathers_dtypes"] = _refused(lambda: build_gathers(Mixed, mixed))
     m = SmallCNN()
     o = DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
                              schedule=sharded(sched_crosscut)(m, ws))
@@ -370,6 +438,11 @@ CASES.update({
     "foreach_fused": case_foreach_fused,
     "mixed_dtypes": case_mixed_dtypes,
     "parent": case_parent,
+    "gathers-sgd_momentum": lambda r, w: case_gathers("sgd_momentum", r, w),
+    "gathers-adam": lambda r, w: case_gathers("adam", r, w),
+    "gathers_tied": case_gathers_tied,
+    "gathers_mixed": case_gathers_mixed,
+    "gather_order": case_gather_order,
     "transformer": case_transformer,
     "accumulation": case_accumulation,
     "no_sync": case_no_sync,
@@ -459,11 +532,25 @@ def test_all_gathers_wait_in_the_next_forward(results: list[dict[str, dict]]) ->
         assert all(got["stale_after_step"])
 
 
+def test_all_gathers_go_out_and_end_in_the_gathers_order(results: list[dict[str, dict]]) -> None:
+    want = list(range(len(GATHERS_7))) * 3   # 3 steps, the groups in order each time
+    for r in results:
+        got = r["gather_order"]
+        assert got["by_issue"] == want
+        assert got["by_done"] == want
+        assert got["blocks"] == [list(g) for g in GATHERS_7]
+
+
 def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
     for r in results:
         got = r["refusals"]
         assert "RMSprop is not supported" in got["rmsprop"]
         assert "wait_in_backward" in got["wait_in_backward"]
+        assert "block 4 is in no all-gather" in got["gathers_missing"]
+        assert "block 0 is in gathers[0] and gathers[5]" in got["gathers_twice"]
+        assert "mixes blocks of dtypes bfloat16, float32" in got["gathers_dtypes"]
+        for key in ("gathers_missing", "gathers_twice", "gathers_dtypes"):
+            assert len(got[key].splitlines()) == 1
         assert "clip_grad_norm_() is not supported in sharded mode" in got["clip"]
         assert "synchronize() between backward() and step()" in got["synchronize"]
         assert got["after_step_grad_none"]

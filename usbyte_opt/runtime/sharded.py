@@ -5,7 +5,8 @@ element range ``[lo, hi)`` of its flat buffer (:class:`~.buffers.FlatGrads`, ali
 included), of length ``L``; with ``S = ceil(L / world_size)``, rank ``r`` owns
 ``[lo + r*S, min(lo + (r+1)*S, hi))``. The flat buffers keep their layout; a block whose length
 is not a multiple of the world size goes through a staging tensor of ``world_size * S``
-elements (the block, then zeros), for the reduce-scatter in and the all-gather out.
+elements (the block, then zeros) for the reduce-scatter in, and so does every all-gather out
+but that of a single block without padding (below).
 
 **Optimizer state.** The wrapped optimizer (the user's object) is rebuilt over *shard
 parameters*: one flat 1-D parameter per (block, tensor) piece this rank owns, a view of this
@@ -22,13 +23,22 @@ world size, as for the all-reduce) as soon as it is its turn and its gradients a
 (:class:`~.backward.StepComm` issues through :meth:`Sharded.reduce_scatter`). ``step()``:
 wait for them, copy the owned pieces of the parameters into the shards (so a parameter changed
 outside the optimizer, by ``model.load_state_dict`` say, is what gets stepped), step the
-optimizer on the shards, and issue the all-gather of every block's parameter shard into the
-flat buffer (the gradients there are dead by then), in schedule order. The copy of a tensor's
-gathered values into its parameter is its pending update (:class:`GatherBack`, run by
-:class:`~.updates.HostUpdates`): the forward pre-hook of the tensor's module waits for that
-tensor's blocks only, as overlap mode does for its updates, so the all-gathers of later
-tensors overlap the forward; the next backward, an eval forward, ``synchronize()`` and the
-state-dict hooks apply what is left.
+optimizer on the shards, and issue the all-gathers of the parameter shards (the gradients in
+the flat buffer are dead by then): one per group of the schedule's
+:meth:`~usbyte_opt.formats.Schedule.gather_groups`, in that order (by default one per block,
+in reverse block order, about the order the forward needs them). The parameter shards of a
+group's blocks are consecutive views of one tensor, the group's input (``sum S_k`` elements,
+in group order); its output is ``world_size`` times that, rank-major, in a staging tensor,
+from which each block's part (the ``(world_size, S_k)`` slice, its first ``L_k`` elements) is
+copied into the flat buffer when a tensor of the block is first needed. A group of one block
+without padding is gathered straight into its flat view. A padded block's reduce-scatter
+input is its own disjoint range of its group's staging output (free again by then: every
+gathered value is copied out before the next backward). The copy of a tensor's gathered
+values into its parameter is its pending update (:class:`GatherBack`, run by
+:class:`~.updates.HostUpdates`): the forward pre-hook of the tensor's module waits only for
+the works of the groups holding its blocks (the blocks of a group share one work), as overlap
+mode does for its updates, so the all-gathers of later tensors overlap the forward; the next
+backward, an eval forward, ``synchronize()`` and the state-dict hooks apply what is left.
 """
 
 from __future__ import annotations
@@ -52,9 +62,10 @@ SHARDABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.opt
 ELEMENTWISE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 
 
-def check_sharded(optimizer: torch.optim.Optimizer, *, wait_in_backward: bool,
-                  compiled: bool) -> None:
+def check_sharded(optimizer: torch.optim.Optimizer, schedule: Schedule, *,
+                  wait_in_backward: bool, compiled: bool) -> None:
     """Refuse, in one line, what sharded mode does not support (at construction)."""
+    check_gathers(schedule)
     if type(optimizer) not in SHARDABLE:
         raise UsbyteError(f"sharded mode: {type(optimizer).__name__} is not supported: it steps "
                           "a shard of each tensor, which needs an elementwise optimizer "
@@ -64,6 +75,37 @@ def check_sharded(optimizer: torch.optim.Optimizer, *, wait_in_backward: bool,
                           "gradients exist only as shards, never whole in p.grad")
     if compiled:
         raise UsbyteError("sharded mode: a torch.compile'd model is not supported yet")
+
+
+def check_gathers(schedule: Schedule) -> None:
+    """The schedule's all-gather groups (:meth:`~usbyte_opt.formats.Schedule.gather_groups`)
+    name every block exactly once, and each group's blocks share a dtype (a group is one
+    all-gather of their shards, concatenated). A schedule file is checked when it is read;
+    this also covers a :class:`~usbyte_opt.formats.Schedule` built in code."""
+    m = len(schedule.blocks)
+    seen: dict[int, int] = {}
+    for i, grp in enumerate(schedule.gather_groups()):
+        if not grp:
+            raise UsbyteError(f"sharded mode: gathers[{i}] is empty: each all-gather names at "
+                              "least one block")
+        dtypes = set()
+        for k in grp:
+            if not 0 <= k < m:
+                raise UsbyteError(f"sharded mode: gathers[{i}] names block {k}, but the "
+                                  f"schedule has {m} blocks")
+            if k in seen:
+                raise UsbyteError(f"sharded mode: block {k} is in gathers[{seen[k]}] and "
+                                  f"gathers[{i}]: each block in exactly one all-gather")
+            seen[k] = i
+            dtypes.add(schedule.buffers[schedule.blocks[k].buffer].dtype)
+        if len(dtypes) > 1:
+            raise UsbyteError(f"sharded mode: gathers[{i}] mixes blocks of dtypes "
+                              f"{', '.join(sorted(dtypes))}: one all-gather concatenates its "
+                              "blocks' shards, which needs one dtype")
+    if len(seen) != m:
+        k = min(set(range(m)) - set(seen))
+        raise UsbyteError(f"sharded mode: block {k} is in no all-gather of the schedule's "
+                          "gathers: each block in exactly one")
 
 
 def _like(p: torch.Tensor, flat: torch.Tensor, start: int) -> torch.Tensor:
@@ -122,31 +164,61 @@ class Sharded:
         self.length: list[int] = []      # block length L
         self.size: list[int] = []        # shard length S
         self.buffer: list[int] = []
-        self.stage: list[torch.Tensor | None] = []
+        for k, blk in enumerate(schedule.blocks):
+            view = grads.block_views[k]
+            flat = grads.flats[blk.buffer]
+            self.lo.append(int(view.storage_offset() - flat.storage_offset()))
+            self.length.append(view.numel())
+            self.size.append(-(-view.numel() // ws))
+            self.buffer.append(blk.buffer)
+        m = len(schedule.blocks)
+        #: The all-gathers in issue order, each the blocks it gathers (``gather_groups()``).
+        self.gathers: tuple[tuple[int, ...], ...] = schedule.gather_groups()
+        self.group_of = [0] * m          # block -> its all-gather
+        self.offset = [0] * m            # block's shard offset in its all-gather's input
+        #: Per all-gather: its input (this rank's shards of its blocks, concatenated; the
+        #: parameter shards ``pshard[k]`` are views of it) and its output (``None``: a
+        #: single block with no padding, gathered straight into its flat view).
+        self.g_in: list[torch.Tensor] = []
+        self.g_out: list[torch.Tensor | None] = []
+        #: Per block: the reduce-scatter's staging input (``None``: the flat view itself).
+        self.stage: list[torch.Tensor | None] = [None] * m
+        self.pshard: list[torch.Tensor] = [torch.empty(0)] * m
+        for i, blocks in enumerate(self.gathers):
+            total = 0
+            for k in blocks:
+                self.group_of[k], self.offset[k] = i, total
+                total += self.size[k]
+            like = grads.block_views[blocks[0]]
+            gin = torch.zeros(total, dtype=like.dtype, device=like.device)
+            self.g_in.append(gin)
+            direct = len(blocks) == 1 and self.size[blocks[0]] * ws == self.length[blocks[0]]
+            out = None if direct else torch.zeros(ws * total, dtype=like.dtype,
+                                                  device=like.device)
+            self.g_out.append(out)
+            for k in blocks:
+                off, sk = self.offset[k], self.size[k]
+                self.pshard[k] = gin[off:off + sk]
+                if out is not None and sk * ws != self.length[k]:
+                    # A padded block's reduce-scatter input: its own range of the all-gather's
+                    # output (disjoint per block; every gathered value is copied out before
+                    # the next backward writes a gradient there).
+                    self.stage[k] = out[ws * off:ws * (off + sk)]
+                elif sk * ws != self.length[k]:
+                    self.stage[k] = torch.zeros(ws * sk, dtype=like.dtype, device=like.device)
         self.rs_out: list[torch.Tensor] = []
-        self.pshard: list[torch.Tensor] = []
         #: This rank's pieces: (block, tensor, start, end), flat-buffer coordinates.
         self.pieces: list[tuple[int, int, int, int]] = []
         #: Per piece, its shard parameter (None: the tensor is not in the optimizer).
         self.shard_params: list[torch.nn.Parameter | None] = []
         by_group: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [
             [] for _ in optimizer.param_groups]
-        for k, blk in enumerate(schedule.blocks):
+        for k in range(m):
             view = grads.block_views[k]
-            flat = grads.flats[blk.buffer]
-            lo = int(view.storage_offset() - flat.storage_offset())
-            n = view.numel()
-            s = -(-n // ws)
-            self.lo.append(lo)
-            self.length.append(n)
-            self.size.append(s)
-            self.buffer.append(blk.buffer)
-            self.stage.append(None if s * ws == n else
-                              torch.zeros(s * ws, dtype=view.dtype, device=view.device))
+            lo, n, s = self.lo[k], self.length[k], self.size[k]
             out = torch.zeros(s, dtype=view.dtype, device=view.device)
-            ps = torch.zeros(s, dtype=view.dtype, device=view.device)
+            ps = self.pshard[k]
             self.rs_out.append(out)
-            self.pshard.append(ps)
             olo, ohi = lo + r * s, min(lo + (r + 1) * s, lo + n)
             for t in grads.block_tensors[k]:
                 _, ts, te = grads.region[t]
@@ -162,8 +234,10 @@ class Sharded:
                 self.shard_params.append(sp)
                 by_group[gi].append((sp, t, out[a - olo:e - olo]))
         self.by_group = by_group
-        #: Staged blocks gathered but not yet copied into the flat buffer.
-        self.unstaged = [False] * len(self.stage)
+        #: Blocks gathered through a staging output, not yet copied into the flat buffer.
+        self.unstaged = [False] * m
+        #: The recorder of the measured timeline (set by ``install``), or None.
+        self.trace: Any = None
         self.refresh()
         optimizer.state.clear()
         for grp, members in zip(optimizer.param_groups, by_group):
@@ -182,7 +256,9 @@ class Sharded:
                     cur.wait_stream(st)
         view, stage = self.grads.block_views[k], self.stage[k]
         if stage is not None:
-            stage[:view.numel()].copy_(view)
+            n = view.numel()
+            stage[:n].copy_(view)
+            stage[n:].zero_()   # the padding (an all-gather may have left values there)
             view = stage
         return self._rs(self.rs_out[k], view)
 
@@ -201,9 +277,9 @@ class Sharded:
 
     def step(self, include: Callable[[int], bool], zeroed: bool) -> list[dist.Work | None]:
         """Step this rank's shards (the reduce-scatters waited for), then issue the
-        all-gathers of the parameters; returns their works, one per block (the pending
-        updates of :class:`GatherBack`). ``zeroed``: ``zero_grad(set_to_none=False)`` ran
-        after backward."""
+        all-gathers of the parameters (:meth:`gather`); returns their works, one per block
+        (the pending updates of :class:`GatherBack`). ``zeroed``:
+        ``zero_grad(set_to_none=False)`` ran after backward."""
         if zeroed:
             for out in self.rs_out:
                 out.zero_()
@@ -226,16 +302,48 @@ class Sharded:
             for members in self.by_group:
                 for sp, _, _ in members:
                     sp.grad = None
+        return self.gather()
+
+    def gather(self) -> list[dist.Work | None]:
+        """Issue the all-gathers of the parameter shards, one per group of
+        :attr:`gathers`, in that order; returns the work of each block (the blocks of one
+        group share one)."""
         views = self.grads.block_views
-        works: list[dist.Work | None] = []
-        for k in range(len(self.pshard)):
-            dst = self.stage[k]
-            works.append(self._ag(views[k] if dst is None else dst, self.pshard[k]))
-        self.unstaged = [dst is not None for dst in self.stage]
+        works: list[dist.Work | None] = [None] * len(self.pshard)
+        for i, grp in enumerate(self.gathers):
+            out = self.g_out[i]
+            w = self._ag(views[grp[0]] if out is None else out, self.g_in[i])
+            if self.trace is not None:
+                self.trace.gather(i, w)
+            for k in grp:
+                works[k] = w
+                self.unstaged[k] = out is not None
         return works
 
+    def order(self) -> list[int]:
+        """The blocks in the order their all-gathers are issued (and, on one channel, end)."""
+        return [k for grp in self.gathers for k in grp]
+
     def what(self, k: int) -> str:
-        return f"all-gather of block {k}'s parameters"
+        grp = self.gathers[self.group_of[k]]
+        if len(grp) == 1:
+            return f"all-gather of block {k}'s parameters"
+        return f"all-gather of blocks {', '.join(map(str, grp))}'s parameters"
+
+    def unstage(self, k: int) -> None:
+        """Block ``k``'s part of its all-gather's staging output into its flat view: the
+        ``(world_size, S)`` slice of the rank-major output, its first ``L`` elements."""
+        out = self.g_out[self.group_of[k]]
+        assert out is not None
+        n, s, off = self.length[k], self.size[k], self.offset[k]
+        rows = out.view(self.ws, -1)[:, off:off + s]
+        dst = self.grads.block_views[k]
+        q = n // s
+        if q:
+            dst[:q * s].view(q, s).copy_(rows[:q])
+        if n > q * s:
+            dst[q * s:].copy_(rows[q, :n - q * s])
+        self.unstaged[k] = False
 
     def copy_back(self, ts: Sequence[int]) -> None:
         """Tensors ``ts``, whose blocks' all-gathers have finished: their gathered values (in
@@ -245,10 +353,7 @@ class Sharded:
             for t in ts:
                 for k in g.tensor_blocks[t]:
                     if self.unstaged[k]:
-                        stage = self.stage[k]
-                        assert stage is not None
-                        g.block_views[k].copy_(stage[:self.length[k]])
-                        self.unstaged[k] = False
+                        self.unstage(k)
                 g.params[t].copy_(g.views[t])
 
     # -- state dicts -------------------------------------------------------------------------
