@@ -568,11 +568,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Wait for this step's averaged gradients, then clip them as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
-        the total norm. Call it between ``backward()`` and ``step()``."""
-        if self._state.sharded is not None:
-            self._state.sharded.require("clip_grad_norm_()")
-        self._state.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
-        params = [p for p in self._state.grads.params if p.grad is not None]
+        the total norm. Call it between ``backward()`` and ``step()``.
+
+        In sharded mode the averaged gradients exist only as shards: the norm comes from one
+        all-reduce of the shards' per-tensor parts (a collective: every rank calls it), and
+        the shards are scaled; ``p.grad`` is left alone (see *Gradient access*)."""
+        st = self._state
+        st.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
+        if st.sharded is not None:
+            if st.comm.phase is Phase.IDLE:   # no gradient since step(): nothing to clip
+                return torch.tensor(0.0)
+            index = {id(p): t for t, p in enumerate(st.grads.params)}
+            order = [index[id(p)] for p in self._model.parameters() if id(p) in index]
+            return st.sharded.clip(max_norm, norm_type,
+                                   [p.grad is not None for p in st.grads.params], order,
+                                   error_if_nonfinite, foreach)
+        params = [p for p in st.grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
                                               foreach=foreach)

@@ -234,6 +234,20 @@ class Sharded:
                 self.shard_params.append(sp)
                 by_group[gi].append((sp, t, out[a - olo:e - olo]))
         self.by_group = by_group
+        #: Per piece, its view of the reduce-scatter output (the averaged gradient's shard).
+        self.piece_grads = [self.rs_out[k][a - (self.lo[k] + r * self.size[k]):
+                                           e - (self.lo[k] + r * self.size[k])]
+                            for k, _, a, e in self.pieces]
+        #: Per tensor, how many pieces it is cut into over all ranks (1: one rank holds it
+        #: whole, and computes its norm as torch does).
+        self.npieces = [0] * grads.n
+        for k in range(m):
+            lo, n, s = self.lo[k], self.length[k], self.size[k]
+            for t in grads.block_tensors[k]:
+                _, ts, te = grads.region[t]
+                for q in range(ws):
+                    if max(ts, lo + q * s) < min(te, lo + n, lo + (q + 1) * s):
+                        self.npieces[t] += 1
         #: Blocks gathered through a staging output, not yet copied into the flat buffer.
         self.unstaged = [False] * m
         #: The recorder of the measured timeline (set by ``install``), or None.
@@ -355,6 +369,101 @@ class Sharded:
                     if self.unstaged[k]:
                         self.unstage(k)
                 g.params[t].copy_(g.views[t])
+
+    # -- reductions over the shards -----------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, op: Any, what: str) -> None:
+        """Reduce ``x`` (on the gradients' device) over the ranks with ``op``, in place, on the
+        blocks' channel (nothing of the step is in flight there any more), and wait."""
+        if self.ws == 1:
+            return
+        serial = self.chan.serial
+        if serial is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            work = serial.allreduce([x], opts)
+        else:
+            work = dist.all_reduce(x, op=op, group=self.chan.group, async_op=True)
+        self.chan.wait(work, what)
+
+    def clip(self, max_norm: float, norm_type: float, counted: Sequence[bool],
+             order: Sequence[int], error_if_nonfinite: bool,
+             foreach: bool | None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients of the tensors
+        ``counted`` (those DDP would leave a gradient in ``p.grad``), which exist only as this
+        rank's shards: one all-reduce of a per-tensor vector gives every rank every tensor's
+        norm (a sum of the pieces' ``|x|^p`` in float64, or for ``inf`` / ``-inf`` a max, with
+        a NaN flag per tensor); a tensor one rank holds whole gets its norm computed there as
+        torch computes it (then exact). The total is torch's: the vector norm of the stacked
+        per-tensor norms, grouped by dtype in ``order`` (the model's parameter order). The
+        shards' gradients are scaled by ``min(max_norm / (total + 1e-6), 1)``; returns the
+        total norm. A collective: every rank calls it."""
+        g = self.grads
+        n = g.n
+        norm_type = float(norm_type)
+        ts = [t for t in order if counted[t]]
+        if not ts:
+            return torch.tensor(0.0)
+        dev = g.flats[0].device
+        inf = norm_type in (float("inf"), -float("inf"))
+        neg = norm_type == -float("inf")
+        whole = [self.npieces[t] == 1 for t in range(n)]
+        mine: dict[int, list[int]] = {}
+        for i, (_, t, _, _) in enumerate(self.pieces):
+            if counted[t]:
+                mine.setdefault(t, []).append(i)
+        vec = torch.zeros(2 * n if inf else n, dtype=torch.float64, device=dev)
+        if neg:
+            vec[:n] = -float("inf")   # -min|x| under a max: no piece here is -inf
+        pg = self.piece_grads
+        with torch.no_grad():
+            for t, idx in mine.items():
+                if inf:
+                    vals = torch.stack([(pg[i].abs().min() if neg else pg[i].abs().max())
+                                        .double() for i in idx])
+                    nan = vals.isnan()
+                    vals = -vals if neg else vals
+                    vec[t] = vals.masked_fill(nan, -float("inf")).max()
+                    vec[n + t] = nan.any().double()
+                elif whole[t]:
+                    vec[t] = torch.linalg.vector_norm(pg[idx[0]], norm_type).double()
+                else:
+                    acc = torch.zeros((), dtype=torch.float64, device=dev)
+                    for i in idx:
+                        x = pg[i].double()
+                        acc += (x != 0).sum() if norm_type == 0 else \
+                            torch.linalg.vector_norm(x, norm_type) ** norm_type
+                    vec[t] = acc
+            self.all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            "all-reduce of the gradient norm's per-tensor parts")
+            norms: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in ts:
+                v = vec[t]
+                if inf:
+                    v = torch.where(vec[n + t] > 0, float("nan"), -v if neg else v)
+                elif not whole[t] and norm_type != 0:
+                    v = v ** (1.0 / norm_type)
+                dt = g.views[t].dtype
+                norms.setdefault(dt, []).append(v.to(dt))
+            total = torch.linalg.vector_norm(
+                torch.stack([v for vs in norms.values() for v in vs]), norm_type)
+            if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} for gradients from `parameters` is "
+                    "non-finite, so it cannot be clipped. To disable this error and scale the "
+                    "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for idx in mine.values():
+                for i in idx:
+                    by_dtype.setdefault(pg[i].dtype, []).append(pg[i])
+            for grads in by_dtype.values():
+                if foreach is False:
+                    for x in grads:
+                        x.mul_(coef)
+                else:
+                    torch._foreach_mul_(grads, coef)
+        return total
 
     # -- state dicts -------------------------------------------------------------------------
 
