@@ -10,6 +10,7 @@ ranks ``a/2 + b/2`` is the same sum in either collective, so the runs agree bitw
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -97,13 +98,17 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
           set_to_none: bool = True, lr_scheduler: bool = False, passes: int = 1,
           use_no_sync: bool = False, forward: Callable | None = None,
           clip: float | None = None, norm_type: float = 2.0,
-          **usb_kwargs: Any) -> dict[str, Any]:
+          scaler: dict[str, Any] | None = None, **usb_kwargs: Any) -> dict[str, Any]:
     """DDP and the sharded runtime side by side; ``passes`` micro-batches per step (the
     runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``).
     With ``clip``: ``torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)``
     under DDP, ``opt.clip_grad_norm_(clip, norm_type)`` here, before each ``step()``;
     ``norm_diff`` is the largest relative difference of the returned norms, ``clipped``
-    whether every step clipped, ``whole`` whether every tensor lies whole in one shard."""
+    whether every step clipped, ``whole`` whether every tensor lies whole in one shard.
+    With ``scaler`` (GradScaler's arguments): a ``torch.amp.GradScaler("cpu")`` each, the
+    loss scaled, ``scaler.unscale_()`` before clipping, ``scaler.step()`` and ``update()``;
+    ``scales`` holds both scalers' scale after each step, ``found_here`` whether this rank's
+    own shards held a non-finite gradient, per step."""
     ref, mod = twins(make)
     ddp = DDP(ref, find_unused_parameters=forward is not None)
     o_ref = opt(ref.parameters())
@@ -117,29 +122,54 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
                   for o in (o_ref, o_usb)]
     norms: list[tuple[float, float]] = []
+    sc_ref = sc_usb = None
+    if scaler is not None:
+        sc_ref, sc_usb = torch.amp.GradScaler("cpu", **scaler), torch.amp.GradScaler("cpu", **scaler)
+    scales: list[tuple[float, float]] = []
+    found_here: list[bool] = []
+
+    def backward(loss: torch.Tensor, sc: Any) -> None:
+        (loss if sc is None else sc.scale(loss)).backward()
+
+    def step_(o: Any, sc: Any) -> None:
+        if sc is None:
+            o.step()
+        else:
+            sc.step(o)
+            sc.update()
+
     for step in range(steps):
         for i in range(passes):
             x, y = batch(rank, passes * step + i)
             if i < passes - 1:
                 with ddp.no_sync():
-                    (mse(fwd(ddp, x, step), y) / passes).backward()
+                    backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
             else:
-                (mse(fwd(ddp, x, step), y) / passes).backward()
+                backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
         if clip is not None:
+            if sc_ref is not None:
+                sc_ref.unscale_(o_ref)
             n_ref = nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)
-        o_ref.step()
+        step_(o_ref, sc_ref)
         o_ref.zero_grad(set_to_none=set_to_none)
         for i in range(passes):
             x, y = batch(rank, passes * step + i)
             if use_no_sync and i < passes - 1:
                 with o_usb.no_sync():
-                    (mse(fwd(mod, x, step), y) / passes).backward()
+                    backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
             else:
-                (mse(fwd(mod, x, step), y) / passes).backward()
+                backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
         if clip is not None:
+            if sc_usb is not None:
+                sc_usb.unscale_(o_usb)
             n_usb = o_usb.clip_grad_norm_(clip, norm_type)
             norms.append((n_ref.item(), n_usb.item()))
-        o_usb.step()
+        step_(o_usb, sc_usb)
+        if sc_ref is not None and sc_usb is not None:
+            scales.append((sc_ref.get_scale(), sc_usb.get_scale()))
+            sh = o_usb._state.sharded
+            assert sh is not None and sh.found_here is not None
+            found_here.append(bool(sh.found_here.item() > 0))
         o_usb.zero_grad(set_to_none=set_to_none)
         for s in scheds:
             s.step()
@@ -148,17 +178,22 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
            "ddp": ddp}
     if lr_scheduler:
         out["lr"] = [o_usb.param_groups[0]["lr"], o_ref.param_groups[0]["lr"]]
+    if scaler is not None:
+        out["scales"], out["found_here"] = scales, found_here
     if clip is not None:
         sh = o_usb._state.sharded
         assert sh is not None
-        out["norm_diff"] = max(abs(b - a) / a for a, b in norms)
-        out["clipped"] = all(a > clip for a, _ in norms)
+        # A skipped step's norms (GradScaler) are inf or nan on both sides: equal as such.
+        out["norm_diff"] = max(0.0 if a == b or (math.isnan(a) and math.isnan(b)) else
+                               abs(b - a) / a for a, b in norms)
+        out["clipped"] = all(a > clip for a, _ in norms if math.isfinite(a))
         out["whole"] = all(c == 1 for c in sh.npieces)
     return out
 
 
 def result(out: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in out.items() if k in ("diff", "lr", "norm_diff", "clipped", "whole")}
+    return {k: v for k, v in out.items()
+            if k in ("diff", "lr", "norm_diff", "clipped", "whole", "scales", "found_here")}
 
 
 def case_matrix(opt_name: str, rank: int, ws: int) -> dict:
@@ -268,8 +303,9 @@ class Pairs(nn.Module):
         return x
 
 
-def pairs_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    return vec_batch(rank, step, dim=64, out=64)
+def pairs_batch(rank: int, step: int, loud: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = vec_batch(rank, step, dim=64, out=64)
+    return x, loud * y
 
 
 def sched_pairs(model: nn.Module, ws: int = 2) -> Schedule:
@@ -293,6 +329,70 @@ def case_clip(norm_type: float, rank: int, ws: int, opt_name: str = "sgd_momentu
     make, batch = kw.pop("make", SmallCNN), kw.pop("batch", image_batch)
     return result(train(make, OPTIMIZERS[opt_name], batch, rank, ws, steps=6, clip=0.05,
                         norm_type=norm_type, **kw))
+
+
+class Spike(nn.Module):
+    """A gain in front of a linear layer: a huge input feature 0 (:func:`spike_forward`, on
+    rank 1 at steps 2 and 3) overflows the gradients of ``gain[0]`` and ``lin.weight[0, 0]``
+    only, which :func:`sched_spike` puts in rank 0's shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(6))
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.lin(x * self.gain)
+
+
+def spike_forward(m: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    if step in (2, 3) and dist.get_rank() == 1:
+        x = x.clone()
+        x[:, 0] = 1e30
+    return m(x)
+
+
+def spike_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return vec_batch(rank, step, out=1)
+
+
+def sched_spike(model: nn.Module, ws: int = 2) -> Schedule:
+    """Spike's tensors laid out lin.weight, gain, lin.bias (13 elements) in one block: rank
+    0's shard is lin.weight and gain[0], rank 1's gain[1:] and lin.bias."""
+    from usbyte_opt.formats import Buffer
+
+    pb = problem_of(model, ws)
+    lay = pb.layout([Buffer("float32", ("lin.weight", "gain", "lin.bias"))])
+    return dataclasses.replace(pb.schedule("spike", lay, [Block(0, 0, 13)]), mode=Mode.SHARDED)
+
+
+def loud_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`image_batch` with targets 20 times as large (gradients up to about 6)."""
+    x, y = image_batch(rank, step)
+    return x, 20 * y
+
+
+def case_grad_scaler(rank: int, ws: int) -> dict:
+    """GradScaler with a huge initial scale (2**127): the first steps overflow and are
+    skipped (the scale halves each time), then training goes on; no unscale_()."""
+    return result(train(SmallCNN, OPTIMIZERS["adam"], loud_batch, rank, ws, steps=8,
+                        scaler={"init_scale": 2.0 ** 127, "growth_interval": 2}))
+
+
+def case_grad_scaler_one_rank(rank: int, ws: int) -> dict:
+    """Non-finite gradients in rank 0's shards only (steps 2 and 3): rank 1 learns of them
+    through the all-reduce of the flag, and both skip."""
+    return result(train(Spike, OPTIMIZERS["sgd_momentum"], spike_batch, rank, ws, steps=6,
+                        schedule=sched_spike, forward=spike_forward,
+                        scaler={"init_scale": 2.0 ** 8, "growth_interval": 2}))
+
+
+def case_grad_scaler_clip(rank: int, ws: int) -> dict:
+    """scaler.unscale_(opt), then opt.clip_grad_norm_(), then scaler.step(opt): the shards are
+    unscaled in place by the scaler itself; every tensor whole in a shard (Pairs): bitwise."""
+    return result(train(Pairs, OPTIMIZERS["adamw_wd"], lambda r, s: pairs_batch(r, s, 100.0),
+                        rank, ws, steps=6, schedule=sched_pairs, clip=0.05,
+                        scaler={"init_scale": 2.0 ** 127, "growth_interval": 2}))
 
 
 def case_parent(rank: int, ws: int) -> dict:
@@ -472,11 +572,13 @@ def case_refusals(rank: int, ws: int) -> dict:
     o.step()
     o.zero_grad()
     out["after_step_grad_none"] = all(p.grad is None for p in m.parameters())
-    scaler = torch.amp.GradScaler("cpu")
+    # GradScaler's protocol (grad_scale / found_inf set, then step()) with no scaler having
+    # read param_groups after backward: its found_inf cannot be every rank's verdict.
     x, y = image_batch(rank, 1)
-    scaler.scale(mse(m(x), y)).backward()
-    out["grad_scaler"] = _refused(lambda: scaler.step(o))
-    for attr in ("grad_scale", "found_inf"):   # left by the refused GradScaler.step()
+    mse(m(x), y).backward()
+    o.found_inf, o.grad_scale = torch.zeros(()), None
+    out["grad_scaler"] = _refused(o.step)
+    for attr in ("grad_scale", "found_inf"):
         o.__dict__.pop(attr, None)
     o.step()
     o.synchronize()  # after step(): nothing to refuse
@@ -505,6 +607,9 @@ CASES.update({
     "foreach_fused": case_foreach_fused,
     "mixed_dtypes": case_mixed_dtypes,
     "parent": case_parent,
+    "grad_scaler": case_grad_scaler,
+    "grad_scaler_one_rank": case_grad_scaler_one_rank,
+    "grad_scaler_clip": case_grad_scaler_clip,
     "clip_inf": lambda r, w: case_clip(float("inf"), r, w),
     "clip_whole": lambda r, w: case_clip(2.0, r, w, schedule=sched_pairs, make=Pairs,
                                          batch=pairs_batch),
@@ -587,6 +692,31 @@ def test_clip_exact_for_whole_tensors_and_the_inf_norm(results: list[dict[str, d
         assert r["clip_inf"]["norm_diff"] == 0.0 and r["clip_inf"]["clipped"]
 
 
+@pytest.mark.parametrize("case", ["grad_scaler", "grad_scaler_one_rank", "grad_scaler_clip"])
+def test_grad_scaler_skips_alike(results: list[dict[str, dict]], case: str) -> None:
+    """The scale follows DDP's step by step (so every skip and growth is the same), and some
+    steps were skipped (the scale went down)."""
+    for r in results:
+        scales = r[case]["scales"]
+        assert all(a == b for a, b in scales), scales
+        assert any(b < a for (a, _), (b, _) in zip(scales, scales[1:])) or scales[0][0] < 2.0 ** 127
+
+
+def test_grad_scaler_skips_on_every_rank_when_one_rank_overflows(
+        results: list[dict[str, dict]]) -> None:
+    """Steps 2 and 3 overflow in rank 0's shard only: rank 1 skips on the all-reduced flag
+    (and GradScaler's scale backs off on both, as under DDP)."""
+    here = [r["grad_scaler_one_rank"]["found_here"] for r in results]
+    assert here[0][2:4] == [True, True] and here[1][2:4] == [False, False]
+    assert results[0]["grad_scaler_one_rank"]["scales"][1:4] == [(512.0,) * 2, (256.0,) * 2,
+                                                                 (128.0,) * 2]
+
+
+def test_grad_scaler_unscale_then_clip_exact(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["grad_scaler_clip"]["norm_diff"] == 0.0 and r["grad_scaler_clip"]["clipped"]
+
+
 def test_lr_scheduler_acts_on_the_shards(results: list[dict[str, dict]]) -> None:
     for r in results:
         lr_usb, lr_ref = r["lr_scheduler"]["lr"]
@@ -649,7 +779,8 @@ def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
             assert len(got[key].splitlines()) == 1
         assert "synchronize() between backward() and step()" in got["synchronize"]
         assert got["after_step_grad_none"]
-        assert "GradScaler is not supported in sharded mode" in got["grad_scaler"]
+        assert "the scaler did not read this optimizer's param_groups" in got["grad_scaler"]
+        assert len(got["grad_scaler"].splitlines()) == 1
 
 
 def test_trainer_integrations_refuse_a_sharded_schedule_in_one_line(tmp_path):

@@ -356,8 +356,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         accumulation (inside :meth:`no_sync`, or before the last of
         ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
         read, Lightning's ``toggle_model``)."""
-        if self._state.sharded is None:  # sharded: no averaged gradient to wait for
-            self._state.comm.complete_if_due("param_groups")
+        st = self._state
+        if st.sharded is None:
+            st.comm.complete_if_due("param_groups")
+        elif _read_by_grad_scaler():  # sharded: GradScaler sees the shards (Sharded.expose)
+            comm = st.comm
+            if comm.phase is not Phase.IDLE and not comm.accumulating:
+                comm.complete("GradScaler")
+                st.sharded.expose([st.in_opt[t] and p.grad is not None
+                                   for t, p in enumerate(st.grads.params)])
         return self._opt.param_groups
 
     @property
@@ -419,13 +426,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         skip = False
         if found_inf is not None:  # called by GradScaler.step(self)
             if st.sharded is not None:
-                st.sharded.require("GradScaler")
-            skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
+                skip = self._sharded_amp_step(found_inf, getattr(self, "grad_scale", None))
+            else:
+                skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
+        elif st.sharded is not None and st.sharded.exposed is not None:
+            st.sharded.unexpose()  # a scaler read param_groups, then plain step() was called
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
-        if skip:
+        if skip:  # sharded mode: no step, no all-gather; the parameters stay as they are
             comm.wait_blocks()
-            if mode == Mode.OVERLAP:
+            if mode != Mode.FENCE:
                 st.grads.release()
         elif st.sharded is not None:
             comm.wait_blocks()
@@ -662,6 +672,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # GradScaler
     # ------------------------------------------------------------------------------------
 
+    def _sharded_amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
+        """GradScaler in sharded mode: its ``found_inf`` is every rank's verdict (it read
+        ``param_groups`` after backward, :meth:`.sharded.Sharded.expose`); unscale the shard
+        gradients (if the scaler has not) and say whether to skip the step."""
+        sh = self._state.sharded
+        assert sh is not None
+        if sh.exposed is None:
+            raise UsbyteError("GradScaler in sharded mode: the scaler did not read this "
+                              "optimizer's param_groups after the step's last backward(), so "
+                              "its found_inf is not every rank's verdict: call "
+                              "scaler.step(opt) (or scaler.unscale_(opt)) after backward()")
+        shown = sh.unexpose()
+        if grad_scale is not None:
+            sh.unscale(shown, grad_scale)
+        if not torch.is_tensor(found_inf):
+            return bool(found_inf)
+        return amp.skip_on_host(found_inf)
+
     def _amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
         """GradScaler: unscale (if the scaler has not) and decide whether to skip the step.
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
@@ -673,6 +701,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
             return False
         return amp.skip_on_host(found_inf)
+
+
+def _read_by_grad_scaler() -> bool:
+    """Whether ``param_groups`` is being read by a ``torch.amp.GradScaler`` method (its
+    check of non-finite gradients, ``_unscale_grads_``): the getter's caller's ``self``."""
+    import sys
+    from types import FrameType
+
+    f: FrameType | None = sys._getframe(2)   # 0: this function, 1: the getter, 2: its caller
+    for _ in range(2):
+        if f is None:
+            return False
+        if isinstance(f.f_locals.get("self"), torch.amp.GradScaler):
+            return True
+        f = f.f_back
+    return False
 
 
 class _Tuned:

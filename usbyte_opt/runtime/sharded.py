@@ -39,6 +39,15 @@ values into its parameter is its pending update (:class:`GatherBack`, run by
 the works of the groups holding its blocks (the blocks of a group share one work), as overlap
 mode does for its updates, so the all-gathers of later tensors overlap the forward; the next
 backward, an eval forward, ``synchronize()`` and the state-dict hooks apply what is left.
+
+**Clipping and GradScaler.** :meth:`Sharded.clip` computes the global gradient norm from one
+all-reduce of the shards' per-tensor parts and scales the shards. A ``GradScaler`` reading
+``param_groups`` after the step's last backward sees the shards (:meth:`Sharded.expose`):
+each shard parameter's ``.grad`` is its gradient shard (so ``scaler.unscale_()`` unscales the
+shards in place), and a sentinel parameter carries the all-reduced (MAX) non-finite flag of
+every rank's shards, so the scaler's ``found_inf`` (its skip and its scale update) is the
+same on every rank. ``step()`` then unscales the shards (unless the scaler did) and, on a
+non-finite step, steps nothing and gathers nothing: the parameters stay as they are.
 """
 
 from __future__ import annotations
@@ -122,6 +131,13 @@ def _flat_of(p: torch.Tensor) -> torch.Tensor:
     if dense_strides(d.shape, d.stride()):
         return d.as_strided((d.numel(),), (1,), d.storage_offset())
     return d.reshape(-1)
+
+
+def _by_dtype(ts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in ts:
+        out.setdefault(t.dtype, []).append(t)
+    return list(out.values())
 
 
 class GatherBack:
@@ -250,6 +266,11 @@ class Sharded:
                         self.npieces[t] += 1
         #: Blocks gathered through a staging output, not yet copied into the flat buffer.
         self.unstaged = [False] * m
+        #: GradScaler (:meth:`expose`): the shard gradients shown to it this step, or None;
+        #: the sentinel parameter carrying every rank's verdict; this rank's own flag.
+        self.exposed: list[torch.Tensor] | None = None
+        self.sentinel: torch.nn.Parameter | None = None
+        self.found_here: torch.Tensor | None = None
         #: The recorder of the measured timeline (set by ``install``), or None.
         self.trace: Any = None
         self.refresh()
@@ -465,6 +486,64 @@ class Sharded:
                     torch._foreach_mul_(grads, coef)
         return total
 
+    # -- GradScaler ------------------------------------------------------------------------
+
+    def expose(self, counted: Sequence[bool]) -> None:
+        """Show a ``GradScaler`` reading ``param_groups`` after the step's last backward (the
+        reduce-scatters waited for) the averaged gradients there are: each shard parameter
+        of a tensor in ``counted`` (stepped, with a gradient) gets its shard of the gradient
+        as ``.grad``, so that ``scaler.unscale_()`` unscales the shards in place. Whether any
+        rank's shards hold a non-finite value is one all-reduce (MAX) of this rank's flag;
+        the verdict is carried by a one-element sentinel parameter appended to the last
+        param group until ``step()`` (``inf`` or ``0``), so the scaler's own ``found_inf``,
+        which decides its step and its scale update, is every rank's. A collective: every
+        rank's scaler reads ``param_groups`` at the same point."""
+        if self.exposed is not None:
+            return
+        dev = self.grads.flats[0].device
+        shown: list[torch.Tensor] = []
+        for group in self.by_group:
+            for sp, t, grad in group:
+                if counted[t]:
+                    sp.grad = grad
+                    shown.append(grad)
+        found = torch.zeros(1, dtype=torch.float32, device=dev)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            for same in _by_dtype(shown):
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+            self.found_here = found.clone()
+            self.all_reduce(found, dist.ReduceOp.MAX, "all-reduce of the non-finite flag")
+        if self.sentinel is None:
+            self.sentinel = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=dev))
+        self.sentinel.grad = torch.where(found > 0, float("inf"), 0.0)
+        self.opt.param_groups[-1]["params"].append(self.sentinel)
+        self.exposed = shown
+
+    def unexpose(self) -> list[torch.Tensor]:
+        """End :meth:`expose` (at ``step()``): the param groups and the shard parameters'
+        ``.grad`` as they were; returns the shard gradients that were shown."""
+        shown, self.exposed = self.exposed or [], None
+        if self.sentinel is not None:
+            params = self.opt.param_groups[-1]["params"]
+            if params and params[-1] is self.sentinel:
+                params.pop()
+            self.sentinel.grad = None
+        for group in self.by_group:
+            for sp, _, _ in group:
+                sp.grad = None
+        return shown
+
+    def unscale(self, shown: Sequence[torch.Tensor], grad_scale: torch.Tensor) -> None:
+        """Divide the shard gradients ``shown`` by ``grad_scale`` in place, as the scaler's
+        ``unscale_`` does (the reciprocal taken in float64)."""
+        dev = self.grads.flats[0].device
+        inv = grad_scale.double().reciprocal().float().to(dev)
+        dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            for same in _by_dtype(shown):
+                torch._amp_foreach_non_finite_check_and_unscale_(same, dummy, inv)
+
     # -- state dicts -------------------------------------------------------------------------
 
     def _plain(self) -> torch.optim.Optimizer:
@@ -562,6 +641,7 @@ class Sharded:
 
     def restore(self) -> None:
         """Give the wrapped optimizer its own parameter lists back (no state)."""
+        self.unexpose()
         self.opt.state.clear()
         for grp, ps in zip(self.opt.param_groups, self.orig_params):
             grp["params"] = ps
