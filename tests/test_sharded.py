@@ -395,6 +395,26 @@ def case_grad_scaler_clip(rank: int, ws: int) -> dict:
                         scaler={"init_scale": 2.0 ** 127, "growth_interval": 2}))
 
 
+def case_batchnorm(rank: int, ws: int) -> dict:
+    """BatchNorm: rank 0's buffers broadcast after every training forward (installed at the
+    next forward), as DDP broadcasts them before each one: the parameters, rank 0's running
+    statistics and an eval output agree bitwise, and every rank ends with rank 0's."""
+    out = train(lambda: SmallCNN(bn=True), OPTIMIZERS["sgd_momentum"], image_batch, rank, ws,
+                steps=6)
+    ref, mod, ddp = out["ref"], out["mod"], out["ddp"]
+    res: dict[str, Any] = {"diff": out["diff"]}
+    if rank == 0:  # DDP's other ranks keep their own last update; ours install rank 0's
+        res["diff"] = max(res["diff"], max_diff(ref, mod, buffers=True))
+    rm = mod.bn.running_mean.clone()
+    dist.broadcast(rm, 0)
+    res["buffers_equal_rank0"] = bool(torch.equal(rm, mod.bn.running_mean))
+    xe, _ = image_batch(99, 0)
+    ddp.eval(); mod.eval()
+    with torch.no_grad():
+        res["diff"] = max(res["diff"], (ddp(xe) - mod(xe)).abs().max().item())
+    return res
+
+
 def case_parent(rank: int, ws: int) -> dict:
     """A root-owned parameter, a non-leaf owner and a child's weight read without its
     forward (gated at the root from the first iteration on)."""
@@ -607,6 +627,7 @@ CASES.update({
     "foreach_fused": case_foreach_fused,
     "mixed_dtypes": case_mixed_dtypes,
     "parent": case_parent,
+    "batchnorm": case_batchnorm,
     "grad_scaler": case_grad_scaler,
     "grad_scaler_one_rank": case_grad_scaler_one_rank,
     "grad_scaler_clip": case_grad_scaler_clip,
@@ -765,6 +786,10 @@ def test_all_gathers_go_out_and_end_in_the_gathers_order(results: list[dict[str,
         assert got["by_issue"] == want
         assert got["by_done"] == want
         assert got["blocks"] == [list(g) for g in GATHERS_7]
+
+
+def test_batchnorm_buffers_follow_rank0(results: list[dict[str, dict]]) -> None:
+    assert all(r["batchnorm"]["buffers_equal_rank0"] for r in results)
 
 
 def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
