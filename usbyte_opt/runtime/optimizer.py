@@ -262,7 +262,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_model(sched, model_tensors(model), source)
             self._check_optimizer()
             if sched.mode == Mode.SHARDED:
-                check_sharded(optimizer, sched, wait_in_backward=wait_in_backward, compiled=compiled)
+                check_sharded(optimizer, sched, wait_in_backward=wait_in_backward)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.

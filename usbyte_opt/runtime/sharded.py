@@ -72,7 +72,7 @@ ELEMENTWISE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_av
 
 
 def check_sharded(optimizer: torch.optim.Optimizer, schedule: Schedule, *,
-                  wait_in_backward: bool, compiled: bool) -> None:
+                  wait_in_backward: bool) -> None:
     """Refuse, in one line, what sharded mode does not support (at construction)."""
     check_gathers(schedule)
     if type(optimizer) not in SHARDABLE:
@@ -82,8 +82,6 @@ def check_sharded(optimizer: torch.optim.Optimizer, schedule: Schedule, *,
     if wait_in_backward:
         raise UsbyteError("sharded mode: wait_in_backward=True is not supported: the averaged "
                           "gradients exist only as shards, never whole in p.grad")
-    if compiled:
-        raise UsbyteError("sharded mode: a torch.compile'd model is not supported yet")
 
 
 def check_gathers(schedule: Schedule) -> None:
