@@ -102,9 +102,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
       keeps its meaning for tensors no rank uses in the next step (they are stepped with a
       zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
-      ``step()``, as under DDP. In sharded mode the average never exists whole: ``p.grad`` is
-      never the averaged gradient, ``synchronize()`` and ``clip_grad_norm_()`` are refused
-      between ``backward()`` and ``step()``, and ``p.grad`` is ``None`` after ``step()``.
+      ``step()``, as under DDP. Sharded mode has a contract of its own (below).
+
+    **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``, ZeRO-1): the
+    averaged gradient never exists whole, only as this rank's shard of each block (its
+    reduce-scatter output), which the wrapped optimizer steps:
+
+    * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
+      buffer, holding this rank's *local* gradient divided by the world size (summed over the
+      passes of an accumulation), never averaged. It may be read; changing it gives undefined
+      results (the reduce-scatter may still be reading it). ``torch.nn.utils.clip_grad_norm_``
+      on it clips those local values, not the step: use :meth:`clip_grad_norm_`;
+    * :meth:`clip_grad_norm_` computes the global norm of the averaged gradients from one
+      all-reduce of the shards' per-tensor parts (a collective: every rank calls it),
+      counting the tensors DDP would (those with a gradient in ``p.grad`` after the wait),
+      scales the shards, and returns the total norm as ``torch.nn.utils.clip_grad_norm_``
+      does: bitwise equal to it for ``norm_type=inf`` and when every tensor lies whole in
+      one rank's shard, else within float rounding (the norm of a tensor cut across ranks is
+      summed from its pieces). ``p.grad`` is left alone;
+    * ``step()`` waits for the reduce-scatters, steps the shards and issues the
+      all-gathers of the parameters (in the schedule's ``gathers`` order); each parameter
+      gets its new value right before its first use in the next forward (or in
+      :meth:`synchronize`, ``model.state_dict()``, an eval forward). ``p.grad`` is ``None``
+      after it;
+    * ``zero_grad()`` acts as in overlap mode: after ``step()`` there is no gradient to zero
+      (``set_to_none=False`` is recorded, so a tensor no rank uses in the next step is stepped
+      with a zero gradient, as under DDP); between ``backward()`` and ``step()`` it discards
+      the step's gradients (``set_to_none=False``: the shards are stepped with zeros);
+    * ``GradScaler``: ``scaler.unscale_(opt)`` / ``scaler.step(opt)`` read ``param_groups``
+      after backward and see the shard parameters (flat 1-D views of this rank's shards; the
+      wrapped optimizer's groups hold those, not the model's parameters) with their gradient
+      shards, unscaled in place, and a sentinel that carries every rank's non-finite flag
+      (one all-reduce), so every rank skips the same steps and the scale follows DDP's;
+    * :meth:`synchronize` between ``backward()`` and ``step()`` is refused (there is no
+      averaged gradient to wait for), as is ``wait_in_backward=True``.
 
     With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
     backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
@@ -355,7 +386,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         so the gradients seen are the averaged ones; read between the passes of an
         accumulation (inside :meth:`no_sync`, or before the last of
         ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
-        read, Lightning's ``toggle_model``)."""
+        read, Lightning's ``toggle_model``). In sharded mode the groups hold the shard
+        parameters; a ``GradScaler`` reading them after backward sees the gradient shards
+        (see *Gradient access in sharded mode*)."""
         st = self._state
         if st.sharded is None:
             st.comm.complete_if_due("param_groups")
@@ -404,8 +437,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """End the iteration: make sure everything is issued and schedule the updates.
 
         In overlap mode the updates run lazily, tensor by tensor, in the next forward (or in
-        :meth:`synchronize`); in fence mode they run here, after every block. With a
-        ``closure``, it is called first (with grad enabled) and its value returned.
+        :meth:`synchronize`); in fence mode they run here, after every block. In sharded mode
+        this rank's shards are stepped here and the parameters' all-gathers issued; each
+        tensor's gathered values are copied in right before its first use in the next
+        forward (a step GradScaler skips steps and gathers nothing). With a ``closure``, it
+        is called first (with grad enabled) and its value returned.
 
         Returns:
             The closure's value, or ``None``.
@@ -467,7 +503,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
 
-        Between ``step()`` and the next backward (overlap mode) there is no gradient to zero
+        Between ``step()`` and the next backward (overlap and sharded mode) there is no gradient to zero
         (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a tensor no rank
         uses in the next step is stepped with a zero gradient, as under DDP. Between backward
         and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
