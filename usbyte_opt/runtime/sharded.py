@@ -421,8 +421,6 @@ class Sharded:
         n = g.n
         norm_type = float(norm_type)
         ts = [t for t in order if counted[t]]
-        if not ts:
-            return torch.tensor(0.0)
         dev = g.flats[0].device
         inf = norm_type in (float("inf"), -float("inf"))
         neg = norm_type == -float("inf")
@@ -453,8 +451,12 @@ class Sharded:
                         acc += (x != 0).sum() if norm_type == 0 else \
                             torch.linalg.vector_norm(x, norm_type) ** norm_type
                     vec[t] = acc
+            # Issued whatever this rank counts (ranks that count differently get different
+            # norms, as under DDP, but none waits alone).
             self.all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             "all-reduce of the gradient norm's per-tensor parts")
+            if not ts:
+                return torch.tensor(0.0)
             norms: dict[torch.dtype, list[torch.Tensor]] = {}
             for t in ts:
                 v = vec[t]
