@@ -503,10 +503,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
 
-        Between ``step()`` and the next backward (overlap and sharded mode) there is no gradient to zero
-        (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a tensor no rank
-        uses in the next step is stepped with a zero gradient, as under DDP. Between backward
-        and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
+        Between ``step()`` and the next backward (overlap and sharded mode) there is no
+        gradient to zero (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a
+        tensor no rank uses in the next step is stepped with a zero gradient, as under DDP.
+        Between backward and ``step()`` it first waits for this step's all-reduce (in sharded
+        mode, reduce-scatters), then discards the gradients.
         """
         st = self._state
         g, comm = st.grads, st.comm
