@@ -10,6 +10,9 @@ ranks ``a/2 + b/2`` is the same sum in either collective, so the runs agree bitw
 from __future__ import annotations
 
 import dataclasses
+import math
+import os
+import tempfile
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +32,7 @@ from tests.test_runtime_equivalence import (
     image_batch,
     max_diff,
     mse,
+    problem_of,
     sched_crosscut,
     sched_default,
     token_batch,
@@ -37,7 +41,7 @@ from tests.test_runtime_equivalence import (
     vec_batch,
 )
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.formats import Mode, Schedule
+from usbyte_opt.formats import Block, Mode, Schedule
 from usbyte_opt.launcher import run_local
 from usbyte_opt.runtime import DistributedOptimizer
 
@@ -69,6 +73,20 @@ def sharded(make: Callable[[nn.Module, int], Schedule]) -> Callable[[nn.Module, 
 
 SHARDED_CROSSCUT = sharded(sched_crosscut)
 
+#: All-gather groups over crosscut's 7 blocks (odd lengths: 1, 3, 6): non-adjacent blocks
+#: together, out of block order, a padded block alone (3), two padded together (6, 1), two
+#: unpadded together (2, 0) and unpadded ones alone (gathered straight into the flat buffer).
+GATHERS_7 = ((2, 0), (3,), (6, 1), (5,), (4,))
+#: Over Mixed's 14 crosscut blocks: buffer 0 (fp32) holds 0-2 and 10-13, buffer 1 (bf16) 3-9.
+GATHERS_MIXED = ((11, 0), (5, 3, 8), (13,), (4,), (9, 6), (1, 2, 10, 12), (7,))
+
+
+def grouped(gathers: tuple[tuple[int, ...], ...],
+            make: Callable[[nn.Module, int], Schedule] = SHARDED_CROSSCUT
+            ) -> Callable[[nn.Module, int], Schedule]:
+    """``make``'s schedule with these all-gather groups."""
+    return lambda m, ws: dataclasses.replace(make(m, ws), gathers=gathers)
+
 
 def state_bytes(opt: torch.optim.Optimizer) -> int:
     return sum(v.numel() * v.element_size() for st in opt.state.values() for v in st.values()
@@ -78,14 +96,24 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
 def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: int, ws: int, *,
           schedule: Callable = SHARDED_CROSSCUT, steps: int = STEPS,
           set_to_none: bool = True, lr_scheduler: bool = False, passes: int = 1,
-          use_no_sync: bool = False, forward: Callable | None = None) -> dict[str, Any]:
+          use_no_sync: bool = False, forward: Callable | None = None,
+          clip: float | None = None, norm_type: float = 2.0,
+          scaler: dict[str, Any] | None = None, **usb_kwargs: Any) -> dict[str, Any]:
     """DDP and the sharded runtime side by side; ``passes`` micro-batches per step (the
-    runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``)."""
+    runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``).
+    With ``clip``: ``torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)``
+    under DDP, ``opt.clip_grad_norm_(clip, norm_type)`` here, before each ``step()``;
+    ``norm_diff`` is the largest relative difference of the returned norms, ``clipped``
+    whether every step clipped, ``whole`` whether every tensor lies whole in one shard.
+    With ``scaler`` (GradScaler's arguments): a ``torch.amp.GradScaler("cpu")`` each, the
+    loss scaled, ``scaler.unscale_()`` before clipping, ``scaler.step()`` and ``update()``;
+    ``scales`` holds both scalers' scale after each step, ``found_here`` whether this rank's
+    own shards held a non-finite gradient, per step."""
     ref, mod = twins(make)
     ddp = DDP(ref, find_unused_parameters=forward is not None)
     o_ref = opt(ref.parameters())
     fwd = forward or (lambda m, x, step: m(x))
-    kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws)}
+    kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws), **usb_kwargs}
     if not use_no_sync:
         kw["backward_passes_per_step"] = passes
     o_usb = DistributedOptimizer(opt(mod.parameters()), mod, **kw)
@@ -93,24 +121,55 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
     if lr_scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
                   for o in (o_ref, o_usb)]
+    norms: list[tuple[float, float]] = []
+    sc_ref = sc_usb = None
+    if scaler is not None:
+        sc_ref, sc_usb = torch.amp.GradScaler("cpu", **scaler), torch.amp.GradScaler("cpu", **scaler)
+    scales: list[tuple[float, float]] = []
+    found_here: list[bool] = []
+
+    def backward(loss: torch.Tensor, sc: Any) -> None:
+        (loss if sc is None else sc.scale(loss)).backward()
+
+    def step_(o: Any, sc: Any) -> None:
+        if sc is None:
+            o.step()
+        else:
+            sc.step(o)
+            sc.update()
+
     for step in range(steps):
         for i in range(passes):
             x, y = batch(rank, passes * step + i)
             if i < passes - 1:
                 with ddp.no_sync():
-                    (mse(fwd(ddp, x, step), y) / passes).backward()
+                    backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
             else:
-                (mse(fwd(ddp, x, step), y) / passes).backward()
-        o_ref.step()
+                backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
+        if clip is not None:
+            if sc_ref is not None:
+                sc_ref.unscale_(o_ref)
+            n_ref = nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)
+        step_(o_ref, sc_ref)
         o_ref.zero_grad(set_to_none=set_to_none)
         for i in range(passes):
             x, y = batch(rank, passes * step + i)
             if use_no_sync and i < passes - 1:
                 with o_usb.no_sync():
-                    (mse(fwd(mod, x, step), y) / passes).backward()
+                    backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
             else:
-                (mse(fwd(mod, x, step), y) / passes).backward()
-        o_usb.step()
+                backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
+        if clip is not None:
+            if sc_usb is not None:
+                sc_usb.unscale_(o_usb)
+            n_usb = o_usb.clip_grad_norm_(clip, norm_type)
+            norms.append((n_ref.item(), n_usb.item()))
+        step_(o_usb, sc_usb)
+        if sc_ref is not None and sc_usb is not None:
+            scales.append((sc_ref.get_scale(), sc_usb.get_scale()))
+            sh = o_usb._state.sharded
+            assert sh is not None and sh.found_here is not None
+            found_here.append(bool(sh.found_here.item() > 0))
         o_usb.zero_grad(set_to_none=set_to_none)
         for s in scheds:
             s.step()
@@ -119,11 +178,22 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
            "ddp": ddp}
     if lr_scheduler:
         out["lr"] = [o_usb.param_groups[0]["lr"], o_ref.param_groups[0]["lr"]]
+    if scaler is not None:
+        out["scales"], out["found_here"] = scales, found_here
+    if clip is not None:
+        sh = o_usb._state.sharded
+        assert sh is not None
+        # A skipped step's norms (GradScaler) are inf or nan on both sides: equal as such.
+        out["norm_diff"] = max(0.0 if a == b or (math.isnan(a) and math.isnan(b)) else
+                               abs(b - a) / a for a, b in norms)
+        out["clipped"] = all(a > clip for a, _ in norms if math.isfinite(a))
+        out["whole"] = all(c == 1 for c in sh.npieces)
     return out
 
 
 def result(out: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in out.items() if k in ("diff", "lr")}
+    return {k: v for k, v in out.items()
+            if k in ("diff", "lr", "norm_diff", "clipped", "whole", "scales", "found_here")}
 
 
 def case_matrix(opt_name: str, rank: int, ws: int) -> dict:
@@ -176,6 +246,206 @@ def case_mixed_dtypes(rank: int, ws: int) -> dict:
     rel = max(((pr[n].float() - pm[n].float()).abs() / pr[n].float().abs().clamp_min(1e-3))
               .max().item() for n in bf16)
     return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in fp32), "bf16_rel": rel}
+
+
+def case_gathers(opt_name: str, rank: int, ws: int) -> dict:
+    """Grouped all-gathers in a non-trivial order (:data:`GATHERS_7`)."""
+    return result(train(SmallCNN, OPTIMIZERS[opt_name], image_batch, rank, ws, steps=6,
+                        schedule=grouped(GATHERS_7)))
+
+
+def case_gathers_tied(rank: int, ws: int) -> dict:
+    """Grouped all-gathers with a frozen, a tied and an odd-sized tensor."""
+    return result(train(FrozenTied, OPTIMIZERS["adam"], token_batch, rank, ws, steps=6,
+                        schedule=grouped(GATHERS_7)))
+
+
+def case_gathers_mixed(rank: int, ws: int) -> dict:
+    """Grouped all-gathers over an fp32 and a bf16 buffer (each group of one dtype); the fp32
+    parameters bitwise, as :func:`case_mixed_dtypes`."""
+    out = train(Mixed, OPTIMIZERS["sgd_momentum"], vec_batch, rank, ws, steps=2,
+                schedule=grouped(GATHERS_MIXED))
+    pr, pm = dict(out["ref"].named_parameters()), dict(out["mod"].named_parameters())
+    return {"diff": max((pr[n] - pm[n]).abs().max().item() for n in pr
+                        if pr[n].dtype == torch.float32)}
+
+
+def case_gather_order(rank: int, ws: int) -> dict:
+    """The order the all-gathers go out and end, read from the runtime's trace: each is
+    recorded when it is handed to the process group, and again from its work's future when
+    gloo finishes it (on the one-thread group the blocks go through, in issue order)."""
+    path = os.path.join(tempfile.mkdtemp(), "trace.json")
+    out = train(SmallCNN, OPTIMIZERS["sgd_momentum"], image_batch, rank, ws, steps=3,
+                schedule=grouped(GATHERS_7), trace=path)
+    o_usb = out["o_usb"]
+    rec = o_usb._state.trace
+    assert rec is not None
+    evs = [e for e in rec.chrome()["traceEvents"]
+           if e.get("ph") == "X" and "gather" in e.get("args", {})]
+    by_issue = [e["args"]["gather"] for e in sorted(evs, key=lambda e: e["args"]["issued_us"])]
+    by_done = [e["args"]["gather"] for e in sorted(evs, key=lambda e: e["args"]["done_us"])]
+    o_usb.close()
+    return {"diff": out["diff"], "by_issue": by_issue, "by_done": by_done,
+            "blocks": [e["args"]["blocks"] for e in evs[:len(GATHERS_7)]]}
+
+
+class Pairs(nn.Module):
+    """Four 64x64 linear layers: with :func:`sched_pairs`, every tensor lies whole in one
+    rank's shard (each block holds two tensors of one size)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+
+    def forward(self, x):
+        for i, layer in enumerate(self.layers):
+            x = layer(x) if i == 3 else torch.tanh(layer(x))
+        return x
+
+
+def pairs_batch(rank: int, step: int, loud: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    x, y = vec_batch(rank, step, dim=64, out=64)
+    return x, loud * y
+
+
+def sched_pairs(model: nn.Module, ws: int = 2) -> Schedule:
+    """Pairs' tensors laid out weight, weight, bias, bias, ...; one block per pair of equal
+    size, issued out of order, so that each of 2 ranks holds one tensor of each block."""
+    from usbyte_opt.formats import Buffer
+
+    pb = problem_of(model, ws)
+    names = [f"layers.{i}.{w}" for w in ("weight", "bias") for i in range(4)]
+    lay = pb.layout([Buffer("float32", tuple(names))])
+    cuts = [0, 8192, 16384, 16512, 16640]
+    blocks = [Block(0, lo, hi) for lo, hi in zip(cuts, cuts[1:])]
+    return dataclasses.replace(pb.schedule("pairs", lay, [blocks[i] for i in (2, 0, 3, 1)]),
+                               mode=Mode.SHARDED)
+
+
+def case_clip(norm_type: float, rank: int, ws: int, opt_name: str = "sgd_momentum",
+              **kw: Any) -> dict:
+    """opt.clip_grad_norm_() against torch.nn.utils.clip_grad_norm_ under DDP, 6 steps, each
+    clipped (max_norm 0.05 is below every step's norm)."""
+    make, batch = kw.pop("make", SmallCNN), kw.pop("batch", image_batch)
+    return result(train(make, OPTIMIZERS[opt_name], batch, rank, ws, steps=6, clip=0.05,
+                        norm_type=norm_type, **kw))
+
+
+class Spike(nn.Module):
+    """A gain in front of a linear layer: a huge input feature 0 (:func:`spike_forward`, on
+    rank 1 at steps 2 and 3) overflows the gradients of ``gain[0]`` and ``lin.weight[0, 0]``
+    only, which :func:`sched_spike` puts in rank 0's shard."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(6))
+        self.lin = nn.Linear(6, 1)
+
+    def forward(self, x):
+        return self.lin(x * self.gain)
+
+
+def spike_forward(m: nn.Module, x: torch.Tensor, step: int) -> torch.Tensor:
+    if step in (2, 3) and dist.get_rank() == 1:
+        x = x.clone()
+        x[:, 0] = 1e30
+    return m(x)
+
+
+def spike_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return vec_batch(rank, step, out=1)
+
+
+def sched_spike(model: nn.Module, ws: int = 2) -> Schedule:
+    """Spike's tensors laid out lin.weight, gain, lin.bias (13 elements) in one block: rank
+    0's shard is lin.weight and gain[0], rank 1's gain[1:] and lin.bias."""
+    from usbyte_opt.formats import Buffer
+
+    pb = problem_of(model, ws)
+    lay = pb.layout([Buffer("float32", ("lin.weight", "gain", "lin.bias"))])
+    return dataclasses.replace(pb.schedule("spike", lay, [Block(0, 0, 13)]), mode=Mode.SHARDED)
+
+
+def loud_batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`image_batch` with targets 20 times as large (gradients up to about 6)."""
+    x, y = image_batch(rank, step)
+    return x, 20 * y
+
+
+def case_grad_scaler(rank: int, ws: int) -> dict:
+    """GradScaler with a huge initial scale (2**127): the first steps overflow and are
+    skipped (the scale halves each time), then training goes on; no unscale_()."""
+    return result(train(SmallCNN, OPTIMIZERS["adam"], loud_batch, rank, ws, steps=8,
+                        scaler={"init_scale": 2.0 ** 127, "growth_interval": 2}))
+
+
+def case_grad_scaler_one_rank(rank: int, ws: int) -> dict:
+    """Non-finite gradients in rank 0's shards only (steps 2 and 3): rank 1 learns of them
+    through the all-reduce of the flag, and both skip."""
+    return result(train(Spike, OPTIMIZERS["sgd_momentum"], spike_batch, rank, ws, steps=6,
+                        schedule=sched_spike, forward=spike_forward,
+                        scaler={"init_scale": 2.0 ** 8, "growth_interval": 2}))
+
+
+def case_grad_scaler_clip(rank: int, ws: int) -> dict:
+    """scaler.unscale_(opt), then opt.clip_grad_norm_(), then scaler.step(opt): the shards are
+    unscaled in place by the scaler itself; every tensor whole in a shard (Pairs): bitwise."""
+    return result(train(Pairs, OPTIMIZERS["adamw_wd"], lambda r, s: pairs_batch(r, s, 100.0),
+                        rank, ws, steps=6, schedule=sched_pairs, clip=0.05,
+                        scaler={"init_scale": 2.0 ** 127, "growth_interval": 2}))
+
+
+def case_batchnorm(rank: int, ws: int) -> dict:
+    """BatchNorm: rank 0's buffers broadcast after every training forward (installed at the
+    next forward), as DDP broadcasts them before each one: the parameters, rank 0's running
+    statistics and an eval output agree bitwise, and every rank ends with rank 0's."""
+    out = train(lambda: SmallCNN(bn=True), OPTIMIZERS["sgd_momentum"], image_batch, rank, ws,
+                steps=6)
+    ref, mod, ddp = out["ref"], out["mod"], out["ddp"]
+    res: dict[str, Any] = {"diff": out["diff"]}
+    if rank == 0:  # DDP's other ranks keep their own last update; ours install rank 0's
+        res["diff"] = max(res["diff"], max_diff(ref, mod, buffers=True))
+    rm = mod.bn.running_mean.clone()
+    dist.broadcast(rm, 0)
+    res["buffers_equal_rank0"] = bool(torch.equal(rm, mod.bn.running_mean))
+    xe, _ = image_batch(99, 0)
+    ddp.eval(); mod.eval()
+    with torch.no_grad():
+        res["diff"] = max(res["diff"], (ddp(xe) - mod(xe)).abs().max().item())
+    return res
+
+
+def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:
+    """``torch.compile``: compiled DDP against the runtime with the compiled module passed to
+    it (its hooks go on the module it runs); grouped all-gathers. Inside the compiled
+    forward the module gates do nothing: the root's pre-hook runs eagerly before the graph
+    and applies every pending all-gather (``compiled_calls`` counts it). ``aot_eager``
+    (dynamo and AOT autograd, the graphs run op by op) by default: what the runtime meets
+    of a compiled model is the same as under inductor, at a fraction of the compile time
+    (test_compiled_inductor, marked slow, runs inductor)."""
+    import usbyte_opt.runtime.forward as fw
+
+    torch._dynamo.reset()
+    calls = []
+    real_pre = fw._compiled_pre
+    fw._compiled_pre = lambda gates: (calls.append(1), real_pre(gates))[1]
+    try:
+        ref, mod = twins(SmallCNN)
+        o_ref = OPTIMIZERS["adam"](ref.parameters())
+        cddp = torch.compile(DDP(ref), backend=backend)
+        cmod = torch.compile(mod, backend=backend)
+        o_usb = DistributedOptimizer(OPTIMIZERS["adam"](mod.parameters()), cmod, verify=False,
+                                     schedule=grouped(GATHERS_7)(mod, ws))
+        for step in range(4):
+            x, y = image_batch(rank, step)
+            for net, o in ((cddp, o_ref), (cmod, o_usb)):
+                mse(net(x), y).backward()
+                o.step()
+                o.zero_grad()
+        o_usb.synchronize()
+    finally:
+        fw._compiled_pre = real_pre
+    return {"diff": max_diff(ref, mod), "compiled_calls": len(calls)}
 
 
 def case_parent(rank: int, ws: int) -> dict:
@@ -336,21 +606,32 @@ def case_refusals(rank: int, ws: int) -> dict:
 
     out["rmsprop"] = _refused(lambda: build(lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
     out["wait_in_backward"] = _refused(lambda: build(OPTIMIZERS["adam"], wait_in_backward=True))
+
+    def build_gathers(make: Callable[[], nn.Module], gathers: tuple) -> DistributedOptimizer:
+        m = make()
+        return DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+                                    schedule=grouped(gathers)(m, ws))
+
+    out["gathers_missing"] = _refused(lambda: build_gathers(SmallCNN, ((2, 0), (3, 1), (6,))))
+    out["gathers_twice"] = _refused(lambda: build_gathers(SmallCNN, GATHERS_7 + ((0,),)))
+    mixed = tuple((k,) for k in range(14) if k not in (0, 3)) + ((0, 3),)
+    out["gathers_dtypes"] = _refused(lambda: build_gathers(Mixed, mixed))
     m = SmallCNN()
     o = DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
                              schedule=sharded(sched_crosscut)(m, ws))
     x, y = image_batch(rank, 0)
     mse(m(x), y).backward()
-    out["clip"] = _refused(lambda: o.clip_grad_norm_(1.0))
     out["synchronize"] = _refused(o.synchronize)
     o.step()
     o.zero_grad()
     out["after_step_grad_none"] = all(p.grad is None for p in m.parameters())
-    scaler = torch.amp.GradScaler("cpu")
+    # GradScaler's protocol (grad_scale / found_inf set, then step()) with no scaler having
+    # read param_groups after backward: its found_inf cannot be every rank's verdict.
     x, y = image_batch(rank, 1)
-    scaler.scale(mse(m(x), y)).backward()
-    out["grad_scaler"] = _refused(lambda: scaler.step(o))
-    for attr in ("grad_scale", "found_inf"):   # left by the refused GradScaler.step()
+    mse(m(x), y).backward()
+    o.found_inf, o.grad_scale = torch.zeros(()), None
+    out["grad_scaler"] = _refused(o.step)
+    for attr in ("grad_scale", "found_inf"):
         o.__dict__.pop(attr, None)
     o.step()
     o.synchronize()  # after step(): nothing to refuse
@@ -363,6 +644,15 @@ for _o in OPTIMIZERS:
     CASES[f"{_o}-crosscut"] = (lambda o: lambda r, w: case_matrix(o, r, w))(_o)
     CASES[f"frozen_tied-{_o}"] = (lambda o: lambda r, w: case_frozen_tied(o, r, w))(_o)
     CASES[f"state_dict-{_o}"] = (lambda o: lambda r, w: case_state_dict(o, r, w))(_o)
+#: Clipping where a tensor's norm is summed from pieces (not bitwise; test_clip_within_rounding).
+APPROX = {
+    "clip_2": lambda r, w: case_clip(2.0, r, w),
+    "clip_1_adam": lambda r, w: case_clip(1.0, r, w, "adam"),
+    # A tensor no rank uses (no gradient: not counted) and one some ranks use (counted).
+    "clip_unused": lambda r, w: case_clip(2.0, r, w, "adamw_wd", make=Unused, batch=vec_batch,
+                                          forward=unused_forward),
+}
+CASES.update(APPROX)
 CASES.update({
     "default_schedule": case_default_schedule,
     "zero_grad_keep": case_zero_grad_keep,
@@ -370,6 +660,19 @@ CASES.update({
     "foreach_fused": case_foreach_fused,
     "mixed_dtypes": case_mixed_dtypes,
     "parent": case_parent,
+    "batchnorm": case_batchnorm,
+    "compiled": case_compiled,
+    "grad_scaler": case_grad_scaler,
+    "grad_scaler_one_rank": case_grad_scaler_one_rank,
+    "grad_scaler_clip": case_grad_scaler_clip,
+    "clip_inf": lambda r, w: case_clip(float("inf"), r, w),
+    "clip_whole": lambda r, w: case_clip(2.0, r, w, schedule=sched_pairs, make=Pairs,
+                                         batch=pairs_batch),
+    "gathers-sgd_momentum": lambda r, w: case_gathers("sgd_momentum", r, w),
+    "gathers-adam": lambda r, w: case_gathers("adam", r, w),
+    "gathers_tied": case_gathers_tied,
+    "gathers_mixed": case_gathers_mixed,
+    "gather_order": case_gather_order,
     "transformer": case_transformer,
     "accumulation": case_accumulation,
     "no_sync": case_no_sync,
@@ -400,7 +703,7 @@ def results() -> list[dict[str, dict]]:
     return [r.value for r in res]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [c for c in CASES if c not in APPROX])
 def test_sharded_matches_ddp(results: list[dict[str, dict]], case: str) -> None:
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
@@ -416,6 +719,57 @@ def test_bf16_within_one_rounding(results: list[dict[str, dict]]) -> None:
 def test_fused_adam_within_rounding(results: list[dict[str, dict]]) -> None:
     for r in results:
         assert r["foreach_fused"]["fused_diff"] <= 1e-6
+
+
+def test_clip_within_rounding(results: list[dict[str, dict]]) -> None:
+    """clip_grad_norm_ where crosscut blocks cut tensors into pieces on both ranks: a
+    tensor's norm is summed from its pieces' (float64 sums of |x|^p, one all-reduce), while
+    torch reduces the whole tensor in float32, in its own order; so the norms differ in their
+    last bits (measured: 9.5e-8 relative for the 2-norm, 1.1e-6 for the 1-norm, whose float32
+    sum over 4096 elements rounds more), and so does the clipping factor, which moves the
+    parameters by about that fraction of an update (measured after 6 steps: 1.5e-8 with SGD
+    momentum and the 2-norm, 1.1e-7 with Adam and the 1-norm). Bounds with room: norms 3e-6
+    relative, parameters 1e-6 absolute. With every tensor whole in one shard (clip_whole) and
+    for the inf-norm (a max, exact) the runs agree bitwise (test_sharded_matches_ddp)."""
+    for r in results:
+        for case in APPROX:
+            got = r[case]
+            assert "error" not in got, got["error"]
+            assert got["clipped"]
+            assert got["norm_diff"] <= 3e-6, (case, got["norm_diff"])
+            assert got["diff"] <= 1e-6, (case, got["diff"])
+
+
+def test_clip_exact_for_whole_tensors_and_the_inf_norm(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["clip_whole"]["whole"] and r["clip_whole"]["clipped"]
+        assert r["clip_whole"]["norm_diff"] == 0.0
+        assert r["clip_inf"]["norm_diff"] == 0.0 and r["clip_inf"]["clipped"]
+
+
+@pytest.mark.parametrize("case", ["grad_scaler", "grad_scaler_one_rank", "grad_scaler_clip"])
+def test_grad_scaler_skips_alike(results: list[dict[str, dict]], case: str) -> None:
+    """The scale follows DDP's step by step (so every skip and growth is the same), and some
+    steps were skipped (the scale went down)."""
+    for r in results:
+        scales = r[case]["scales"]
+        assert all(a == b for a, b in scales), scales
+        assert any(b < a for (a, _), (b, _) in zip(scales, scales[1:])) or scales[0][0] < 2.0 ** 127
+
+
+def test_grad_scaler_skips_on_every_rank_when_one_rank_overflows(
+        results: list[dict[str, dict]]) -> None:
+    """Steps 2 and 3 overflow in rank 0's shard only: rank 1 skips on the all-reduced flag
+    (and GradScaler's scale backs off on both, as under DDP)."""
+    here = [r["grad_scaler_one_rank"]["found_here"] for r in results]
+    assert here[0][2:4] == [True, True] and here[1][2:4] == [False, False]
+    assert results[0]["grad_scaler_one_rank"]["scales"][1:4] == [(512.0,) * 2, (256.0,) * 2,
+                                                                 (128.0,) * 2]
+
+
+def test_grad_scaler_unscale_then_clip_exact(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["grad_scaler_clip"]["norm_diff"] == 0.0 and r["grad_scaler_clip"]["clipped"]
 
 
 def test_lr_scheduler_acts_on_the_shards(results: list[dict[str, dict]]) -> None:
@@ -459,15 +813,51 @@ def test_all_gathers_wait_in_the_next_forward(results: list[dict[str, dict]]) ->
         assert all(got["stale_after_step"])
 
 
+def test_all_gathers_go_out_and_end_in_the_gathers_order(results: list[dict[str, dict]]) -> None:
+    want = list(range(len(GATHERS_7))) * 3   # 3 steps, the groups in order each time
+    for r in results:
+        got = r["gather_order"]
+        assert got["by_issue"] == want
+        assert got["by_done"] == want
+        assert got["blocks"] == [list(g) for g in GATHERS_7]
+
+
+def test_compiled_model_ran_compiled(results: list[dict[str, dict]]) -> None:
+    assert all(r["compiled"]["compiled_calls"] == 4 for r in results)
+
+
+def _run_compiled_inductor(rank: int, ws: int) -> dict:
+    return case_compiled(rank, ws, backend="inductor")
+
+
+@pytest.mark.slow
+def test_compiled_inductor() -> None:
+    """The compiled case under inductor (about 70 s on 2 CPU cores with a cold inductor
+    cache, 25 s warm; measured diff 0.0)."""
+    res = run_local(_run_compiled_inductor, 2, timeout_s=600, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}"
+        assert r.value["diff"] == 0.0 and r.value["compiled_calls"] == 4, r.value
+
+
+def test_batchnorm_buffers_follow_rank0(results: list[dict[str, dict]]) -> None:
+    assert all(r["batchnorm"]["buffers_equal_rank0"] for r in results)
+
+
 def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
     for r in results:
         got = r["refusals"]
         assert "RMSprop is not supported" in got["rmsprop"]
         assert "wait_in_backward" in got["wait_in_backward"]
-        assert "clip_grad_norm_() is not supported in sharded mode" in got["clip"]
+        assert "block 4 is in no all-gather" in got["gathers_missing"]
+        assert "block 0 is in gathers[0] and gathers[5]" in got["gathers_twice"]
+        assert "mixes blocks of dtypes bfloat16, float32" in got["gathers_dtypes"]
+        for key in ("gathers_missing", "gathers_twice", "gathers_dtypes"):
+            assert len(got[key].splitlines()) == 1
         assert "synchronize() between backward() and step()" in got["synchronize"]
         assert got["after_step_grad_none"]
-        assert "GradScaler is not supported in sharded mode" in got["grad_scaler"]
+        assert "the scaler did not read this optimizer's param_groups" in got["grad_scaler"]
+        assert len(got["grad_scaler"].splitlines()) == 1
 
 
 def test_trainer_integrations_refuse_a_sharded_schedule_in_one_line(tmp_path):

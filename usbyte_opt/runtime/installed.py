@@ -167,10 +167,12 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan)
         comm.issue_block = sharded.reduce_scatter
         comm.collective = "reduce-scatter"
+        sharded.trace = trace
     comm.trace = trace
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers
-        updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace)
+        updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace,
+                              sharded.order())
     elif device.type == "cuda" and schedule.mode == Mode.OVERLAP:
         updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
                                 options.update_groups)

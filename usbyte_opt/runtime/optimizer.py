@@ -102,9 +102,40 @@ class DistributedOptimizer(torch.optim.Optimizer):
       keeps its meaning for tensors no rank uses in the next step (they are stepped with a
       zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
-      ``step()``, as under DDP. In sharded mode the average never exists whole: ``p.grad`` is
-      never the averaged gradient, ``synchronize()`` and ``clip_grad_norm_()`` are refused
-      between ``backward()`` and ``step()``, and ``p.grad`` is ``None`` after ``step()``.
+      ``step()``, as under DDP. Sharded mode has a contract of its own (below).
+
+    **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``, ZeRO-1): the
+    averaged gradient never exists whole, only as this rank's shard of each block (its
+    reduce-scatter output), which the wrapped optimizer steps:
+
+    * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
+      buffer, holding this rank's *local* gradient divided by the world size (summed over the
+      passes of an accumulation), never averaged. It may be read; changing it gives undefined
+      results (the reduce-scatter may still be reading it). ``torch.nn.utils.clip_grad_norm_``
+      on it clips those local values, not the step: use :meth:`clip_grad_norm_`;
+    * :meth:`clip_grad_norm_` computes the global norm of the averaged gradients from one
+      all-reduce of the shards' per-tensor parts (a collective: every rank calls it),
+      counting the tensors DDP would (those with a gradient in ``p.grad`` after the wait),
+      scales the shards, and returns the total norm as ``torch.nn.utils.clip_grad_norm_``
+      does: bitwise equal to it for ``norm_type=inf`` and when every tensor lies whole in
+      one rank's shard, else within float rounding (the norm of a tensor cut across ranks is
+      summed from its pieces). ``p.grad`` is left alone;
+    * ``step()`` waits for the reduce-scatters, steps the shards and issues the
+      all-gathers of the parameters (in the schedule's ``gathers`` order); each parameter
+      gets its new value right before its first use in the next forward (or in
+      :meth:`synchronize`, ``model.state_dict()``, an eval forward). ``p.grad`` is ``None``
+      after it;
+    * ``zero_grad()`` acts as in overlap mode: after ``step()`` there is no gradient to zero
+      (``set_to_none=False`` is recorded, so a tensor no rank uses in the next step is stepped
+      with a zero gradient, as under DDP); between ``backward()`` and ``step()`` it discards
+      the step's gradients (``set_to_none=False``: the shards are stepped with zeros);
+    * ``GradScaler``: ``scaler.unscale_(opt)`` / ``scaler.step(opt)`` read ``param_groups``
+      after backward and see the shard parameters (flat 1-D views of this rank's shards; the
+      wrapped optimizer's groups hold those, not the model's parameters) with their gradient
+      shards, unscaled in place, and a sentinel that carries every rank's non-finite flag
+      (one all-reduce), so every rank skips the same steps and the scale follows DDP's;
+    * :meth:`synchronize` between ``backward()`` and ``step()`` is refused (there is no
+      averaged gradient to wait for), as is ``wait_in_backward=True``.
 
     With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
     backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
@@ -262,7 +293,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             check_model(sched, model_tensors(model), source)
             self._check_optimizer()
             if sched.mode == Mode.SHARDED:
-                check_sharded(optimizer, wait_in_backward=wait_in_backward, compiled=compiled)
+                check_sharded(optimizer, sched, wait_in_backward=wait_in_backward)
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.
@@ -355,9 +386,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         so the gradients seen are the averaged ones; read between the passes of an
         accumulation (inside :meth:`no_sync`, or before the last of
         ``backward_passes_per_step``), it leaves the accumulation alone (a learning-rate
-        read, Lightning's ``toggle_model``)."""
-        if self._state.sharded is None:  # sharded: no averaged gradient to wait for
-            self._state.comm.complete_if_due("param_groups")
+        read, Lightning's ``toggle_model``). In sharded mode the groups hold the shard
+        parameters; a ``GradScaler`` reading them after backward sees the gradient shards
+        (see *Gradient access in sharded mode*)."""
+        st = self._state
+        if st.sharded is None:
+            st.comm.complete_if_due("param_groups")
+        elif _read_by_grad_scaler():  # sharded: GradScaler sees the shards (Sharded.expose)
+            comm = st.comm
+            if comm.phase is not Phase.IDLE and not comm.accumulating:
+                comm.complete("GradScaler")
+                st.sharded.expose([st.in_opt[t] and p.grad is not None
+                                   for t, p in enumerate(st.grads.params)])
         return self._opt.param_groups
 
     @property
@@ -397,8 +437,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """End the iteration: make sure everything is issued and schedule the updates.
 
         In overlap mode the updates run lazily, tensor by tensor, in the next forward (or in
-        :meth:`synchronize`); in fence mode they run here, after every block. With a
-        ``closure``, it is called first (with grad enabled) and its value returned.
+        :meth:`synchronize`); in fence mode they run here, after every block. In sharded mode
+        this rank's shards are stepped here and the parameters' all-gathers issued; each
+        tensor's gathered values are copied in right before its first use in the next
+        forward (a step GradScaler skips steps and gathers nothing). With a ``closure``, it
+        is called first (with grad enabled) and its value returned.
 
         Returns:
             The closure's value, or ``None``.
@@ -419,13 +462,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         skip = False
         if found_inf is not None:  # called by GradScaler.step(self)
             if st.sharded is not None:
-                st.sharded.require("GradScaler")
-            skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
+                skip = self._sharded_amp_step(found_inf, getattr(self, "grad_scale", None))
+            else:
+                skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
+        elif st.sharded is not None and st.sharded.exposed is not None:
+            st.sharded.unexpose()  # a scaler read param_groups, then plain step() was called
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
-        if skip:
+        if skip:  # sharded mode: no step, no all-gather; the parameters stay as they are
             comm.wait_blocks()
-            if mode == Mode.OVERLAP:
+            if mode != Mode.FENCE:
                 st.grads.release()
         elif st.sharded is not None:
             comm.wait_blocks()
@@ -457,10 +503,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
 
-        Between ``step()`` and the next backward (overlap mode) there is no gradient to zero
-        (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a tensor no rank
-        uses in the next step is stepped with a zero gradient, as under DDP. Between backward
-        and ``step()`` it first waits for this step's all-reduce, then discards the gradients.
+        Between ``step()`` and the next backward (overlap and sharded mode) there is no
+        gradient to zero (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a
+        tensor no rank uses in the next step is stepped with a zero gradient, as under DDP.
+        Between backward and ``step()`` it first waits for this step's all-reduce (in sharded
+        mode, reduce-scatters), then discards the gradients.
         """
         st = self._state
         g, comm = st.grads, st.comm
@@ -568,11 +615,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
                         error_if_nonfinite: bool = False, foreach: bool | None = None) -> torch.Tensor:
         """Wait for this step's averaged gradients, then clip them as
         ``torch.nn.utils.clip_grad_norm_(model.parameters(), ...)`` does under DDP; returns
-        the total norm. Call it between ``backward()`` and ``step()``."""
-        if self._state.sharded is not None:
-            self._state.sharded.require("clip_grad_norm_()")
-        self._state.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
-        params = [p for p in self._state.grads.params if p.grad is not None]
+        the total norm. Call it between ``backward()`` and ``step()``.
+
+        In sharded mode the averaged gradients exist only as shards: the norm comes from one
+        all-reduce of the shards' per-tensor parts (a collective: every rank calls it), and
+        the shards are scaled; ``p.grad`` is left alone (see *Gradient access*)."""
+        st = self._state
+        st.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
+        if st.sharded is not None:
+            if st.comm.phase is Phase.IDLE:   # no gradient since step(): nothing to clip
+                return torch.tensor(0.0)
+            index = {id(p): t for t, p in enumerate(st.grads.params)}
+            order = [index[id(p)] for p in self._model.parameters() if id(p) in index]
+            return st.sharded.clip(max_norm, norm_type,
+                                   [p.grad is not None for p in st.grads.params], order,
+                                   error_if_nonfinite, foreach)
+        params = [p for p in st.grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
                                               foreach=foreach)
@@ -651,6 +709,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # GradScaler
     # ------------------------------------------------------------------------------------
 
+    def _sharded_amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
+        """GradScaler in sharded mode: its ``found_inf`` is every rank's verdict (it read
+        ``param_groups`` after backward, :meth:`.sharded.Sharded.expose`); unscale the shard
+        gradients (if the scaler has not) and say whether to skip the step."""
+        sh = self._state.sharded
+        assert sh is not None
+        if sh.exposed is None:
+            raise UsbyteError("GradScaler in sharded mode: the scaler did not read this "
+                              "optimizer's param_groups after the step's last backward(), so "
+                              "its found_inf is not every rank's verdict: call "
+                              "scaler.step(opt) (or scaler.unscale_(opt)) after backward()")
+        shown = sh.unexpose()
+        if grad_scale is not None:
+            sh.unscale(shown, grad_scale)
+        if not torch.is_tensor(found_inf):
+            return bool(found_inf)
+        return amp.skip_on_host(found_inf)
+
     def _amp_step(self, found_inf: torch.Tensor, grad_scale: torch.Tensor | None) -> bool:
         """GradScaler: unscale (if the scaler has not) and decide whether to skip the step.
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
@@ -662,6 +738,22 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.stepper.attrs = {"found_inf": found_inf, "grad_scale": None}
             return False
         return amp.skip_on_host(found_inf)
+
+
+def _read_by_grad_scaler() -> bool:
+    """Whether ``param_groups`` is being read by a ``torch.amp.GradScaler`` method (its
+    check of non-finite gradients, ``_unscale_grads_``): the getter's caller's ``self``."""
+    import sys
+    from types import FrameType
+
+    f: FrameType | None = sys._getframe(2)   # 0: this function, 1: the getter, 2: its caller
+    for _ in range(2):
+        if f is None:
+            return False
+        if isinstance(f.f_locals.get("self"), torch.amp.GradScaler):
+            return True
+        f = f.f_back
+    return False
 
 
 class _Tuned:

@@ -5,7 +5,8 @@ element range ``[lo, hi)`` of its flat buffer (:class:`~.buffers.FlatGrads`, ali
 included), of length ``L``; with ``S = ceil(L / world_size)``, rank ``r`` owns
 ``[lo + r*S, min(lo + (r+1)*S, hi))``. The flat buffers keep their layout; a block whose length
 is not a multiple of the world size goes through a staging tensor of ``world_size * S``
-elements (the block, then zeros), for the reduce-scatter in and the all-gather out.
+elements (the block, then zeros) for the reduce-scatter in, and so does every all-gather out
+but that of a single block without padding (below).
 
 **Optimizer state.** The wrapped optimizer (the user's object) is rebuilt over *shard
 parameters*: one flat 1-D parameter per (block, tensor) piece this rank owns, a view of this
@@ -22,13 +23,31 @@ world size, as for the all-reduce) as soon as it is its turn and its gradients a
 (:class:`~.backward.StepComm` issues through :meth:`Sharded.reduce_scatter`). ``step()``:
 wait for them, copy the owned pieces of the parameters into the shards (so a parameter changed
 outside the optimizer, by ``model.load_state_dict`` say, is what gets stepped), step the
-optimizer on the shards, and issue the all-gather of every block's parameter shard into the
-flat buffer (the gradients there are dead by then), in schedule order. The copy of a tensor's
-gathered values into its parameter is its pending update (:class:`GatherBack`, run by
-:class:`~.updates.HostUpdates`): the forward pre-hook of the tensor's module waits for that
-tensor's blocks only, as overlap mode does for its updates, so the all-gathers of later
-tensors overlap the forward; the next backward, an eval forward, ``synchronize()`` and the
-state-dict hooks apply what is left.
+optimizer on the shards, and issue the all-gathers of the parameter shards (the gradients in
+the flat buffer are dead by then): one per group of the schedule's
+:meth:`~usbyte_opt.formats.Schedule.gather_groups`, in that order (by default one per block,
+in reverse block order, about the order the forward needs them). The parameter shards of a
+group's blocks are consecutive views of one tensor, the group's input (``sum S_k`` elements,
+in group order); its output is ``world_size`` times that, rank-major, in a staging tensor,
+from which each block's part (the ``(world_size, S_k)`` slice, its first ``L_k`` elements) is
+copied into the flat buffer when a tensor of the block is first needed. A group of one block
+without padding is gathered straight into its flat view. A padded block's reduce-scatter
+input is its own disjoint range of its group's staging output (free again by then: every
+gathered value is copied out before the next backward). The copy of a tensor's gathered
+values into its parameter is its pending update (:class:`GatherBack`, run by
+:class:`~.updates.HostUpdates`): the forward pre-hook of the tensor's module waits only for
+the works of the groups holding its blocks (the blocks of a group share one work), as overlap
+mode does for its updates, so the all-gathers of later tensors overlap the forward; the next
+backward, an eval forward, ``synchronize()`` and the state-dict hooks apply what is left.
+
+**Clipping and GradScaler.** :meth:`Sharded.clip` computes the global gradient norm from one
+all-reduce of the shards' per-tensor parts and scales the shards. A ``GradScaler`` reading
+``param_groups`` after the step's last backward sees the shards (:meth:`Sharded.expose`):
+each shard parameter's ``.grad`` is its gradient shard (so ``scaler.unscale_()`` unscales the
+shards in place), and a sentinel parameter carries the all-reduced (MAX) non-finite flag of
+every rank's shards, so the scaler's ``found_inf`` (its skip and its scale update) is the
+same on every rank. ``step()`` then unscales the shards (unless the scaler did) and, on a
+non-finite step, steps nothing and gathers nothing: the parameters stay as they are.
 """
 
 from __future__ import annotations
@@ -52,9 +71,10 @@ SHARDABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.opt
 ELEMENTWISE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
 
 
-def check_sharded(optimizer: torch.optim.Optimizer, *, wait_in_backward: bool,
-                  compiled: bool) -> None:
+def check_sharded(optimizer: torch.optim.Optimizer, schedule: Schedule, *,
+                  wait_in_backward: bool) -> None:
     """Refuse, in one line, what sharded mode does not support (at construction)."""
+    check_gathers(schedule)
     if type(optimizer) not in SHARDABLE:
         raise UsbyteError(f"sharded mode: {type(optimizer).__name__} is not supported: it steps "
                           "a shard of each tensor, which needs an elementwise optimizer "
@@ -62,8 +82,37 @@ def check_sharded(optimizer: torch.optim.Optimizer, *, wait_in_backward: bool,
     if wait_in_backward:
         raise UsbyteError("sharded mode: wait_in_backward=True is not supported: the averaged "
                           "gradients exist only as shards, never whole in p.grad")
-    if compiled:
-        raise UsbyteError("sharded mode: a torch.compile'd model is not supported yet")
+
+
+def check_gathers(schedule: Schedule) -> None:
+    """The schedule's all-gather groups (:meth:`~usbyte_opt.formats.Schedule.gather_groups`)
+    name every block exactly once, and each group's blocks share a dtype (a group is one
+    all-gather of their shards, concatenated). A schedule file is checked when it is read;
+    this also covers a :class:`~usbyte_opt.formats.Schedule` built in code."""
+    m = len(schedule.blocks)
+    seen: dict[int, int] = {}
+    for i, grp in enumerate(schedule.gather_groups()):
+        if not grp:
+            raise UsbyteError(f"sharded mode: gathers[{i}] is empty: each all-gather names at "
+                              "least one block")
+        dtypes = set()
+        for k in grp:
+            if not 0 <= k < m:
+                raise UsbyteError(f"sharded mode: gathers[{i}] names block {k}, but the "
+                                  f"schedule has {m} blocks")
+            if k in seen:
+                raise UsbyteError(f"sharded mode: block {k} is in gathers[{seen[k]}] and "
+                                  f"gathers[{i}]: each block in exactly one all-gather")
+            seen[k] = i
+            dtypes.add(schedule.buffers[schedule.blocks[k].buffer].dtype)
+        if len(dtypes) > 1:
+            raise UsbyteError(f"sharded mode: gathers[{i}] mixes blocks of dtypes "
+                              f"{', '.join(sorted(dtypes))}: one all-gather concatenates its "
+                              "blocks' shards, which needs one dtype")
+    if len(seen) != m:
+        k = min(set(range(m)) - set(seen))
+        raise UsbyteError(f"sharded mode: block {k} is in no all-gather of the schedule's "
+                          "gathers: each block in exactly one")
 
 
 def _like(p: torch.Tensor, flat: torch.Tensor, start: int) -> torch.Tensor:
@@ -80,6 +129,13 @@ def _flat_of(p: torch.Tensor) -> torch.Tensor:
     if dense_strides(d.shape, d.stride()):
         return d.as_strided((d.numel(),), (1,), d.storage_offset())
     return d.reshape(-1)
+
+
+def _by_dtype(ts: Sequence[torch.Tensor]) -> list[list[torch.Tensor]]:
+    out: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in ts:
+        out.setdefault(t.dtype, []).append(t)
+    return list(out.values())
 
 
 class GatherBack:
@@ -122,31 +178,61 @@ class Sharded:
         self.length: list[int] = []      # block length L
         self.size: list[int] = []        # shard length S
         self.buffer: list[int] = []
-        self.stage: list[torch.Tensor | None] = []
+        for k, blk in enumerate(schedule.blocks):
+            view = grads.block_views[k]
+            flat = grads.flats[blk.buffer]
+            self.lo.append(int(view.storage_offset() - flat.storage_offset()))
+            self.length.append(view.numel())
+            self.size.append(-(-view.numel() // ws))
+            self.buffer.append(blk.buffer)
+        m = len(schedule.blocks)
+        #: The all-gathers in issue order, each the blocks it gathers (``gather_groups()``).
+        self.gathers: tuple[tuple[int, ...], ...] = schedule.gather_groups()
+        self.group_of = [0] * m          # block -> its all-gather
+        self.offset = [0] * m            # block's shard offset in its all-gather's input
+        #: Per all-gather: its input (this rank's shards of its blocks, concatenated; the
+        #: parameter shards ``pshard[k]`` are views of it) and its output (``None``: a
+        #: single block with no padding, gathered straight into its flat view).
+        self.g_in: list[torch.Tensor] = []
+        self.g_out: list[torch.Tensor | None] = []
+        #: Per block: the reduce-scatter's staging input (``None``: the flat view itself).
+        self.stage: list[torch.Tensor | None] = [None] * m
+        self.pshard: list[torch.Tensor] = [torch.empty(0)] * m
+        for i, blocks in enumerate(self.gathers):
+            total = 0
+            for k in blocks:
+                self.group_of[k], self.offset[k] = i, total
+                total += self.size[k]
+            like = grads.block_views[blocks[0]]
+            gin = torch.zeros(total, dtype=like.dtype, device=like.device)
+            self.g_in.append(gin)
+            direct = len(blocks) == 1 and self.size[blocks[0]] * ws == self.length[blocks[0]]
+            out = None if direct else torch.zeros(ws * total, dtype=like.dtype,
+                                                  device=like.device)
+            self.g_out.append(out)
+            for k in blocks:
+                off, sk = self.offset[k], self.size[k]
+                self.pshard[k] = gin[off:off + sk]
+                if out is not None and sk * ws != self.length[k]:
+                    # A padded block's reduce-scatter input: its own range of the all-gather's
+                    # output (disjoint per block; every gathered value is copied out before
+                    # the next backward writes a gradient there).
+                    self.stage[k] = out[ws * off:ws * (off + sk)]
+                elif sk * ws != self.length[k]:
+                    self.stage[k] = torch.zeros(ws * sk, dtype=like.dtype, device=like.device)
         self.rs_out: list[torch.Tensor] = []
-        self.pshard: list[torch.Tensor] = []
         #: This rank's pieces: (block, tensor, start, end), flat-buffer coordinates.
         self.pieces: list[tuple[int, int, int, int]] = []
         #: Per piece, its shard parameter (None: the tensor is not in the optimizer).
         self.shard_params: list[torch.nn.Parameter | None] = []
         by_group: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [
             [] for _ in optimizer.param_groups]
-        for k, blk in enumerate(schedule.blocks):
+        for k in range(m):
             view = grads.block_views[k]
-            flat = grads.flats[blk.buffer]
-            lo = int(view.storage_offset() - flat.storage_offset())
-            n = view.numel()
-            s = -(-n // ws)
-            self.lo.append(lo)
-            self.length.append(n)
-            self.size.append(s)
-            self.buffer.append(blk.buffer)
-            self.stage.append(None if s * ws == n else
-                              torch.zeros(s * ws, dtype=view.dtype, device=view.device))
+            lo, n, s = self.lo[k], self.length[k], self.size[k]
             out = torch.zeros(s, dtype=view.dtype, device=view.device)
-            ps = torch.zeros(s, dtype=view.dtype, device=view.device)
+            ps = self.pshard[k]
             self.rs_out.append(out)
-            self.pshard.append(ps)
             olo, ohi = lo + r * s, min(lo + (r + 1) * s, lo + n)
             for t in grads.block_tensors[k]:
                 _, ts, te = grads.region[t]
@@ -162,8 +248,29 @@ class Sharded:
                 self.shard_params.append(sp)
                 by_group[gi].append((sp, t, out[a - olo:e - olo]))
         self.by_group = by_group
-        #: Staged blocks gathered but not yet copied into the flat buffer.
-        self.unstaged = [False] * len(self.stage)
+        #: Per piece, its view of the reduce-scatter output (the averaged gradient's shard).
+        self.piece_grads = [self.rs_out[k][a - (self.lo[k] + r * self.size[k]):
+                                           e - (self.lo[k] + r * self.size[k])]
+                            for k, _, a, e in self.pieces]
+        #: Per tensor, how many pieces it is cut into over all ranks (1: one rank holds it
+        #: whole, and computes its norm as torch does).
+        self.npieces = [0] * grads.n
+        for k in range(m):
+            lo, n, s = self.lo[k], self.length[k], self.size[k]
+            for t in grads.block_tensors[k]:
+                _, ts, te = grads.region[t]
+                for q in range(ws):
+                    if max(ts, lo + q * s) < min(te, lo + n, lo + (q + 1) * s):
+                        self.npieces[t] += 1
+        #: Blocks gathered through a staging output, not yet copied into the flat buffer.
+        self.unstaged = [False] * m
+        #: GradScaler (:meth:`expose`): the shard gradients shown to it this step, or None;
+        #: the sentinel parameter carrying every rank's verdict; this rank's own flag.
+        self.exposed: list[torch.Tensor] | None = None
+        self.sentinel: torch.nn.Parameter | None = None
+        self.found_here: torch.Tensor | None = None
+        #: The recorder of the measured timeline (set by ``install``), or None.
+        self.trace: Any = None
         self.refresh()
         optimizer.state.clear()
         for grp, members in zip(optimizer.param_groups, by_group):
@@ -182,7 +289,9 @@ class Sharded:
                     cur.wait_stream(st)
         view, stage = self.grads.block_views[k], self.stage[k]
         if stage is not None:
-            stage[:view.numel()].copy_(view)
+            n = view.numel()
+            stage[:n].copy_(view)
+            stage[n:].zero_()   # the padding (an all-gather may have left values there)
             view = stage
         return self._rs(self.rs_out[k], view)
 
@@ -201,9 +310,9 @@ class Sharded:
 
     def step(self, include: Callable[[int], bool], zeroed: bool) -> list[dist.Work | None]:
         """Step this rank's shards (the reduce-scatters waited for), then issue the
-        all-gathers of the parameters; returns their works, one per block (the pending
-        updates of :class:`GatherBack`). ``zeroed``: ``zero_grad(set_to_none=False)`` ran
-        after backward."""
+        all-gathers of the parameters (:meth:`gather`); returns their works, one per block
+        (the pending updates of :class:`GatherBack`). ``zeroed``:
+        ``zero_grad(set_to_none=False)`` ran after backward."""
         if zeroed:
             for out in self.rs_out:
                 out.zero_()
@@ -226,16 +335,48 @@ class Sharded:
             for members in self.by_group:
                 for sp, _, _ in members:
                     sp.grad = None
+        return self.gather()
+
+    def gather(self) -> list[dist.Work | None]:
+        """Issue the all-gathers of the parameter shards, one per group of
+        :attr:`gathers`, in that order; returns the work of each block (the blocks of one
+        group share one)."""
         views = self.grads.block_views
-        works: list[dist.Work | None] = []
-        for k in range(len(self.pshard)):
-            dst = self.stage[k]
-            works.append(self._ag(views[k] if dst is None else dst, self.pshard[k]))
-        self.unstaged = [dst is not None for dst in self.stage]
+        works: list[dist.Work | None] = [None] * len(self.pshard)
+        for i, grp in enumerate(self.gathers):
+            out = self.g_out[i]
+            w = self._ag(views[grp[0]] if out is None else out, self.g_in[i])
+            if self.trace is not None:
+                self.trace.gather(i, w)
+            for k in grp:
+                works[k] = w
+                self.unstaged[k] = out is not None
         return works
 
+    def order(self) -> list[int]:
+        """The blocks in the order their all-gathers are issued (and, on one channel, end)."""
+        return [k for grp in self.gathers for k in grp]
+
     def what(self, k: int) -> str:
-        return f"all-gather of block {k}'s parameters"
+        grp = self.gathers[self.group_of[k]]
+        if len(grp) == 1:
+            return f"all-gather of block {k}'s parameters"
+        return f"all-gather of blocks {', '.join(map(str, grp))}'s parameters"
+
+    def unstage(self, k: int) -> None:
+        """Block ``k``'s part of its all-gather's staging output into its flat view: the
+        ``(world_size, S)`` slice of the rank-major output, its first ``L`` elements."""
+        out = self.g_out[self.group_of[k]]
+        assert out is not None
+        n, s, off = self.length[k], self.size[k], self.offset[k]
+        rows = out.view(self.ws, -1)[:, off:off + s]
+        dst = self.grads.block_views[k]
+        q = n // s
+        if q:
+            dst[:q * s].view(q, s).copy_(rows[:q])
+        if n > q * s:
+            dst[q * s:].copy_(rows[q, :n - q * s])
+        self.unstaged[k] = False
 
     def copy_back(self, ts: Sequence[int]) -> None:
         """Tensors ``ts``, whose blocks' all-gathers have finished: their gathered values (in
@@ -245,11 +386,163 @@ class Sharded:
             for t in ts:
                 for k in g.tensor_blocks[t]:
                     if self.unstaged[k]:
-                        stage = self.stage[k]
-                        assert stage is not None
-                        g.block_views[k].copy_(stage[:self.length[k]])
-                        self.unstaged[k] = False
+                        self.unstage(k)
                 g.params[t].copy_(g.views[t])
+
+    # -- reductions over the shards -----------------------------------------------------------
+
+    def all_reduce(self, x: torch.Tensor, op: Any, what: str) -> None:
+        """Reduce ``x`` (on the gradients' device) over the ranks with ``op``, in place, on the
+        blocks' channel (nothing of the step is in flight there any more), and wait."""
+        if self.ws == 1:
+            return
+        serial = self.chan.serial
+        if serial is not None:
+            opts = dist.AllreduceOptions()
+            opts.reduceOp = op
+            work = serial.allreduce([x], opts)
+        else:
+            work = dist.all_reduce(x, op=op, group=self.chan.group, async_op=True)
+        self.chan.wait(work, what)
+
+    def clip(self, max_norm: float, norm_type: float, counted: Sequence[bool],
+             order: Sequence[int], error_if_nonfinite: bool,
+             foreach: bool | None) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` over the averaged gradients of the tensors
+        ``counted`` (those DDP would leave a gradient in ``p.grad``), which exist only as this
+        rank's shards: one all-reduce of a per-tensor vector gives every rank every tensor's
+        norm (a sum of the pieces' ``|x|^p`` in float64, or for ``inf`` / ``-inf`` a max, with
+        a NaN flag per tensor); a tensor one rank holds whole gets its norm computed there as
+        torch computes it (then exact). The total is torch's: the vector norm of the stacked
+        per-tensor norms, grouped by dtype in ``order`` (the model's parameter order). The
+        shards' gradients are scaled by ``min(max_norm / (total + 1e-6), 1)``; returns the
+        total norm. A collective: every rank calls it."""
+        g = self.grads
+        n = g.n
+        norm_type = float(norm_type)
+        ts = [t for t in order if counted[t]]
+        dev = g.flats[0].device
+        inf = norm_type in (float("inf"), -float("inf"))
+        neg = norm_type == -float("inf")
+        whole = [self.npieces[t] == 1 for t in range(n)]
+        mine: dict[int, list[int]] = {}
+        for i, (_, t, _, _) in enumerate(self.pieces):
+            if counted[t]:
+                mine.setdefault(t, []).append(i)
+        vec = torch.zeros(2 * n if inf else n, dtype=torch.float64, device=dev)
+        if neg:
+            vec[:n] = -float("inf")   # -min|x| under a max: no piece here is -inf
+        pg = self.piece_grads
+        with torch.no_grad():
+            for t, idx in mine.items():
+                if inf:
+                    vals = torch.stack([(pg[i].abs().min() if neg else pg[i].abs().max())
+                                        .double() for i in idx])
+                    nan = vals.isnan()
+                    vals = -vals if neg else vals
+                    vec[t] = vals.masked_fill(nan, -float("inf")).max()
+                    vec[n + t] = nan.any().double()
+                elif whole[t]:
+                    vec[t] = torch.linalg.vector_norm(pg[idx[0]], norm_type).double()
+                else:
+                    acc = torch.zeros((), dtype=torch.float64, device=dev)
+                    for i in idx:
+                        x = pg[i].double()
+                        acc += (x != 0).sum() if norm_type == 0 else \
+                            torch.linalg.vector_norm(x, norm_type) ** norm_type
+                    vec[t] = acc
+            # Issued whatever this rank counts (ranks that count differently get different
+            # norms, as under DDP, but none waits alone).
+            self.all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            "all-reduce of the gradient norm's per-tensor parts")
+            if not ts:
+                return torch.tensor(0.0)
+            norms: dict[torch.dtype, list[torch.Tensor]] = {}
+            for t in ts:
+                v = vec[t]
+                if inf:
+                    v = torch.where(vec[n + t] > 0, float("nan"), -v if neg else v)
+                elif not whole[t] and norm_type != 0:
+                    v = v ** (1.0 / norm_type)
+                dt = g.views[t].dtype
+                norms.setdefault(dt, []).append(v.to(dt))
+            total = torch.linalg.vector_norm(
+                torch.stack([v for vs in norms.values() for v in vs]), norm_type)
+            if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} for gradients from `parameters` is "
+                    "non-finite, so it cannot be clipped. To disable this error and scale the "
+                    "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            for idx in mine.values():
+                for i in idx:
+                    by_dtype.setdefault(pg[i].dtype, []).append(pg[i])
+            for grads in by_dtype.values():
+                if foreach is False:
+                    for x in grads:
+                        x.mul_(coef)
+                else:
+                    torch._foreach_mul_(grads, coef)
+        return total
+
+    # -- GradScaler ------------------------------------------------------------------------
+
+    def expose(self, counted: Sequence[bool]) -> None:
+        """Show a ``GradScaler`` reading ``param_groups`` after the step's last backward (the
+        reduce-scatters waited for) the averaged gradients there are: each shard parameter
+        of a tensor in ``counted`` (stepped, with a gradient) gets its shard of the gradient
+        as ``.grad``, so that ``scaler.unscale_()`` unscales the shards in place. Whether any
+        rank's shards hold a non-finite value is one all-reduce (MAX) of this rank's flag;
+        the verdict is carried by a one-element sentinel parameter appended to the last
+        param group until ``step()`` (``inf`` or ``0``), so the scaler's own ``found_inf``,
+        which decides its step and its scale update, is every rank's. A collective: every
+        rank's scaler reads ``param_groups`` at the same point."""
+        if self.exposed is not None:
+            return
+        dev = self.grads.flats[0].device
+        shown: list[torch.Tensor] = []
+        for group in self.by_group:
+            for sp, t, grad in group:
+                if counted[t]:
+                    sp.grad = grad
+                    shown.append(grad)
+        found = torch.zeros(1, dtype=torch.float32, device=dev)
+        one = torch.ones((), dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            for same in _by_dtype(shown):
+                torch._amp_foreach_non_finite_check_and_unscale_(same, found, one)
+            self.found_here = found.clone()
+            self.all_reduce(found, dist.ReduceOp.MAX, "all-reduce of the non-finite flag")
+        if self.sentinel is None:
+            self.sentinel = torch.nn.Parameter(torch.zeros(1, dtype=torch.float32, device=dev))
+        self.sentinel.grad = torch.where(found > 0, float("inf"), 0.0)
+        self.opt.param_groups[-1]["params"].append(self.sentinel)
+        self.exposed = shown
+
+    def unexpose(self) -> list[torch.Tensor]:
+        """End :meth:`expose` (at ``step()``): the param groups and the shard parameters'
+        ``.grad`` as they were; returns the shard gradients that were shown."""
+        shown, self.exposed = self.exposed or [], None
+        if self.sentinel is not None:
+            params = self.opt.param_groups[-1]["params"]
+            if params and params[-1] is self.sentinel:
+                params.pop()
+            self.sentinel.grad = None
+        for group in self.by_group:
+            for sp, _, _ in group:
+                sp.grad = None
+        return shown
+
+    def unscale(self, shown: Sequence[torch.Tensor], grad_scale: torch.Tensor) -> None:
+        """Divide the shard gradients ``shown`` by ``grad_scale`` in place, as the scaler's
+        ``unscale_`` does (the reciprocal taken in float64)."""
+        dev = self.grads.flats[0].device
+        inv = grad_scale.double().reciprocal().float().to(dev)
+        dummy = torch.zeros(1, dtype=torch.float32, device=dev)
+        with torch.no_grad():
+            for same in _by_dtype(shown):
+                torch._amp_foreach_non_finite_check_and_unscale_(same, dummy, inv)
 
     # -- state dicts -------------------------------------------------------------------------
 
@@ -348,6 +641,7 @@ class Sharded:
 
     def restore(self) -> None:
         """Give the wrapped optimizer its own parameter lists back (no state)."""
+        self.unexpose()
         self.opt.state.clear()
         for grp, ps in zip(self.opt.param_groups, self.orig_params):
             grp["params"] = ps

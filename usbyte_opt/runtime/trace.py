@@ -11,6 +11,8 @@ a :class:`Recorder` notes, on every rank, with ``time.perf_counter``:
 * each block's **issue** (when the runtime hands it to ``dist.all_reduce``) and **finish**
   (a done-callback on the work's future, so the real completion time, not the time the
   runtime happened to wait for it);
+* in sharded mode, each **all-gather** of the parameters (one per group of the schedule's
+  ``gather_groups()``), issue and finish as for a block, on the same channel track;
 * each **forward gate**: a module's pre-hook that waited for the blocks of its tensors
   (``wait``), then applied their update (``update``), nested in the forward slice (on the
   host path; on CUDA the updates run on their own stream and gates only wait for events).
@@ -89,16 +91,19 @@ class Recorder:
         block_bytes: bytes of each block, in issue order.
         block_tensors: tensor indices each block touches.
         label: the process name shown in Perfetto.
+        gathers: sharded mode: the blocks of each all-gather, in issue order.
     """
 
     def __init__(self, path: str, rank: int, names: Sequence[str], block_bytes: Sequence[int],
                  block_tensors: Sequence[Sequence[int]], label: str | None = None,
-                 device: Any = None, host_finish: bool = False):
+                 device: Any = None, host_finish: bool = False,
+                 gathers: Sequence[Sequence[int]] = ()):
         self.path = path
         self.rank = rank
         self.names = list(names)
         self.block_bytes = list(block_bytes)
         self.block_tensors = [list(ts) for ts in block_tensors]
+        self.gathers = [tuple(g) for g in gathers]
         self.label = label or f"rank {rank} (measured)"
         self.records: list[tuple] = []
         self.handles: list[Any] = []
@@ -133,14 +138,22 @@ class Recorder:
 
     def issue(self, k: int, work: Any) -> None:
         """Block ``k`` was handed to the collective ``work``."""
+        self._issued("I", "D", k, work)
+
+    def gather(self, i: int, work: Any) -> None:
+        """Sharded mode: all-gather ``i`` (of ``gathers``) was handed to ``work``."""
+        self._issued("A", "E", i, work)
+
+    def _issued(self, kind: str, done: str, k: int, work: Any) -> None:
         if self.paused:
             return
-        self._add(("I", k, self.now()))
+        self._add((kind, k, self.now()))
         if self.clock is not None and not self.host_finish:
-            self._add(("D", k, self.clock.done(work)))
+            self._add((done, k, self.clock.done(work)))
             return
         try:
-            work.get_future().add_done_callback(lambda _f, k=k: self._add(("D", k, time.perf_counter())))
+            work.get_future().add_done_callback(
+                lambda _f, k=k: self._add((done, k, time.perf_counter())))
         except Exception:  # noqa: BLE001 - a backend without futures: issue times only
             pass
 
@@ -192,29 +205,43 @@ class Recorder:
                     tr.complete(pid, 1, f"wait {label}", t0, t1 - t0,
                                 {"tensors": [self.names[t] for t in need]})
                 tr.complete(pid, 1, "update", t1, max(t2 - t1, 0.0))
-        # The channel: blocks in issue order; each starts when issued and the previous is done.
-        issued = [(r[2], r[1]) for r in self.records if r[0] == "I"]
-        done: dict[int, list[float]] = {}
+        # The channel: blocks (and all-gathers) in issue order; each starts when issued and
+        # the previous is done.
+        issued = [(r[2], r[0], r[1]) for r in self.records if r[0] in ("I", "A")]
+        done: dict[tuple[str, int], list[float]] = {}
         for r in self.records:
-            if r[0] == "D":
-                done.setdefault(r[1], []).append(r[2])
-        seen: dict[int, int] = {}
+            if r[0] in ("D", "E"):
+                done.setdefault(("I" if r[0] == "D" else "A", r[1]), []).append(r[2])
+        seen: dict[tuple[str, int], int] = {}
         prev_done = 0.0
-        for t_issue, k in sorted(issued):
-            i = seen.get(k, 0)
-            seen[k] = i + 1
-            ds = done.get(k, [])
+        for t_issue, kind, k in sorted(issued):
+            i = seen.get((kind, k), 0)
+            seen[(kind, k)] = i + 1
+            ds = done.get((kind, k), [])
             if i >= len(ds):
                 continue  # never completed (or no futures): nothing to draw
             t_done = ds[i]
             start = max(t_issue, prev_done)
             prev_done = max(prev_done, t_done)
-            tensors = [self.names[t] for t in self.block_tensors[k]] if k < len(self.block_tensors) else []
-            shown = ", ".join(tensors[:3]) + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
-            tr.complete(pid, 2, f"#{k} {shown}", start, max(t_done - start, 0.0),
-                        {"bytes": self.block_bytes[k] if k < len(self.block_bytes) else None,
-                         "issued_us": us(t_issue), "queued_ms": (start - t_issue) * 1e3,
-                         "tensors": tensors})
+            if kind == "A":
+                blocks = list(self.gathers[k]) if k < len(self.gathers) else []
+                tensors = sorted({t for b in blocks if b < len(self.block_tensors)
+                                  for t in self.block_tensors[b]})
+                name = f"all-gather {k} (blocks {', '.join(map(str, blocks))})"
+                nbytes: int | None = sum(self.block_bytes[b] for b in blocks
+                                         if b < len(self.block_bytes))
+                extra: dict[str, Any] = {"gather": k, "blocks": blocks}
+            else:
+                tensors = self.block_tensors[k] if k < len(self.block_tensors) else []
+                shown = ", ".join(self.names[t] for t in tensors[:3]) \
+                    + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
+                name = f"#{k} {shown}"
+                nbytes = self.block_bytes[k] if k < len(self.block_bytes) else None
+                extra = {}
+            tr.complete(pid, 2, name, start, max(t_done - start, 0.0),
+                        {"bytes": nbytes, "issued_us": us(t_issue), "done_us": us(t_done),
+                         "queued_ms": (start - t_issue) * 1e3,
+                         "tensors": [self.names[t] for t in tensors], **extra})
         tr.other.update({"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
                          "clock": ("CUDA events against a reference event, microseconds"
                                    if self.clock is not None else "time.perf_counter, microseconds"),
@@ -252,10 +279,13 @@ def attach(path: str, schedule: Schedule, grads: FlatGrads, chan: Channel) -> Re
 
     device = chan.device
     host_finish = device.type == "cuda" and backend_for(chan.group, device) != "nccl"
+    from ..formats import Mode
+
     rec = Recorder(path_for_rank(path, rank), rank, list(grads.names), sizes,
                    [list(ts) for ts in grads.block_tensors],
                    f"rank {rank} (measured, {schedule.strategy})", device=device,
-                   host_finish=host_finish)
+                   host_finish=host_finish,
+                   gathers=schedule.gather_groups() if schedule.mode == Mode.SHARDED else ())
     with _lock:
         _recorders.add(rec)
         if not _atexit_done:

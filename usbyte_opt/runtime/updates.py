@@ -162,11 +162,14 @@ class HostUpdates:
         wait: ``wait(work, what)`` for a block's collective.
         what: ``what(k)`` describes block ``k`` in errors.
         trace: the :class:`~usbyte_opt.runtime.trace.Recorder` that notes each gate, or None.
+        order: the blocks in the order their collectives end (default: block order); a gate
+            also applies what has finished, scanning in this order. Blocks may share a work
+            (sharded mode's grouped all-gathers): it is waited for once.
     """
 
     def __init__(self, grads: FlatGrads, stepper: Stepper,
                  wait: Callable[[dist.Work, str], None], what: Callable[[int], str],
-                 trace: Recorder | None = None):
+                 trace: Recorder | None = None, order: Sequence[int] | None = None):
         self.grads, self.stepper, self._wait, self._what = grads, stepper, wait, what
         n, m = grads.n, len(grads.block_views)
         self.n, self.m = n, m
@@ -175,9 +178,11 @@ class HostUpdates:
         self.nblocks = [len(ks) for ks in grads.tensor_blocks]
         self.t_incomplete = [0] * n     # blocks of t not waited for yet
         self.complete = [True] * m      # block waited for
-        self.done_ptr = m               # blocks before it are all complete
+        self.order = list(range(m)) if order is None else list(order)
+        self.done_ptr = m               # blocks before it in ``order`` are all complete
         self.ready: list[int] = []      # pending tensors whose blocks are all complete
         self.works: list[dist.Work | None] = [None] * m
+        self.waited: set[int] = set()   # ids of this step's works waited for
         self.include: Callable[[int], bool] = lambda t: False
         self.trace = trace
 
@@ -195,11 +200,13 @@ class HostUpdates:
         self.complete = [False] * self.m
         self.done_ptr = 0
         self.ready = []
+        self.waited = set()
 
     def _complete_block(self, k: int) -> None:
         w = self.works[k]
-        if w is not None:
+        if w is not None and id(w) not in self.waited:
             self._wait(w, self._what(k))
+            self.waited.add(id(w))
         self.complete[k] = True
         inc, pending = self.t_incomplete, self.pending
         for t in self.grads.block_tensors[k]:
@@ -219,9 +226,9 @@ class HostUpdates:
                 for k in tb[t]:
                     if not complete[k]:
                         self._complete_block(k)
-        works, m = self.works, self.m
+        works, m, order = self.works, self.m, self.order
         while self.done_ptr < m:
-            k = self.done_ptr
+            k = order[self.done_ptr]
             if not complete[k]:
                 w = works[k]
                 if w is not None and not w.is_completed():
