@@ -269,3 +269,15 @@ def test_optimize_shard_refusals(capsys, tmp_path, argv, words):
                            "-o", str(tmp_path / "x.json"), *argv)
     assert code != 0 and words in err and len(err.strip().splitlines()) == 1
     assert not (tmp_path / "x.json").exists()
+
+
+def test_an_all_gather_moves_one_dtype():
+    rng = random.Random(2)
+    for _ in range(10):
+        prof = random_profile(rng, rng.randint(4, 30), comm_ratio=3.0, alpha_ms=0.5,
+                              dtypes=("float32", "float16", "bfloat16"))
+        report = compare(prof, shard=True)
+        for r in report.results.values():
+            dts = [{r.plan.layout.buffers[r.plan.blocks[k].buffer].dtype for k in g}
+                   for g in r.plan.gathers]
+            assert all(len(d) == 1 for d in dts), r.name

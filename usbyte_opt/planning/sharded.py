@@ -443,14 +443,38 @@ def _compute_cost_bound(problem: Problem, u: float) -> float:
     return problem.B + problem.F + u + D * share
 
 
+def one_dtype_each(layout: Layout, blocks: Sequence[Block],
+                   gathers: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+    """``gathers`` with every group that mixes dtypes split into one group per dtype, in place
+    (one all-gather moves one dtype: the runtime gathers a group through one tensor).
+
+    Example::
+
+        >>> from usbyte_opt.formats import Buffer
+        >>> lay = Layout((Buffer("float32", ("a",)), Buffer("float16", ("b",))), [[0], [1]],
+        ...              [[0], [0]], [4, 4], [4, 2], [(0, 0, 4), (1, 0, 4)])
+        >>> one_dtype_each(lay, [Block(0, 0, 4), Block(1, 0, 4)], [(1, 0)])
+        [(1,), (0,)]
+    """
+    out: list[tuple[int, ...]] = []
+    for g in gathers:
+        by: dict[str, list[int]] = {}
+        for k in g:
+            by.setdefault(layout.buffers[blocks[k].buffer].dtype, []).append(k)
+        out += [tuple(ks) for ks in by.values()]
+    return out
+
+
 def best_gathers(problem: Problem, layout: Layout,
                  blocks: Sequence[Block]) -> list[tuple[int, ...]]:
     """The best all-gather grouping of ``blocks`` (:func:`gather_grouping` over the blocks,
-    with the cost model's all-gather line), checked against one all-gather per block in
+    with the cost model's all-gather line; a group of several dtypes split,
+    :func:`one_dtype_each`), checked against one all-gather per block in
     reverse order by the cost model itself (it may not be a line)."""
     st = _blocks(problem, layout, blocks)
     _, (a_ag, b_ag) = problem.cost.shard_bounds()
     _, groups = gather_grouping(st.nbytes, st.tail, a_ag, b_ag, problem.F)
+    groups = one_dtype_each(layout, blocks, groups)
     if problem.cost.is_linear:
         return groups
     alt = default_gathers(len(blocks))

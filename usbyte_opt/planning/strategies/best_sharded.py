@@ -38,6 +38,7 @@ from ..problem import Layout, Problem
 from ..sharded import (
     best_gathers,
     gather_groupings,
+    one_dtype_each,
     partition,
     sequence,
     sharded_time,
@@ -60,7 +61,7 @@ def _grouped(problem: Problem, layout: Layout, groups: Sequence[Sequence[int]],
     by_group: list[list[int]] = [[] for _ in groups]
     for k, blk in enumerate(blocks):
         by_group[group_of[layout.tensors_of(blk.buffer, blk.start, blk.end)[0]]].append(k)
-    return blocks, [tuple(ks) for ks in by_group if ks]
+    return blocks, one_dtype_each(layout, blocks, [tuple(ks) for ks in by_group if ks])
 
 
 @register("best-sharded", sharded=True)
