@@ -101,7 +101,8 @@ def markdown(results: dict[str, list[dict]], argv: str) -> str:
                   f"{_rng([r.get('sharded_lower_bound_ms') for r in runs], '.0f')} ms; "
                   f"training matches DDP in every run: "
                   f"{'yes' if all(r.get('correct') for r in runs) else 'NO'}.", "",
-                  "| strategy | measured ms | predicted ms | speedup vs DDP | vs bound | state MB/rank | state vs DDP |",
+                  "| strategy | measured ms | predicted ms | speedup vs DDP | vs bound | state MB/rank "
+                  "| state vs DDP |",
                   "|---|---:|---:|---:|---:|---:|---:|"]
         names = [s for s in STRATEGIES if all(s in _by(r) for r in runs)]
         for s in names:
