@@ -287,16 +287,6 @@ def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
     assert all(r["vs_lower_bound"] > 0 for r in res["runs"])
 
 
-def test_gpu_check_smoke_runs_its_two_rank_and_flow_parts_on_cpu(tmp_path):
-    """The prepared GPU check's own code (parts 3 and 4, on the CPU; the flow at one rank)."""
-    p = subprocess.run([sys.executable, str(REPO / "benchmarks" / "gpu_check.py"), "--smoke",
-                        "--out", str(tmp_path)], capture_output=True, text=True, timeout=300,
-                       cwd=REPO)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
-    text = (tmp_path / "gpu_check.md").read_text()
-    assert "max |runtime - DDP| = 0" in text and "matches DDP: True" in text
-
-
 def bench_rank(rank: int, world: int, cfg: BenchConfig):
     """One rank of a bench under torchrun's variables (``run_bench`` on this process group)."""
     return run_bench(cfg)

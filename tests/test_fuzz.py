@@ -7,7 +7,7 @@ line on stderr, an exit code of :class:`~usbyte_opt.errors.UsbyteError`, no outp
 valid output (pure JSON with finite numbers, a schedule that loads and fits the profile). A few
 cases run as real subprocesses under an address-space limit, so that memory stays bounded.
 
-The default run checks 1000 cases (derandomized, so CI sees the same ones); ``-m slow`` runs
+The default run checks 400 cases (derandomized, so CI sees the same ones); ``-m slow`` runs
 more, with fresh random cases.
 """
 
@@ -316,7 +316,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-@settings(FUZZ, max_examples=1000, derandomize=True)
+@settings(FUZZ, max_examples=400, derandomize=True)
 @given(data=st.data())
 def test_mutated_files_give_a_clean_error_or_a_valid_output(folder: Path, data: st.DataObject):
     run_case(folder, data.draw, SHAPES)
