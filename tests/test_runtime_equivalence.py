@@ -372,10 +372,18 @@ def case_batchnorm(rank: int, ws: int) -> dict:
         mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
         mse(mod(x), y).backward(); o_usb.step(); o_usb.zero_grad()
     o_usb.synchronize()
-    out: dict[str, Any] = {"diff": max_diff(ref, mod)}
-    if rank == 0:  # DDP's rank 0 keeps its own statistics; ours broadcasts rank 0's to all
+    return batchnorm_agreement(ref, mod, ddp, rank, max_diff(ref, mod))
+
+
+def batchnorm_agreement(ref: nn.Module, mod: nn.Module, ddp: nn.Module, rank: int,
+                        diff: float) -> dict[str, Any]:
+    """After training a BatchNorm model (``mod.bn``) beside DDP (``ddp`` over ``ref``):
+    ``diff`` widened by rank 0's buffers (DDP's rank 0 keeps its own statistics; ours are
+    rank 0's on every rank) and an eval forward, and whether every rank holds rank 0's
+    running mean."""
+    out: dict[str, Any] = {"diff": diff}
+    if rank == 0:
         out["diff"] = max(out["diff"], max_diff(ref, mod, buffers=True))
-    # After synchronize() every rank holds rank 0's buffers.
     rm = mod.bn.running_mean.clone()
     dist.broadcast(rm, 0)
     out["buffers_equal_rank0"] = bool(torch.equal(rm, mod.bn.running_mean))

@@ -29,6 +29,7 @@ from tests.test_runtime_equivalence import (
     SmallCNN,
     TinyGPT,
     Unused,
+    batchnorm_agreement,
     image_batch,
     max_diff,
     mse,
@@ -401,18 +402,7 @@ def case_batchnorm(rank: int, ws: int) -> dict:
     statistics and an eval output agree bitwise, and every rank ends with rank 0's."""
     out = train(lambda: SmallCNN(bn=True), OPTIMIZERS["sgd_momentum"], image_batch, rank, ws,
                 steps=6)
-    ref, mod, ddp = out["ref"], out["mod"], out["ddp"]
-    res: dict[str, Any] = {"diff": out["diff"]}
-    if rank == 0:  # DDP's other ranks keep their own last update; ours install rank 0's
-        res["diff"] = max(res["diff"], max_diff(ref, mod, buffers=True))
-    rm = mod.bn.running_mean.clone()
-    dist.broadcast(rm, 0)
-    res["buffers_equal_rank0"] = bool(torch.equal(rm, mod.bn.running_mean))
-    xe, _ = image_batch(99, 0)
-    ddp.eval(); mod.eval()
-    with torch.no_grad():
-        res["diff"] = max(res["diff"], (ddp(xe) - mod(xe)).abs().max().item())
-    return res
+    return batchnorm_agreement(out["ref"], out["mod"], out["ddp"], rank, out["diff"])
 
 
 def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:

@@ -34,7 +34,7 @@ from .cost import retarget
 from .fastsim import scorer_for
 from .problem import Problem, UpdateRule
 from .sharded import state_bytes, state_slots
-from .strategies import NotApplicable, Plan, load_builtin
+from .strategies import NotApplicable, Plan, load_builtin, load_sharded
 
 #: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
 #: lower bound, named ``"lower bound"``) runs and ``("done", name, seconds)`` after it.
@@ -162,80 +162,27 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     the optimizer state of ``optimizer`` (``sgd``, ``adam``, ``adamw``; default: the one the
     profile timed, :func:`usbyte_opt.planning.sharded.state_slots`).
     """
-    if shard:
-        return _compare_sharded(profile, strategies, options, progress, optimizer)
-    registry = load_builtin()
+    from .sharded import sharded_lower_bound
+
+    registry = load_sharded() if shard else load_builtin()
     names = list(strategies) if strategies is not None else list(registry)
     for n in names:
         if n not in registry:
-            raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)}")
+            raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)}"
+                              + (" (sharded mode)" if shard else ""))
     say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, update_rule=update_rule)
     slots = state_slots(problem, optimizer)
     say("start", "lower bound", 0.0)
     t0 = time.perf_counter()
-    report = Report(problem, lower_bound(problem))
+    report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
+                    sharded=shard, state_slots=slots)
     report.bound_s = time.perf_counter() - t0
     say("done", "lower bound", report.bound_s)
+    if shard:
+        report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
     options = options or {}
-    ordered = [n for n in names if n != "best"] + (["best"] if "best" in names else [])
-    for n in ordered:
-        st = registry[n]
-        kw = dict(options.get(n, {}))
-        if n == "best":
-            kw.setdefault("seeds", [r.plan for r in report.results.values()])
-            kw.setdefault("lower_bound_ms", report.lower_bound_ms)
-        say("start", n, 0.0)
-        t0 = time.perf_counter()
-        try:
-            plan = st.plan(problem, **kw)
-        except NotApplicable as e:
-            report.skipped[n] = str(e)
-            say("done", n, time.perf_counter() - t0)
-            continue
-        solve = time.perf_counter() - t0
-        plan.info.setdefault("strategy", n)
-        sc = scorer_for(problem, plan.layout)
-        stats = sc.stats(plan.blocks)
-        ov, fe = sc.score(stats, Mode.OVERLAP), sc.score(stats, Mode.FENCE)
-        T = fe if plan.mode == Mode.FENCE else ov
-        report.results[n] = StrategyResult(n, plan, plan.mode, T, ov, fe, solve,
-                                            state_bytes(problem, plan.layout, None, slots))
-        say("done", n, solve)
-    # Keep the report in registry order.
-    report.results = {n: report.results[n] for n in names if n in report.results}
-    return report
-
-
-def _compare_sharded(profile: Profile, strategies: Sequence[str] | None,
-                     options: Mapping[str, Mapping[str, Any]] | None,
-                     progress: Progress | None, optimizer: str | None) -> Report:
-    """:func:`compare` with ``shard=True``."""
-    from .sharded import sharded_lower_bound, sharded_time
-    from .strategies import load_builtin, load_sharded
-
-    registry = load_sharded()
-    names = list(strategies) if strategies is not None else list(registry)
-    for n in names:
-        if n not in registry:
-            raise UsbyteError(f"strategy {n!r}: expected one of {', '.join(registry)} "
-                              "(sharded mode)")
-    say = progress or (lambda event, name, seconds: None)
-    problem = Problem.from_profile(profile)
-    slots = state_slots(problem, optimizer)
-    say("start", "lower bound", 0.0)
-    t0 = time.perf_counter()
-    report = Report(problem, sharded_lower_bound(problem), sharded=True, state_slots=slots)
-    report.bound_s = time.perf_counter() - t0
-    say("done", "lower bound", report.bound_s)
-    ref = load_builtin()["ddp"].plan(problem)
-    sc = scorer_for(problem, ref.layout)
-    st = sc.stats(ref.blocks)
-    fe = sc.score(st, Mode.FENCE)
-    report.reference = StrategyResult("ddp", ref, ref.mode, fe, sc.score(st, Mode.OVERLAP), fe,
-                                      0.0, state_bytes(problem, ref.layout, None, slots))
-    options = options or {}
-    best = "best-sharded"
+    best = "best-sharded" if shard else "best"
     ordered = [n for n in names if n != best] + ([best] if best in names else [])
     for n in ordered:
         kw = dict(options.get(n, {}))
@@ -252,12 +199,27 @@ def _compare_sharded(profile: Profile, strategies: Sequence[str] | None,
             continue
         solve = time.perf_counter() - t0
         plan.info.setdefault("strategy", n)
-        T = sharded_time(problem, plan.layout, plan.blocks, plan.gathers)
-        sc = scorer_for(problem, plan.layout)
-        st = sc.stats(plan.blocks)
-        report.results[n] = StrategyResult(n, plan, Mode.SHARDED, T, sc.score(st, Mode.OVERLAP),
-                                            sc.score(st, Mode.FENCE), solve,
-                                            state_bytes(problem, plan.layout, plan.blocks, slots))
+        report.results[n] = _result(n, plan, problem, slots, solve)
         say("done", n, solve)
+    # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report
+
+
+def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -> StrategyResult:
+    """``plan`` scored in its mode (and its blocks all-reduced in both others), with its
+    optimizer state per rank."""
+    from .sharded import sharded_time
+
+    sc = scorer_for(problem, plan.layout)
+    stats = sc.stats(plan.blocks)
+    ov, fe = sc.score(stats, Mode.OVERLAP), sc.score(stats, Mode.FENCE)
+    if plan.mode == Mode.SHARDED:
+        T = sharded_time(problem, plan.layout, plan.blocks, plan.gathers)
+        state = state_bytes(problem, plan.layout, plan.blocks, slots)
+    else:
+        T = fe if plan.mode == Mode.FENCE else ov
+        state = state_bytes(problem, plan.layout, None, slots)
+    return StrategyResult(name, plan, plan.mode, T, ov, fe, solve, state)
+
+

@@ -86,22 +86,20 @@ def get(name: str) -> Strategy:
 def load_builtin() -> dict[str, Strategy]:
     """Import the built-in strategies; returns the registry in report order (built-ins first,
     in :data:`_BUILTIN` order, whatever order the modules were imported in)."""
-    for name in _BUILTIN:
-        importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
-    ordered = {n: STRATEGIES[n] for n in _BUILTIN}
-    ordered.update((n, s) for n, s in STRATEGIES.items() if n not in ordered)
-    STRATEGIES.clear()
-    STRATEGIES.update(ordered)
-    return STRATEGIES
+    return _load(_BUILTIN, STRATEGIES)
 
 
 def load_sharded() -> dict[str, Strategy]:
     """Import the built-in sharded strategies; returns :data:`SHARDED_STRATEGIES` in report
     order (as :func:`load_builtin`)."""
-    for name in _BUILTIN_SHARDED:
+    return _load(_BUILTIN_SHARDED, SHARDED_STRATEGIES)
+
+
+def _load(builtin: tuple[str, ...], registry: dict[str, Strategy]) -> dict[str, Strategy]:
+    for name in builtin:
         importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
-    ordered = {n: SHARDED_STRATEGIES[n] for n in _BUILTIN_SHARDED}
-    ordered.update((n, s) for n, s in SHARDED_STRATEGIES.items() if n not in ordered)
-    SHARDED_STRATEGIES.clear()
-    SHARDED_STRATEGIES.update(ordered)
-    return SHARDED_STRATEGIES
+    ordered = {n: registry[n] for n in builtin}
+    ordered.update((n, s) for n, s in registry.items() if n not in ordered)
+    registry.clear()
+    registry.update(ordered)
+    return registry
