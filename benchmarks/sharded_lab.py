@@ -3,6 +3,7 @@
     sudo python benchmarks/sharded_lab.py              # writes sharded_lab.md and .json
     sudo python benchmarks/sharded_lab.py --runs 3     # each model three times (the default)
     sudo python benchmarks/sharded_lab.py --quick      # lab-cnn once, few iterations (a smoke run)
+    python benchmarks/sharded_lab.py --render          # sharded_lab.md again from the .json
 
 Each run is one ``usbyte-opt bench`` (:func:`usbyte_opt.bench.run_bench`) of a lab model
 (:mod:`usbyte_opt.models.lab`) on 2 ranks of this machine at 200 Mbit/s
@@ -65,8 +66,8 @@ def _rng(values: list[float], fmt: str) -> str:
     vals = [v for v in values if v is not None]
     if not vals:
         return "—"
-    lo, hi = min(vals), max(vals)
-    return format(lo, fmt) if lo == hi else f"{format(lo, fmt)}–{format(hi, fmt)}"
+    lo, hi = format(min(vals), fmt), format(max(vals), fmt)
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
 def _by(run: dict) -> dict[str, dict]:
@@ -87,7 +88,14 @@ def markdown(results: dict[str, list[dict]], argv: str) -> str:
              "strategy's mode (sharded mode's for the sharded schedules; none for fsdp2, which "
              "the ZeRO-1 model does not describe). `state MB`: optimizer state on the rank "
              "holding most of it after training (10^6 bytes). Ranges are over runs; ratios are "
-             "within a run.", ""]
+             "within a run.", "",
+             "What it shows: on gloo (torch 2.13) a reduce-scatter costs about what a whole "
+             "all-reduce does (ProcessGroupGloo runs an all-reduce and copies the shard out; the "
+             "profile's reduce-scatter line below), so sharded mode sends more than all-reduce "
+             "here and its lower bound is above the all-reduce one: on this transport it buys "
+             "memory (the state halves on 2 ranks), not time. Among sharded schedules the "
+             "planner's are the ones to hold against sharded mode's bound; torch's FSDP2 "
+             "(ZeRO-3) all-gathers the parameters twice per iteration.", ""]
     for model, runs in results.items():
         first = runs[0]
         c = first.get("comm", {})
@@ -96,7 +104,11 @@ def markdown(results: dict[str, list[dict]], argv: str) -> str:
                   f"{first.get('gradient_bytes', 0) / 1e6:.2f} MB of gradients; profiled forward "
                   f"{first.get('forward_ms', 0):.0f} ms + backward {first.get('backward_ms', 0):.0f} ms; "
                   f"all-reduce alpha {c.get('alpha_ms', 0):.2f} ms, {c.get('algbw_gbs', 0) * 1e3:.1f} MB/s "
-                  f"(first run); lower bounds: all-reduce "
+                  + "".join(f", {label} alpha {c[key]['alpha_ms']:.2f} ms, "
+                            f"{c[key]['algbw_gbs'] * 1e3:.1f} MB/s of whole blocks"
+                            for key, label in (("reduce_scatter", "reduce-scatter"),
+                                               ("all_gather", "all-gather")) if c.get(key))
+                  + " (first run); lower bounds: all-reduce "
                   f"{_rng([r.get('lower_bound_ms') for r in runs], '.0f')} ms, sharded "
                   f"{_rng([r.get('sharded_lower_bound_ms') for r in runs], '.0f')} ms; "
                   f"training matches DDP in every run: "
@@ -136,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="lab-cnn, one run, 4 rounds")
     ap.add_argument("--merge", action="store_true",
                     help="add this invocation's runs to those in sharded_lab.json")
+    ap.add_argument("--render", action="store_true",
+                    help="write sharded_lab.md again from sharded_lab.json, running nothing")
     ap.add_argument("--out", default=str(ROOT / "benchmarks"))
     args = ap.parse_args(argv)
     if args.quick:
@@ -143,16 +157,22 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     path = out / "sharded_lab.json"
     results: dict[str, list[dict]] = {}
-    if args.merge and path.exists():
-        results = json.loads(path.read_text())["results"]
+    if (args.merge or args.render) and path.exists():
+        doc = json.loads(path.read_text())
+        results = doc["results"]
+    if args.render:
+        text = markdown(results, doc.get("argv", ""))
+        (out / "sharded_lab.md").write_text(text)
+        print(text)
+        return 0
+    shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
     for model in args.models.split(","):
         for i in range(args.runs):
             print(f"{model} run {i + 1}/{args.runs}", file=sys.stderr)
             res = run_case(model, args.iterations, args.rounds,
                            ROOT / "bench-results" / "sharded_lab" / f"{model}-{int(time.time())}")
             results.setdefault(model, []).append(res)
-            write_json(path, {"results": results})
-    shown = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+            write_json(path, {"results": results, "argv": shown})
     text = markdown(results, shown)
     (out / "sharded_lab.md").write_text(text)
     print(text)

@@ -216,6 +216,19 @@ def _shard_collectives(rank: int, ws: int) -> dict:
     x = torch.arange(8, dtype=torch.float32) + 10 * rank
     shard = torch.empty(8 // ws)
     issuers["reduce-scatter"](shard, x).wait()
+    # On gloo with 2 ranks an all-to-all and one add: bitwise the all-reduce's shard, for
+    # values whose sum rounds; torch's own reduce-scatter for other dtypes.
+    g = torch.Generator().manual_seed(rank)
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        y = (torch.randn(1 << 12, generator=g) * 1e3).to(dt)
+        mine = torch.empty(y.numel() // ws, dtype=dt)
+        work = issuers["reduce-scatter"](mine, y)
+        work.wait()
+        work.wait()   # a second wait adds nothing
+        ref = y.clone()
+        issuers["all-reduce"](ref).wait()
+        assert torch.equal(mine, ref.view(ws, -1)[rank]), dt
+        assert (type(work).__name__ == "SummedWork") == (dt != torch.bfloat16)
     whole = torch.empty(8)
     issuers["all-gather"](whole, shard).wait()
     sizes = shard_sizes([4096, 1 << 20, 4 << 20], ws)

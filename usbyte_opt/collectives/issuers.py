@@ -197,22 +197,70 @@ def sum_issuer(group: dist.ProcessGroup | None,
 
 
 def reduce_scatter_issuer(group: dist.ProcessGroup | None, serial: dist.ProcessGroup | None = None
-                          ) -> Callable[[torch.Tensor, torch.Tensor], dist.Work]:
+                          ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """A function ``issue(output, input)`` that starts one asynchronous sum reduce-scatter and
     returns its work: ``input`` holds the whole block on every rank, ``output`` (``input``'s
     length over the world size) receives this rank's shard of the sum. On ``serial`` (a
     :func:`serial_group`) when given, else on ``group``.
 
-    On gloo (torch 2.x, ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``) this is a
-    clone of the input, a whole all-reduce of it and a copy of the shard: it costs what an
-    all-reduce costs, not half (the profile's ``comm.reduce_scatter`` shows it)."""
-    if serial is not None:
-        opts = dist.ReduceScatterOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # as in sum_issuer
-        return lambda out, x: serial._reduce_scatter_base(out, x, opts)
+    On gloo (torch 2.x, ``ProcessGroupGloo::reduce_scatter_tensor_coalesced``) torch's own
+    is a clone of the input, a whole all-reduce of it and a copy of the shard: it costs what
+    an all-reduce costs, not half. So on gloo with 2 ranks and float32/float64 blocks it is an
+    all-to-all instead (each rank sends the other its half) and one add when the work is
+    waited for (:class:`SummedWork`): half the bytes on the wire, and the same sum, bitwise, as
+    the all-reduce's (the two halves added once; addition commutes)."""
+    pg = serial if serial is not None else group
+    gloo = serial is not None or dist.get_backend(group) == "gloo"
+    pairs = gloo and (pg.size() if pg is not None else dist.get_world_size()) == 2
+    opts = dist.ReduceScatterOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # as in sum_issuer
     # reduce_scatter_tensor's new name (torch 2.10+) where there is one: the old one warns.
     rs: Any = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    return lambda out, x: rs(out, x, group=group, async_op=True)
+
+    def torch_rs(out: torch.Tensor, x: torch.Tensor) -> Any:
+        if serial is not None:
+            return serial._reduce_scatter_base(out, x, opts)
+        return rs(out, x, group=group, async_op=True)
+
+    if not pairs:
+        return torch_rs
+
+    def issue(out: torch.Tensor, x: torch.Tensor) -> Any:
+        if x.dtype not in (torch.float32, torch.float64):
+            return torch_rs(out, x)
+        parts = torch.empty_like(x)
+        if serial is not None:
+            work = serial.alltoall_base(parts, x, [], [], dist.AllToAllOptions())
+        else:
+            work = dist.all_to_all_single(parts, x, group=group, async_op=True)
+        return SummedWork(work, out, parts.view(2, -1))
+
+    return issue
+
+
+class SummedWork:
+    """The work of a reduce-scatter made of an all-to-all (:func:`reduce_scatter_issuer`):
+    waiting for it adds the pieces the ranks sent into the output, once. ``is_completed`` and
+    ``get_future`` are the all-to-all's (its completion is the wire's)."""
+
+    __slots__ = ("work", "out", "parts", "summed")
+
+    def __init__(self, work: dist.Work, out: torch.Tensor, parts: torch.Tensor):
+        self.work, self.out, self.parts, self.summed = work, out, parts, False
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        ok = self.work.wait() if timeout is None else self.work.wait(timeout)
+        if not self.summed:
+            torch.add(self.parts[0], self.parts[1], out=self.out)
+            self.summed = True
+            self.parts = self.out  # the pieces' memory goes
+        return bool(ok)
+
+    def is_completed(self) -> bool:
+        return bool(self.work.is_completed())
+
+    def get_future(self) -> Any:
+        return self.work.get_future()
 
 
 def all_gather_issuer(group: dist.ProcessGroup | None, serial: dist.ProcessGroup | None = None
