@@ -234,7 +234,9 @@ def test_two_ranks_sweep_reduce_scatter_and_all_gather_beside_all_reduce(two_ran
         # vary several-fold run to run).
         ratio = {b: (cost.alpha_ms + b / (cost.algbw_gbs * 1e6)) / ms for b, ms in cost.samples}
         assert 1 / 3 <= statistics.median(ratio.values()) <= 3.0, (key, ratio)
-        assert all(1 / 3 <= x <= 3.0 for b, x in ratio.items() if b >= 1 << 20), (key, ratio)
+        # (Reduce-scatter, an all-to-all and an add on 2 gloo ranks, varies most on loopback.)
+        lim = 4.0 if key == "reduce_scatter" else 3.0
+        assert all(1 / lim <= x <= lim for b, x in ratio.items() if b >= 1 << 20), (key, ratio)
         rec = prof.meta["comm_sweep"][key]
         assert rec["collective"] == key.replace("_", "-") and "runtime channel" in rec["channel"]
         assert rec["sizes_bytes"] == [b for b, _ in cost.samples]
@@ -242,16 +244,16 @@ def test_two_ranks_sweep_reduce_scatter_and_all_gather_beside_all_reduce(two_ran
         assert rec["fit"]["alpha_ms"] == cost.alpha_ms
     # At the largest size (16 MiB), on the fitted lines (each read from all its sizes, so one
     # median hit by load from elsewhere on this shared host does not decide): all-gather moves
-    # each rank's half once, cheaper than all-reduce. gloo's reduce-scatter is a whole
-    # all-reduce plus a clone and a copy (torch's ProcessGroupGloo), so it is not cheaper
-    # there: measured 1.2-1.5x all-reduce.
+    # each rank's half once, cheaper than all-reduce. The reduce-scatter on 2 gloo ranks is an
+    # all-to-all and an add (torch's is a whole all-reduce and a copy): on loopback, where
+    # memory copies rather than the wire set the pace, measured 0.6-1.4x all-reduce.
     largest = max(ar)
 
     def at(x):
         return x.alpha_ms + largest / (x.algbw_gbs * 1e6)
 
     assert at(c.all_gather) < at(c), (at(c.all_gather), at(c))
-    assert 0.7 * at(c) <= at(c.reduce_scatter) <= 2.0 * at(c), (at(c.reduce_scatter), at(c))
+    assert 0.25 * at(c) <= at(c.reduce_scatter) <= 2.0 * at(c), (at(c.reduce_scatter), at(c))
     assert "reduce-scatter" in r.stdout and "all-gather" in r.stdout
 
 
