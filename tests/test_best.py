@@ -173,7 +173,7 @@ def test_best_plans_against_the_updates_at_the_gates():
     assert best <= min(r.iteration_ms for r in report.results.values()) + 1e-9
 
 
-# --- claim 4 of the lower bound (nested windows) ------------------------------------------
+# --- claim 4 of the lower bound (nested windows) and best's bound-guided candidates -----------
 
 def _nested_exhaustive(items, alpha):
     """The least T of claim 4's (*) over every A, C (both holding the top item): the
@@ -246,3 +246,24 @@ def test_nested_bound_below_random_schedules(seed, n, shuffle, alpha):
     for _ in range(8):
         blocks = random_blocks(rng, lay, rng.randint(0, 2 * n))
         assert lb <= evaluate(pb, lay, blocks) + 1e-9
+
+
+@pytest.mark.parametrize("alpha", [2.0, 8.0])
+def test_bound_guided_candidate_is_valid_and_close_to_the_bound(alpha):
+    """On a chain (nested windows) the bound's blocks, filled, come within 1% of the bound; the
+    layout built for them is a valid schedule."""
+    from usbyte_opt.planning.strategies.best import bound_guided, chained_layout
+
+    sizes = [3_000_000, 200_000, 800_000, 5_000_000, 300_000, 1_500_000, 600_000, 4_000_000]
+    prof = chain_profile(sizes, forward_ms=30.0, backward_ms=60.0, alpha_ms=alpha, algbw_gbs=1.5)
+    pb = Problem.from_profile(prof)
+    lb = lower_bound(pb)
+    built = [chained_layout(pb, bound_guided(pb, 1.0, fill, hold, uncut))
+             for fill, hold, uncut in [("split", False, True), ("split", False, False), ("skip", False, False)]]
+    for lay, blocks in built:
+        pb.schedule("best", lay, blocks)                  # validates coverage and the layout
+    T = min(evaluate(pb, lay, blocks) for lay, blocks in built)
+    assert lb <= T + 1e-9
+    assert T <= lb * 1.01
+    best = get("best").plan(pb)
+    assert evaluate(pb, best.layout, best.blocks, best.mode) <= T + 1e-9

@@ -84,7 +84,8 @@ for any items whose windows contain those of their tensors: tensors in release o
 each tail lowered to the least tail released at or after it (suffix minima), or in tail order
 with each release lowered to the least release of a tail at or above it; the bound takes the
 larger of the two. Where the tensors are nested themselves (chains: released later, needed
-sooner) the bound is attained whenever its blocks can be filled with pieces of the tensors.
+sooner) the bound is attained whenever its blocks can be filled with pieces of the tensors,
+which is how ``best`` builds its bound-guided candidates.
 
 *Computing it.* (*) at level k depends on the state ``(lo, hi, n)``, built from level G
 down: at each level k, k may join A, C or both. Three facts make this small. (a) A state
