@@ -211,7 +211,8 @@ GUIDE_KEEP = 4
 
 
 def bound_guided(problem: Problem, slack: float = 1.0, fill: str = "split", hold: bool = False,
-                 uncut: bool = False) -> list[dict[int, int]] | None:
+                 uncut: bool = False, events: set[str] | None = None
+                 ) -> list[dict[int, int]] | None:
     """A schedule built from claim 4 of :mod:`usbyte_opt.planning.bounds`, as the elements of
     each tensor in each block, blocks in issue order (:func:`chained_layout` lays it out):
     the block boundaries of the bound's programme at ``slack`` times the bound (left blocks
@@ -225,8 +226,8 @@ def bound_guided(problem: Problem, slack: float = 1.0, fill: str = "split", hold
     the first tensor that may join it. ``hold``: a tensor too big for a block and not to be
     cut waits for a later block instead of closing this one; ``uncut``: the second piece of a
     cut that no block took rejoins the first (else it goes last, alone). What is left goes
-    into the first block that starts after its release. ``None`` when the bound has no
-    blocks."""
+    into the first block that starts after its release. ``events``: as :func:`_edf_fill`'s.
+    ``None`` when the bound has no blocks."""
     key = ("bound-guided", slack)
     if key not in problem.cache:
         problem.cache[key] = _guide(problem, slack)
@@ -235,7 +236,7 @@ def bound_guided(problem: Problem, slack: float = 1.0, fill: str = "split", hold
         return None
     T, windows, ready, tail = guide
     alpha, beta = problem.cost.linear_bound()
-    return _edf_fill(problem, windows, T, alpha, beta, fill, ready, tail, hold, uncut)
+    return _edf_fill(problem, windows, T, alpha, beta, fill, ready, tail, hold, uncut, events)
 
 
 def _guide(problem: Problem, slack: float
@@ -275,10 +276,18 @@ def _guided(pool: _Pool) -> None:
     overlap = Mode.OVERLAP in pool.modes
     seen: dict[tuple, tuple[float, str, list[dict[int, int]]]] = {}
     for slack in GUIDE_SLACK if small else GUIDE_SLACK[:2]:
+        built: list[tuple[str, bool, bool, set[str]]] = []
         for fill, hold, uncut in GUIDE_FILLS if small else GUIDE_FILLS[:2]:
-            pieces = bound_guided(problem, slack, fill, hold, uncut)
+            # The same plan as a fill built already whose run never met what its other
+            # flags change: not built again.
+            if any(f == fill and (h == hold or "hold" not in ev) and (u == uncut or "uncut" not in ev)
+                   for f, h, u, ev in built):
+                continue
+            events: set[str] = set()
+            pieces = bound_guided(problem, slack, fill, hold, uncut, events)
             if pieces is None:
                 return
+            built.append((fill, hold, uncut, events))
             key = tuple(tuple(sorted(c.items())) for c in pieces)
             if key in seen:
                 continue
@@ -299,9 +308,13 @@ def _guided(pool: _Pool) -> None:
 
 def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float, alpha: float,
               beta: float, fill: str, ready: Sequence[float], tail: Sequence[float],
-              hold: bool = False, uncut: bool = False) -> list[dict[int, int]]:
+              hold: bool = False, uncut: bool = False,
+              events: set[str] | None = None) -> list[dict[int, int]]:
     """:func:`bound_guided`'s fill of ``windows`` (the bound's blocks, in time order);
-    ``ready`` and ``tail`` per tensor as the bound relaxed them."""
+    ``ready`` and ``tail`` per tensor as the bound relaxed them. ``events`` collects
+    ``"hold"`` where ``hold`` would have changed the fill and ``"uncut"`` where ``uncut``
+    would have (a fill without them is the same plan)."""
+    events = set() if events is None else events
     n = problem.n
     isz, dtype = problem.itemsize, problem.dtype
     left = list(problem.numel)                     # elements not yet placed
@@ -355,6 +368,8 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
                 held.append(top)                   # too big here (and not to be cut again)
                 continue
             else:
+                if fill == "split" and k > 0:
+                    events.add("hold")
                 heapq.heappush(heap, top)
                 break
             content[i] = take
@@ -389,6 +404,8 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
         else:
             comp.pop()
     # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
+    if first:
+        events.add("uncut")
     for i, a in first.items():
         if uncut:
             blocks[a][i] += left[i]
