@@ -4,6 +4,7 @@ import dataclasses
 import random
 
 import pytest
+from helpers import random_blocks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -170,3 +171,99 @@ def test_best_plans_against_the_updates_at_the_gates():
         assert report.lower_bound_ms <= r.iteration_ms + 1e-9
     best = report.results["best"].iteration_ms
     assert best <= min(r.iteration_ms for r in report.results.values()) + 1e-9
+
+
+# --- claim 4 of the lower bound (nested windows) and best's bound-guided candidates -----------
+
+def _nested_exhaustive(items, alpha):
+    """The least T of claim 4's (*) over every A, C (both holding the top item): the
+    definition, against which the programme's pruning is checked."""
+    import itertools
+
+    G = len(items.R)
+    best = float("inf")
+    rest = range(G - 1)
+    subsets = [set(c) | {G - 1} for m in range(G) for c in itertools.combinations(rest, m)]
+    for A in subsets:
+        for C in subsets:
+            T = max(items.R[min(a for a in A if a >= k)] + items.Q[min(c for c in C if c >= k)]
+                    + alpha * (sum(a >= k for a in A) + sum(c >= k for c in C) - 1) + items.Wsuf[k]
+                    for k in range(G))
+            best = min(best, T)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), G=st.integers(1, 6), alpha=st.sampled_from([0.0, 0.5, 3.0]))
+def test_nested_programme_equals_its_definition(seed, G, alpha):
+    import numpy as np
+
+    from usbyte_opt.planning.bounds import _nested_search, nested_config, nested_items
+
+    rng = random.Random(seed)
+    r = np.array([rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(G)])
+    q = np.array([rng.choice([0.0, rng.uniform(0, 10)]) for _ in range(G)])
+    w = np.array([rng.choice([0.0, rng.uniform(0, 5)]) for _ in range(G)])
+    items = nested_items(r, q, w, rng.choice(["ready", "tail"]))
+    exact = _nested_exhaustive(items, alpha)
+    lo, hi = _nested_search(items, alpha, 0.0)
+    assert lo <= exact + 1e-9 and exact <= hi + 1e-6 * max(1.0, hi)
+    cfg = nested_config(items, alpha, hi)
+    assert cfg is not None
+    assert items.R.size == 0 or (cfg[0][-1] == cfg[1][-1] == len(items.R) - 1)
+
+
+def test_nested_bound_is_the_optimum_where_the_old_claims_are_not():
+    # out (2 MB, ready 1, needed at 2), mid (2 MB, ready 3, needed at 1), inp (2 MB, ready 6,
+    # needed at 0); alpha 2 ms, 1 GB/s, F = 4, B = 6. Claims 1-2 give 14; the best plan
+    # sends out alone, then mid and inp together after backward: 6 + 2 + 4 + 4 = 16.
+    mb2 = 500_000
+    prof = Profile("nested", 4.0, 6.0, (TensorSpec("out", (mb2,), "float32", 1.0, 2.0),
+                                        TensorSpec("mid", (mb2,), "float32", 3.0, 1.0),
+                                        TensorSpec("inp", (mb2,), "float32", 6.0, 0.0)),
+                   CommSpec("analytic", 2, 2.0, 1.0))
+    pb = Problem.from_profile(prof)
+    opt = solve_brute(pb, pb.layout(), units_per_tensor=2)
+    assert opt.iteration_ms == pytest.approx(16.0)
+    assert lower_bound(pb) == pytest.approx(16.0, abs=1e-4)
+    assert lower_bound(pb) <= opt.iteration_ms
+    best = get("best").plan(pb, exact_max_tensors=0)
+    assert evaluate(pb, best.layout, best.blocks, best.mode) == pytest.approx(16.0)
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10 ** 6), n=st.integers(1, 30), shuffle=st.sampled_from([0.0, 1.0]),
+       alpha=st.sampled_from([0.0, 0.3, 3.0]))
+def test_nested_bound_below_random_schedules(seed, n, shuffle, alpha):
+    """Claim 4 holds for arbitrary schedules, nested profiles or not (shuffled need times)."""
+    from usbyte_opt.planning.bounds import nested_bound
+
+    rng = random.Random(seed)
+    pb = Problem.from_profile(random_profile(rng, n, comm_ratio=rng.choice([0.5, 2.0]), alpha_ms=alpha,
+                                             dtypes=("float32", "float16"), shuffle_need=shuffle))
+    lb = nested_bound(pb)
+    lay = pb.layout()
+    for _ in range(8):
+        blocks = random_blocks(rng, lay, rng.randint(0, 2 * n))
+        assert lb <= evaluate(pb, lay, blocks) + 1e-9
+
+
+@pytest.mark.parametrize("alpha", [2.0, 8.0])
+def test_bound_guided_candidate_is_valid_and_close_to_the_bound(alpha):
+    """On a chain (nested windows) the bound's blocks, filled, come within 1% of the bound; the
+    layout built for them is a valid schedule."""
+    from usbyte_opt.planning.strategies.best import bound_guided, chained_layout
+
+    sizes = [3_000_000, 200_000, 800_000, 5_000_000, 300_000, 1_500_000, 600_000, 4_000_000]
+    prof = chain_profile(sizes, forward_ms=30.0, backward_ms=60.0, alpha_ms=alpha, algbw_gbs=1.5)
+    pb = Problem.from_profile(prof)
+    lb = lower_bound(pb)
+    built = [chained_layout(pb, bound_guided(pb, 1.0, fill, hold, uncut))
+             for fill, hold, uncut in [("split", False, True), ("split", False, False), ("skip", False, False)]]
+    for lay, blocks in built:
+        pb.schedule("best", lay, blocks)                  # validates coverage and the layout
+    T = min(evaluate(pb, lay, blocks) for lay, blocks in built)
+    assert lb <= T + 1e-9
+    assert T <= lb * 1.01
+    best = get("best").plan(pb)
+    assert evaluate(pb, best.layout, best.blocks, best.mode) <= T + 1e-9

@@ -4,8 +4,8 @@ Notation (docs/design.md §2.5, and :mod:`usbyte_opt.planning.fastsim` for the c
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
 ``q_p = update_p + F - need_p``. ``alpha`` and ``beta`` are the cost model's linear bound
 (:meth:`usbyte_opt.planning.cost.CostModel.linear_bound`): a block costs *at least*
-``alpha`` plus its bytes times ``beta``, which is all claims 1 and 2 use, so they hold for any
-cost model; claim 3 needs the cost to be that line (:attr:`~usbyte_opt.planning.cost.CostModel.is_linear`)
+``alpha`` plus its bytes times ``beta``, which is all claims 1, 2 and 4 use, so they hold for
+any cost model; claim 3 needs the cost to be that line (:attr:`~usbyte_opt.planning.cost.CostModel.is_linear`)
 and is left out otherwise. For every schedule in overlap mode without the compute-cost
 option,
 
@@ -44,11 +44,70 @@ programme over S in release order, ``g(b) = min_a max(g(a), r_b) + alpha + W(a..
 evaluated for ``S = {p : q_p >= theta}`` over up to 48 quantiles ``theta`` of the tails.
 Claim 2 is what counts the per-block latency where the first claim counts at most two.
 
+**Claim 4 (nested windows).** Claims 1 and 2 count at most two blocks, or the blocks of one
+set; what they miss is that a tensor released late with a long tail (the input side, in
+backward's last milliseconds) and the bulk released earlier compete for the same few blocks
+around the end of backward. For a fixed T, tensor p can only travel in a block lying inside
+its *window* ``[r_p, d_p]``, ``d_p = T - q_p`` (the block starts at or after ``r_p``; its
+finish plus ``q_p`` is at most T). Take items ``1..G`` with ``r`` and ``q`` nondecreasing in
+the index (a relaxation of the tensors, below), so that the windows are nested:
+window ``j`` lies inside window ``k`` for ``j >= k``. Write ``W_k`` for the wire time of items
+``k..G``. Then every schedule of time T has sets ``A``, ``C`` of indices, both holding ``G``,
+such that for every k, with ``lo(k) = min(A ∩ [k, G])``, ``hi(k) = min(C ∩ [k, G])`` and
+``n(k) = |A ∩ [k, G]| + |C ∩ [k, G]|``,
+
+    r_lo(k) + q_hi(k) + alpha (n(k) - 1) + W_k <= T.                          (*)
+
+So T is at least the least T for which some ``A``, ``C`` satisfy (*).
+
+*Proof.* Blocks are disjoint intervals of the channel in issue order, each at least alpha plus
+its bytes times beta long. For each k let ``run(k)`` be the blocks inside window k: they are
+consecutive (those starting at or after ``r_k`` and finishing by ``d_k``), and not empty
+(item k travels in one of them); its first block, ``first(k)``, is the first block of the
+schedule that starts at or after ``r_k``, and its last, ``last(k)``, the last that finishes by
+``d_k``. Every item ``j >= k`` travels inside window ``j``, which lies in window k, so
+``run(k)`` carries ``W_k`` of wire time: ``W_k + alpha |run(k)| <= finish(last(k)) -
+start(first(k))``. Let ``a(k) = max {a : r_a <= start(first(k))}`` and ``c(k) = max {c : q_c
+<= T - finish(last(k))}``; both are at least k, and ``W_k + alpha |run(k)| <= d_c(k) -
+r_a(k)``. Put ``A = {a(k)}``, ``C = {c(k)}``; ``a(G) = c(G) = G``. (i) ``lo(k) = a(k)``:
+for ``j >= k``, ``first(j)`` is not before ``first(k)``, so ``a(j) >= a(k)``; for ``j < k``,
+``first(j)`` is not after ``first(k)``, so ``a(j) <= a(k)``, and ``a(j) >= k`` would make
+``first(j)`` start at or after ``r_k``, so ``first(j) = first(k)``. Likewise ``hi(k) =
+c(k)``. (ii) ``n(k) <= |run(k)| + 1``: distinct values ``a(j) >= k`` come from distinct
+blocks ``first(j)``, all in ``run(k)`` (by (i) they are ``first(k)`` or the first blocks of
+runs inside it) and all at or before ``first(G)``; distinct ``c(j) >= k`` come from distinct
+blocks ``last(j)`` in ``run(k)`` at or after ``last(G)``; and ``first(G)`` is not after
+``last(G)``, so at most one block is counted twice. (i) and (ii) give (*). ∎
+
+*The items.* Lowering a tensor's release or tail only widens its window, so the proof holds
+for any items whose windows contain those of their tensors: tensors in release order with
+each tail lowered to the least tail released at or after it (suffix minima), or in tail order
+with each release lowered to the least release of a tail at or above it; the bound takes the
+larger of the two. Where the tensors are nested themselves (chains: released later, needed
+sooner) the bound is attained whenever its blocks can be filled with pieces of the tensors,
+which is how ``best`` builds its bound-guided candidates.
+
+*Computing it.* (*) at level k depends on the state ``(lo, hi, n)``, built from level G
+down: at each level k, k may join A, C or both. Three facts make this small. (a) A state
+with ``r_lo``, ``q_hi`` and ``n`` each no larger than another's can copy every continuation of
+the other and stay feasible. (b) A state that satisfies (*) at level k need not add k: copy
+any continuation that adds k to A (or C), postponing the addition to the first later level
+where the copy breaks (*) or the original adds to A (C) again; there the copy adds the
+pending sides, and its state is then at least as good (a smaller release or tail, the same
+count), and before it breaks nothing. (c) A state that breaks (*) adds one side if one
+suffices (then, by (b), not the other). So the states that satisfy (*) run unchanged from
+level to level; the next level where one breaks (*) is found by bisection on ``W`` (it grows as
+k falls), and only there does it branch. States dominated as in (a) are dropped, and beyond
+:data:`NESTED_STATES` states the two with the closest tails are replaced by their
+componentwise minimum, which dominates both (it can only make the programme accept more, so
+the bound stays valid). Feasibility grows with T; the bound is found by bisection and
+reported as the largest T found infeasible.
+
 **Fence mode and the compute-cost option.** For the same blocks, fence mode is never faster
 than overlap mode without the option (``max(B, L) + sum(update) + F`` is at least ``B + F``,
 ``L`` and every ``finish_k + q_k``), and the option only lengthens compute
 (:mod:`usbyte_opt.planning.fastsim`: ready times, tails and ``B + F`` grow, and T is nondecreasing in
-each), so claims 1 and 2, taken without the option, hold for every schedule in both modes.
+each), so claims 1, 2 and 4, taken without the option, hold for every schedule in both modes.
 They also hold under the update rule ``GATE`` (:class:`~usbyte_opt.planning.problem.UpdateRule`),
 which is never faster than the default: it pays each update after its tensor's last block.
 
@@ -86,9 +145,28 @@ Example::
     ...     backward_ms=6.0, alpha_ms=1.0, algbw_gbs=1.0, compute=[1, 1]))
     >>> lower_bound(pb)     # input layer ready at 6, 1 + 1 ms to send, then 4 ms forward
     12.0
+
+Claim 4 where claims 1 and 2 give 14 ms: three 2 ms tensors, alpha 2 ms. The best plan sends
+``out`` alone, then ``mid`` and ``inp`` in one block after backward (6 + 2 + 4, then the 4 ms
+forward): 16 ms, and claim 4 proves it::
+
+    >>> from usbyte_opt.formats import CommSpec, Profile, TensorSpec
+    >>> two_ms = 500_000                  # float32 elements: 2 MB, 2 ms at 1 GB/s
+    >>> pb = Problem.from_profile(Profile("nested", 4.0, 6.0, (
+    ...     TensorSpec("out", (two_ms,), "float32", 1.0, 2.0),
+    ...     TensorSpec("mid", (two_ms,), "float32", 3.0, 1.0),
+    ...     TensorSpec("inp", (two_ms,), "float32", 6.0, 0.0)), CommSpec("analytic", 2, 2.0, 1.0)))
+    >>> r, q, w, alpha = _arrays(pb)
+    >>> max(pb.B + pb.F, _set_bound(r, q, w, alpha), _batching_bound(r, q, w, alpha))
+    14.0
+    >>> round(lower_bound(pb), 3)
+    16.0
 """
 
 from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -103,17 +181,23 @@ GROUPS = 512
 
 
 def lower_bound(problem: Problem) -> float:
-    """The lower bound of the module docstring, in ms: claims 1 and 2 on the problem without
+    """The lower bound of the module docstring, in ms: claims 1, 2 and 4 on the problem without
     the compute-cost option, and claim 3 with it. Valid for every schedule in both modes."""
+    r, q, w, alpha = _arrays(problem)
+    best = problem.B + problem.F
+    best = max(best, _set_bound(r, q, w, alpha))
+    best = max(best, _batching_bound(r, q, w, alpha))
+    best = max(best, nested_bound(problem, floor=best))
+    return max(best, _compute_cost_bound(problem))
+
+
+def _arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
+    """Releases, tails, wire times (bytes times beta) per tensor, and alpha."""
     r = np.asarray(problem.ready, dtype=float)
     q = np.asarray([u + problem.F - nd for u, nd in zip(problem.update, problem.need)], dtype=float)
     w = np.asarray([problem.nbytes(i) for i in range(problem.n)], dtype=float)
     alpha, beta = problem.cost.linear_bound()
-    w *= beta
-    best = problem.B + problem.F
-
-    best = max(best, _set_bound(r, q, w, alpha))
-    return max(best, _batching_bound(r, q, w, alpha), _compute_cost_bound(problem))
+    return r, q, w * beta, alpha
 
 
 def _set_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,
@@ -230,3 +314,208 @@ def _batch_makespan(rs: list[float], ws: list[float], alpha: float) -> float:
             v = min(v, g[dq[0]] - P[dq[0]])
         g[b] = alpha + P[b] + v
     return g[n]
+
+
+# --- claim 4 ----------------------------------------------------------------------------------
+
+#: Claim 4 keeps at most this many states per level (beyond, neighbours are merged into their
+#: componentwise minimum, which keeps the bound valid).
+NESTED_STATES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class NestedItems:
+    """The items of claim 4: releases ``R`` and tails ``Q`` nondecreasing, wire times ``W``
+    (ms), ``Wsuf[k] = W[k:].sum()``, and ``members[k]``: the tensors of item k."""
+
+    R: np.ndarray
+    Q: np.ndarray
+    W: np.ndarray
+    Wsuf: np.ndarray
+    members: list[list[int]]
+    _lists: list = field(default_factory=list, repr=False, compare=False)
+
+    def lists(self) -> tuple[list[float], list[float], list[float]]:
+        """``R``, ``Q``, ``Wsuf`` as Python lists (the programme reads them element by element)."""
+        if not self._lists:
+            self._lists.extend([self.R.tolist(), self.Q.tolist(), self.Wsuf.tolist(),
+                                self.Wsuf[::-1].tolist()])
+        return self._lists[0], self._lists[1], self._lists[2]
+
+    def inc_list(self) -> list[float]:
+        """``Wsuf`` reversed (nondecreasing), as a list."""
+        self.lists()
+        return self._lists[3]
+
+
+def nested_items(r: np.ndarray, q: np.ndarray, w: np.ndarray, by: str = "ready") -> NestedItems:
+    """Tensors as the items of claim 4: in release order with each tail lowered to the least
+    tail released at or after it (``by="ready"``), or in tail order with each release lowered
+    to the least release at or above its tail (``by="tail"``); tensors with equal release and
+    tail share an item."""
+    if by == "ready":
+        order = np.lexsort((q, r))
+        R, Q = r[order], np.minimum.accumulate(q[order][::-1])[::-1]
+    elif by == "tail":
+        order = np.lexsort((r, q))
+        R, Q = np.minimum.accumulate(r[order][::-1])[::-1], q[order]
+    else:
+        raise ValueError(f"by: expected 'ready' or 'tail', got {by!r}")
+    W = w[order]
+    new = np.ones(len(order), dtype=bool)
+    new[1:] = (R[1:] != R[:-1]) | (Q[1:] != Q[:-1])
+    starts = np.flatnonzero(new)
+    Wg = np.add.reduceat(W, starts) if len(starts) else W
+    members = [m.tolist() for m in np.split(order, starts[1:])] if len(starts) else []
+    Wsuf = np.cumsum(Wg[::-1])[::-1].copy()
+    return NestedItems(R[starts], Q[starts], Wg, Wsuf, members)
+
+
+def nested_feasible(items: NestedItems, alpha: float, T: float) -> bool:
+    """Whether some ``A``, ``C`` satisfy (*) of claim 4 at ``T`` (the programme of the module
+    docstring)."""
+    return _programme(items, alpha, T, False) is not None
+
+
+def nested_config(items: NestedItems, alpha: float, T: float) -> tuple[list[int], list[int]] | None:
+    """Sets ``(A, C)`` (ascending) that satisfy (*) of claim 4 at ``T``, or ``None`` when the
+    programme finds none. (Where it merged states, beyond :data:`NESTED_STATES`, the sets are
+    those of one of the merged states: a guide for ``best``, not a certificate.)"""
+    return _programme(items, alpha, T, True)
+
+
+def _programme(items: NestedItems, alpha: float, T: float,
+               config: bool) -> tuple[list[int], list[int]] | None:
+    """The programme of claim 4 at ``T``: ``None`` when no ``A``, ``C`` satisfy (*), else
+    such sets (with ``config``; else two empty lists)."""
+    R, Q, Wsuf = items.lists()
+    G = len(R)
+    if G == 0:
+        return [], []
+    slack = T + alpha + 1e-9 * max(1.0, abs(T))
+    inc = items.inc_list()                 # Wsuf reversed: nondecreasing
+    top = G - 1
+
+    def breaks_at(key: float) -> int:
+        """The highest level at which (*) breaks for a state of this key (-1: none)."""
+        return G - 1 - bisect_right(inc, slack - key)
+
+    # A state: (key, lo, hi, n, A, C) with key = R[lo] + Q[hi] + alpha * n; A and C as linked
+    # lists (level, rest) for the configuration.
+    key0 = R[top] + Q[top] + 2 * alpha
+    if key0 > slack - Wsuf[top]:
+        return None
+    states: list[tuple] = [(key0, top, top, 2, (top, None), (top, None))]
+    level = [breaks_at(key0)]
+    while True:
+        k = max(level)
+        if k < 0:
+            if not config:
+                return [], []
+            s = min(states, key=lambda x: x[3])
+            return _unlink(s[4]), _unlink(s[5])
+        budget = slack - Wsuf[k]
+        nxt: list[tuple] = []
+        for st, at in zip(states, level):
+            if at < k:
+                nxt.append(st)
+                continue
+            _, lo, hi, n, A, C = st
+            one = False
+            key = R[k] + Q[hi] + alpha * (n + 1)
+            if key <= budget:
+                nxt.append((key, k, hi, n + 1, (k, A), C))
+                one = True
+            key = R[lo] + Q[k] + alpha * (n + 1)
+            if key <= budget:
+                nxt.append((key, lo, k, n + 1, A, (k, C)))
+                one = True
+            key = R[k] + Q[k] + alpha * (n + 2)
+            if not one and key <= budget:
+                nxt.append((key, k, k, n + 2, (k, A), (k, C)))
+        if not nxt:
+            return None
+        states = _pareto(nxt, R, Q, alpha) if len(nxt) > 1 else nxt
+        level = [breaks_at(st[0]) for st in states]
+
+
+def _pareto(states: list, R: list[float], Q: list[float], alpha: float) -> list:
+    """``states`` without those dominated (release, tail and count each no smaller than
+    another's); beyond :data:`NESTED_STATES`, neighbours by tail merged into their minimum."""
+    states.sort(key=lambda s: (s[3], R[s[1]], Q[s[2]]))
+    kept: list = []
+    front: list[tuple[float, float]] = []      # (release, tail) of the kept, counts no larger
+    for s in states:
+        r, q = R[s[1]], Q[s[2]]
+        if not any(a <= r and b <= q for a, b in front):
+            kept.append(s)
+            front.append((r, q))
+    while len(kept) > NESTED_STATES:
+        kept.sort(key=lambda s: Q[s[2]])
+        i = min(range(len(kept) - 1), key=lambda j: Q[kept[j + 1][2]] - Q[kept[j][2]])
+        a, b = kept[i], kept[i + 1]
+        lo = a[1] if R[a[1]] <= R[b[1]] else b[1]
+        hi = a[2] if Q[a[2]] <= Q[b[2]] else b[2]
+        n = min(a[3], b[3])
+        kept[i:i + 2] = [(R[lo] + Q[hi] + alpha * n, lo, hi, n, a[4], a[5])]
+    return kept
+
+
+def _unlink(lst) -> list[int]:
+    out = []
+    while lst is not None:
+        out.append(lst[0])
+        lst = lst[1]
+    return sorted(out)
+
+
+def _nested_search(items: NestedItems, alpha: float, floor: float,
+                   rel: float = 1e-6) -> tuple[float, float]:
+    """``(lo, hi)``: the largest T found infeasible for (*) (``floor`` when ``floor`` is
+    feasible) and a feasible T within ``rel`` above it: steps from ``floor`` growing by half
+    each, then bisection."""
+    if len(items.R) == 0 or nested_feasible(items, alpha, floor):
+        return floor, floor
+    top = float(items.R[-1] + items.Q[-1] + alpha + items.Wsuf[0])   # one block at the end
+    lo, step = floor, 1e-3 * max(abs(floor), 1.0)
+    while True:
+        hi = min(lo + step, top) if top > lo else lo + step
+        if nested_feasible(items, alpha, hi):
+            break
+        lo, step = hi, step * 1.5
+    while hi - lo > rel * max(1.0, hi):
+        mid = 0.5 * (lo + hi)
+        if nested_feasible(items, alpha, mid):
+            hi = mid
+        else:
+            lo = mid
+    return lo, hi
+
+
+def nested_bound(problem: Problem, floor: float = 0.0) -> float:
+    """Claim 4: the larger of its two relaxations (by release and by tail), at least
+    ``floor`` (a valid bound the caller has: the search starts there). Kept in
+    ``problem.cache["nested_bound"]``: for each relaxation, its items, its bound (at least the
+    floor of the first call) and a T at most a hair above it at which the programme finds
+    blocks."""
+    key = "nested_bound"
+    hit = problem.cache.get(key)
+    if hit is None:
+        r, q, w, alpha = _arrays(problem)
+        hit = {}
+        ready = nested_items(r, q, w, "ready")
+        hit["ready"] = (ready, *_nested_search(ready, alpha, max(floor, problem.B + problem.F)))
+        tail = nested_items(r, q, w, "tail")
+        if not _same(tail, ready):     # else nested already: both are the tensors themselves
+            _, lo, hi = hit["ready"]
+            if nested_feasible(tail, alpha, hi):
+                hit["tail"] = (tail, lo, hi)           # no better (within the tolerance)
+            else:                                      # hi is infeasible: a bound, start there
+                hit["tail"] = (tail, *_nested_search(tail, alpha, hi))
+        problem.cache[key] = hit
+    return max(floor, max(v[1] for v in hit.values()))
+
+
+def _same(a: NestedItems, b: NestedItems) -> bool:
+    return len(a.R) == len(b.R) and bool(np.array_equal(a.R, b.R) and np.array_equal(a.Q, b.Q)
+                                          and np.allclose(a.W, b.W, rtol=1e-12, atol=0.0))

@@ -20,12 +20,22 @@ cut costs more than it saves. So ``best``:
 2. Builds **two-phase** bucketed candidates, each phase optimal for its part by dynamic
    programming (:func:`two_phase`), the first of them (every tensor in phase 1) the fastest
    fence schedule of whole tensors in ready order.
-3. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
+3. Builds **bound-guided** candidates (:func:`bound_guided`): claim 4 of
+   :mod:`usbyte_opt.planning.bounds` finds, with the bound, the blocks a schedule at the bound
+   would have (where each starts or ends); filling them earliest deadline first (the largest
+   tail among the released bytes whose deadline the block meets), cutting a tensor where a
+   block is full, gives a plan on a layout of its own (:func:`chained_layout`: the blocks in
+   chains, linked by the cut tensors). This is the candidate that reaches the bound where
+   alpha and the end of backward compete (the regimes the first two miss: few large blocks,
+   the input side released last); a few slacks and fills are built, the best
+   :data:`GUIDE_KEEP` by the closed form kept.
+4. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
    the cheap baselines it computes itself.
-4. Scores **every candidate in both modes** (fence: every block, then every update, as DDP;
+5. Scores **every candidate in both modes** (fence: every block, then every update, as DDP;
    overlap: each update gated in the next forward), so it is never predicted slower than any
    strategy in the mode that strategy runs in, whatever the compute-cost fields.
-5. **Improves** the best candidates (:data:`STARTS`) by local search in their mode
+6. **Improves** the best candidates (:data:`STARTS`, and the best one not bound-guided when
+   all of those are) by local search in their mode
    (:func:`improve`), one after the other within the time budget: moves on the
    block that sets T, then merge / swap / split of consecutive blocks within the stretch of
    channel that sets T (a move elsewhere cannot lower it; with the compute-cost option or the
@@ -35,7 +45,7 @@ cut costs more than it saves. So ``best``:
    numpy with ``finish_k = C_k + max_{j<=k}(r_j - C_{j-1})`` (``C`` the prefix sum of costs).
    With the compute-cost option the best candidate of the other mode is improved too.
    Each result is kept in whichever mode is faster for its blocks.
-6. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
+7. On small instances (``<= exact_max_tensors`` tensors) it also solves the exact MILP of
    :mod:`usbyte_opt.planning.exact` (whole-tensor grid, 2 s limit) with pulp and keeps it when better.
 
 It reports the lower bound of :mod:`usbyte_opt.planning.bounds` and its gap in ``Plan.info``.
@@ -69,7 +79,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ...formats import Block, Mode
+from ...formats import Block, Buffer, Mode
 from ..bounds import lower_bound
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..problem import Layout, Problem, UpdateRule
@@ -188,6 +198,295 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         blocks.append(Block(pos[p][0], b_lo, b_hi))
         t += alpha + nbytes * beta
     return blocks
+
+
+#: Bound-guided candidates (:func:`bound_guided`): the lower bound's blocks at the bound times
+#: each of these, filled in each of these ways ``(fill, hold, uncut)``; the best
+#: :data:`GUIDE_KEEP` by the closed form join the candidates. Beyond :data:`FULL_GRID_TENSORS`
+#: tensors, the first two of each and one kept.
+GUIDE_SLACK = (1.0, 1.001, 1.002, 1.005)
+GUIDE_FILLS = (("split", False, True), ("split", False, False), ("split", True, True),
+               ("skip", False, False), ("over", False, False))
+GUIDE_KEEP = 4
+
+
+def bound_guided(problem: Problem, slack: float = 1.0, fill: str = "split", hold: bool = False,
+                 uncut: bool = False, events: set[str] | None = None
+                 ) -> list[dict[int, int]] | None:
+    """A schedule built from claim 4 of :mod:`usbyte_opt.planning.bounds`, as the elements of
+    each tensor in each block, blocks in issue order (:func:`chained_layout` lays it out):
+    the block boundaries of the bound's programme at ``slack`` times the bound (left blocks
+    start at releases, right ones end at deadlines), each block filled, earliest first, with
+    the released bytes of largest tail whose deadline it meets (earliest deadline first, the
+    rule that is optimal for the relaxation), releases and tails as the bound relaxed them.
+    ``fill``: ``"split"`` cuts the tensor that overflows a block (each cut tensor in two
+    pieces, at most one cut at each end of a block, so that every block is one range of a
+    layout built for it); ``"over"`` lets a whole tensor overflow a block when at least half
+    of it fits; ``"skip"`` passes over tensors that do not fit. A block that nothing fits takes
+    the first tensor that may join it. ``hold``: a tensor too big for a block and not to be
+    cut waits for a later block instead of closing this one; ``uncut``: the second piece of a
+    cut that no block took rejoins the first (else it goes last, alone). What is left goes
+    into the first block that starts after its release. ``events``: as :func:`_edf_fill`'s.
+    ``None`` when the bound has no blocks."""
+    key = ("bound-guided", slack)
+    if key not in problem.cache:
+        problem.cache[key] = _guide(problem, slack)
+    guide = problem.cache[key]
+    if guide is None:
+        return None
+    T, windows, ready, tail = guide
+    alpha, beta = problem.cost.linear_bound()
+    return _edf_fill(problem, windows, T, alpha, beta, fill, ready, tail, hold, uncut, events)
+
+
+def _guide(problem: Problem, slack: float
+           ) -> tuple[float, list[tuple[float, float]], list[float], list[float]] | None:
+    """``(T, windows, ready, tail)`` of :func:`bound_guided` at ``slack``: the bound's blocks
+    as time windows, and each tensor's release and tail as the bound relaxed them."""
+    from ..bounds import nested_bound, nested_config
+
+    nested_bound(problem)
+    items, _, T_ok = max(problem.cache["nested_bound"].values(), key=lambda v: v[1])
+    T = T_ok * slack
+    cfg = nested_config(items, problem.cost.linear_bound()[0], T)
+    if cfg is None:
+        return None
+    A, C = cfg
+    R, Q = items.R.tolist(), items.Q.tolist()
+    times = [R[a] for a in A] + [T - Q[c] for c in reversed(C)]
+    # Each tensor with its item's release and tail: the instance the programme solved.
+    ready, tail = [0.0] * problem.n, [0.0] * problem.n
+    for k, members in enumerate(items.members):
+        for i in members:
+            ready[i], tail[i] = R[k], Q[k]
+    return T, list(zip(times, times[1:])), ready, tail
+
+
+def _guided(pool: _Pool) -> None:
+    """Step 3: the bound-guided candidates (:func:`bound_guided`): every variant built, the
+    distinct ones timed by the closed form (overlap mode, or fence where overlap is not
+    planned; without the compute-cost option), the best :data:`GUIDE_KEEP` laid out and
+    added."""
+    problem = pool.problem
+    small = problem.n <= FULL_GRID_TENSORS
+    ready = np.asarray(problem.ready, dtype=float)
+    tail = np.asarray(tails(problem), dtype=float)
+    isz = np.asarray(problem.itemsize, dtype=float)
+    alpha, beta = problem.cost.linear_bound()
+    overlap = Mode.OVERLAP in pool.modes
+    seen: dict[tuple, tuple[float, str, list[dict[int, int]]]] = {}
+    for slack in GUIDE_SLACK if small else GUIDE_SLACK[:2]:
+        built: list[tuple[str, bool, bool, set[str]]] = []
+        for fill, hold, uncut in GUIDE_FILLS if small else GUIDE_FILLS[:2]:
+            # The same plan as a fill built already whose run never met what its other
+            # flags change: not built again.
+            if any(f == fill and (h == hold or "hold" not in ev) and (u == uncut or "uncut" not in ev)
+                   for f, h, u, ev in built):
+                continue
+            events: set[str] = set()
+            pieces = bound_guided(problem, slack, fill, hold, uncut, events)
+            if pieces is None:
+                return
+            built.append((fill, hold, uncut, events))
+            key = tuple(tuple(sorted(c.items())) for c in pieces)
+            if key in seen:
+                continue
+            R = np.array([ready[list(c)].max() for c in pieces])
+            Q = np.array([tail[list(c)].max() for c in pieces])
+            nb = np.array([float(np.dot(isz[list(c)], list(c.values()))) for c in pieces])
+            fin = Scorer.finishes(R, alpha + nb * beta)
+            if overlap:
+                T = max(problem.B + problem.F, float(fin[-1]), float((fin + Q).max()))
+            else:
+                T = max(problem.B, float(fin[-1]))
+            name = f"bound-guided(slack={slack:g},{fill}{',hold' if hold else ''}{',uncut' if uncut else ''})"
+            seen[key] = (T, name, pieces)
+    keep = GUIDE_KEEP if small else 1
+    for _, name, pieces in sorted(seen.values(), key=lambda v: v[0])[:keep]:
+        pool.add(name, *chained_layout(problem, pieces))
+
+
+def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float, alpha: float,
+              beta: float, fill: str, ready: Sequence[float], tail: Sequence[float],
+              hold: bool = False, uncut: bool = False,
+              events: set[str] | None = None) -> list[dict[int, int]]:
+    """:func:`bound_guided`'s fill of ``windows`` (the bound's blocks, in time order);
+    ``ready`` and ``tail`` per tensor as the bound relaxed them. ``events`` collects
+    ``"hold"`` where ``hold`` would have changed the fill and ``"uncut"`` where ``uncut``
+    would have (a fill without them is the same plan)."""
+    events = set() if events is None else events
+    n = problem.n
+    isz, dtype = problem.itemsize, problem.dtype
+    left = list(problem.numel)                     # elements not yet placed
+    first: dict[int, int] = {}                     # a cut tensor -> block of its first piece
+    comp: list[int] = []                           # union-find over blocks linked by cuts
+    blocks: list[dict[int, int]] = []
+    starts: list[float] = []
+    rel = sorted(range(n), key=lambda i: ready[i])
+    ptr = 0
+    heap: list[tuple[float, float, int]] = []
+    eps = 1e-9 * max(1.0, T)
+
+    def root(b: int) -> int:
+        while comp[b] != b:
+            comp[b] = comp[comp[b]]
+            b = comp[b]
+        return b
+
+    for s, f in windows:
+        cap = (f - s - alpha) / beta if beta > 0 else math.inf
+        if cap <= 0:
+            continue
+        while ptr < n and ready[rel[ptr]] <= s + eps:
+            i = rel[ptr]
+            heapq.heappush(heap, (-tail[i], -ready[i], i))
+            ptr += 1
+        b = len(blocks)
+        content: dict[int, int] = {}
+        deg = 0
+        dt = None
+        held: list[tuple[float, float, int]] = []
+        comp.append(b)
+        while heap:
+            top = heapq.heappop(heap)
+            i = top[2]
+            if tail[i] > T - f + eps:
+                continue                           # past its deadline here, and later too
+            if dt is None:
+                dt = dtype[i]
+            cont = i in first
+            if dtype[i] != dt or (cont and (deg >= 2 or root(first[i]) == root(b))):
+                held.append(top)
+                continue
+            need = left[i] * isz[i]
+            k = int(cap // isz[i])
+            if need <= cap * (1 + 1e-9) or (fill == "over" and need <= 2 * cap):
+                take = left[i]
+            elif fill == "split" and not cont and deg < 2 and 0 < k < left[i]:
+                take = k
+            elif fill == "skip" or (fill == "split" and hold and k > 0):
+                held.append(top)                   # too big here (and not to be cut again)
+                continue
+            else:
+                if fill == "split" and k > 0:
+                    events.add("hold")
+                heapq.heappush(heap, top)
+                break
+            content[i] = take
+            cap -= take * isz[i]
+            left[i] -= take
+            if cont:                               # the second piece of a cut tensor
+                comp[root(first.pop(i))] = root(b)
+                deg += 1
+            if left[i]:                            # cut here: the rest goes to a later block
+                first[i] = b
+                deg += 1
+                heapq.heappush(heap, top)
+                break
+            if cap <= 0:
+                break
+        if not content:
+            # Nothing fits: the first held tensor that may join overflows the block.
+            for j, h in enumerate(held):
+                i = h[2]
+                if dtype[i] == dt and (i not in first or root(first[i]) != root(b)):
+                    content[i] = left[i]
+                    left[i] = 0
+                    if i in first:
+                        comp[root(first.pop(i))] = root(b)
+                    del held[j]
+                    break
+        for h in held:
+            heapq.heappush(heap, h)
+        if content:
+            blocks.append(content)
+            starts.append(s)
+        else:
+            comp.pop()
+    # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
+    if first:
+        events.add("uncut")
+    for i, a in first.items():
+        if uncut:
+            blocks[a][i] += left[i]
+        else:
+            blocks.append({i: left[i]})
+            starts.append(math.inf)
+        left[i] = 0
+    # The rest: into the first block of its dtype that starts after its release (else the
+    # last of its dtype, else a block of its own).
+    of_dtype: dict[str, tuple[list[float], list[int]]] = {}
+    for b, c in enumerate(blocks):
+        at, ids = of_dtype.setdefault(dtype[next(iter(c))], ([], []))
+        at.append(starts[b])
+        ids.append(b)
+    for i in range(n):
+        if left[i] <= 0:
+            continue
+        at, ids = of_dtype.setdefault(dtype[i], ([], []))
+        if ids:
+            j = bisect_left(at, ready[i])
+            blocks[ids[min(j, len(ids) - 1)]][i] = left[i]
+        else:
+            blocks.append({i: left[i]})
+            at.append(ready[i])
+            ids.append(len(blocks) - 1)
+        left[i] = 0
+    return blocks
+
+
+def chained_layout(problem: Problem, blocks: list[dict[int, int]]) -> tuple[Layout, list[Block]]:
+    """A layout (one buffer per dtype) in which each block of ``blocks`` (elements of each
+    tensor, in issue order) is one element range: blocks that share a cut tensor are chained,
+    the tensor's two pieces meeting at the chain's link."""
+    where: dict[int, list[int]] = {}
+    for b, content in enumerate(blocks):
+        for i in content:
+            where.setdefault(i, []).append(b)
+    links: dict[int, list[tuple[int, int]]] = {b: [] for b in range(len(blocks))}
+    for i, bs in where.items():
+        if len(bs) == 2:
+            links[bs[0]].append((bs[1], i))
+            links[bs[1]].append((bs[0], i))
+    seen: set[int] = set()
+    per: dict[str, list[tuple[int, int, int]]] = {}        # dtype -> (tensor, block, elements)
+    for b0 in range(len(blocks)):
+        if b0 in seen or len(links[b0]) == 2:
+            continue
+        chain: list[tuple[int, int | None, int | None]] = []
+        x: int | None = b0
+        via: int | None = None
+        while x is not None:
+            seen.add(x)
+            out = next(((y, i) for y, i in links[x] if y not in seen), None)
+            chain.append((x, via, None if out is None else out[1]))
+            x, via = (None, None) if out is None else out
+        seq = per.setdefault(problem.dtype[next(iter(blocks[b0]))], [])
+        for x, t_in, t_out in chain:
+            c = blocks[x]
+            if t_in is not None:
+                seq.append((t_in, x, c[t_in]))
+            seq.extend((i, x, e) for i, e in c.items() if i != t_in and i != t_out)
+            if t_out is not None:
+                seq.append((t_out, x, c[t_out]))
+    assert len(seen) == len(blocks), "a cycle of cut tensors"
+    dts = list(per)
+    buffers = []
+    for dt in dts:
+        names: list[int] = []
+        for i, _, _ in per[dt]:
+            if not names or names[-1] != i:
+                names.append(i)
+        buffers.append(Buffer(dt, tuple(problem.names[i] for i in names)))
+    layout = problem.layout(buffers)
+    span: dict[int, tuple[int, int, int]] = {}
+    for bi, dt in enumerate(dts):
+        off = 0
+        for _, x, e in per[dt]:
+            lo = span[x][1] if x in span else off
+            span[x] = (bi, lo, off + e)
+            off += e
+    return layout, [Block(*span[b]) for b in range(len(blocks))]
 
 
 def cut_grid(problem: Problem, u0: float) -> list[float]:
@@ -558,7 +857,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
 
 
 def _seeded(pool: _Pool, seeds: Sequence[Plan] | None) -> None:
-    """Step 3: the plans of other strategies (without them, the cheap baselines)."""
+    """Step 4: the plans of other strategies (without them, the cheap baselines)."""
     if seeds is None:
         seeds = []
         for name in CHEAP_SEEDS:
@@ -603,16 +902,23 @@ def _constructed(pool: _Pool) -> None:
     bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
     for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
         pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
+    _guided(pool)
 
 
 def _searched(problem: Problem, candidates: list[Candidate], modes: tuple[Mode, ...],
               time_budget_s: float) -> list[Candidate]:
-    """Step 5: local search from the best few candidates (``candidates`` sorted, best first;
+    """Step 6: local search from the best few candidates (``candidates`` sorted, best first;
     ties and near-ties often lead to different local optima) and, with the compute-cost
     option, the best of the other mode, each in turn within the time budget; every result
     scored in every mode."""
     mode = candidates[0].mode
     starts = [c for c in candidates if c.mode == mode][:STARTS]
+    if all(c.origin.startswith("bound-guided") for c in starts):
+        # and the best of the other families (on their own layouts), whose search may win
+        other = next((c for c in candidates if c.mode == mode
+                      and not c.origin.startswith("bound-guided")), None)
+        if other is not None:
+            starts.append(other)
     if problem.charges_cpu:
         other = next((c for c in candidates if c.mode != mode), None)
         if other is not None:
