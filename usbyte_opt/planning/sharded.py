@@ -95,7 +95,7 @@ import numpy as np
 from ..errors import MismatchError
 from ..formats import Block, Mode
 from .problem import Layout, Problem
-from .simulate import BlockTiming, ForwardGate, Timeline
+from .simulate import BlockTiming, ForwardGate, Timeline, compute_charge
 
 #: Optimizer state per element, in units of the parameter's element size, by the profile's
 #: ``meta.optimizer``: SGD with momentum keeps a momentum buffer, Adam and AdamW two moments.
@@ -222,7 +222,7 @@ def simulate_sharded(problem: Problem, layout: Layout, blocks: Sequence[Block],
     tl = _walk(problem, layout, blocks, gathers)
     if not problem.charges_cpu:
         return tl
-    xb, xf = _charge(problem, tl)
+    xb, xf = compute_charge(problem, tl)
     sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
     sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
     tl = _walk(problem.stretched(sb, sf), layout, blocks, gathers)
@@ -270,28 +270,6 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block],
                     tuple(rs), tuple(gates), u, gathers=tuple(ag))
 
 
-def _charge(problem: Problem, tl: Timeline) -> tuple[float, float]:
-    """What the collectives of ``tl`` (without the charge) cost backward and forward."""
-    from .simulate import compute_windows
-
-    wins = compute_windows(tl)
-    xb = xf = 0.0
-    spans = [(b.start_ms, b.finish_ms, b.nbytes) for b in tl.blocks]
-    spans += [(g.start_ms, g.finish_ms, g.nbytes) for g in tl.gathers]
-    for s, f, nbytes in spans:
-        if f <= s:
-            continue
-        rate = problem.block_cpu_ms(nbytes) / (f - s)
-        for j, (lo, hi) in enumerate(wins):
-            over = min(hi, f) - max(lo, s)
-            if over > 0:
-                if j == 0:
-                    xb += rate * over
-                else:
-                    xf += rate * over
-    return xb, xf
-
-
 # --------------------------------------------------------------------------------------------
 # The all-gather phase: the best grouping
 # --------------------------------------------------------------------------------------------
@@ -318,11 +296,8 @@ def gather_grouping(nbytes: Sequence[float], tails: Sequence[float], alpha: floa
     n = len(nbytes)
     if n == 0:
         return F, []
-    order = sorted(range(n), key=lambda i: (-tails[i], i))
-    w = np.asarray([nbytes[i] for i in order], dtype=float) * beta
-    q = np.asarray([tails[i] for i in order], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum(w)])
-    lo = max(F, alpha + float(P[n]) + float(q[-1]), alpha + float(w[0]) + float(q[0]))
+    order, q, P = _by_tail(nbytes, tails, beta)
+    lo = max(F, alpha + float(P[n]) + float(q[-1]), alpha + float(P[1]) + float(q[0]))
     hi = max(F, alpha + float(P[n]) + float(q[0]))
     best = _fewest_groups(P, q, alpha, hi)
     assert best is not None
@@ -348,10 +323,7 @@ def gather_groupings(nbytes: Sequence[float], tails: Sequence[float], alpha: flo
     if n == 0:
         return [[]]
     a_star, first = gather_grouping(nbytes, tails, alpha, beta, F)
-    order = sorted(range(n), key=lambda i: (-tails[i], i))
-    w = np.asarray([nbytes[i] for i in order], dtype=float) * beta
-    q = np.asarray([tails[i] for i in order], dtype=float)
-    P = np.concatenate([[0.0], np.cumsum(w)])
+    order, q, P = _by_tail(nbytes, tails, beta)
     top = max(F, alpha + float(P[n]) + float(q[0]))
     out, seen = [first], {tuple(first)}
     for target in np.linspace(a_star, top, count + 1)[1:]:
@@ -363,6 +335,16 @@ def gather_groupings(nbytes: Sequence[float], tails: Sequence[float], alpha: flo
             seen.add(tuple(g))
             out.append(g)
     return out
+
+
+def _by_tail(nbytes: Sequence[float], tails: Sequence[float], beta: float,
+             ) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The items in descending tail order (ties: index), their tails, and the prefix sums of
+    their wire times ``beta * bytes`` (``P[0] = 0``)."""
+    order = sorted(range(len(nbytes)), key=lambda i: (-tails[i], i))
+    q = np.asarray([tails[i] for i in order], dtype=float)
+    w = np.asarray([nbytes[i] for i in order], dtype=float) * beta
+    return order, q, np.concatenate([[0.0], np.cumsum(w)])
 
 
 def _groups(order: Sequence[int], starts: Sequence[int]) -> list[tuple[int, ...]]:

@@ -165,13 +165,14 @@ def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
 
 
 def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
-    """``(backward ms, forward ms)`` that the blocks of ``timeline`` (simulated without the
-    charge) cost the training thread: each block's :meth:`Problem.block_cpu_ms` times the
-    share of its wire time that overlaps a compute window (:func:`compute_windows`)."""
+    """``(backward ms, forward ms)`` that the collectives of ``timeline`` (simulated without
+    the charge: its blocks, then in sharded mode its all-gathers) cost the training thread:
+    each one's :meth:`Problem.block_cpu_ms` times the share of its wire time that overlaps a
+    compute window (:func:`compute_windows`)."""
     wins = compute_windows(timeline)
     xb = xf = 0.0
     w = 0
-    for b in timeline.blocks:
+    for b in (*timeline.blocks, *timeline.gathers):
         dur = b.finish_ms - b.start_ms
         if dur <= 0:
             continue
@@ -187,7 +188,7 @@ def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
                 else:
                     xf += rate * (hi - lo)
             j += 1
-    return xb, (xf if timeline.mode == Mode.OVERLAP else 0.0)
+    return xb, (0.0 if timeline.mode == Mode.FENCE else xf)
 
 
 def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,

@@ -625,11 +625,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if st.sharded is not None:
             if st.comm.phase is Phase.IDLE:   # no gradient since step(): nothing to clip
                 return torch.tensor(0.0)
-            index = {id(p): t for t, p in enumerate(st.grads.params)}
-            order = [index[id(p)] for p in self._model.parameters() if id(p) in index]
-            return st.sharded.clip(max_norm, norm_type,
-                                   [p.grad is not None for p in st.grads.params], order,
-                                   error_if_nonfinite, foreach)
+            sh = st.sharded
+            if sh.param_order is None:  # the model's parameter order, once per schedule
+                index = {id(p): t for t, p in enumerate(st.grads.params)}
+                sh.param_order = [index[id(p)] for p in self._model.parameters()
+                                  if id(p) in index]
+            return sh.clip(max_norm, norm_type, [p.grad is not None for p in st.grads.params],
+                           sh.param_order, error_if_nonfinite, foreach)
         params = [p for p in st.grads.params if p.grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,

@@ -166,6 +166,8 @@ class Sharded:
     def __init__(self, schedule: Schedule, grads: FlatGrads, group_of: Sequence[int],
                  optimizer: torch.optim.Optimizer, chan: Channel):
         self.grads, self.opt, self.chan = grads, optimizer, chan
+        #: Tensor indices in the model's parameter order (clip's grouping), set on first use.
+        self.param_order: list[int] | None = None
         ws, r = chan.world_size, chan.rank
         self.ws, self.rank = ws, r
         self._rs = reduce_scatter_issuer(chan.group, chan.serial)

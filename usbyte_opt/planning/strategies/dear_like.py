@@ -20,28 +20,11 @@ Example::
 
 from __future__ import annotations
 
-from ...formats import Block, Mode
-from ..problem import Layout, Problem
-from ..sharded import forward_gathers, sequence, sharded_time, sort_by_ready
+from ...formats import Mode
+from ..problem import Problem
+from ..sharded import forward_gathers, sharded_time, sort_by_ready
 from . import Plan, register
-
-
-def fused(problem: Problem, layout: Layout, threshold: int) -> list[Block]:
-    """Whole tensors in ``layout`` order, a block closed once it holds ``threshold`` bytes
-    (and at each buffer's end)."""
-    out: list[Block] = []
-    start = None
-    acc = 0
-    seq = sequence(layout)
-    for j, (b, t) in enumerate(seq):
-        if start is None:
-            start = layout.pos[t][1]
-        acc += problem.nbytes(t)
-        last = j + 1 == len(seq) or seq[j + 1][0] != b
-        if acc >= threshold or last:
-            out.append(Block(b, start, layout.pos[t][2]))
-            start, acc = None, 0
-    return sort_by_ready(problem, layout, out)
+from .ddp import buckets
 
 
 @register("dear-like", sharded=True)
@@ -61,7 +44,10 @@ def plan(problem: Problem, thresholds: list[int] | None = None) -> Plan:
         thresholds.append(max(problem.total_bytes, 1))
     best = None
     for th in thresholds:
-        blocks = fused(problem, layout, th)
+        # Whole tensors in ready order, a block closed once it holds th bytes: DDP's bucket
+        # rule with one cap for every bucket, each issued once its gradients are final.
+        blocks = sort_by_ready(problem, layout, buckets(problem, layout, first_bucket_bytes=th,
+                                                        bucket_cap_bytes=th))
         gathers = forward_gathers(problem, layout, blocks)
         T = sharded_time(problem, layout, blocks, gathers)
         if best is None or T < best[0] - 1e-12:
