@@ -1,10 +1,12 @@
-"""Sharded mode (ZeRO-1) gives the parameters of plain data parallelism (DDP).
+"""Sharded mode (ZeRO-1 and ZeRO-2) gives the parameters of plain data parallelism (DDP).
 
-Two gloo ranks run every case in one spawned run; each case trains the same model twice side
-by side, under ``DistributedDataParallel`` with a plain optimizer and under the runtime with a
-schedule in sharded mode (blocks reduce-scattered, each rank steps its shard, parameters
-all-gathered at ``step()``), and reports the largest absolute parameter difference. With two
-ranks ``a/2 + b/2`` is the same sum in either collective, so the runs agree bitwise.
+Two gloo ranks run every case in one spawned run per ZeRO stage; each case trains the same
+model twice side by side, under ``DistributedDataParallel`` with a plain optimizer and under
+the runtime with a schedule in sharded mode (blocks reduce-scattered, each rank steps its
+shard, parameters all-gathered at ``step()``; with ``zero_stage=2`` no flat gradient buffer,
+each block's gradient storage gone once reduce-scattered), and reports the largest absolute
+parameter difference. With two ranks ``a/2 + b/2`` is the same sum in either collective, so
+the runs agree bitwise.
 """
 
 from __future__ import annotations
@@ -47,6 +49,13 @@ from usbyte_opt.launcher import run_local
 from usbyte_opt.runtime import DistributedOptimizer
 
 STEPS = 12
+#: The ZeRO stage the cases run the runtime with (:func:`run_cases` sets it in the ranks).
+ZERO_STAGE = 1
+
+
+def usb(optimizer: torch.optim.Optimizer, model: nn.Module, **kw: Any) -> DistributedOptimizer:
+    """The runtime at :data:`ZERO_STAGE` (every schedule here is sharded)."""
+    return DistributedOptimizer(optimizer, model, zero_stage=ZERO_STAGE, **kw)
 
 
 class FrozenTied(nn.Module):
@@ -99,7 +108,8 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
           set_to_none: bool = True, lr_scheduler: bool = False, passes: int = 1,
           use_no_sync: bool = False, forward: Callable | None = None,
           clip: float | None = None, norm_type: float = 2.0,
-          scaler: dict[str, Any] | None = None, **usb_kwargs: Any) -> dict[str, Any]:
+          scaler: dict[str, Any] | None = None, drop: str | None = None,
+          **usb_kwargs: Any) -> dict[str, Any]:
     """DDP and the sharded runtime side by side; ``passes`` micro-batches per step (the
     runtime with ``backward_passes_per_step`` or, with ``use_no_sync``, ``no_sync()``).
     With ``clip``: ``torch.nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)``
@@ -109,7 +119,9 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
     With ``scaler`` (GradScaler's arguments): a ``torch.amp.GradScaler("cpu")`` each, the
     loss scaled, ``scaler.unscale_()`` before clipping, ``scaler.step()`` and ``update()``;
     ``scales`` holds both scalers' scale after each step, ``found_here`` whether this rank's
-    own shards held a non-finite gradient, per step."""
+    own shards held a non-finite gradient, per step. With ``drop`` (a parameter name), that
+    parameter's ``p.grad = None`` after each step's backward on both sides (DDP's optimizer
+    then skips it)."""
     ref, mod = twins(make)
     ddp = DDP(ref, find_unused_parameters=forward is not None)
     o_ref = opt(ref.parameters())
@@ -117,7 +129,7 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
     kw: dict[str, Any] = {"verify": False, "schedule": schedule(mod, ws), **usb_kwargs}
     if not use_no_sync:
         kw["backward_passes_per_step"] = passes
-    o_usb = DistributedOptimizer(opt(mod.parameters()), mod, **kw)
+    o_usb = usb(opt(mod.parameters()), mod, **kw)
     scheds = []
     if lr_scheduler:
         scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5)
@@ -147,6 +159,8 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
                     backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
             else:
                 backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
+        if drop is not None:
+            ref.get_parameter(drop).grad = None
         if clip is not None:
             if sc_ref is not None:
                 sc_ref.unscale_(o_ref)
@@ -160,6 +174,8 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
                     backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
             else:
                 backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
+        if drop is not None:
+            mod.get_parameter(drop).grad = None
         if clip is not None:
             if sc_usb is not None:
                 sc_usb.unscale_(o_usb)
@@ -424,7 +440,7 @@ def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:
         o_ref = OPTIMIZERS["adam"](ref.parameters())
         cddp = torch.compile(DDP(ref), backend=backend)
         cmod = torch.compile(mod, backend=backend)
-        o_usb = DistributedOptimizer(OPTIMIZERS["adam"](mod.parameters()), cmod, verify=False,
+        o_usb = usb(OPTIMIZERS["adam"](mod.parameters()), cmod, verify=False,
                                      schedule=grouped(GATHERS_7)(mod, ws))
         for step in range(4):
             x, y = image_batch(rank, step)
@@ -510,7 +526,7 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
     # 2. A fresh sharded copy of the reference loads DDP's optimizer state.
     twin = SmallCNN()
     twin.load_state_dict(ref.state_dict())
-    t_usb = DistributedOptimizer(make(twin.parameters()), twin, verify=False,
+    t_usb = usb(make(twin.parameters()), twin, verify=False,
                                  schedule=sharded(sched_crosscut)(twin, ws))
     t_usb.load_state_dict(plain_sd)
     # 3. The same, the state loaded into the optimizer before it is wrapped.
@@ -518,7 +534,7 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
     twin2.load_state_dict(ref.state_dict())
     loaded = make(twin2.parameters())
     loaded.load_state_dict(plain_sd)
-    t2_usb = DistributedOptimizer(loaded, twin2, verify=False,
+    t2_usb = usb(loaded, twin2, verify=False,
                                   schedule=sharded(sched_crosscut)(twin2, ws))
     for step in range(STEPS, STEPS + 3):
         x, y = image_batch(rank, step)
@@ -549,7 +565,7 @@ def case_gated(rank: int, ws: int) -> dict:
     ref, mod = twins(SmallCNN)
     ddp = DDP(ref)
     o_ref = OPTIMIZERS["adam"](ref.parameters())
-    o_usb = DistributedOptimizer(OPTIMIZERS["adam"](mod.parameters()), mod, verify=False,
+    o_usb = usb(OPTIMIZERS["adam"](mod.parameters()), mod, verify=False,
                                  schedule=SHARDED_CROSSCUT(mod, ws))
     out: dict[str, Any] = {"pending_after_step": [], "stale_after_step": []}
     xe, _ = image_batch(99, 0)
@@ -591,7 +607,7 @@ def case_refusals(rank: int, ws: int) -> dict:
 
     def build(opt: Callable, **kw: Any) -> DistributedOptimizer:
         m = SmallCNN()
-        return DistributedOptimizer(opt(m.parameters()), m, verify=False,
+        return usb(opt(m.parameters()), m, verify=False,
                                     schedule=sharded(sched_crosscut)(m, ws), **kw)
 
     out["rmsprop"] = _refused(lambda: build(lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
@@ -599,7 +615,7 @@ def case_refusals(rank: int, ws: int) -> dict:
 
     def build_gathers(make: Callable[[], nn.Module], gathers: tuple) -> DistributedOptimizer:
         m = make()
-        return DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+        return usb(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
                                     schedule=grouped(gathers)(m, ws))
 
     out["gathers_missing"] = _refused(lambda: build_gathers(SmallCNN, ((2, 0), (3, 1), (6,))))
@@ -607,7 +623,7 @@ def case_refusals(rank: int, ws: int) -> dict:
     mixed = tuple((k,) for k in range(14) if k not in (0, 3)) + ((0, 3),)
     out["gathers_dtypes"] = _refused(lambda: build_gathers(Mixed, mixed))
     m = SmallCNN()
-    o = DistributedOptimizer(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+    o = usb(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
                              schedule=sharded(sched_crosscut)(m, ws))
     x, y = image_batch(rank, 0)
     mse(m(x), y).backward()
@@ -625,6 +641,81 @@ def case_refusals(rank: int, ws: int) -> dict:
         o.__dict__.pop(attr, None)
     o.step()
     o.synchronize()  # after step(): nothing to refuse
+    # A second backward in a step of one pass (ZeRO-2: refused before autograd accumulates
+    # into the placeholder p.grad, which it cannot).
+    x, y = image_batch(rank, 2)
+    mse(m(x), y).backward()
+    x, y = image_batch(rank, 3)
+    out["late"] = _refused(lambda: mse(m(x), y).backward())
+    o.step()
+    o.close()
+    out["zero_stage_3"] = _refused(lambda: DistributedOptimizer(
+        OPTIMIZERS["adam"](m.parameters()), m, verify=False, zero_stage=3,
+        schedule=sharded(sched_crosscut)(m, ws)))
+    out["zero_stage_2_overlap"] = _refused(lambda: DistributedOptimizer(
+        OPTIMIZERS["adam"](m.parameters()), m, verify=False, zero_stage=2,
+        schedule=sched_crosscut(m, ws)))
+    return out
+
+
+def case_drop_grad(rank: int, ws: int) -> dict:
+    """``p.grad = None`` after backward: that tensor is not stepped, as under DDP (ZeRO-2:
+    the placeholder that p.grad is after backward is what is dropped)."""
+    return result(train(SmallCNN, OPTIMIZERS["adamw_wd"], image_batch, rank, ws,
+                        drop="conv2.weight"))
+
+
+def case_memory(rank: int, ws: int) -> dict:
+    """Gradient memory: six 64x64 linear layers, one block per tensor in ready order, and a
+    hook of the test's (before the runtime's) on every parameter that waits until every
+    reduce-scatter issued so far has finished. ZeRO-2 then holds one block's storage at a
+    time (and its all-to-all receive buffer); ZeRO-1 its flat buffers. After ``step()`` the
+    ZeRO-2 storage is all gone and ``p.grad`` is ``None``; after backward it is the
+    placeholder (stride 0) in ZeRO-2 and the flat buffer's view in ZeRO-1."""
+    import time
+
+    from tests.test_runtime_equivalence import sched_wfbp
+
+    torch.manual_seed(0)
+    ref, m = twins(lambda: nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)]))
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adam"](ref.parameters())
+    holder: dict[str, Any] = {}
+
+    def wait_issued(p: torch.Tensor) -> None:
+        o = holder.get("opt")
+        if o is None:
+            return
+        comm = o._state.comm
+        for w in comm.works[:comm.next]:
+            deadline = time.monotonic() + 30
+            while w is not None and not w.is_completed() and time.monotonic() < deadline:
+                time.sleep(0.001)
+
+    for p in m.parameters():
+        p.register_post_accumulate_grad_hook(wait_issued)
+    o = holder["opt"] = usb(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
+                            schedule=sharded(sched_wfbp)(m, ws))
+    st = o._state
+    assert st.sharded is not None
+    out: dict[str, Any] = {"placeholder": [], "none_after_step": [], "live_after_step": []}
+    for step in range(4):
+        x, y = vec_batch(rank, step, 64, 64)
+        mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        mse(m(x), y).backward()
+        out["placeholder"].append(all(p.grad is not None and p.grad.stride() == (0, 0)[:p.dim()]
+                                      for p in m.parameters()))
+        out["view"] = all(p.grad is v for p, v in zip(st.grads.params, st.grads.views))
+        o.step()
+        out["none_after_step"].append(all(p.grad is None for p in m.parameters()))
+        out["live_after_step"].append(st.sharded.grad_bytes())
+        o.zero_grad()
+    o.synchronize()
+    out["diff"] = max_diff(ref, m)
+    out["memory"] = o.report()["memory"]
+    out["full_bytes"] = sum(p.numel() * p.element_size() for p in m.parameters())
+    out["block_bytes"] = max(st.sharded.size[k] * ws * 4 for k in range(st.m))
+    out["meta"] = all(f.device.type == "meta" for f in st.grads.flats)
     o.close()
     return out
 
@@ -670,10 +761,14 @@ CASES.update({
     "state_bytes": case_state_bytes,
     "refusals": case_refusals,
     "gated": case_gated,
+    "drop_grad": case_drop_grad,
+    "memory": case_memory,
 })
 
 
-def run_cases(rank: int, ws: int, names: list[str]) -> dict[str, dict]:
+def run_cases(rank: int, ws: int, names: list[str], stage: int = 1) -> dict[str, dict]:
+    global ZERO_STAGE
+    ZERO_STAGE = stage
     torch.manual_seed(0)
     out: dict[str, dict] = {}
     for name in names:
@@ -685,9 +780,11 @@ def run_cases(rank: int, ws: int, names: list[str]) -> dict[str, dict]:
     return out
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
-    res = run_local(run_cases, 2, args=(list(CASES),), timeout_s=300, pg_timeout_s=60)
+@pytest.fixture(scope="module", params=[1, 2], ids=["zero1", "zero2"])
+def results(request: pytest.FixtureRequest) -> list[dict[str, dict]]:
+    """Every case on 2 gloo ranks, per ZeRO stage (one spawned run each)."""
+    res = run_local(run_cases, 2, args=(list(CASES), request.param), timeout_s=300,
+                    pg_timeout_s=60)
     for r in res:
         assert r.error_type is None, r.error
     return [r.value for r in res]
@@ -848,6 +945,33 @@ def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:
         assert got["after_step_grad_none"]
         assert "the scaler did not read this optimizer's param_groups" in got["grad_scaler"]
         assert len(got["grad_scaler"].splitlines()) == 1
+        assert got["late"].startswith("parameter 'fc2.bias' got a gradient in backward pass 2 "
+                                      "of a step, with backward_passes_per_step=1")
+        assert got["zero_stage_3"] == "zero_stage: expected 1 or 2, got 3"
+        assert got["zero_stage_2_overlap"].startswith(
+            'zero_stage=2 needs a sharded schedule ("mode": "sharded"); <crosscut schedule> is in '
+            "overlap mode")
+
+
+def test_gradient_memory(results: list[dict[str, dict]]) -> None:
+    """ZeRO-2: no flat buffer; at most one block's storage (and its all-to-all receive
+    buffer) alive at a time when every reduce-scatter finishes before the next block's
+    gradients arrive, none after step(); p.grad a placeholder after backward, None after
+    step(). ZeRO-1: the flat buffers for the whole run, p.grad their views."""
+    for r in results:
+        got = r["memory"]
+        assert "error" not in got, got["error"]
+        mem, full = got["memory"], got["full_bytes"]
+        assert got["none_after_step"] == [True] * 4
+        assert mem["optimizer_state"] > 0 and mem["gradient_shards"] >= full // 2
+        if mem["zero_stage"] == 2:
+            assert got["meta"] and mem["gradient_buffer"] == 0
+            assert got["placeholder"] == [True] * 4
+            assert 0 < mem["gradient_peak"] <= 2 * got["block_bytes"] < full / 2, (mem, got)
+            assert got["live_after_step"] == [0] * 4
+        else:
+            assert not got["meta"] and got["view"]
+            assert mem["gradient_buffer"] == mem["gradient_peak"] == full
 
 
 def test_trainer_integrations_refuse_a_sharded_schedule_in_one_line(tmp_path):

@@ -129,6 +129,13 @@ class StepComm:
         self.issue_block: Callable[[int, tuple], dist.Work] | None = None
         #: The blocks' collective, in errors.
         self.collective = "all-reduce"
+        #: ``put(t, grad, scale)``: tensor ``t``'s gradient (times ``scale``) into its blocks
+        #: and ``p.grad`` its view (:meth:`FlatGrads.take`; ZeRO-2: ``Sharded.put``).
+        self.put: Callable[[int, torch.Tensor | None, float | None], None] = grads.take
+        #: ZeRO-2: drop the works of blocks whose collective has finished, at each issue, so
+        #: that their gradient storage goes (:meth:`reap`).
+        self.reaping = False
+        self.reaped = 0                 # blocks before it are reaped (or not issued yet)
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -137,7 +144,7 @@ class StepComm:
         count, final, flushed = self.count, self.final, self.flushed_flag
         g = self.grads
         view, name, scale = g.views[t], g.names[t], self.scale
-        cuda, device = self.chan.cuda, self.chan.device
+        cuda, device, stored = self.chan.cuda, self.chan.device, g.stored
 
         def hook(p: torch.Tensor) -> None:
             if not self.in_pass:
@@ -153,8 +160,11 @@ class StepComm:
             last = self.phase is LAST_PASS
             grad = p.grad
             if grad is not view:
-                g.take(t, grad, scale if last else None)
-            elif last and scale is not None:
+                # Without stored buffers (ZeRO-2) a pass that only accumulates leaves the
+                # gradient in p.grad, where autograd accumulates it.
+                if stored or last:
+                    self.put(t, grad, scale if last else None)
+            elif last and scale is not None and stored:
                 with torch.no_grad():
                     view.mul_(scale)
             self._note(t)
@@ -168,6 +178,19 @@ class StepComm:
                 self.placed[t] = True
                 self.mark_ready(t)
         return hook
+
+    def pre_hook(self, t: int) -> Callable[[torch.Tensor], None]:
+        """Tensor ``t``'s gradient hook, before autograd accumulates it (ZeRO-2, where
+        ``p.grad`` is a placeholder after the step's last pass that cannot be accumulated
+        into): a gradient after the step was issued is refused here, as :meth:`hook` does."""
+        name = self.grads.names[t]
+
+        def pre(grad: torch.Tensor) -> None:
+            if self.phase is ISSUED or self.phase is WAITED:
+                if not self.in_pass:
+                    self.begin_pass()   # the pass counted, as hook() counts it
+                self.late_gradient(name)
+        return pre
 
     def late_gradient(self, name: str) -> None:
         if self.issued_by:
@@ -239,6 +262,8 @@ class StepComm:
         self.next = nxt
 
     def issue(self, k: int) -> None:
+        if self.reaping:
+            self.reap()
         streams: tuple = ()
         if self.chan.cuda:
             streams = tuple({s for s in (self.streams[t] for t in self.grads.block_tensors[k])
@@ -249,6 +274,21 @@ class StepComm:
             self.works[k] = self.chan.all_reduce_block(self.grads.block_views[k], streams)
         if self.trace is not None:
             self.trace.issue(k, self.works[k])
+
+    def reap(self) -> None:
+        """Wait for (at no cost) and drop the works of the blocks, in issue order, whose
+        collective has finished, up to the first that has not: what they hold (ZeRO-2: the
+        blocks' gradient storage) goes."""
+        works, j, chan = self.works, self.reaped, self.chan
+        while j < self.next:
+            w = works[j]
+            if w is not None:
+                if not w.is_completed():
+                    break
+                chan.wait(w, self.what(j))
+                works[j] = None
+            j += 1
+        self.reaped = j
 
     def finish(self) -> None:
         """Issue what is left of this step: the gradients not final yet (zeros for a tensor
@@ -268,17 +308,18 @@ class StepComm:
                 view = g.views[t]
                 if grad is None:
                     # No gradient (a zero one after zero_grad(set_to_none=False)), or one
-                    # the user dropped during accumulation.
-                    view.zero_()
+                    # the user dropped during accumulation. (ZeRO-2: storage starts zeroed.)
+                    if g.stored:
+                        view.zero_()
                     local[t] = count[t] == 0 and zero_intent[t]
                 elif grad is view:
                     # Accumulated in earlier passes, or a gradient kept from the last step
                     # (fence mode): contributed as it is, as DDP does.
-                    if scale is not None:
+                    if scale is not None and g.stored:
                         view.mul_(scale)
                     local[t] = placed[t] = True
-                else:  # a tensor the user assigned
-                    g.take(t, grad, scale)
+                else:  # a tensor the user assigned (ZeRO-2: also one accumulated)
+                    self.put(t, grad, scale)
                     local[t] = placed[t] = True
                 final[t] = True
                 if cur is not None:
@@ -320,6 +361,8 @@ class StepComm:
             w = self.works[k]
             if w is not None:
                 self.chan.wait(w, self.what(k))
+                if self.reaping:   # what the work holds goes now, not at the next issue
+                    self.works[k] = None
 
     def expose_used(self) -> None:
         """``p.grad`` = the view for the tensors with no gradient of this rank that another
@@ -392,6 +435,7 @@ class StepComm:
         self.placed[:] = [False] * n
         self.rem[:] = self.rem0
         self.next = 0
+        self.reaped = 0
         self.passes = 0
         self.phase = IDLE
         self.in_pass = False

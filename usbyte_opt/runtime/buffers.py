@@ -79,6 +79,7 @@ class FlatGrads:
         params: trainable parameters by name (every name the schedule lists).
         device: where the buffers live (the parameters' device).
         align_bytes: start every tensor on a multiple of this many bytes (0: packed).
+        stored: keep the flat buffers (``False``: layout only, see above).
 
     Example::
 
@@ -92,16 +93,18 @@ class FlatGrads:
     """
 
     __slots__ = ("names", "params", "flats", "views", "region", "block_views", "block_tensors",
-                 "tensor_blocks", "index", "cuda")
+                 "tensor_blocks", "index", "cuda", "device", "stored")
 
     def __init__(self, schedule: Schedule, params: Mapping[str, torch.nn.Parameter],
-                 device: torch.device, align_bytes: int = 0):
+                 device: torch.device, align_bytes: int = 0, stored: bool = True):
         self.names: list[str] = []
         self.params: list[torch.nn.Parameter] = []
         self.region: list[tuple[int, int, int]] = []
         self.flats: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []
         self.cuda = device.type == "cuda"
+        self.device, self.stored = device, stored
+        where = device if stored else torch.device("meta")
         starts: list[list[int]] = []      # packed: the schedule's element offsets
         phys: list[list[int]] = []        # where each tensor starts in the flat buffer
         packed_end: list[int] = []
@@ -124,9 +127,16 @@ class FlatGrads:
             packed_end.append(off)
             phys.append(at + [pos])
             members.append(idx)
-            self.flats.append(torch.zeros(pos, dtype=dtype, device=device))
+            self.flats.append(torch.zeros(pos, dtype=dtype, device=where))
         self.index = {n: i for i, n in enumerate(self.names)}
+        zero: dict[torch.dtype, torch.Tensor] = {}
         for t, p in enumerate(self.params):
+            if not stored:
+                z = zero.get(p.dtype)
+                if z is None:
+                    z = zero[p.dtype] = torch.zeros((), dtype=p.dtype, device=device)
+                self.views.append(z.expand(p.shape))
+                continue
             b, s, e = self.region[t]
             flat = self.flats[b]
             if dense_strides(p.shape, p.stride()):
@@ -156,7 +166,8 @@ class FlatGrads:
         """Put ``grad`` (times ``scale``, when given) into tensor ``t``'s view and make the view
         ``p.grad``; ``None`` puts zeros. ``grad`` may be dropped afterwards: on CUDA it is
         marked as used by the current stream, so its memory is not handed out before the copy
-        has read it."""
+        has read it. Only with the flat buffers stored."""
+        assert self.stored, "no flat buffer to take a gradient into"
         p, v = self.params[t], self.views[t]
         with torch.no_grad():
             if grad is None:
@@ -179,7 +190,8 @@ class FlatGrads:
                 p.grad = None
 
     def detach(self) -> None:
-        """Give every parameter whose gradient is its view a gradient of its own (a copy)."""
+        """Give every parameter whose gradient is its view a gradient of its own (a copy);
+        without stored buffers, ``None`` (the placeholder holds no gradient)."""
         for p, v in zip(self.params, self.views):
             if p.grad is v:
-                p.grad = v.clone()
+                p.grad = v.clone() if self.stored else None

@@ -41,6 +41,7 @@ class Options:
         buffers: the module buffers broadcast from rank 0 after each training forward.
         trace_path: the Chrome trace to record (:mod:`.trace`), or None.
         align_bytes: where each tensor of the flat buffers starts (:class:`~.buffers.FlatGrads`).
+        zero_stage: 2: sharded mode keeps no flat gradient buffer (ZeRO-2, :mod:`.sharded`).
     """
 
     passes: int
@@ -50,6 +51,7 @@ class Options:
     buffers: list[torch.Tensor]
     trace_path: str | None
     align_bytes: int = 0
+    zero_stage: int = 1
 
 
 @dataclass(eq=False)
@@ -135,7 +137,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
             trace is closed.
     """
     device = chan.device
-    grads = FlatGrads(schedule, params, device, options.align_bytes)
+    zero2 = schedule.mode == Mode.SHARDED and options.zero_stage == 2
+    grads = FlatGrads(schedule, params, device, options.align_bytes, stored=not zero2)
     stepper = SubsetStepper(optimizer, grads, device,
                             previous.stepper.calls if previous is not None else 0)
     in_opt = [gi >= 0 for gi in stepper.group_of]
@@ -168,6 +171,10 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         comm.issue_block = sharded.reduce_scatter
         comm.collective = "reduce-scatter"
         sharded.trace = trace
+        if zero2:
+            comm.put = sharded.put
+            comm.reaping = True
+            sharded.reap = comm.reap
     comm.trace = trace
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers
@@ -187,6 +194,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         gates.root_extra = [t for t, n in enumerate(grads.names) if n in extra]
     handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
                           for t, p in enumerate(grads.params)]
+    if zero2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
+        handles += [p.register_hook(comm.pre_hook(t)) for t, p in enumerate(grads.params)]
     handles += gates.install()
     handles.append(model.register_forward_pre_hook(_Hook(wrapper_check)))
     # model.state_dict() / load_state_dict() see (and then replace) updated values. Local

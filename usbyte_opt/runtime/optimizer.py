@@ -239,7 +239,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  verify: bool = True, auto_dir: str | os.PathLike | None = None,
                  check_every: int = 200, replan_on_drift: bool = False,
                  wait_in_backward: bool = False, trace: str | os.PathLike | None = None,
-                 align_bytes: int | None = None):
+                 align_bytes: int | None = None, zero_stage: int = 1):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         orig = getattr(model, "_orig_mod", None)
         compiled = type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module)
@@ -260,6 +260,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                               f"{backward_passes_per_step!r}")
         if not isinstance(update_groups, int) or update_groups < 1:
             raise UsbyteError(f"update_groups: expected an integer >= 1, got {update_groups!r}")
+        if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
+            raise UsbyteError(f"zero_stage: expected 1 or 2, got {zero_stage!r}")
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=float(timeout))
         self._group = process_group
@@ -294,6 +296,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._check_optimizer()
             if sched.mode == Mode.SHARDED:
                 check_sharded(optimizer, sched, wait_in_backward=wait_in_backward)
+            elif zero_stage == 2:
+                what = 'schedule="auto" plans' if auto else f"{source} is"
+                raise UsbyteError(f'zero_stage=2 needs a sharded schedule ("mode": "sharded"); '
+                                  f"{what} in {sched.mode} mode (plan one with `usbyte-opt "
+                                  "optimize PROFILE --shard`)")
         except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
             error = e
         # 2. Every rank the same schedule, before any other collective.
@@ -313,7 +320,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 list(model.buffers()) if broadcast_buffers and ws > 1 else [],
                                 self._trace_path,
                                 (16 if device.type == "cuda" else 0) if align_bytes is None
-                                else int(align_bytes))
+                                else int(align_bytes), zero_stage)
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
         self._state = self._install(sched, source)
@@ -566,10 +573,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def report(self) -> dict[str, Any]:
         """What the runtime decided and measured: the schedule running, and with auto
         planning or verification the plan, the chosen side (``"plan"`` or ``"fallback"``),
-        the measured ms per iteration of both, the prediction, and any drift warning."""
-        base = {"schedule": {"source": self.schedule_source, "strategy": self.schedule.strategy,
-                             "mode": self.mode, "blocks": self._state.m},
-                "steps": self._steps, "world_size": self._chan.world_size}
+        the measured ms per iteration of both, the prediction, and any drift warning. In
+        sharded mode, ``"memory"``: this rank's bytes of optimizer state and gradients
+        (:meth:`.sharded.Sharded.memory`)."""
+        base: dict[str, Any] = {
+            "schedule": {"source": self.schedule_source, "strategy": self.schedule.strategy,
+                         "mode": self.mode, "blocks": self._state.m},
+            "steps": self._steps, "world_size": self._chan.world_size}
+        if self._state.sharded is not None:
+            base["memory"] = self._state.sharded.memory()
         if self._tuner is not None:
             base.update(self._tuner.report())
         return base

@@ -52,6 +52,7 @@ non-finite step, steps nothing and gathers nothing: the parameters stay as they 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -166,6 +167,9 @@ class Sharded:
     def __init__(self, schedule: Schedule, grads: FlatGrads, group_of: Sequence[int],
                  optimizer: torch.optim.Optimizer, chan: Channel):
         self.grads, self.opt, self.chan = grads, optimizer, chan
+        #: ZeRO-2: no flat buffer (``grads.stored`` is False); see *ZeRO-2* above.
+        self.zero2 = not grads.stored
+        dev = self.device = grads.device
         #: Tensor indices in the model's parameter order (clip's grouping), set on first use.
         self.param_order: list[int] | None = None
         ws, r = chan.world_size, chan.rank
@@ -205,12 +209,13 @@ class Sharded:
             for k in blocks:
                 self.group_of[k], self.offset[k] = i, total
                 total += self.size[k]
-            like = grads.block_views[blocks[0]]
-            gin = torch.zeros(total, dtype=like.dtype, device=like.device)
+            dtype = grads.block_views[blocks[0]].dtype
+            gin = torch.zeros(total, dtype=dtype, device=dev)
             self.g_in.append(gin)
             direct = len(blocks) == 1 and self.size[blocks[0]] * ws == self.length[blocks[0]]
-            out = None if direct else torch.zeros(ws * total, dtype=like.dtype,
-                                                  device=like.device)
+            # ZeRO-2: every output is a staging tensor, allocated at each gather().
+            out = None if direct or self.zero2 else torch.zeros(ws * total, dtype=dtype,
+                                                                device=dev)
             self.g_out.append(out)
             for k in blocks:
                 off, sk = self.offset[k], self.size[k]
@@ -220,8 +225,8 @@ class Sharded:
                     # output (disjoint per block; every gathered value is copied out before
                     # the next backward writes a gradient there).
                     self.stage[k] = out[ws * off:ws * (off + sk)]
-                elif sk * ws != self.length[k]:
-                    self.stage[k] = torch.zeros(ws * sk, dtype=like.dtype, device=like.device)
+                elif sk * ws != self.length[k] and not self.zero2:
+                    self.stage[k] = torch.zeros(ws * sk, dtype=dtype, device=dev)
         self.rs_out: list[torch.Tensor] = []
         #: This rank's pieces: (block, tensor, start, end), flat-buffer coordinates.
         self.pieces: list[tuple[int, int, int, int]] = []
@@ -232,7 +237,7 @@ class Sharded:
         for k in range(m):
             view = grads.block_views[k]
             lo, n, s = self.lo[k], self.length[k], self.size[k]
-            out = torch.zeros(s, dtype=view.dtype, device=view.device)
+            out = torch.zeros(s, dtype=view.dtype, device=dev)
             ps = self.pshard[k]
             self.rs_out.append(out)
             olo, ohi = lo + r * s, min(lo + (r + 1) * s, lo + n)
@@ -266,6 +271,20 @@ class Sharded:
                         self.npieces[t] += 1
         #: Blocks gathered through a staging output, not yet copied into the flat buffer.
         self.unstaged = [False] * m
+        #: ZeRO-2: per block, this step's gradient storage (``world_size * S`` elements, the
+        #: reduce-scatter's input) until it is issued; the gathered values of a block once
+        #: read out of its all-gather's output; per block and per all-gather, what is left
+        #: to copy out of them (both go when nothing is).
+        self.blk: list[torch.Tensor | None] = [None] * m
+        self.contents: list[torch.Tensor | None] = [None] * m
+        self.left_t = [0] * m
+        self.left_g = [0] * len(self.gathers)
+        #: ZeRO-2: the gradient storage alive (weak references and bytes: a reduce-scatter
+        #: in flight holds its input), its most bytes at once so far, and what frees the
+        #: storage of the finished reduce-scatters (``StepComm.reap``, set by ``install``).
+        self.live: list[tuple[weakref.ref, int]] = []
+        self.peak_grad_bytes = 0
+        self.reap: Callable[[], None] = lambda: None
         #: GradScaler (:meth:`expose`): the shard gradients shown to it this step, or None;
         #: the sentinel parameter carrying every rank's verdict; this rank's own flag.
         self.exposed: list[torch.Tensor] | None = None
@@ -289,6 +308,15 @@ class Sharded:
             for st in streams:
                 if st != cur:
                     cur.wait_stream(st)
+        if self.zero2:
+            # The work holds the storage while it runs; the runtime lets go of it now.
+            x = self.storage(k)
+            self.blk[k] = None
+            work = self._rs(self.rs_out[k], x)
+            parts = getattr(work, "parts", None)  # an all-to-all's receive buffer
+            if parts is not None:
+                self._track(parts)
+            return work
         view, stage = self.grads.block_views[k], self.stage[k]
         if stage is not None:
             n = view.numel()
@@ -296,6 +324,75 @@ class Sharded:
             stage[n:].zero_()   # the padding (an all-gather may have left values there)
             view = stage
         return self._rs(self.rs_out[k], view)
+
+    # -- ZeRO-2: gradient storage per block ---------------------------------------------
+
+    def _track(self, x: torch.Tensor) -> None:
+        self.live = [(r, b) for r, b in self.live if r() is not None]
+        self.live.append((weakref.ref(x), x.numel() * x.element_size()))
+        self.peak_grad_bytes = max(self.peak_grad_bytes, sum(b for _, b in self.live))
+
+    def grad_bytes(self) -> int:
+        """ZeRO-2: the bytes of gradient storage alive now (blocks not issued yet, and those
+        whose reduce-scatter has not been reaped)."""
+        return sum(b for r, b in self.live if r() is not None)
+
+    def storage(self, k: int) -> torch.Tensor:
+        """ZeRO-2: block ``k``'s gradient storage for this step, allocated (zeros: a tensor
+        with no gradient, the padding) when first needed, after the storage of the finished
+        reduce-scatters has gone."""
+        x = self.blk[k]
+        if x is None:
+            self.reap()
+            x = self.blk[k] = torch.zeros(self.size[k] * self.ws, dtype=self.rs_out[k].dtype,
+                                          device=self.device)
+            self._track(x)
+        return x
+
+    def put(self, t: int, grad: torch.Tensor | None, scale: float | None) -> None:
+        """ZeRO-2's :meth:`~.buffers.FlatGrads.take`: tensor ``t``'s gradient (times
+        ``scale``) into its blocks' storage, laid out as its view in a flat buffer would be
+        (so the sums are those of ZeRO-1 and DDP); ``p.grad`` becomes the placeholder and the
+        gradient's own memory goes. ``None``: zeros (the storage starts so)."""
+        g = self.grads
+        p = g.params[t]
+        if grad is not None:
+            _, s0, e0 = g.region[t]
+            ks = g.tensor_blocks[t]
+            with torch.no_grad():
+                one = len(ks) == 1
+                if one:
+                    k = ks[0]
+                    dst = _like(p, self.storage(k), s0 - self.lo[k])
+                else:   # cut by a block boundary: laid out once, then copied in parts
+                    tmp = torch.empty(e0 - s0, dtype=p.dtype, device=self.device)
+                    dst = _like(p, tmp, 0)
+                if scale is None:
+                    dst.copy_(grad)
+                else:
+                    torch.mul(grad, scale, out=dst)
+                if not one:
+                    for k in ks:
+                        lo = self.lo[k]
+                        a, e = max(s0, lo), min(e0, lo + self.length[k])
+                        if a < e:
+                            self.storage(k)[a - lo:e - lo].copy_(tmp[a - s0:e - s0])
+                if g.cuda and grad.is_cuda:
+                    grad.record_stream(torch.cuda.current_stream(grad.device))
+        p.grad = g.views[t]
+
+    def content(self, k: int) -> torch.Tensor:
+        """ZeRO-2: block ``k``'s gathered values (``L`` elements, flat-buffer layout): a view
+        of its all-gather's output when the block is gathered alone, else a copy of its
+        ``(world_size, S)`` slice."""
+        c = self.contents[k]
+        if c is None:
+            out = self.g_out[self.group_of[k]]
+            assert out is not None
+            off, s = self.offset[k], self.size[k]
+            c = self.contents[k] = out.view(self.ws, -1)[:, off:off + s].reshape(-1)[
+                :self.length[k]]
+        return c
 
     def refresh(self) -> None:
         """Copy this rank's pieces of the parameters into the parameter shards."""
@@ -347,6 +444,15 @@ class Sharded:
         works: list[dist.Work | None] = [None] * len(self.pshard)
         for i, grp in enumerate(self.gathers):
             out = self.g_out[i]
+            if self.zero2:   # a fresh staging output (the last step's is gone by now)
+                self.g_out[i] = None
+                gin = self.g_in[i]
+                out = self.g_out[i] = torch.empty(self.ws * gin.numel(), dtype=gin.dtype,
+                                                  device=self.device)
+                self.left_g[i] = len(grp)
+                for k in grp:
+                    self.contents[k] = None
+                    self.left_t[k] = len(self.grads.block_tensors[k])
             w = self._ag(views[grp[0]] if out is None else out, self.g_in[i])
             if self.trace is not None:
                 self.trace.gather(i, w)
@@ -384,12 +490,43 @@ class Sharded:
         """Tensors ``ts``, whose blocks' all-gathers have finished: their gathered values (in
         the flat buffer, out of a staging tensor first) into the parameters."""
         g = self.grads
+        if self.zero2:
+            self._copy_back_unstored(ts)
+            return
         with torch.no_grad():
             for t in ts:
                 for k in g.tensor_blocks[t]:
                     if self.unstaged[k]:
                         self.unstage(k)
                 g.params[t].copy_(g.views[t])
+
+    def _copy_back_unstored(self, ts: Sequence[int]) -> None:
+        """ZeRO-2's :meth:`copy_back`: straight from the staging outputs into the parameters;
+        a block's gathered values go once its tensors are all copied, an all-gather's output
+        once its blocks' are."""
+        g, lo, length = self.grads, self.lo, self.length
+        with torch.no_grad():
+            for t in ts:
+                p = g.params[t]
+                _, s0, e0 = g.region[t]
+                ks = g.tensor_blocks[t]
+                if len(ks) == 1:
+                    p.copy_(_like(p, self.content(ks[0]), s0 - lo[ks[0]]))
+                else:
+                    tmp = torch.empty(e0 - s0, dtype=p.dtype, device=self.device)
+                    for k in ks:
+                        a, e = max(s0, lo[k]), min(e0, lo[k] + length[k])
+                        if a < e:
+                            tmp[a - s0:e - s0].copy_(self.content(k)[a - lo[k]:e - lo[k]])
+                    p.copy_(_like(p, tmp, 0))
+                for k in ks:
+                    self.left_t[k] -= 1
+                    if self.left_t[k] == 0:
+                        self.contents[k] = None
+                        i = self.group_of[k]
+                        self.left_g[i] -= 1
+                        if self.left_g[i] == 0:
+                            self.g_out[i] = None
 
     # -- reductions over the shards -----------------------------------------------------------
 
@@ -423,7 +560,7 @@ class Sharded:
         n = g.n
         norm_type = float(norm_type)
         ts = [t for t in order if counted[t]]
-        dev = g.flats[0].device
+        dev = self.device
         inf = norm_type in (float("inf"), -float("inf"))
         neg = norm_type == -float("inf")
         whole = [self.npieces[t] == 1 for t in range(n)]
@@ -502,7 +639,7 @@ class Sharded:
         rank's scaler reads ``param_groups`` at the same point."""
         if self.exposed is not None:
             return
-        dev = self.grads.flats[0].device
+        dev = self.device
         shown: list[torch.Tensor] = []
         for group in self.by_group:
             for sp, t, grad in group:
@@ -539,7 +676,7 @@ class Sharded:
     def unscale(self, shown: Sequence[torch.Tensor], grad_scale: torch.Tensor) -> None:
         """Divide the shard gradients ``shown`` by ``grad_scale`` in place, as the scaler's
         ``unscale_`` does (the reciprocal taken in float64)."""
-        dev = self.grads.flats[0].device
+        dev = self.device
         inv = grad_scale.double().reciprocal().float().to(dev)
         dummy = torch.zeros(1, dtype=torch.float32, device=dev)
         with torch.no_grad():
@@ -581,7 +718,7 @@ class Sharded:
                     wanted[(g.region[t][0], key)] = val
         full: dict[tuple[int, str], torch.Tensor] = {}
         for (b, key), dtype in sorted(wanted.items(), key=lambda x: x[0]):
-            flat = torch.zeros(g.flats[b].numel(), dtype=dtype, device=g.flats[b].device)
+            flat = torch.zeros(g.flats[b].numel(), dtype=dtype, device=self.device)
             for k in range(len(self.pshard)):
                 if self.buffer[k] != b:
                     continue
@@ -647,6 +784,23 @@ class Sharded:
         self.opt.state.clear()
         for grp, ps in zip(self.opt.param_groups, self.orig_params):
             grp["params"] = ps
+
+    # -- memory ---------------------------------------------------------------------------
+
+    def memory(self) -> dict[str, int]:
+        """This rank's memory of sharded mode, in bytes: ``zero_stage``; ``optimizer_state``
+        (the wrapped optimizer's tensors: this rank's shards only); ``gradient_shards`` (the
+        reduce-scatter outputs, kept); ``gradient_buffer`` (ZeRO-1's flat buffers, kept for
+        the whole run; 0 in ZeRO-2); ``gradient_peak`` (the most gradient memory held at once
+        beside the shards: ZeRO-1's flat buffers, or ZeRO-2's block storage, all-to-all
+        receive buffers included, counted while a reduce-scatter holds it)."""
+        flat = 0 if self.zero2 else sum(f.numel() * f.element_size() for f in self.grads.flats)
+        state = sum(v.numel() * v.element_size() for st in self.opt.state.values()
+                    for v in st.values() if torch.is_tensor(v))
+        return {"zero_stage": 2 if self.zero2 else 1, "optimizer_state": state,
+                "gradient_shards": sum(o.numel() * o.element_size() for o in self.rs_out),
+                "gradient_buffer": flat,
+                "gradient_peak": self.peak_grad_bytes if self.zero2 else flat}
 
     # -- checks --------------------------------------------------------------------------
 
