@@ -44,10 +44,12 @@ gloo, which copies CUDA tensors through the host on streams of its own, carries 
    updates overlapping forward N+1.
 5. ``sharded``: sharded mode (ZeRO-1) on CUDA: at world size 1 on NCCL against the plain
    optimizer, then 2 ranks on gloo carrying CUDA tensors against DDP, with the planner's
-   ``best-sharded`` schedule (grouped all-gathers) and SGD with momentum and AdamW; the
-   wrapped optimizer's state bytes per rank beside DDP's. Catches a CUDA reduce-scatter or
-   all-gather the backends refuse, a staging copy on the wrong stream, a gate that lets the
-   forward read a parameter before its all-gather.
+   ``best-sharded`` schedule (grouped all-gathers) and SGD with momentum and AdamW, and AdamW
+   with ``zero_stage=2`` (ZeRO-2: no flat gradient buffer); the wrapped optimizer's state
+   bytes per rank beside DDP's, and the runtime's gradient memory (``report()["memory"]``).
+   Catches a CUDA reduce-scatter or all-gather the backends refuse, a staging copy on the
+   wrong stream, a gate that lets the forward read a parameter before its all-gather, a block's
+   gradient storage freed while its reduce-scatter still reads it.
 6. ``flow``: ``python3 -m usbyte_opt bench transformer --device cuda -n 1 -s ddp,best``:
    profile -> optimize -> train of a small transformer (tied embedding) in about 2 minutes,
    DDP side by side, CUDA-event timing. At world size 1 it measures no communication.
@@ -584,7 +586,8 @@ def _state_bytes(opt: Any) -> int:
 
 def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, Any]:
     """Train the small model ``steps`` times in sharded mode and with the reference (DDP, or
-    at world size 1 the plain optimizer): max parameter difference, state bytes of each."""
+    at world size 1 the plain optimizer): max parameter difference, state bytes of each, the
+    runtime's memory report. ``opt_name``: ``sgd``, ``adamw`` or ``adamw-zero2``."""
     import copy
 
     import torch
@@ -608,7 +611,8 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
     sched = compare(profile_from_model(mod, ws), shard=True).schedule("best-sharded")
     o_ref = make(ref.parameters())
     inner = make(mod.parameters())
-    opt = DistributedOptimizer(inner, mod, schedule=sched, verify=False)
+    opt = DistributedOptimizer(inner, mod, schedule=sched, verify=False,
+                               zero_stage=2 if opt_name.endswith("zero2") else 1)
     g = torch.Generator(device="cpu").manual_seed(rank)
     batches = [(torch.randn(32, 3, 16, 16, generator=g).to(dev),
                 torch.randint(0, 10, (32,), generator=g).to(dev)) for _ in range(4)]
@@ -621,9 +625,14 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
         torch.cuda.synchronize()
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
     out = {"diff": diff, "state_bytes": _state_bytes(inner), "ref_state_bytes": _state_bytes(o_ref),
-           "all_gathers": len(sched.gather_groups()), "blocks": len(sched.blocks)}
+           "all_gathers": len(sched.gather_groups()), "blocks": len(sched.blocks),
+           "memory": opt.report()["memory"]}
     opt.close()
     return out
+
+
+#: The optimizers (and stage) the sharded part trains with.
+SHARDED_OPTS = ("sgd", "adamw", "adamw-zero2")
 
 
 def _sharded_two(rank: int, ws: int, device: str) -> dict[str, Any]:
@@ -632,7 +641,7 @@ def _sharded_two(rank: int, ws: int, device: str) -> dict[str, Any]:
     if device == "cuda":
         torch.cuda.set_device(0)
     return {o: sharded_run(rank, ws, "cuda:0" if device == "cuda" else "cpu", o)
-            for o in ("sgd", "adamw")}
+            for o in SHARDED_OPTS}
 
 
 def part_sharded(out_dir: str, smoke: bool) -> dict[str, Any]:
@@ -644,7 +653,7 @@ def part_sharded(out_dir: str, smoke: bool) -> dict[str, Any]:
     if not smoke:
         try:
             _nccl_one_rank()
-            res["nccl_one_rank"] = {o: sharded_run(0, 1, "cuda:0", o) for o in ("sgd", "adamw")}
+            res["nccl_one_rank"] = {o: sharded_run(0, 1, "cuda:0", o) for o in SHARDED_OPTS}
         except Exception as e:  # noqa: BLE001 - recorded, the two-rank case still runs
             res["nccl_one_rank"] = {"error": f"{type(e).__name__}: {e}",
                                     "trace": traceback.format_exc()[-2000:]}
@@ -774,7 +783,10 @@ def report(res: dict[str, Any]) -> str:
                         lines.append(f"- {label}, rank {rk}, {o}: max |sharded - reference| = "
                                      f"{c['diff']:.3g}; optimizer state {c['state_bytes']} bytes "
                                      f"vs {c['ref_state_bytes']}; {c['blocks']} reduce-scatters, "
-                                     f"{c['all_gathers']} all-gathers")
+                                     f"{c['all_gathers']} all-gathers" + (
+                                         "; gradient memory kept {kept} bytes, backward "
+                                         "peak {backward_peak}".format(**c["memory"])
+                                         if "memory" in c else ""))
         elif name == "flow":
             if r.get("command"):
                 lines.append(f"- {r['command']}")

@@ -296,18 +296,24 @@ def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
     """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
     this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
     per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
-    reduce-scatter and all-gather."""
+    reduce-scatter and all-gather; and as ZeRO-2 (``best-sharded-zero2``): the same schedule
+    and training, with no flat gradient buffer (less gradient memory at its peak)."""
     out = tmp_path / "s"
-    cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=("ddp", "best-sharded"),
+    names = ["ddp", "best-sharded", "best-sharded-zero2"]
+    cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=tuple(names),
                       out_dir=out, rounds=1, warmup=1, reference=False, plot=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)
     res = values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0]
-    check_result(res, out, ["ddp", "best-sharded"], logs=False)  # torchrun's ranks: no logs/
+    check_result(res, out, names, logs=False)  # torchrun's ranks: no logs/
     by = {r["strategy"]: r for r in res["runs"]}
-    bs = by["best-sharded"]
-    assert bs["runner"] == "runtime sharded" and bs["predicted_mode"] == "sharded"
+    bs, z2 = by["best-sharded"], by["best-sharded-zero2"]
+    assert bs["runner"] == "runtime sharded, ZeRO-1" and bs["predicted_mode"] == "sharded"
+    assert z2["runner"] == "runtime sharded, ZeRO-2" and z2["predicted_ms"] == bs["predicted_ms"]
+    assert z2["max_param_diff"] == 0.0
+    assert z2["gradient_kept_bytes"] == 0 < bs["gradient_kept_bytes"]
+    assert z2["state_bytes_by_rank"] == bs["state_bytes_by_rank"]
     assert bs["refined_ms"] > 0 and bs["predicted_state_bytes"] > 0
     assert bs["vs_lower_bound"] == pytest.approx(bs["measured_ms"] / res["sharded_lower_bound_ms"],
                                                  rel=1e-3)

@@ -59,19 +59,35 @@ from .worker import REFERENCE, TORCH_DDP, TORCH_FSDP2
 #: that ``--strategies`` takes; planned by ``planning.planner.compare(..., shard=True)``
 #: (:func:`plan_reports`).
 SHARDED_STRATEGIES: tuple[str, ...] = tuple(load_sharded())
+#: A sharded strategy's name with this suffix (``best-sharded-zero2``): its schedule trained
+#: with ``zero_stage=2`` (ZeRO-2), beside the ZeRO-1 one when both are named.
+ZERO2 = "-zero2"
+
+
+def zero2_base(strategy: str) -> str | None:
+    """The sharded strategy whose schedule ``strategy`` trains as ZeRO-2 (``None``: not such
+    a name).
+
+    Example::
+
+        >>> zero2_base("best-sharded-zero2"), zero2_base("best-sharded"), zero2_base("best-zero2")
+        ('best-sharded', None, None)
+    """
+    base = strategy[:-len(ZERO2)] if strategy.endswith(ZERO2) else None
+    return base if base in SHARDED_STRATEGIES else None
 
 
 def split_strategies(strategies: Sequence[str]) -> tuple[list[str], list[str]]:
     """``strategies`` split into those the all-reduce planner plans and the sharded ones
-    (:data:`SHARDED_STRATEGIES`), each in the given order.
+    (:data:`SHARDED_STRATEGIES`, and their ZeRO-2 names), each in the given order.
 
     Example::
 
-        >>> split_strategies(["ddp", "fsdp-like", "best", "best-sharded"])
-        (['ddp', 'best'], ['fsdp-like', 'best-sharded'])
+        >>> split_strategies(["ddp", "fsdp-like", "best", "best-sharded-zero2"])
+        (['ddp', 'best'], ['fsdp-like', 'best-sharded-zero2'])
     """
-    sharded = [s for s in strategies if s in SHARDED_STRATEGIES]
-    return [s for s in strategies if s not in SHARDED_STRATEGIES], sharded
+    sharded = [s for s in strategies if s in SHARDED_STRATEGIES or zero2_base(s)]
+    return [s for s in strategies if s not in sharded], sharded
 
 
 def plan_reports(profile: Any, strategies: Sequence[str],
@@ -121,7 +137,8 @@ class BenchConfig:
     """Timed steady-state iterations per strategy."""
     strategies: tuple[str, ...] = field(default_factory=default_strategies)
     """``ddp`` is PyTorch DDP itself, ``fsdp2`` PyTorch FSDP2; the others run on the runtime
-    with their schedule (those of :data:`SHARDED_STRATEGIES` in sharded mode)."""
+    with their schedule (those of :data:`SHARDED_STRATEGIES` in sharded mode, as ZeRO-2 with
+    the :data:`ZERO2` suffix)."""
     reference: bool = True
     """Also time training without communication (the compute the prediction assumes)."""
     profile: str | None = None
@@ -173,7 +190,8 @@ class BenchConfig:
         from .train import fsdp2_missing
 
         registry = load_builtin()
-        known = list(dict.fromkeys([*registry, AUTO, TORCH_FSDP2, *SHARDED_STRATEGIES]))
+        known = list(dict.fromkeys([*registry, AUTO, TORCH_FSDP2, *SHARDED_STRATEGIES,
+                                    *(s + ZERO2 for s in SHARDED_STRATEGIES)]))
         out: list[str] = []
         for s in self.strategies:
             if s not in known:
@@ -387,6 +405,6 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["SHARDED_STRATEGIES", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
+__all__ = ["SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
            "network_info", "plan_reports", "run_bench",
            "split_strategies"]

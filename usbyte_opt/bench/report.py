@@ -83,7 +83,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         refined = p_ms if refined is None else refined
         rt = run.get("runtime") or {}
         by_rank = run.get("state_bytes_by_rank") or []
-        runner = RUNNERS.get(s, "runtime sharded" if p["mode"] == "sharded" else "runtime")
+        runner = RUNNERS.get(s, "runtime" if p["mode"] != "sharded" else
+                             f"runtime sharded, ZeRO-{(rt.get('memory') or {}).get('zero_stage', 1)}")
         row = {
             "strategy": s,
             "runner": runner,
@@ -95,6 +96,10 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "state_bytes": max(by_rank) if by_rank else None,
             "state_bytes_by_rank": by_rank or None,
             "predicted_state_bytes": p.get("state_bytes"),
+            # Sharded mode, rank 0: gradient memory held for the whole run (ZeRO-1's flat
+            # buffers; ZeRO-2: none) and the most held at once in backward.
+            "gradient_kept_bytes": (rt.get("memory") or {}).get("kept"),
+            "gradient_backward_peak_bytes": (rt.get("memory") or {}).get("backward_peak"),
             "predicted_ms": None if p_ms is None else round(p_ms, 6),
             "predicted_mode": p["mode"],
             "error": round((m - p_ms) / m, 6) if m and p_ms is not None else None,

@@ -163,11 +163,13 @@ class Trainee:
         verify: let the runtime verify the plan against its fallback (``runtime`` only; off by
             default, so that strategies are measured as planned).
         trace: the file the runtime records its measured timeline in (``runtime`` only).
+        zero_stage: the runtime's ``zero_stage`` (``runtime`` with a sharded schedule only).
     """
 
     def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
                  device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
-                 rank: int = 0, verify: bool = False, trace: str | None = None):
+                 rank: int = 0, verify: bool = False, trace: str | None = None,
+                 zero_stage: int = 1):
         self.name, self.kind = name, kind
         # Every trainee from the same weights, whether or not the factory seeds itself.
         torch.manual_seed(SEED)
@@ -199,7 +201,8 @@ class Trainee:
 
             self.model = model
             self.opt = DistributedOptimizer(make_optimizer(optimizer, params), model,
-                                            schedule=schedule, verify=verify, trace=trace)
+                                            schedule=schedule, verify=verify, trace=trace,
+                                            zero_stage=zero_stage)
         elif kind == "local":
             self.model = model
             self.opt = make_optimizer(optimizer, params)

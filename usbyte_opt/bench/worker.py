@@ -142,7 +142,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
     runs in (PyTorch DDP: fence); :func:`refine` adds ``refined_ms`` once training has run."""
     from ..env import AUTO
     from ..errors import UsbyteError
-    from . import plan_reports
+    from . import plan_reports, zero2_base
 
     report, sharded = plan_reports(profile, strategies, {BEST: {"time_budget_s": time_budget_s}})
     out = Planned({}, {}, report.lower_bound_ms, report.compute_ms,
@@ -156,19 +156,20 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
                             "state_bytes": getattr(r, "state_bytes", None)}
                         for n, r in sharded.results.items()})
     for s in strategies:
-        rep_s = sharded if sharded is not None and s in sharded.results else report
+        base = zero2_base(s) or s   # a ZeRO-2 name: its sharded strategy's schedule
+        rep_s = sharded if sharded is not None and base in sharded.results else report
         if s == REFERENCE:
             out.predicted[s] = Prediction(out.compute_ms + out.update_ms, "compute", 0)
         elif s == AUTO:  # planned inside the run; its own prediction is read after training
             out.predicted[s] = Prediction(None, "auto", None)
         elif s == TORCH_FSDP2:  # torch's own sharding: nothing to plan
             out.predicted[s] = Prediction(None, "none", None)
-        elif s not in rep_s.results:
+        elif base not in rep_s.results:
             skipped = {**report.skipped, **(sharded.skipped if sharded is not None else {})}
-            raise UsbyteError(f"--strategies: {s}: {skipped.get(s, 'not planned')}")
+            raise UsbyteError(f"--strategies: {s}: {skipped.get(base, 'not planned')}")
         else:
-            r = rep_s.results[s]
-            out.schedules[s] = rep_s.schedule(s)
+            r = rep_s.results[base]
+            out.schedules[s] = rep_s.schedule(base)
             out.predicted[s] = Prediction(r.iteration_ms, r.mode, r.blocks,
                                           state_bytes=getattr(r, "state_bytes", None))
     return out
@@ -406,6 +407,7 @@ def _plan_everywhere(job: Job, prof: Any, rank: int, say: Callable[[str], None])
 def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
            say: Callable[[str], None]) -> tuple[list[Any], dict[str, str]]:
     """Every requested strategy's trainee, trained side by side; and their trace files."""
+    from . import zero2_base
     from .train import TRACED, Trainee, interleave
 
     out = Path(job.out_dir)
@@ -427,7 +429,7 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
                 traces[s] = str(out / "traces" / f"{s}.measured.json")
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
-                                    trace=traces.get(s)))
+                                    trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1))
     say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
     interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
                first_warmup=job.first_warmup, progress=say,

@@ -132,8 +132,8 @@ class StepComm:
         #: ``put(t, grad, scale)``: tensor ``t``'s gradient (times ``scale``) into its blocks
         #: and ``p.grad`` its view (:meth:`FlatGrads.take`; ZeRO-2: ``Sharded.put``).
         self.put: Callable[[int, torch.Tensor | None, float | None], None] = grads.take
-        #: ZeRO-2: drop the works of blocks whose collective has finished, at each issue, so
-        #: that their gradient storage goes (:meth:`reap`).
+        #: Sharded mode: drop the works of blocks whose collective has finished, at each
+        #: issue, so that what they hold goes (:meth:`reap`).
         self.reaping = False
         self.reaped = 0                 # blocks before it are reaped (or not issued yet)
 
@@ -277,8 +277,8 @@ class StepComm:
 
     def reap(self) -> None:
         """Wait for (at no cost) and drop the works of the blocks, in issue order, whose
-        collective has finished, up to the first that has not: what they hold (ZeRO-2: the
-        blocks' gradient storage) goes."""
+        collective has finished, up to the first that has not: what they hold (an all-to-all's
+        receive buffer; ZeRO-2: the blocks' gradient storage) goes."""
         works, j, chan = self.works, self.reaped, self.chan
         while j < self.next:
             w = works[j]

@@ -171,10 +171,10 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         comm.issue_block = sharded.reduce_scatter
         comm.collective = "reduce-scatter"
         sharded.trace = trace
+        comm.reaping = True   # finished reduce-scatters let go of their buffers during backward
+        sharded.reap = comm.reap
         if zero2:
             comm.put = sharded.put
-            comm.reaping = True
-            sharded.reap = comm.reap
     comm.trace = trace
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers

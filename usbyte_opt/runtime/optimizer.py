@@ -104,7 +104,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
       there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
       ``step()``, as under DDP. Sharded mode has a contract of its own (below).
 
-    **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``, ZeRO-1): the
+    **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``): the
     averaged gradient never exists whole, only as this rank's shard of each block (its
     reduce-scatter output), which the wrapped optimizer steps:
 
@@ -135,7 +135,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
       shards, unscaled in place, and a sentinel that carries every rank's non-finite flag
       (one all-reduce), so every rank skips the same steps and the scale follows DDP's;
     * :meth:`synchronize` between ``backward()`` and ``step()`` is refused (there is no
-      averaged gradient to wait for), as is ``wait_in_backward=True``.
+      averaged gradient to wait for), as is ``wait_in_backward=True``;
+    * with ``zero_stage=2`` (ZeRO-2) there is no flat buffer and **the full gradient is not
+      kept**: each block's gradient storage goes once its reduce-scatter has finished, and
+      after ``backward()`` ``p.grad`` is a placeholder of zeros with stride 0 (one element of
+      memory), not the local gradient. ``p.grad = None`` then still drops the tensor from the
+      step, as under DDP; zeroing it in place changes nothing; any other in-place change
+      raises. In passes that only accumulate, ``p.grad`` holds the local sum, as under DDP.
 
     With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
     backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
@@ -202,6 +208,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (padding between tensors, all-reduced as zeros), so that each block starts there
             when the schedule cuts tensors on such multiples (the planner does for an NCCL
             profile); default 16 on CUDA, where NCCL's vectorised kernels want it, else none.
+        zero_stage: with a sharded schedule, ``1`` (ZeRO-1: a flat gradient buffer kept for
+            the run) or ``2`` (ZeRO-2: each block's gradient memory goes once it is
+            reduce-scattered, see *Gradient access in sharded mode*); ``2`` with any other
+            schedule is refused. ``opt.report()["memory"]`` gives the bytes held.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).

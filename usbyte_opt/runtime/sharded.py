@@ -1,4 +1,5 @@
-"""Sharded mode (``Mode.SHARDED``): ZeRO-1 on the schedule's blocks (docs/runtime.md).
+"""Sharded mode (``Mode.SHARDED``): ZeRO-1 on the schedule's blocks, ZeRO-2 as an option
+(docs/runtime.md).
 
 **Shard layout.** Every block of the schedule is sharded on its own: block ``k`` covers the
 element range ``[lo, hi)`` of its flat buffer (:class:`~.buffers.FlatGrads`, alignment padding
@@ -48,6 +49,19 @@ shards in place), and a sentinel parameter carries the all-reduced (MAX) non-fin
 every rank's shards, so the scaler's ``found_inf`` (its skip and its scale update) is the
 same on every rank. ``step()`` then unscales the shards (unless the scaler did) and, on a
 non-finite step, steps nothing and gathers nothing: the parameters stay as they are.
+
+**ZeRO-2** (``zero_stage=2``; :class:`~.buffers.FlatGrads` built with ``stored=False``): no
+flat buffer, its tensors layout only. Block ``k``'s gradient storage (``world_size * S``
+elements, zeros: the reduce-scatter's input, padding included) is allocated when the first of
+its tensors' gradients arrives in the step's last pass (:meth:`Sharded.put`, laid out as the
+tensor's view would be, so the sums are ZeRO-1's), and let go when the block is issued: the
+work holds it while it runs, and ``StepComm.reap`` drops the works of the finished
+reduce-scatters (at each issue, each new block's storage, and ``step()``'s wait). ``p.grad``
+becomes the placeholder of :class:`~.buffers.FlatGrads` (stride 0), so ``p.grad = None``
+after backward is still seen. The all-gathers go into staging outputs allocated at each
+``gather()``; a tensor's values are copied from there into the parameter at its gate
+(:meth:`Sharded.content`), and a block's gathered values, then its group's output, go once
+every tensor they hold is copied.
 """
 
 from __future__ import annotations
@@ -167,7 +181,7 @@ class Sharded:
     def __init__(self, schedule: Schedule, grads: FlatGrads, group_of: Sequence[int],
                  optimizer: torch.optim.Optimizer, chan: Channel):
         self.grads, self.opt, self.chan = grads, optimizer, chan
-        #: ZeRO-2: no flat buffer (``grads.stored`` is False); see *ZeRO-2* above.
+        #: ZeRO-2: no flat buffer (``grads.stored`` is False); see the module's *ZeRO-2*.
         self.zero2 = not grads.stored
         dev = self.device = grads.device
         #: Tensor indices in the model's parameter order (clip's grouping), set on first use.
@@ -279,9 +293,10 @@ class Sharded:
         self.contents: list[torch.Tensor | None] = [None] * m
         self.left_t = [0] * m
         self.left_g = [0] * len(self.gathers)
-        #: ZeRO-2: the gradient storage alive (weak references and bytes: a reduce-scatter
-        #: in flight holds its input), its most bytes at once so far, and what frees the
-        #: storage of the finished reduce-scatters (``StepComm.reap``, set by ``install``).
+        #: Backward's transient gradient memory alive (weak references and bytes: ZeRO-2's
+        #: block storage, an all-to-all's receive buffer; a reduce-scatter in flight holds
+        #: its input), its most bytes at once so far, and what frees the storage of the
+        #: finished reduce-scatters (``StepComm.reap``, set by ``install`` in ZeRO-2).
         self.live: list[tuple[weakref.ref, int]] = []
         self.peak_grad_bytes = 0
         self.reap: Callable[[], None] = lambda: None
@@ -312,18 +327,18 @@ class Sharded:
             # The work holds the storage while it runs; the runtime lets go of it now.
             x = self.storage(k)
             self.blk[k] = None
-            work = self._rs(self.rs_out[k], x)
-            parts = getattr(work, "parts", None)  # an all-to-all's receive buffer
-            if parts is not None:
-                self._track(parts)
-            return work
-        view, stage = self.grads.block_views[k], self.stage[k]
-        if stage is not None:
-            n = view.numel()
-            stage[:n].copy_(view)
-            stage[n:].zero_()   # the padding (an all-gather may have left values there)
-            view = stage
-        return self._rs(self.rs_out[k], view)
+        else:
+            x, stage = self.grads.block_views[k], self.stage[k]
+            if stage is not None:
+                n = x.numel()
+                stage[:n].copy_(x)
+                stage[n:].zero_()   # the padding (an all-gather may have left values there)
+                x = stage
+        work = self._rs(self.rs_out[k], x)
+        parts = getattr(work, "parts", None)  # an all-to-all's receive buffer (gloo, 2 ranks)
+        if parts is not None:
+            self._track(parts)
+        return work
 
     # -- ZeRO-2: gradient storage per block ---------------------------------------------
 
@@ -333,8 +348,9 @@ class Sharded:
         self.peak_grad_bytes = max(self.peak_grad_bytes, sum(b for _, b in self.live))
 
     def grad_bytes(self) -> int:
-        """ZeRO-2: the bytes of gradient storage alive now (blocks not issued yet, and those
-        whose reduce-scatter has not been reaped)."""
+        """The bytes of backward's transient gradient memory alive now: ZeRO-2's storage of
+        the blocks not issued yet and of those whose reduce-scatter has not been reaped, and
+        receive buffers of reduce-scatters not waited for."""
         return sum(b for r, b in self.live if r() is not None)
 
     def storage(self, k: int) -> torch.Tensor:
@@ -788,19 +804,32 @@ class Sharded:
     # -- memory ---------------------------------------------------------------------------
 
     def memory(self) -> dict[str, int]:
-        """This rank's memory of sharded mode, in bytes: ``zero_stage``; ``optimizer_state``
-        (the wrapped optimizer's tensors: this rank's shards only); ``gradient_shards`` (the
-        reduce-scatter outputs, kept); ``gradient_buffer`` (ZeRO-1's flat buffers, kept for
-        the whole run; 0 in ZeRO-2); ``gradient_peak`` (the most gradient memory held at once
-        beside the shards: ZeRO-1's flat buffers, or ZeRO-2's block storage, all-to-all
-        receive buffers included, counted while a reduce-scatter holds it)."""
-        flat = 0 if self.zero2 else sum(f.numel() * f.element_size() for f in self.grads.flats)
+        """This rank's memory of sharded mode beside the parameters, in bytes:
+
+        * ``zero_stage``;
+        * ``optimizer_state``: the wrapped optimizer's tensors (this rank's shards only);
+        * ``gradient_shards``: the reduce-scatter outputs and the parameter shards, kept;
+        * ``kept``: what else is held for the whole run, through forward's activation peak:
+          ZeRO-1's flat buffers and its staging tensors; 0 in ZeRO-2;
+        * ``backward_peak``: the most transient gradient memory held at once in backward
+          (ZeRO-2's block storage, counted while a reduce-scatter holds it; on gloo with 2
+          ranks the all-to-all receive buffers, in either stage);
+        * ``gather_staging``: ZeRO-2's all-gather outputs, allocated at each ``step()`` and
+          gone as the next forward copies them out (in ZeRO-1 they are part of ``kept``).
+        """
+        def nbytes(ts: Sequence[torch.Tensor | None]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
         state = sum(v.numel() * v.element_size() for st in self.opt.state.values()
                     for v in st.values() if torch.is_tensor(v))
+        staging = sum(self.ws * g.numel() * g.element_size()
+                      for i, g in enumerate(self.g_in) if self.zero2 or self.g_out[i] is not None)
         return {"zero_stage": 2 if self.zero2 else 1, "optimizer_state": state,
-                "gradient_shards": sum(o.numel() * o.element_size() for o in self.rs_out),
-                "gradient_buffer": flat,
-                "gradient_peak": self.peak_grad_bytes if self.zero2 else flat}
+                "gradient_shards": nbytes(self.rs_out) + nbytes(self.g_in),
+                "kept": 0 if self.zero2 else nbytes(self.grads.flats) + staging
+                + nbytes([t for t in self.stage if t is not None and t._base is None]),
+                "backward_peak": self.peak_grad_bytes,
+                "gather_staging": staging if self.zero2 else 0}
 
     # -- checks --------------------------------------------------------------------------
 
