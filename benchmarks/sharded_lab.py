@@ -10,9 +10,12 @@ Each run is one ``usbyte-opt bench`` (:func:`usbyte_opt.bench.run_bench`) of a l
 (:mod:`usbyte_opt.bench.lab`): profile in the lab (reduce-scatter and all-gather swept beside
 all-reduce), plan, then train side by side, interleaved: PyTorch DDP, ``best`` (the all-reduce
 runtime), torch's FSDP2 (``fully_shard``), and the runtime in sharded mode (ZeRO-1) with
-``fsdp-like``, ``dear-like`` and ``best-sharded``. Per strategy: measured iteration time, the
-planner's prediction, the distance to sharded mode's lower bound (for the sharded schedules;
-the all-reduce bound for DDP and best), and the optimizer state on each rank after training.
+``fsdp-like``, ``dear-like`` and ``best-sharded``, and ``best-sharded`` again as ZeRO-2
+(``best-sharded-zero2``). Per strategy: measured iteration time, the planner's prediction and
+the refined one (the model on the collectives measured under compute), the distance to the
+lower bound of its mode (sharded mode's for the sharded schedules, the all-reduce bound for
+DDP and best), the optimizer state on each rank after training, and the runtime's gradient
+memory in sharded mode (held for the whole run; the most held at once in backward).
 Ratios are taken within a run (the strategies of one run share the machine's spells); the
 ranges are over runs. Adam is the optimizer (two moments per parameter: the state sharding
 saves).
@@ -38,8 +41,9 @@ from usbyte_opt.profiler.options import ProfileOptions  # noqa: E402
 
 MODELS = ("lab-cnn", "lab-vgg", "lab-transformer")
 RATE = "200mbit"
-STRATEGIES = ("ddp", "best", "fsdp2", "fsdp-like", "dear-like", "best-sharded")
-SHARDED = ("fsdp-like", "dear-like", "best-sharded")
+STRATEGIES = ("ddp", "best", "fsdp2", "fsdp-like", "dear-like", "best-sharded",
+              "best-sharded-zero2")
+SHARDED = ("fsdp-like", "dear-like", "best-sharded", "best-sharded-zero2")
 
 
 def run_case(model: str, iterations: int, rounds: int, out: Path) -> dict:
@@ -52,7 +56,7 @@ def run_case(model: str, iterations: int, rounds: int, out: Path) -> dict:
                     if not s.startswith("round") else None)
     keep = ("model", "name", "world_size", "network", "batch_size", "torch", "forward_ms",
             "backward_ms", "comm", "gradient_bytes", "lower_bound_ms", "sharded_lower_bound_ms",
-            "compute_scale", "iterations", "rounds", "correct", "wall_s")
+            "compute_scale", "iterations", "rounds", "correct", "wall_s", "loaded_comm")
     slim = {k: res[k] for k in keep if k in res}
     slim["runs"] = [{k: v for k, v in r.items() if k not in ("schedule", "trace")}
                     for r in res["runs"]]
@@ -112,33 +116,52 @@ def markdown(results: dict[str, list[dict]], argv: str) -> str:
                             f"{c[key]['algbw_gbs'] * 1e3:.1f} MB/s of whole blocks"
                             for key, label in (("reduce_scatter", "reduce-scatter"),
                                                ("all_gather", "all-gather")) if c.get(key))
+                  + "".join(f"; under compute: all-reduce {lc['algbw_gbs'] * 1e3:.1f} MB/s"
+                            + "".join(f", {label} {lc[key]['algbw_gbs'] * 1e3:.1f} MB/s"
+                                      for key, label in (("reduce_scatter", "reduce-scatter"),
+                                                         ("all_gather", "all-gather"))
+                                      if lc.get(key))
+                            for lc in [first.get("loaded_comm") or {}] if lc)
                   + " (first run); lower bounds: all-reduce "
                   f"{_rng([r.get('lower_bound_ms') for r in runs], '.0f')} ms, sharded "
                   f"{_rng([r.get('sharded_lower_bound_ms') for r in runs], '.0f')} ms; "
                   f"training matches DDP in every run: "
                   f"{'yes' if all(r.get('correct') for r in runs) else 'NO'}.", "",
-                  "| strategy | measured ms | predicted ms | speedup vs DDP | vs bound | state MB/rank "
-                  "| state vs DDP |",
-                  "|---|---:|---:|---:|---:|---:|---:|"]
+                  "| strategy | measured ms | predicted ms | refined ms | speedup vs DDP | vs bound "
+                  "| state MB/rank | state vs DDP | grad MB kept | grad MB backward peak |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         names = [s for s in STRATEGIES if all(s in _by(r) for r in runs)]
         for s in names:
             rows = [_by(r)[s] for r in runs]
             ddp_state = [_by(r)["ddp"]["state_bytes"] for r in runs]
+            def mb(key: str, rows: list[dict] = rows) -> str:
+                vals = [x.get(key) for x in rows]
+                return _rng([v / 1e6 for v in vals if v is not None], ".2f")
+
             lines.append(
                 f"| {s} | {_rng([x['measured_ms'] for x in rows], '.0f')} | "
                 f"{_rng([x['predicted_ms'] for x in rows], '.0f')} | "
+                f"{_rng([x.get('refined_ms') for x in rows], '.0f')} | "
                 f"{_rng([x['speedup_vs_ddp'] for x in rows], '.2f')}x | "
                 + (f"{_rng([x['vs_lower_bound'] for x in rows], '.2f')}x" if s != "fsdp2" else "—")
                 + f" | {_rng([(x['state_bytes'] or 0) / 1e6 for x in rows], '.2f')} | "
-                f"{_rng([(x['state_bytes'] or 0) / d for x, d in zip(rows, ddp_state) if d], '.2f')}x |")
+                f"{_rng([(x['state_bytes'] or 0) / d for x, d in zip(rows, ddp_state) if d], '.2f')}x | "
+                f"{mb('gradient_kept_bytes')} | {mb('gradient_backward_peak_bytes')} |")
         lines.append("")
         best = [_by(r)["best-sharded"] for r in runs if "best-sharded" in _by(r)]
         if best:
             errs = [x["error"] for x in best if x.get("error") is not None]
+            refined = [x["refined_error"] for x in best if x.get("refined_error") is not None]
             lines.append(f"best-sharded: {_rng([x['vs_lower_bound'] for x in best], '.3f')}x sharded "
-                         f"mode's lower bound, prediction error {_rng([100 * e for e in errs], '+.1f')}%; "
+                         f"mode's lower bound, prediction error {_rng([100 * e for e in errs], '+.1f')}% "
+                         f"(refined: {_rng([100 * e for e in refined], '+.1f')}%); "
                          "load average before each run "
                          f"{_rng([r['load_before'][0] for r in runs], '.1f')}.")
+            z2 = [(_by(r)["best-sharded-zero2"]["measured_ms"], _by(r)["best-sharded"]["measured_ms"])
+                  for r in runs if "best-sharded-zero2" in _by(r) and "best-sharded" in _by(r)]
+            if z2:
+                lines.append(f"ZeRO-2 against ZeRO-1 (best-sharded's schedule, same run): "
+                             f"{_rng([a / b for a, b in z2], '.2f')}x the iteration time.")
             lines.append("")
     return "\n".join(lines) + "\n"
 

@@ -321,6 +321,10 @@ def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
     assert sched["mode"] == "sharded" and "gathers" in sched
     prof = json.loads((out / "profile.json").read_text())
     assert "reduce_scatter" in prof["comm"] and "all_gather" in prof["comm"]
+    # Probed under compute beside all-reduce, for the refined sharded predictions.
+    for key in ("reduce_scatter", "all_gather"):
+        line = res["loaded_comm"][key]
+        assert line["algbw_gbs"] > 0 and len(line["samples"]) >= 2
     assert half_of(bs["state_bytes_by_rank"], by["ddp"]["state_bytes_by_rank"])
 
 

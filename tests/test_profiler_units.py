@@ -234,9 +234,18 @@ def _shard_collectives(rank: int, ws: int) -> dict:
     sizes = shard_sizes([4096, 1 << 20, 4 << 20], ws)
     out = {"channel": channel, "shard": shard.tolist(), "whole": whole.tolist(), "sizes": sizes}
     seen = []
+    numels: list[int] = []
+
+    def counted(x: torch.Tensor):   # the channel's all-reduce, each call's size noted
+        numels.append(x.numel())
+        return issuers["all-reduce"](x)
+
     swept = sweep_collectives({"all-reduce": [4096, 8192], "reduce-scatter": sizes, "all-gather": sizes},
-                              repeats=2, warmup=0, issues=issuers, progress=lambda *a: seen.append(a))
+                              repeats=2, warmup=0, issues={**issuers, "all-reduce": counted},
+                              progress=lambda *a: seen.append(a))
     out["progress"] = seen[-1]
+    # Every reduce-scatter and all-gather sample ends with one 4-byte all-reduce on the channel.
+    out["tails"] = numels.count(1)
     out["all-reduce"] = [len(ts) for ts in swept["all-reduce"].raw_ms]
     for kind in ("reduce-scatter", "all-gather"):
         sw = swept[kind]
@@ -257,6 +266,7 @@ def test_reduce_scatter_and_all_gather_run_on_the_runtime_channel_of_two_ranks()
     assert "runtime channel" in got[0]["channel"]
     assert got[0]["sizes"] == [4096, 1 << 20, 4 << 20]
     assert got[0]["all-reduce"] == [6, 6] and got[0]["progress"] == ("collectives", 32, 32)
+    assert got[0]["tails"] == got[1]["tails"] == 2 * (6 + 2 + 2)
     for kind in ("reduce-scatter", "all-gather"):
         name, counts, cost, label = got[0][kind]
         assert name == label == kind and counts == [6, 2, 2]

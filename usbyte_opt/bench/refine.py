@@ -41,7 +41,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from ..formats import Block, CommSpec, Mode, Profile
+from ..formats import Block, CollectiveCost, CommSpec, Mode, Profile
 from ..planning.cost import bandwidth_through
 from ..planning.fastsim import charged
 from ..planning.problem import Layout, Problem, UpdateRule
@@ -110,21 +110,38 @@ def scaled(profile: Profile, factor: float) -> Profile:
                                backward_ms=profile.backward_ms * factor, tensors=tensors)
 
 
-def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]]) -> CommSpec:
+def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]],
+                reduce_scatter: Sequence[tuple[int, float]] = (),
+                all_gather: Sequence[tuple[int, float]] = ()) -> CommSpec:
     """``comm`` with its bandwidth fitted (:func:`fit_absolute`) to per-block samples taken
     under compute (:func:`usbyte_opt.profiler.probe.comm_under_compute`), alpha kept from the
     profile (chained calls on the runtime's channel, idle): the alternatives measured in the
-    lab (a free intercept, the latency of small blocks under compute) predicted worse.
+    lab (a free intercept, the latency of small blocks under compute) predicted worse. The
+    reduce-scatter and all-gather lines likewise from their own samples under compute (of the
+    whole block's bytes, as their lines are), where given; else the profile's, kept.
 
     Example::
 
-        >>> c = CommSpec("gloo", 2, 2.0, 0.025)
+        >>> c = CommSpec("gloo", 2, 2.0, 0.025, reduce_scatter=CollectiveCost(1.0, 0.05))
         >>> q = loaded_comm(c, [(65536, 5.1), (1 << 20, 46.0)])
-        >>> round(q.alpha_ms, 2), round(q.algbw_gbs * 1e3, 1)
-        (2.0, 23.8)
+        >>> round(q.alpha_ms, 2), round(q.algbw_gbs * 1e3, 1), q.reduce_scatter.algbw_gbs
+        (2.0, 23.8, 0.05)
+        >>> q = loaded_comm(c, [(65536, 5.1)], reduce_scatter=[(1 << 20, 30.0)])
+        >>> round(q.reduce_scatter.alpha_ms, 2), round(q.reduce_scatter.algbw_gbs * 1e3, 1)
+        (1.0, 36.2)
     """
     alpha, algbw = fit_absolute(samples, comm.alpha_ms)
-    return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples))
+
+    def line(old: CollectiveCost | None, got: Sequence[tuple[int, float]]) -> CollectiveCost | None:
+        if not got:
+            return old
+        a0 = old.alpha_ms if old is not None else 0.5 * comm.alpha_ms
+        a, bw = fit_absolute(got, a0)
+        return CollectiveCost(a, bw, tuple(got))
+
+    return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples),
+                    reduce_scatter=line(comm.reduce_scatter, reduce_scatter),
+                    all_gather=line(comm.all_gather, all_gather))
 
 
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:

@@ -134,9 +134,12 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "update_ms": raw["planned"]["update_ms"],
         "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs", "cpu_ms_per_block",
                                             "cpu_ms_per_mb") if k in raw["comm"]},
-        "loaded_comm": ({k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
-                                                                  "cpu_ms_per_block", "step_alone_ms",
-                                                                  "samples")}
+        "loaded_comm": ({**{k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
+                                                                     "cpu_ms_per_block", "step_alone_ms",
+                                                                     "samples")},
+                         # with sharded strategies: their collectives under compute too
+                         **{k: v for k, v in raw["loaded_comm"].items()
+                            if k in ("reduce_scatter", "all_gather")}}
                         if raw.get("loaded_comm") else None),
         "gradient_bytes": raw["gradient_bytes"],
         "allreduce_all_ms": raw["comm"]["alpha_ms"] + raw["gradient_bytes"] / (raw["comm"]["algbw_gbs"] * 1e6),

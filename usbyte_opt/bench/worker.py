@@ -111,11 +111,13 @@ class Planned:
 @dataclass(frozen=True, slots=True)
 class LoadedComm:
     """All-reduce cost measured while the training thread computes, for the refined prediction:
-    from the profile's probe (``meta.cpu_probe``) or the bench's own."""
+    from the profile's probe (``meta.cpu_probe``) or the bench's own; with sharded strategies,
+    the bench's reduce-scatter and all-gather the same way."""
 
     comm: Any
-    """The profile's :class:`~usbyte_opt.formats.CommSpec` with the bandwidth fitted to the
-    samples (:func:`.refine.loaded_comm`)."""
+    """The profile's :class:`~usbyte_opt.formats.CommSpec` with the bandwidths fitted to the
+    samples (:func:`.refine.loaded_comm`): all-reduce, and reduce-scatter and all-gather where
+    probed (else the profile's lines)."""
     cpu_ms_per_mb: float
     cpu_ms_per_block: float
     step_alone_ms: float | None
@@ -124,7 +126,11 @@ class LoadedComm:
 
     def to_dict(self) -> dict[str, Any]:
         """The ``loaded_comm`` object of ``raw.json``."""
-        return {"alpha_ms": self.comm.alpha_ms, "algbw_gbs": self.comm.algbw_gbs,
+        shard = {key: {"alpha_ms": c.alpha_ms, "algbw_gbs": c.algbw_gbs,
+                       "samples": [list(x) for x in c.samples]}
+                 for key, c in (("reduce_scatter", self.comm.reduce_scatter),
+                                ("all_gather", self.comm.all_gather)) if c is not None}
+        return {**shard, "alpha_ms": self.comm.alpha_ms, "algbw_gbs": self.comm.algbw_gbs,
                 "cpu_ms_per_mb": self.cpu_ms_per_mb, "cpu_ms_per_block": self.cpu_ms_per_block,
                 "step_alone_ms": self.step_alone_ms,
                 "source": "profile (meta.cpu_probe)" if self.from_profile else "bench probe",
@@ -350,35 +356,80 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
 def _loaded_comm(job: Job, prof: Any, dev: Any, batch: Any, rank: int, world: int,
                  say: Callable[[str], None]) -> LoadedComm | None:
     """All-reduce cost while the training thread computes (for the refined prediction): the
-    profile's probe when it has one, else this bench's own (unless the probe is off)."""
+    profile's probe when it has one, else this bench's own (unless the probe is off); with
+    sharded strategies, also reduce-scatter and all-gather, probed the same way on the same
+    channel by the bench (a profile's probe has all-reduce only)."""
     from ..formats.probe_record import CpuProbeRecord
+    from . import split_strategies
     from .refine import loaded_comm
 
     if world < 2:
         return None
     record = CpuProbeRecord.of(prof.meta, job.profile or "profile.json")
-    if record is not None:  # the profiler measured it (usbyte_opt.profiler.probe): reused
-        return LoadedComm(loaded_comm(prof.comm, record.samples), record.cpu_ms_per_mb,
-                          record.cpu_ms_per_block, record.step_alone_ms, record.samples, True)
-    if not job.profiling.cpu_probe:
+    if record is None and not job.profiling.cpu_probe:
         return None
-    from ..collectives.issuers import block_issuer
+    import torch
+
+    from ..collectives.issuers import block_issuers
     from ..profiler.probe import comm_under_compute, probe_sizes
     from .train import Trainee
 
-    say("measuring all-reduce under compute")
+    sharded = bool(split_strategies(job.strategies)[1])
+    kinds = (() if record is not None else ("all-reduce",)) + \
+        (("reduce-scatter", "all-gather") if sharded and job.profiling.cpu_probe else ())
+    if not kinds:  # the profiler measured it (usbyte_opt.profiler.probe): reused
+        assert record is not None
+        return LoadedComm(loaded_comm(prof.comm, record.samples), record.cpu_ms_per_mb,
+                          record.cpu_ms_per_block, record.step_alone_ms, record.samples, True)
+    say("measuring " + ", ".join(kinds) + " under compute")
     # A chain of 32 blocks of 4 KiB (what a collective costs the training thread), and chains
     # of 4 blocks up to the whole gradient (what bytes cost).
     sizes, parts = probe_sizes(sum(t.nbytes for t in prof.tensors), job.profiling.probe_points)
     probe = Trainee("probe", "local", job.model, batch, dev, job.profiling.optimizer, rank=rank)
     # On the runtime's channel, each size as a chain of blocks, as training sends it.
-    issue, _ = block_issuer(None, dev)
-    probed = comm_under_compute(probe.iteration, sizes, job.profiling.probe_repeats, device=dev,
-                                issue=issue, parts=parts)
-    del issue, probe
-    samples = tuple(probed.samples)
-    return LoadedComm(loaded_comm(prof.comm, samples), probed.cpu_ms_per_mb,
-                      probed.cpu_ms_per_block, probed.step_alone_ms, samples, False)
+    issuers, _ = block_issuers(None, dev, ("all-reduce", *kinds))
+    got: dict[str, Any] = {}
+    tiny = torch.zeros(1, device=dev)
+    sync = issuers["all-reduce"]
+
+    def end_everywhere() -> Any:
+        return sync(tiny)
+
+    for kind in kinds:
+        # A reduce-scatter or all-gather chain ends once every rank has its part (a 4-byte
+        # all-reduce after it).
+        issue = issuers[kind] if kind == "all-reduce" else as_block(kind, issuers[kind], world)
+        tail = None if kind == "all-reduce" else end_everywhere
+        got[kind] = comm_under_compute(probe.iteration, sizes, job.profiling.probe_repeats,
+                                       device=dev, issue=issue, parts=parts, tail=tail)
+    del issuers, probe
+    shard = {k: tuple(got[k].samples) for k in ("reduce-scatter", "all-gather") if k in got}
+    if record is not None:
+        ar: Any = record
+        samples = record.samples
+    else:
+        ar = got["all-reduce"]
+        samples = tuple(ar.samples)
+    comm = loaded_comm(prof.comm, samples, shard.get("reduce-scatter", ()),
+                       shard.get("all-gather", ()))
+    return LoadedComm(comm, ar.cpu_ms_per_mb, ar.cpu_ms_per_block, ar.step_alone_ms, samples,
+                      record is not None)
+
+
+def as_block(kind: str, issue: Callable[..., Any], world: int) -> Callable[[Any], Any]:
+    """A reduce-scatter or all-gather issuer (``issue(output, input)``) as a one-argument
+    issuer of a whole block ``x`` (what :func:`~usbyte_opt.profiler.probe.comm_under_compute`
+    chains): the reduce-scatter of ``x`` into a fresh shard, or the all-gather of a shard of
+    ``x`` into a fresh block (its first ``world`` multiple of elements either way); the work
+    holds its buffers."""
+    import torch
+
+    def issue_block(x: Any) -> Any:
+        n = x.numel() // world * world
+        if kind == "reduce-scatter":
+            return issue(torch.empty(n // world, dtype=x.dtype, device=x.device), x[:n])
+        return issue(torch.empty(n, dtype=x.dtype, device=x.device), x[:n // world])
+    return issue_block
 
 
 def _plan_everywhere(job: Job, prof: Any, rank: int, say: Callable[[str], None]) -> Planned:

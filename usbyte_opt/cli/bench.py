@@ -69,8 +69,9 @@ def bench(
              f"planned, not predicted, not in the default), {AUTO} the runtime planning in the "
              "run (no profile given to it), the others the usbyte-opt runtime with their "
              f"schedule: {', '.join(SHARDED_STRATEGIES)} in sharded mode (ZeRO-1: each rank "
-             "keeps the optimizer state of its shard; refused while the planner cannot plan "
-             "them). state MB: the optimizer state of the rank holding most of it.")]
+             "keeps the optimizer state of its shard), and with -zero2 appended "
+             "(best-sharded-zero2) the same schedule as ZeRO-2 (no flat gradient buffer). "
+             "state MB: the optimizer state of the rank holding most of it.")]
         = ", ".join(default_strategies()),
     profile: Annotated[Optional[Path], typer.Option(
         "--profile", "-p", dir_okay=False, exists=True, help="Use this profile instead of "

@@ -276,6 +276,15 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
     back to back, its time divided by ``chain``. On CUDA the time comes from events around
     the calls on the current stream (the NCCL stream waits on it, and ``wait()`` makes the
     current stream wait for NCCL); on CPU from ``perf_counter`` around issue and wait.
+
+    A reduce-scatter or all-gather sample ends with one 4-byte all-reduce on the same channel
+    (``issues["all-reduce"]`` when given), inside the timed span: those collectives complete
+    on each rank once its own part has arrived, which can be long before another rank's (in
+    the lab, one direction of a pair ran a whole block at half the rate of the other: 90 ms on
+    one rank, 177 ms on the other), while the next collective on the channel waits for the
+    last rank; the all-reduce completes on every rank only once every rank is done, so the
+    sample (the minimum over ranks) is the collective's time on the channel, plus one small
+    all-reduce.
     """
     kinds = list(sizes)
     for kind in kinds:
@@ -297,6 +306,16 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
             raise UsbyteError(f"{kind} sweep: expected sizes that are multiples of {unit} bytes "
                               f"(4 times the world size {world}), got {bad[0]}")
     issue = {k: (issues[k] if issues is not None and k in issues else ISSUERS[k](group)) for k in kinds}
+    # The end of a reduce-scatter or all-gather sample on every rank (see above).
+    sync: Callable[[], Any] | None = None
+    if world > 1:
+        tiny = torch.zeros(1, dtype=torch.float32, device=device)
+        sum_on = issues["all-reduce"] if issues is not None and "all-reduce" in issues \
+            else ISSUERS["all-reduce"](group)
+
+        def end_everywhere() -> Any:
+            return sum_on(tiny)
+        sync = end_everywhere
     # One pair of buffers for every kind: the calls run one at a time.
     full = torch.zeros(max(max(sizes[k]) for k in kinds) // 4, dtype=torch.float32, device=device)
     sharded = [max(sizes[k]) for k in kinds if k != "all-reduce"]
@@ -319,7 +338,10 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
 
     def run_chain(call: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> None:
         fn, x = call
-        for w in [fn(*x) for _ in range(k)]:
+        works = [fn(*x) for _ in range(k)]
+        if len(x) == 2 and sync is not None:   # a reduce-scatter or all-gather
+            works.append(sync())
+        for w in works:
             w.wait()
 
     for _ in range(warmup):

@@ -70,7 +70,8 @@ class Probe:
 def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: int = 3,
                        group: Any = None, device: Any = "cpu", alone: int = 3,
                        issue: Callable[[Any], Any] | None = None,
-                       parts: int | Sequence[int] = 1, max_seconds: float = 0.0) -> Probe:
+                       parts: int | Sequence[int] = 1, max_seconds: float = 0.0,
+                       tail: Callable[[], Any] | None = None) -> Probe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -95,7 +96,9 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     bench pass the runtime's (:func:`usbyte_opt.collectives.issuers.block_issuer`), whose gloo event loop polls
     while a chain of blocks is on the wire and takes its core from the training thread. With
     ``parts`` > 1 a sample is that many equal blocks issued back to back, as the blocks of
-    an iteration are (one number for every size, or one per size).
+    an iteration are (one number for every size, or one per size). ``tail``: issued after each
+    chain, its completion ends the sample (a small all-reduce, for collectives that complete on
+    each rank at a different moment: see :func:`usbyte_opt.collectives.sweep.sweep_collectives`).
 
     Samples hit by a burst of load from elsewhere are dropped (:func:`.comm.robust`). After
     ``repeats`` passes over the sizes, passes are added while the last one moved the fit by
@@ -110,7 +113,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     if len(counts) != len(sizes):
         raise ValueError(f"comm_under_compute: {len(counts)} part counts for {len(sizes)} sizes")
     sampler = _Sampler(step, group, dev, issue if issue is not None else sum_issuer(group),
-                       sizes, counts)
+                       sizes, counts, tail)
     dist.barrier(group=group)
     for _ in range(alone):
         sampler.timed_step(sampler.solo)
@@ -131,6 +134,8 @@ class _Sampler:
     issue: Callable[[Any], Any]
     sizes: Sequence[int]
     counts: list[int]
+    tail: Callable[[], Any] | None = None
+    """Issued after each chain; its work ends the sample."""
     solo: list[float] = field(default_factory=list)
     """Iterations with nothing in flight."""
     times: list[list[float]] = field(default_factory=list)
@@ -167,15 +172,18 @@ class _Sampler:
         xs = self.chains[k]
         dist.barrier(group=self.group)
         ran: list[float] = []
+        def chain() -> list[Any]:
+            ws = [self.issue(x) for x in xs]
+            return ws + [self.tail()] if self.tail is not None else ws
+
         if self.clock is not None:
-            self.times[k].append(self.clock.collective(lambda: [self.issue(x) for x in xs],
-                                                       lambda: self.timed_step(ran)))
+            self.times[k].append(self.clock.collective(chain, lambda: self.timed_step(ran)))
             self.timed_step(self.solo)  # paired: a slow spell of the machine hits both sides alike
             self.clock.resolve()
         else:
             done_at: list[float] = []
             t0 = time.perf_counter()
-            ws = [self.issue(x) for x in xs]
+            ws = chain()
             ws[-1].get_future().add_done_callback(lambda _f: done_at.append(time.perf_counter()))
             while not done_at:
                 self.timed_step(ran)
