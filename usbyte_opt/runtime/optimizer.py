@@ -674,8 +674,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         first; local, so rank 0 alone may call it). In sharded mode, the full state gathered
         from every rank's shards, keyed as the unsharded optimizer over the model's
         parameters keys it: a collective, so call it on every rank and save on rank 0 (called
-        on rank 0 alone, as many checkpoint loops do, it waits for the other ranks until the
-        process group's timeout)."""
+        on rank 0 alone, as many checkpoint loops do, it raises
+        :class:`~usbyte_opt.errors.DistributedError` naming the ranks that did not come, after
+        waiting for them up to 300 s, or ``timeout`` if shorter)."""
         self._settle()
         if self._state.sharded is not None:
             return self._state.sharded.full_state()

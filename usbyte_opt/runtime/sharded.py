@@ -68,13 +68,14 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..collectives.issuers import all_gather_issuer, reduce_scatter_issuer
-from ..errors import UsbyteError
+from ..errors import DistributedError, UsbyteError, first_line
 from ..formats import Schedule
 from .buffers import FlatGrads, dense_strides
 from .comm import Channel
@@ -84,6 +85,9 @@ SHARDABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.opt
                                                       torch.optim.AdamW)
 #: Their per-element state (shaped like the parameter); every other key is one value per tensor.
 ELEMENTWISE = frozenset({"momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"})
+#: Seconds ``state_dict()`` waits for every rank to call it too (at most; less with a shorter
+#: ``timeout`` of the optimizer) before it raises instead of waiting out the process group.
+STATE_DICT_WAIT_S = 300.0
 
 
 def check_sharded(optimizer: torch.optim.Optimizer, schedule: Schedule, *,
@@ -710,7 +714,23 @@ class Sharded:
 
     def full_state(self) -> dict[str, Any]:
         """The full state dict, as an unsharded optimizer over the original parameters would
-        give it, gathered from every rank's shards (a collective: every rank calls it)."""
+        give it, gathered from every rank's shards (a collective: every rank calls it). The
+        ranks first meet at a monitored barrier: a rank that calls it while another does not
+        (``if rank == 0: save(opt.state_dict())``) raises within :data:`STATE_DICT_WAIT_S`
+        (or the optimizer's shorter ``timeout``), naming the ranks that did not come."""
+        ctl = self.chan.control
+        if ctl is not None:
+            limit = STATE_DICT_WAIT_S
+            if self.chan.host_timeout is not None:
+                limit = min(limit, self.chan.host_timeout.total_seconds())
+            try:
+                # Not in torch's stubs for ProcessGroup; gloo's backend has it.
+                ctl.monitored_barrier(timedelta(seconds=limit), True)  # type: ignore[attr-defined]
+            except RuntimeError as err:
+                raise DistributedError(
+                    f"rank {self.rank}: opt.state_dict() in sharded mode is a collective (it "
+                    "gathers every rank's shards): call it on every rank and save on rank 0; "
+                    f"waited {limit:g} s: {first_line(err)}") from err
         g = self.grads
         meta: dict[int, dict[str, Any]] = {}
         for (_, t, _, _), sp in zip(self.pieces, self.shard_params):
