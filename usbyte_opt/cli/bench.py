@@ -69,8 +69,8 @@ def bench(
              f"planned, not predicted, not in the default), {AUTO} the runtime planning in the "
              "run (no profile given to it), the others the usbyte-opt runtime with their "
              f"schedule: {', '.join(SHARDED_STRATEGIES)} in sharded mode (ZeRO-1: each rank "
-             "keeps the optimizer state of its shard), and with -zero2 appended "
-             "(best-sharded-zero2) the same schedule as ZeRO-2 (no flat gradient buffer). "
+             "keeps the optimizer state of its shard), and each of those with the suffix "
+             "-zero2: the same schedule as ZeRO-2 (no flat gradient buffer). "
              "state MB: the optimizer state of the rank holding most of it.")]
         = ", ".join(default_strategies()),
     profile: Annotated[Optional[Path], typer.Option(
