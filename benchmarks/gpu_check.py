@@ -46,7 +46,8 @@ gloo, which copies CUDA tensors through the host on streams of its own, carries 
    optimizer, then 2 ranks on gloo carrying CUDA tensors against DDP, with the planner's
    ``best-sharded`` schedule (grouped all-gathers) and SGD with momentum and AdamW, and AdamW
    with ``zero_stage=2`` (ZeRO-2: no flat gradient buffer); the wrapped optimizer's state
-   bytes per rank beside DDP's, and the runtime's gradient memory (``report()["memory"]``).
+   bytes per rank beside DDP's, the runtime's gradient memory (``report()["memory"]``) and
+   the CUDA allocator's peak while the runtime trains (ZeRO-2 against ZeRO-1).
    Catches a CUDA reduce-scatter or all-gather the backends refuse, a staging copy on the
    wrong stream, a gate that lets the forward read a parameter before its all-gather, a block's
    gradient storage freed while its reduce-scatter still reads it.
@@ -616,17 +617,26 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
     g = torch.Generator(device="cpu").manual_seed(rank)
     batches = [(torch.randn(32, 3, 16, 16, generator=g).to(dev),
                 torch.randint(0, 10, (32,), generator=g).to(dev)) for _ in range(4)]
-    for step in range(8):
+    for step in range(8):   # the reference first, so that the CUDA peak below is the runtime's
         x, y = batches[step % 4]
         F.cross_entropy(fwd(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+    cuda = dev.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats(dev)
+        start = torch.cuda.memory_allocated(dev)
+    for step in range(8):
+        x, y = batches[step % 4]
         F.cross_entropy(mod(x), y).backward(); opt.step(); opt.zero_grad()
     opt.synchronize()
-    if dev.type == "cuda":
+    if cuda:
         torch.cuda.synchronize()
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
     out = {"diff": diff, "state_bytes": _state_bytes(inner), "ref_state_bytes": _state_bytes(o_ref),
            "all_gathers": len(sched.gather_groups()), "blocks": len(sched.blocks),
            "memory": opt.report()["memory"]}
+    if cuda:   # what the allocator saw: ZeRO-2 against ZeRO-1 on the same model
+        out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated(dev) - start
     opt.close()
     return out
 
@@ -786,7 +796,9 @@ def report(res: dict[str, Any]) -> str:
                                      f"{c['all_gathers']} all-gathers" + (
                                          "; gradient memory kept {kept} bytes, backward "
                                          "peak {backward_peak}".format(**c["memory"])
-                                         if "memory" in c else ""))
+                                         if "memory" in c else "") + (
+                                         f"; CUDA peak {c['cuda_peak_bytes']} bytes above the "
+                                         "start" if "cuda_peak_bytes" in c else ""))
         elif name == "flow":
             if r.get("command"):
                 lines.append(f"- {r['command']}")

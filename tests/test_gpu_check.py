@@ -67,7 +67,8 @@ def test_report_renders_every_part_as_the_gpu_would_give_it(tmp_path):
         "sharded": {"ok": False, "nccl_one_rank": {"error": "RuntimeError: no reduce_scatter"},
                     "two_ranks": [{"sgd": {"diff": 0.0, "state_bytes": 10, "ref_state_bytes": 20,
                                            "blocks": 3, "all_gathers": 2,
-                                           "memory": {"kept": 0, "backward_peak": 64}}},
+                                           "memory": {"kept": 0, "backward_peak": 64},
+                                           "cuda_peak_bytes": 512}},
                                   {"error": "X: y"}]},
         "flow": {"ok": False, "error": "timed out after 120 s (killed)", "part_s": 120.0},
     }
@@ -82,8 +83,8 @@ def test_report_renders_every_part_as_the_gpu_would_give_it(tmp_path):
     assert "rank 1: FAILED: DistributedError" in text and "## flow: FAILED (120 s)" in text
     assert "NCCL, world size 1, vs the plain optimizer, rank 0: FAILED: RuntimeError" in text
     assert "CUDA tensors, vs DDP, rank 0, sgd: max |sharded - reference| = 0; optimizer state " \
-        "10 bytes vs 20; 3 reduce-scatters, 2 all-gathers; gradient memory kept 0 bytes, backward peak 64" \
-        in text
+        "10 bytes vs 20; 3 reduce-scatters, 2 all-gathers; gradient memory kept 0 bytes, " \
+        "backward peak 64; CUDA peak 512 bytes above the start" in text
     # A result the report does not foresee still leaves a file.
     (tmp_path / "parts").mkdir()
     out = check._write(tmp_path, {"imports": {"ok": True, "modules": 3}})
