@@ -972,7 +972,7 @@ def test_gradient_memory(results: list[dict[str, dict]]) -> None:
         assert "error" not in got, got["error"]
         mem, full = got["memory"], got["full_bytes"]
         assert got["none_after_step"] == [True] * 4
-        assert mem["optimizer_state"] > 0 and mem["gradient_shards"] >= full // 2
+        assert mem["optimizer_state"] > 0 and mem["shards"] >= full // 2
         # Six unpadded blocks gathered alone: the all-to-all receive buffer is one block.
         assert 0 < mem["backward_peak"] <= mem["zero_stage"] * got["block_bytes"] < full / 2, \
             (mem, got)

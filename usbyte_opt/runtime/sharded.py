@@ -828,7 +828,8 @@ class Sharded:
 
         * ``zero_stage``;
         * ``optimizer_state``: the wrapped optimizer's tensors (this rank's shards only);
-        * ``gradient_shards``: the reduce-scatter outputs and the parameter shards, kept;
+        * ``shards``: the reduce-scatter outputs (this rank's shards of the averaged gradients)
+          and the parameter shards (the all-gathers' inputs), kept;
         * ``kept``: what else is held for the whole run, through forward's activation peak:
           ZeRO-1's flat buffers and its staging tensors; 0 in ZeRO-2;
         * ``backward_peak``: the most transient gradient memory held at once in backward
@@ -845,7 +846,7 @@ class Sharded:
         staging = sum(self.ws * g.numel() * g.element_size()
                       for i, g in enumerate(self.g_in) if self.zero2 or self.g_out[i] is not None)
         return {"zero_stage": 2 if self.zero2 else 1, "optimizer_state": state,
-                "gradient_shards": nbytes(self.rs_out) + nbytes(self.g_in),
+                "shards": nbytes(self.rs_out) + nbytes(self.g_in),
                 "kept": 0 if self.zero2 else nbytes(self.grads.flats) + staging
                 + nbytes([t for t in self.stage if t is not None and t._base is None]),
                 "backward_peak": self.peak_grad_bytes,
