@@ -11,6 +11,7 @@ the runs agree bitwise.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -151,37 +152,32 @@ def train(make: Callable[[], nn.Module], opt: Callable, batch: Callable, rank: i
             sc.step(o)
             sc.update()
 
+    def one_step(net: nn.Module, root: nn.Module, o: Any, sc: Any, step: int,
+                 no_sync: Callable | None, clip_norm: Callable[[], torch.Tensor]) -> Any:
+        """One step on one side: the passes (all but the last inside ``no_sync``, when
+        given), the dropped gradient, clipping, the step; returns the clipped norm."""
+        for i in range(passes):
+            x, y = batch(rank, passes * step + i)
+            with no_sync() if no_sync is not None and i < passes - 1 else contextlib.nullcontext():
+                backward(mse(fwd(net, x, step), y) / passes, sc)
+        if drop is not None:
+            root.get_parameter(drop).grad = None
+        norm = None
+        if clip is not None:
+            if sc is not None:
+                sc.unscale_(o)
+            norm = clip_norm()
+        step_(o, sc)
+        return norm
+
     for step in range(steps):
-        for i in range(passes):
-            x, y = batch(rank, passes * step + i)
-            if i < passes - 1:
-                with ddp.no_sync():
-                    backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
-            else:
-                backward(mse(fwd(ddp, x, step), y) / passes, sc_ref)
-        if drop is not None:
-            ref.get_parameter(drop).grad = None
-        if clip is not None:
-            if sc_ref is not None:
-                sc_ref.unscale_(o_ref)
-            n_ref = nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type)
-        step_(o_ref, sc_ref)
+        n_ref = one_step(ddp, ref, o_ref, sc_ref, step, ddp.no_sync,
+                         lambda: nn.utils.clip_grad_norm_(ref.parameters(), clip, norm_type))
         o_ref.zero_grad(set_to_none=set_to_none)
-        for i in range(passes):
-            x, y = batch(rank, passes * step + i)
-            if use_no_sync and i < passes - 1:
-                with o_usb.no_sync():
-                    backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
-            else:
-                backward(mse(fwd(mod, x, step), y) / passes, sc_usb)
-        if drop is not None:
-            mod.get_parameter(drop).grad = None
+        n_usb = one_step(mod, mod, o_usb, sc_usb, step, o_usb.no_sync if use_no_sync else None,
+                         lambda: o_usb.clip_grad_norm_(clip, norm_type))
         if clip is not None:
-            if sc_usb is not None:
-                sc_usb.unscale_(o_usb)
-            n_usb = o_usb.clip_grad_norm_(clip, norm_type)
             norms.append((n_ref.item(), n_usb.item()))
-        step_(o_usb, sc_usb)
         if sc_ref is not None and sc_usb is not None:
             scales.append((sc_ref.get_scale(), sc_usb.get_scale()))
             sh = o_usb._state.sharded
@@ -441,7 +437,7 @@ def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:
         cddp = torch.compile(DDP(ref), backend=backend)
         cmod = torch.compile(mod, backend=backend)
         o_usb = usb(OPTIMIZERS["adam"](mod.parameters()), cmod, verify=False,
-                                     schedule=grouped(GATHERS_7)(mod, ws))
+                    schedule=grouped(GATHERS_7)(mod, ws))
         for step in range(4):
             x, y = image_batch(rank, step)
             for net, o in ((cddp, o_ref), (cmod, o_usb)):
@@ -527,7 +523,7 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
     twin = SmallCNN()
     twin.load_state_dict(ref.state_dict())
     t_usb = usb(make(twin.parameters()), twin, verify=False,
-                                 schedule=sharded(sched_crosscut)(twin, ws))
+                schedule=sharded(sched_crosscut)(twin, ws))
     t_usb.load_state_dict(plain_sd)
     # 3. The same, the state loaded into the optimizer before it is wrapped.
     twin2 = SmallCNN()
@@ -535,7 +531,7 @@ def case_state_dict(opt_name: str, rank: int, ws: int) -> dict:
     loaded = make(twin2.parameters())
     loaded.load_state_dict(plain_sd)
     t2_usb = usb(loaded, twin2, verify=False,
-                                  schedule=sharded(sched_crosscut)(twin2, ws))
+                 schedule=sharded(sched_crosscut)(twin2, ws))
     for step in range(STEPS, STEPS + 3):
         x, y = image_batch(rank, step)
         for m, o in ((mod, o_usb), (f_ddp, f_opt), (ddp, o_ref), (twin, t_usb),
@@ -566,7 +562,7 @@ def case_gated(rank: int, ws: int) -> dict:
     ddp = DDP(ref)
     o_ref = OPTIMIZERS["adam"](ref.parameters())
     o_usb = usb(OPTIMIZERS["adam"](mod.parameters()), mod, verify=False,
-                                 schedule=SHARDED_CROSSCUT(mod, ws))
+                schedule=SHARDED_CROSSCUT(mod, ws))
     out: dict[str, Any] = {"pending_after_step": [], "stale_after_step": []}
     xe, _ = image_batch(99, 0)
     worst = 0.0
@@ -608,7 +604,7 @@ def case_refusals(rank: int, ws: int) -> dict:
     def build(opt: Callable, **kw: Any) -> DistributedOptimizer:
         m = SmallCNN()
         return usb(opt(m.parameters()), m, verify=False,
-                                    schedule=sharded(sched_crosscut)(m, ws), **kw)
+                   schedule=sharded(sched_crosscut)(m, ws), **kw)
 
     out["rmsprop"] = _refused(lambda: build(lambda ps: torch.optim.RMSprop(ps, lr=0.01)))
     out["wait_in_backward"] = _refused(lambda: build(OPTIMIZERS["adam"], wait_in_backward=True))
@@ -616,7 +612,7 @@ def case_refusals(rank: int, ws: int) -> dict:
     def build_gathers(make: Callable[[], nn.Module], gathers: tuple) -> DistributedOptimizer:
         m = make()
         return usb(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
-                                    schedule=grouped(gathers)(m, ws))
+                   schedule=grouped(gathers)(m, ws))
 
     out["gathers_missing"] = _refused(lambda: build_gathers(SmallCNN, ((2, 0), (3, 1), (6,))))
     out["gathers_twice"] = _refused(lambda: build_gathers(SmallCNN, GATHERS_7 + ((0,),)))
@@ -624,7 +620,7 @@ def case_refusals(rank: int, ws: int) -> dict:
     out["gathers_dtypes"] = _refused(lambda: build_gathers(Mixed, mixed))
     m = SmallCNN()
     o = usb(OPTIMIZERS["adam"](m.parameters()), m, verify=False,
-                             schedule=sharded(sched_crosscut)(m, ws))
+            schedule=sharded(sched_crosscut)(m, ws))
     x, y = image_batch(rank, 0)
     mse(m(x), y).backward()
     out["synchronize"] = _refused(o.synchronize)

@@ -307,6 +307,7 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
                               f"(4 times the world size {world}), got {bad[0]}")
     issue = {k: (issues[k] if issues is not None and k in issues else ISSUERS[k](group)) for k in kinds}
     # The end of a reduce-scatter or all-gather sample on every rank (see above).
+    Call = tuple[Issue, tuple[torch.Tensor, ...], Callable[[], Any] | None]
     sync: Callable[[], Any] | None = None
     if world > 1:
         tiny = torch.zeros(1, dtype=torch.float32, device=device)
@@ -331,16 +332,18 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
 
     # Every (kind, size), in sweep order.
     items = [(kind, b) for kind in kinds for b in sizes[kind]]
-    calls = [(issue[kind], arguments(kind, b)) for kind, b in items]
+    # Each call with the tail that ends its sample (reduce-scatter, all-gather: see above).
+    calls = [(issue[kind], arguments(kind, b), None if kind == "all-reduce" else sync)
+             for kind, b in items]
     counts = [repeats * SMALL_REPEAT_FACTOR if b < SMALL_BYTES else repeats for _, b in items]
     chains = [chain if b < SMALL_BYTES else 1 for _, b in items]
     phase = kinds[0] if len(kinds) == 1 else "collectives"
 
-    def run_chain(call: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> None:
-        fn, x = call
+    def run_chain(call: Call, k: int) -> None:
+        fn, x, tail = call
         works = [fn(*x) for _ in range(k)]
-        if len(x) == 2 and sync is not None:   # a reduce-scatter or all-gather
-            works.append(sync())
+        if tail is not None:
+            works.append(tail())
         for w in works:
             w.wait()
 
@@ -348,7 +351,7 @@ def sweep_collectives(sizes: Mapping[str, Sequence[int]], repeats: int = 5, warm
         for c, k in zip(calls, chains):
             run_chain(c, k)
 
-    def timed(c: tuple[Issue, tuple[torch.Tensor, ...]], k: int) -> float:
+    def timed(c: Call, k: int) -> float:
         if cuda:
             torch.cuda.synchronize(device)
         if barrier is not None:

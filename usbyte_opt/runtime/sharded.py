@@ -66,6 +66,7 @@ every tensor they hold is copied.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from datetime import timedelta
@@ -300,9 +301,13 @@ class Sharded:
         #: Backward's transient gradient memory alive (weak references and bytes: ZeRO-2's
         #: block storage, an all-to-all's receive buffer; a reduce-scatter in flight holds
         #: its input), its most bytes at once so far, and what frees the storage of the
-        #: finished reduce-scatters (``StepComm.reap``, set by ``install`` in ZeRO-2).
-        self.live: list[tuple[weakref.ref, int]] = []
+        #: finished reduce-scatters (``StepComm.reap``, set by ``install``).
+        self.live: set[weakref.ref] = set()
+        self.live_bytes = 0
         self.peak_grad_bytes = 0
+        # A tensor may be freed on a backend's thread (its work let go of it last), or by a
+        # garbage collection inside the locked section itself: a reentrant lock.
+        self._live_lock = threading.RLock()
         self.reap: Callable[[], None] = lambda: None
         #: GradScaler (:meth:`expose`): the shard gradients shown to it this step, or None;
         #: the sentinel parameter carrying every rank's verdict; this rank's own flag.
@@ -347,15 +352,25 @@ class Sharded:
     # -- ZeRO-2: gradient storage per block ---------------------------------------------
 
     def _track(self, x: torch.Tensor) -> None:
-        self.live = [(r, b) for r, b in self.live if r() is not None]
-        self.live.append((weakref.ref(x), x.numel() * x.element_size()))
-        self.peak_grad_bytes = max(self.peak_grad_bytes, sum(b for _, b in self.live))
+        """Count ``x`` in :meth:`grad_bytes` until it is freed (a weak reference's callback:
+        no scan of what is alive, once per block and step)."""
+        nbytes = x.numel() * x.element_size()
+
+        def gone(ref: weakref.ref) -> None:
+            with self._live_lock:
+                self.live.discard(ref)
+                self.live_bytes -= nbytes
+
+        with self._live_lock:
+            self.live.add(weakref.ref(x, gone))
+            self.live_bytes += nbytes
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self.live_bytes)
 
     def grad_bytes(self) -> int:
         """The bytes of backward's transient gradient memory alive now: ZeRO-2's storage of
         the blocks not issued yet and of those whose reduce-scatter has not been reaped, and
         receive buffers of reduce-scatters not waited for."""
-        return sum(b for r, b in self.live if r() is not None)
+        return self.live_bytes
 
     def storage(self, k: int) -> torch.Tensor:
         """ZeRO-2: block ``k``'s gradient storage for this step, allocated (zeros: a tensor
