@@ -1,6 +1,8 @@
 """The runtime: apply a schedule in data-parallel training (docs/design.md §5, docs/runtime.md).
 
-:class:`DistributedOptimizer` wraps the user's optimizer, Horovod-style::
+:class:`DistributedDataParallel` takes DDP's place (``model = DistributedDataParallel(model)``,
+the rest of a DDP script unchanged); :class:`DistributedOptimizer` wraps the user's optimizer,
+Horovod-style::
 
     opt = DistributedOptimizer(torch.optim.AdamW(model.parameters()), model)
     for x, y in data:
@@ -15,7 +17,8 @@ hooks, issue order, end of backward, the update rule, the step's phase), :mod:`.
 (pending updates, on the host or on a CUDA update stream), :mod:`.forward` (forward gates,
 module buffers, ``torch.compile``), :mod:`.amp` (GradScaler), :mod:`.buffers` (flat gradient
 buffers), :mod:`.comm` (collectives, streams, averaging), :mod:`.checks` (start-up checks),
-:mod:`.exit_hook` (optimizers left open at exit), :mod:`.default_plan` (a plan without a
+:mod:`.guard` (DDP's contract for code that touches gradients or parameters in flight),
+:mod:`.wrapper` (DDP's surface), :mod:`.exit_hook` (optimizers left open at exit), :mod:`.default_plan` (a plan without a
 profile), :mod:`.autotune` (planning inside the run) and :mod:`.trace` (the measured
 timeline). Several ranks on this machine, for tests, examples and benchmarks:
 :func:`usbyte_opt.launcher.run_local`.
@@ -25,6 +28,7 @@ from ..env import SCHEDULE_ENV
 from .checks import UsbyteWarning
 from .default_plan import default_schedule, model_tensors, profile_from_model, split_blocks
 from .optimizer import DistributedOptimizer
+from .wrapper import DistributedDataParallel
 
-__all__ = ["DistributedOptimizer", "SCHEDULE_ENV", "UsbyteWarning", "default_schedule",
+__all__ = ["DistributedDataParallel", "DistributedOptimizer", "SCHEDULE_ENV", "UsbyteWarning", "default_schedule",
            "model_tensors", "profile_from_model", "split_blocks"]

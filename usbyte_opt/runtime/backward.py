@@ -110,6 +110,8 @@ class StepComm:
         self.phase = Phase.IDLE
         #: The final callback of the running backward pass is queued (a pass is running).
         self.in_pass = False
+        #: A backward through the model's outputs runs; its callback ends the pass.
+        self.outer = False
         self.issued_by = ""             # what issued them before the end of backward
         self.discard: bool | None = None  # zero_grad() between backward and step()
         self.usage: torch.Tensor | None = None
@@ -136,6 +138,13 @@ class StepComm:
         #: issue, so that what they hold goes (:meth:`reap`).
         self.reaping = False
         self.reaped = 0                 # blocks before it are reaped (or not issued yet)
+        #: Arms the tensors while their gradients are in flight (:mod:`.guard`), or None.
+        self.guard: Any = None
+        #: Keep the gradient guard armed after the wait (sharded mode: ``p.grad`` never holds
+        #: the average, so reads stay refused until ``step()``).
+        self.keep_grad_guard = False
+        #: Tensors whose ``p.grad`` was set to the view by :meth:`expose_used` this step.
+        self.exposed = [False] * n
 
     # -- backward ----------------------------------------------------------------------------
 
@@ -156,8 +165,10 @@ class StepComm:
                                   "update was applied (it was used outside the forward of the "
                                   "modules that own it); call opt.synchronize() before such a "
                                   "forward")
-            count[t] += 1
             last = self.phase is LAST_PASS
+            if last and final[t]:
+                self.twice(name)
+            count[t] += 1
             grad = p.grad
             if grad is not view:
                 # Without stored buffers (ZeRO-2) a pass that only accumulates leaves the
@@ -179,13 +190,40 @@ class StepComm:
                 self.mark_ready(t)
         return hook
 
+    def twice(self, name: str) -> None:
+        """A second gradient of one tensor in one backward pass: reentrant activation
+        checkpointing (``checkpoint(..., use_reentrant=True)``) with the tensor used in two
+        checkpointed segments. Its blocks may have gone out with the first part only."""
+        raise UsbyteError(f"parameter {name!r} got two gradients in one backward pass (reentrant "
+                          "activation checkpointing with the parameter used in two checkpointed "
+                          "segments): its all-reduce could go out with part of its gradient; use "
+                          "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), as DDP "
+                          "also requires (or static_graph=True there)")
+
+    def output_grad(self, grad: torch.Tensor) -> None:
+        """Gradient hook of the model's outputs: a backward through the model starts. Its
+        end is noted by a callback queued here, in the outermost backward, so that a reentrant
+        backward inside it (reentrant activation checkpointing, which runs one backward per
+        segment) does not end the pass early: the pass's gradients then end with it."""
+        if not self.outer:
+            self.outer = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.outer_end)
+
+    def outer_end(self) -> None:
+        self.outer = False
+        if self.in_pass:
+            self.end_pass()
+
     def pre_hook(self, t: int) -> Callable[[torch.Tensor], None]:
         """Tensor ``t``'s gradient hook, before autograd accumulates it (ZeRO-2, where
         ``p.grad`` is a placeholder after the step's last pass that cannot be accumulated
         into): a gradient after the step was issued is refused here, as :meth:`hook` does."""
         name = self.grads.names[t]
+        final = self.final
 
         def pre(grad: torch.Tensor) -> None:
+            if self.phase is LAST_PASS and final[t]:
+                self.twice(name)
             if self.phase is ISSUED or self.phase is WAITED:
                 if not self.in_pass:
                     self.begin_pass()   # the pass counted, as hook() counts it
@@ -223,7 +261,8 @@ class StepComm:
         if self.phase is IDLE or self.phase is ACCUMULATING:
             last = self.passes >= self.k and not self.no_sync
             self._enter(LAST_PASS if last else ACCUMULATING)
-        torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
+        if not self.outer:   # else the outermost backward's callback ends the pass
+            torch.autograd.Variable._execution_engine.queue_callback(self.end_pass)
         self.in_pass = True
 
     def begin_step(self) -> None:
@@ -234,7 +273,9 @@ class StepComm:
             self.flushed.append(t)
 
     def clear_flushed(self) -> None:
-        """A new forward starts: tensors updated late are current again."""
+        """A new forward starts: tensors updated late are current again (and a backward that
+        raised before its end left nothing behind)."""
+        self.outer = False
         for t in self.flushed:
             self.flushed_flag[t] = False
         self.flushed.clear()
@@ -248,6 +289,8 @@ class StepComm:
             self.finish()
             if self.wait_in_backward:
                 self.complete("backward()")
+            elif self.guard is not None:
+                self.guard.arm_grads()   # DDP's contract for code that reads p.grad now
 
     def mark_ready(self, t: int) -> None:
         rem = self.rem
@@ -334,10 +377,26 @@ class StepComm:
             self.usage_work = self.chan.control_all_reduce(self.usage)
             self.global_used = None
         self._enter(ISSUED)
+        if not self.find_unused and self.passes:
+            self.check_all_used()
+
+    def check_all_used(self) -> None:
+        """``find_unused_parameters=False``: every tensor must have had a gradient this step,
+        as DDP requires (it raises at the next forward). Raised after everything of the step
+        was issued, so that no other rank waits for a block of this one."""
+        unused = [self.grads.names[t] for t in range(self.n) if self.count[t] == 0]
+        if unused:
+            more = f" and {len(unused) - 1} more" if len(unused) > 1 else ""
+            raise UsbyteError(f"parameter {unused[0]!r}{more} got no gradient in this step, with "
+                              "find_unused_parameters=False (DDP raises here too): pass "
+                              "find_unused_parameters=True, or freeze the parameters that are "
+                              "not used (requires_grad_(False)) before wrapping")
 
     def complete(self, by: str) -> None:
         """Issue (if a caller needs it before the end of backward) and wait for everything of
         this step; then every tensor some rank used has the average in ``p.grad``."""
+        if self.guard is not None and not self.keep_grad_guard:
+            self.guard.disarm_grads()
         if self.phase is not ISSUED and self.phase is not WAITED:
             self.issued_by = by
             self.finish()
@@ -375,6 +434,7 @@ class StepComm:
             if not placed[t] and (local[t] or (used is not None and used[t])) \
                     and g.params[t].grad is None:
                 g.params[t].grad = g.views[t]
+                self.exposed[t] = True
 
     def what(self, k: int) -> str:
         b = self.schedule.blocks[k]
@@ -404,8 +464,9 @@ class StepComm:
         keep = list(in_opt)
         local = self.local.copy()
         params, placed = self.grads.params, self.placed
+        exposed = self.exposed
         for t in range(self.n):  # the user dropped p.grad after backward: DDP would skip it
-            if placed[t] and params[t].grad is None:
+            if (placed[t] or exposed[t]) and params[t].grad is None:
                 local[t] = keep[t] = False
         if not self.find_unused:
             return lambda t: keep[t]
@@ -433,7 +494,10 @@ class StepComm:
         self.final[:] = [False] * n
         self.local[:] = [False] * n
         self.placed[:] = [False] * n
+        self.exposed[:] = [False] * n
         self.rem[:] = self.rem0
+        if self.guard is not None:
+            self.guard.disarm_grads()
         self.next = 0
         self.reaped = 0
         self.passes = 0

@@ -23,7 +23,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -48,9 +48,11 @@ class ForwardGates:
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  updates: Updates, chan: Channel,
-                 buffers: list[torch.Tensor], clear_flushed: Callable[[], None]):
+                 buffers: list[torch.Tensor], clear_flushed: Callable[[], None],
+                 output_grad: Callable[[torch.Tensor], None] | None = None):
         self.model, self.updates, self.chan, self.buffers = model, updates, chan, buffers
         self.clear_flushed = clear_flushed
+        self.output_grad = output_grad
         self.buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
         self.probe: Any = None          # the tuner's measurement of this iteration, or None
         self.learning = True            # first iteration: which tensors bypass their modules
@@ -162,13 +164,23 @@ class ForwardGates:
 
     def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling():
-            return torch._dynamo.disable(_compiled_post)(self, module)
+            return torch._dynamo.disable(_compiled_post)(self, module, output)
         if self.depth > 1:
             return None  # an inner root forward: buffers go out once, after the outer one
         if self.probe is not None and module.training and torch.is_grad_enabled():
             self.probe.forward_end()
         self.broadcast_buffers(module)
+        self.hook_outputs(module, output)
         return None
+
+    def hook_outputs(self, module: torch.nn.Module, output: Any) -> None:
+        """A training forward: its outputs' gradient hooks start the backward pass in the
+        outermost backward (:meth:`.backward.StepComm.output_grad`)."""
+        if self.output_grad is None or not torch.is_grad_enabled():
+            return
+        for t in _output_tensors(output):
+            if t.requires_grad:
+                t.register_hook(self.output_grad)
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:
         if self.buffers and module.training and torch.is_grad_enabled():
@@ -199,8 +211,22 @@ def _compiled_pre(gates: ForwardGates) -> None:
         gates.updates.flush()
 
 
-def _compiled_post(gates: ForwardGates, module: torch.nn.Module) -> None:
+def _compiled_post(gates: ForwardGates, module: torch.nn.Module, output: Any = None) -> None:
     gates.broadcast_buffers(module)
+    gates.hook_outputs(module, output)
+
+
+def _output_tensors(output: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The tensors of a forward's output (tensors, sequences and mappings, a few levels)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if depth > 3:
+        return []
+    if isinstance(output, (list, tuple)):
+        return [t for o in output for t in _output_tensors(o, depth + 1)]
+    if isinstance(output, Mapping):
+        return [t for o in output.values() for t in _output_tensors(o, depth + 1)]
+    return []
 
 
 class _Detached:

@@ -22,6 +22,7 @@ from .backward import StepComm
 from .buffers import FlatGrads
 from .comm import Channel
 from .forward import ForwardGates, _Hook
+from .guard import Guard
 from .sharded import GatherBack, Sharded
 from .updates import HostUpdates, StreamUpdates, SubsetStepper, Updates
 
@@ -71,6 +72,8 @@ class Installed:
         handles: every hook handle :func:`install` registered (:meth:`remove` removes them).
         trace: the recorder of the measured timeline, or None.
         sharded: the shards of sharded mode (:mod:`.sharded`), or None.
+        guard: DDP's contract for code that touches a tensor whose gradient or update is
+            still in flight (:mod:`.guard`).
     """
 
     schedule: Schedule
@@ -85,6 +88,9 @@ class Installed:
     handles: list[Any]
     trace: Recorder | None
     sharded: Sharded | None = None
+    guard: Guard | None = None
+    #: Runtime indices in ``model.parameters()`` order (computed when first needed).
+    model_order: list[int] | None = None
 
     @property
     def mode(self) -> Mode:
@@ -110,6 +116,8 @@ class Installed:
 
     def remove(self) -> None:
         """Remove the hooks and give the parameters their own gradients back."""
+        if self.guard is not None:
+            self.guard.disarm_all()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -186,7 +194,19 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     else:
         updates = HostUpdates(grads, stepper, chan.wait, comm.what, trace)
     gates = ForwardGates(model, grads.params, updates, chan, options.buffers,
-                         comm.clear_flushed)
+                         comm.clear_flushed, comm.output_grad)
+
+    def settle_param(ts: list[int]) -> None:
+        """A tensor with a pending update was touched: run its update first."""
+        updates.gate(ts)
+        guard.disarm(ts)
+
+    guard = Guard(grads.params, lambda what: comm.complete(what), settle_param)
+    guard.names = grads.names
+    comm.guard = updates.guard = guard
+    if sharded is not None:
+        comm.keep_grad_guard = True
+        guard.refuse_grads = sharded.refuse_grad_access
     if previous is not None:
         seen, extra = previous.learned()
         gates.learning = False
@@ -206,4 +226,4 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         trace.install(model)   # after the gates: its forward start runs before theirs
     return Installed(schedule, source, grads, stepper, in_opt,
                      [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
-                     trace, sharded)
+                     trace, sharded, guard)

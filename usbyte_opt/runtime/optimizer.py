@@ -333,7 +333,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 else int(align_bytes), zero_stage)
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
+        ids = {id(p) for _, p in params}
+        seen: set[int] = set()
+        #: Parameters frozen at wrapping (a gradient later means one was unfrozen).
+        self._frozen: list[tuple[str, torch.nn.Parameter]] = []
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) not in ids and id(p) not in seen:
+                seen.add(id(p))
+                self._frozen.append((name, p))
+        self._shape: tuple[int, ...] | None = None
         self._state = self._install(sched, source)
+        self._shape = self._group_shape()
         self._closed = False
         OPEN.add(self)
         self._tuner: Tuner | None = None
@@ -392,6 +402,37 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                       f"{list(p.shape)}) is not a parameter of the model: the "
                                       "runtime only averages and updates the model's parameters")
 
+    def _group_shape(self) -> tuple[int, ...]:
+        return tuple(len(g["params"]) for g in self._opt.param_groups)
+
+    def _check_unchanged(self) -> None:
+        """At ``step()``: refuse what would silently train differently from DDP, on every
+        rank alike (every rank runs the same code): a parameter unfrozen after wrapping (its
+        gradient is never averaged) and a param group added to the wrapped optimizer."""
+        for name, p in self._frozen:
+            if p.requires_grad and p.grad is not None:
+                raise UsbyteError(f"parameter {name!r} was frozen when the DistributedOptimizer "
+                                  "was built and has a gradient now: its gradient would never "
+                                  "be averaged; unfreeze before wrapping (or wrap again)")
+        if self._shape is not None and self._group_shape() != self._shape:
+            raise UsbyteError("the wrapped optimizer's param groups changed after wrapping "
+                              "(add_param_group?): those parameters would not be averaged; add "
+                              "the group before creating the DistributedOptimizer")
+
+    def _honour_assigned(self) -> None:
+        """``p.grad`` replaced after the step's gradients were waited for (gradient surgery,
+        a callback): the step uses the new tensor, as DDP's optimizer would. It is copied into
+        the tensor's view, which the update reads."""
+        st = self._state
+        comm, views, params = st.comm, st.grads.views, st.grads.params
+        with torch.no_grad():
+            for t in range(st.n):
+                g = params[t].grad
+                if g is None or g is views[t] or not (comm.placed[t] or comm.exposed[t]):
+                    continue
+                views[t].copy_(g)
+                params[t].grad = views[t]
+
     # ------------------------------------------------------------------------------------
     # Optimizer interface
     # ------------------------------------------------------------------------------------
@@ -413,8 +454,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             comm = st.comm
             if comm.phase is not Phase.IDLE and not comm.accumulating:
                 comm.complete("GradScaler")
-                st.sharded.expose([st.in_opt[t] and p.grad is not None
-                                   for t, p in enumerate(st.grads.params)])
+                with torch._C.DisableTorchFunctionSubclass():
+                    st.sharded.expose([st.in_opt[t] and p.grad is not None
+                                       for t, p in enumerate(st.grads.params)])
         return self._opt.param_groups
 
     @property
@@ -474,6 +516,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if st.trace is not None:
             st.trace.step()
         comm, stepper, mode = st.comm, st.stepper, st.mode
+        with torch._C.DisableTorchFunctionSubclass():
+            self._check_unchanged()
+        waited = comm.phase is Phase.WAITED
+        if st.guard is not None:
+            st.guard.disarm_grads()
+        if waited and st.sharded is None and st.grads.stored:
+            self._honour_assigned()   # p.grad = new_tensor after the wait: stepped as DDP
         comm.finish()  # every rank issues the whole step here at the latest
         found_inf = getattr(self, "found_inf", None)
         skip = False
@@ -510,6 +559,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.grads.release()
         stepper.attrs = {}
         comm.reset(clear_zero_intent=mode != Mode.FENCE)
+        if mode != Mode.FENCE and st.guard is not None and st.updates.n_pending:
+            pend = st.updates.pending
+            st.guard.arm_params(range(st.n) if pend is None else
+                                [t for t in range(st.n) if pend[t]])
         st.gates.learning = False
         if self._tuner is not None:
             self._tuner.after_step()
@@ -526,6 +579,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         Between backward and ``step()`` it first waits for this step's all-reduce (in sharded
         mode, reduce-scatters), then discards the gradients.
         """
+        with torch._C.DisableTorchFunctionSubclass():
+            self._zero_grad(set_to_none)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
         st = self._state
         g, comm = st.grads, st.comm
         if comm.phase is Phase.ISSUED:
@@ -649,15 +706,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 return torch.tensor(0.0)
             sh = st.sharded
             if sh.param_order is None:  # the model's parameter order, once per schedule
-                index = {id(p): t for t, p in enumerate(st.grads.params)}
-                sh.param_order = [index[id(p)] for p in self._model.parameters()
-                                  if id(p) in index]
-            return sh.clip(max_norm, norm_type, [p.grad is not None for p in st.grads.params],
-                           sh.param_order, error_if_nonfinite, foreach)
-        params = [p for p in st.grads.params if p.grad is not None]
+                sh.param_order = self._model_order()
+            with torch._C.DisableTorchFunctionSubclass():
+                flags = [p.grad is not None for p in st.grads.params]
+            return sh.clip(max_norm, norm_type, flags, sh.param_order, error_if_nonfinite, foreach)
+        # In the model's parameter order, as torch.nn.utils.clip_grad_norm_(model.parameters())
+        # sums the per-tensor norms: the same total, bitwise.
+        gp = st.grads.params
+        params = [gp[t] for t in self._model_order() if gp[t].grad is not None]
         return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
                                               error_if_nonfinite=error_if_nonfinite,
                                               foreach=foreach)
+
+    def _model_order(self) -> list[int]:
+        """The runtime indices of the trainable tensors in ``model.parameters()`` order."""
+        st = self._state
+        if st.model_order is None:
+            index = {id(p): t for t, p in enumerate(st.grads.params)}
+            st.model_order = [index[id(p)] for p in self._model.parameters() if id(p) in index]
+        return st.model_order
 
     def _settle_hook(self, *args: Any, **kwargs: Any) -> None:
         self._settle()
@@ -708,6 +775,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         full = sharded.full_state() if sharded is not None else None
         self._state.remove()
         self._release()
+        self._opt.__dict__.pop("_usbyte_rt", None)   # a taken-over optimizer is plain again
         if sharded is not None and full is not None:
             sharded.restore()
             self._opt.load_state_dict(full)

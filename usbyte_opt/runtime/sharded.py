@@ -80,6 +80,7 @@ from ..errors import DistributedError, UsbyteError, first_line
 from ..formats import Schedule
 from .buffers import FlatGrads, dense_strides
 from .comm import Channel
+from .updates import inner_step
 
 #: The optimizers sharded mode steps: elementwise updates, whose state it can shard.
 SHARDABLE: tuple[type[torch.optim.Optimizer], ...] = (torch.optim.SGD, torch.optim.Adam,
@@ -462,7 +463,7 @@ class Sharded:
                         sub.append(sp)
                 grp["params"] = sub
             with torch.inference_mode(False):
-                self.opt.step()
+                inner_step(self.opt)
         finally:
             for grp, params in zip(groups, saved):
                 grp["params"] = params
@@ -876,3 +877,10 @@ class Sharded:
     def require(self, what: str) -> None:
         raise UsbyteError(f"{what} is not supported in sharded mode: the averaged gradients "
                           "exist only as shards")
+
+    def refuse_grad_access(self, what: str) -> None:
+        """User code read ``p.grad`` between the step's last backward and ``step()``: under
+        DDP it would see the averaged gradient, which sharded mode never has whole."""
+        raise UsbyteError(f"{what} between backward() and step() in sharded mode: the averaged "
+                          "gradient exists only as shards here (DDP would show it whole); clip "
+                          "with opt.clip_grad_norm_(), or plan an all-reduce schedule")

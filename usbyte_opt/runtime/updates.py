@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ..errors import UsbyteError
 from .buffers import FlatGrads
 
 if TYPE_CHECKING:
@@ -123,6 +124,10 @@ class SubsetStepper:
             saved.append((p, p.grad))
             p.grad = g.views[t]
         groups = self.opt.param_groups
+        if len(groups) != len(self.hp):
+            raise UsbyteError("the wrapped optimizer's param groups changed after wrapping "
+                              "(add_param_group?): those parameters would not be averaged; add "
+                              "the group before creating the DistributedOptimizer")
         old_params = [grp["params"] for grp in groups]
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
@@ -136,7 +141,7 @@ class SubsetStepper:
             for k, v in self.attrs.items():
                 setattr(self.opt, k, v)
             with torch.inference_mode(False), _no_autocast(self.device):
-                self.opt.step()
+                inner_step(self.opt)
             self.calls += 1
         finally:
             for k in self.attrs:
@@ -185,6 +190,8 @@ class HostUpdates:
         self.waited: set[int] = set()   # ids of this step's works waited for
         self.include: Callable[[int], bool] = lambda t: False
         self.trace = trace
+        #: Disarms the tensors whose update ran (:mod:`.guard`), or None.
+        self.guard: Any = None
 
     def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
               candidates: Sequence[int]) -> None:
@@ -257,6 +264,8 @@ class HostUpdates:
         for t in ts:
             pending[t] = False
         self.n_pending -= len(ts)
+        if self.guard is not None:
+            self.guard.disarm(ts)
         self.stepper.step([t for t in ts if include(t)])
         return ts
 
@@ -298,6 +307,8 @@ class StreamUpdates:
         self.n_pending = 0
         #: Not tracked per tensor: a gate is one event wait.
         self.pending = None
+        #: Disarms the tensors whose update the current stream waited for (:mod:`.guard`).
+        self.guard: Any = None
 
     def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
               candidates: Sequence[int]) -> None:
@@ -335,6 +346,9 @@ class StreamUpdates:
         g = max(self.group_of[t] for t in need)
         if g > self.waited:
             torch.cuda.current_stream(self.device).wait_event(self.events[g])
+            if self.guard is not None:
+                for gi in range(self.waited + 1, g + 1):
+                    self.guard.disarm(self.groups[gi][1])
             self.waited = g
             if g == len(self.groups) - 1:
                 self.active = False
@@ -347,6 +361,8 @@ class StreamUpdates:
             return []
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
         late = [t for t in range(self.n) if self.group_of[t] > self.waited]
+        if self.guard is not None:
+            self.guard.disarm(late)
         self.active = False
         self.n_pending = 0
         return late
@@ -375,6 +391,21 @@ def update_groups(last: Sequence[int], groups: int) -> list[int]:
             cuts.append(c)
     cuts.append(n)
     return cuts
+
+
+def inner_step(opt: torch.optim.Optimizer) -> None:
+    """``opt.step()`` as the optimizer's own class defines it, also when the user's object is
+    routed through the runtime (:func:`usbyte_opt.runtime.wrapper.take_over`)."""
+    d = opt.__dict__
+    if "_usbyte_rt" not in d:
+        opt.step()
+        return
+    before = d.get("_usbyte_inner", False)
+    d["_usbyte_inner"] = True
+    try:
+        opt.step()
+    finally:
+        d["_usbyte_inner"] = before
 
 
 class _no_autocast:
