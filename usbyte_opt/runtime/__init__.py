@@ -18,9 +18,9 @@ hooks, issue order, end of backward, the update rule, the step's phase), :mod:`.
 module buffers, ``torch.compile``), :mod:`.amp` (GradScaler), :mod:`.buffers` (flat gradient
 buffers), :mod:`.comm` (collectives, streams, averaging), :mod:`.checks` (start-up checks),
 :mod:`.guard` (DDP's contract for code that touches gradients or parameters in flight),
-:mod:`.wrapper` (DDP's surface), :mod:`.exit_hook` (optimizers left open at exit), :mod:`.default_plan` (a plan without a
-profile), :mod:`.autotune` (planning inside the run) and :mod:`.trace` (the measured
-timeline). Several ranks on this machine, for tests, examples and benchmarks:
+:mod:`.wrapper` (DDP's surface), :mod:`.exit_hook` (optimizers left open at exit),
+:mod:`.default_plan` (a plan without a profile), :mod:`.autotune` (planning inside the run)
+and :mod:`.trace` (the measured timeline). Several ranks on this machine, for tests, examples and benchmarks:
 :func:`usbyte_opt.launcher.run_local`.
 """
 

@@ -91,6 +91,8 @@ def _torch_function(cls: type, func: Any, types: Any, args: Sequence[Any] = (),
     kind, name = _name_of(func)
     armed = [a for a in _tensors(args, kwargs) if getattr(type(a), "_usbyte_base", None)]
     for a in armed:
+        if getattr(type(a), "_usbyte_base", None) is None:
+            continue   # settled by an earlier touch of this call
         owner = _OWNER.get(id(a))
         if owner is None or owner[0].params[owner[1]] is not a:
             a.__class__ = type(a)._usbyte_base  # a copy made of an armed tensor: plain

@@ -246,14 +246,17 @@ def _step(self: torch.optim.Optimizer, closure: Any = None, **kw: Any) -> Any:
     rt = _runtime(self)
     if rt is None:
         return _base(self).step(self, closure, **kw)
-    for k in ("grad_scale", "found_inf"):   # GradScaler's verdict, set on this object
-        if k in self.__dict__:
-            setattr(rt, k, self.__dict__[k])
+    # GradScaler's verdict, set on this object: the runtime's for this call (the optimizer's
+    # own step, which the runtime calls, must not see it), back here for GradScaler to delete.
+    d = self.__dict__
+    verdict: dict[str, Any] = {k: d.pop(k) for k in ("grad_scale", "found_inf") if k in d}
+    rt.__dict__.update(verdict)
     try:
         return rt.step(closure)
     finally:
-        for k in ("grad_scale", "found_inf"):
+        for k in verdict:
             rt.__dict__.pop(k, None)
+        d.update(verdict)
 
 
 def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
