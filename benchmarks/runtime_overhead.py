@@ -15,6 +15,7 @@ modules.
     python benchmarks/runtime_overhead.py            # writes benchmarks/runtime_overhead.md
     python benchmarks/runtime_overhead.py --quick    # fewer rounds, prints only
     python benchmarks/runtime_overhead.py --only contract   # wait_in_backward's section only
+    python benchmarks/runtime_overhead.py --only guard      # the guard against no guard
 
 ``wait_in_backward=True`` (DDP's gradient contract, what the trainer integrations use) is
 timed against the default and DDP, three arms side by side, in its own section.
@@ -30,6 +31,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -134,26 +136,43 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
 # --------------------------------------------------------------------------------------------
 
 
+#: The arms of a three-arm run: DDP, the runtime as a reference, the runtime varied.
+ARMS = {"contract": ("ddp", "deferred", "wait"), "guard": ("ddp", "unguarded", "deferred")}
+
+
+def unguard(opt: DistributedOptimizer) -> None:
+    """The runtime as it was before DDP's contract was enforced: nothing armed (a loop that
+    touches no gradient after backward and no parameter after step trains the same)."""
+    st = opt._state
+    st.guard = st.comm.guard = st.updates.guard = None  # type: ignore[attr-defined]
+
+
 def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str, rounds: int,
-             per_round: int) -> dict:
+             per_round: int, kind: str = "contract") -> dict:
     """Three arms in these processes, in steady-state blocks, order rotated each round: DDP,
-    the runtime as it is (communication in flight past ``backward()``), and the runtime with
-    ``wait_in_backward=True`` (averaged gradients when ``backward()`` returns, as DDP)."""
+    and two forms of the runtime (``kind``): ``contract``, the runtime as it is (communication
+    in flight past ``backward()``) and with ``wait_in_backward=True`` (averaged gradients when
+    ``backward()`` returns, as DDP); ``guard``, the runtime with nothing armed (as before DDP's
+    contract was enforced) and as it is."""
     arms = {}
-    for key in ("ddp", "deferred", "wait"):
+    for key in ARMS[kind]:
         torch.manual_seed(0)
         net, inputs, loss_fn = build(model_name, batch_size)
         if key == "ddp":
             arms[key] = (nn.parallel.DistributedDataParallel(net),
                          torch.optim.AdamW(net.parameters(), lr=1e-3))
         else:
-            arms[key] = (net, DistributedOptimizer(
+            opt = DistributedOptimizer(
                 torch.optim.AdamW(net.parameters(), lr=1e-3), net,
                 schedule=schedule_for(schedule, net, ws), verify=False,
-                wait_in_backward=key == "wait"))
+                wait_in_backward=key == "wait")
+            if key == "unguarded":
+                unguard(opt)
+            arms[key] = (net, opt)
     batches = make_batches(inputs, rank, per_round)
     times: dict[str, list[float]] = {k: [] for k in arms}
-    ratio: dict[str, list[float]] = {"wait/deferred": [], "wait/ddp": [], "deferred/ddp": []}
+    _, ref, var = ARMS[kind]
+    ratio: dict[str, list[float]] = {f"{var}/{ref}": [], f"{var}/ddp": [], f"{ref}/ddp": []}
     keys = list(arms)
     for r in range(rounds + 1):  # round 0: warm-up
         cur: dict[str, list[float]] = {k: [] for k in arms}
@@ -174,84 +193,101 @@ def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str
             med = {k: statistics.median(v) for k, v in cur.items()}
             for k, v in cur.items():
                 times[k] += v
-            ratio["wait/deferred"].append(med["wait"] / med["deferred"])
-            ratio["wait/ddp"].append(med["wait"] / med["ddp"])
-            ratio["deferred/ddp"].append(med["deferred"] / med["ddp"])
-    return {"ratio": ratio, "times": times, "nblocks": len(arms["wait"][1].schedule.blocks),
-            "mode": arms["wait"][1].mode}
+            for key in ratio:
+                a, b = key.split("/")
+                ratio[key].append(med[a] / med[b])
+    return {"ratio": ratio, "times": times, "nblocks": len(arms[var][1].schedule.blocks),
+            "mode": arms[var][1].mode}
 
 
-def contract_section(rounds: int, per_round: int, repeat: int = 3) -> list[str]:
-    """Run :func:`contract` ``repeat`` times on each model and return its Markdown section
-    (each run's median ratio; the table gives their range)."""
-    configs = [("lab-cnn", 16, "default"), ("lab-cnn", 16, "split4-forward"),
-               ("transformer", 4, "default")]
+SECTIONS = {
+    "contract": dict(
+        begin="<!-- wait_in_backward: begin -->", end="<!-- wait_in_backward: end -->",
+        title="## DDP's gradient contract: `wait_in_backward=True` against the default",
+        arms="DDP, the runtime as it is (communication in flight past `backward()`, updates in the "
+             "next forward), and the runtime with `wait_in_backward=True` (the end of backward "
+             "waits for the step's all-reduce, as DDP; what the trainer integrations use)",
+        cols=("wait / default", "wait / DDP", "default / DDP", "ms/iter: DDP, default, wait"),
+        configs=[("lab-cnn", 16, "default"), ("lab-cnn", 16, "split4-forward"),
+                 ("transformer", 4, "default")],
+        after="On loopback the wire is fast, so what waiting at the end of backward gives up, the "
+              "overlap of the last blocks with the next forward, is small; it grows with the "
+              "share of communication that the default overlaps with the forward (a slow "
+              "network, many-block plans)."),
+    "guard": dict(
+        begin="<!-- guard: begin -->", end="<!-- guard: end -->",
+        title="## DDP's contract enforced: the runtime against itself without the guard",
+        arms="DDP, the runtime with nothing armed (as it ran before DDP's contract was "
+             "enforced: `unguard()` in this script), and the runtime as it is (every tensor "
+             "armed at the end of backward and, with a pending update, at `step()`; the loop "
+             "touches neither window, so nothing waits early)",
+        cols=("guarded / unguarded", "guarded / DDP", "unguarded / DDP",
+              "ms/iter: DDP, unguarded, guarded"),
+        configs=[("lab-cnn", 16, "default"), ("lab-cnn", 16, "split4-forward"),
+                 ("transformer", 4, "default"), ("transformer", 4, "split4-forward")],
+        after="The guard costs one class assignment per tensor when a window opens and one when "
+              "it closes (about 0.2 us each; the transformer has 52 tensors); the overlap is the "
+              "same."),
+}
+
+
+def contract_section(rounds: int, per_round: int, repeat: int = 3,
+                     kind: str = "contract") -> list[str]:
+    """Run :func:`contract` ``repeat`` times on each model of section ``kind`` and return its
+    Markdown section (each run's median ratio; the table gives their range)."""
+    sec: dict[str, Any] = SECTIONS[kind]
+    _, ref, var = ARMS[kind]
+    keys = [f"{var}/{ref}", f"{var}/ddp", f"{ref}/ddp"]
     load_before = os.getloadavg()[0]
     rows = []
-    for model, bs, sched in configs:
-        runs: dict[str, list[float]] = {"wait/deferred": [], "wait/ddp": [], "deferred/ddp": []}
-        ms: dict[str, list[float]] = {"ddp": [], "deferred": [], "wait": []}
+    for model, bs, sched in sec["configs"]:
+        runs: dict[str, list[float]] = {k: [] for k in keys}
+        ms: dict[str, list[float]] = {k: [] for k in ARMS[kind]}
         for _ in range(repeat):
-            res = values(run_local(contract, 2, args=(model, bs, sched, rounds, per_round),
+            res = values(run_local(contract, 2, args=(model, bs, sched, rounds, per_round, kind),
                                    timeout_s=1800, threads=1))
             for k in runs:
                 runs[k].append(statistics.median(res[0]["ratio"][k] + res[1]["ratio"][k]))
             for k in ms:
                 ms[k].append(statistics.median(res[0]["times"][k] + res[1]["times"][k]))
-            print(f"contract {model:12s} {sched:15s} wait/deferred {runs['wait/deferred'][-1]:.3f} "
-                  f"wait/ddp {runs['wait/ddp'][-1]:.3f} deferred/ddp {runs['deferred/ddp'][-1]:.3f} "
-                  f"(ms: ddp {ms['ddp'][-1]:.1f}, deferred {ms['deferred'][-1]:.1f}, "
-                  f"wait {ms['wait'][-1]:.1f})", flush=True)
+            print(f"{kind} {model:12s} {sched:15s} "
+                  + " ".join(f"{k} {runs[k][-1]:.3f}" for k in keys)
+                  + " (ms: " + ", ".join(f"{k} {ms[k][-1]:.1f}" for k in ms) + ")", flush=True)
         got = {k: (statistics.median(v), min(v), max(v)) for k, v in runs.items()}
         med = {k: statistics.median(v) for k, v in ms.items()}
         rows.append((model, bs, sched, res[0]["nblocks"], res[0]["mode"], got, med))
+    cols = sec["cols"]
     lines = [
-        CONTRACT_BEGIN,
-        "## DDP's gradient contract: `wait_in_backward=True` against the default",
-        "",
-        f"Written by `python benchmarks/runtime_overhead.py --only contract` "
+        sec["begin"], sec["title"], "",
+        f"Written by `python benchmarks/runtime_overhead.py --only {kind}` "
         f"({time.strftime('%Y-%m-%d')}, torch {torch.__version__}; 1-minute load average "
         f"{load_before:.1f} at the start and {os.getloadavg()[0]:.1f} at the end). Two gloo ranks "
         "on loopback, AdamW; three arms in the same two processes, in steady-state blocks of "
         f"{per_round} iterations (the first 2 dropped), {rounds} rounds, the order rotated each "
-        f"round, {repeat} runs: DDP, the runtime as it is (communication in flight past `backward()`, "
-        "updates in the next forward), and the runtime with `wait_in_backward=True` (the "
-        "end of backward waits for the step's all-reduce, as DDP; what the trainer "
-        "integrations use). Ratios of the blocks' medians per round, their median over rounds "
-        "and both ranks in each run: the median of the runs, and their range.",
+        f"round, {repeat} runs: {sec['arms']}. Ratios of the blocks' medians per round, their "
+        "median over rounds and both ranks in each run: the median of the runs, and their range.",
         "",
-        "| model | batch | schedule | blocks | mode | wait / default (range) | wait / DDP | "
-        "default / DDP | ms/iter: DDP, default, wait |",
+        f"| model | batch | schedule | blocks | mode | {cols[0]} (range) | {cols[1]} | {cols[2]} | "
+        f"{cols[3]} |",
         "|---|---:|---|---:|---|---|---|---|---|",
     ]
     for model, bs, sched, nb, mode, got, med in rows:
-        w, wd, dd = got["wait/deferred"], got["wait/ddp"], got["deferred/ddp"]
-        lines.append(f"| {model} | {bs} | {sched} | {nb} | {mode} | **{w[0]:.3f}** ({w[1]:.3f} – "
-                     f"{w[2]:.3f}) | {wd[0]:.3f} ({wd[1]:.3f} – {wd[2]:.3f}) | {dd[0]:.3f} "
-                     f"({dd[1]:.3f} – {dd[2]:.3f}) | {med['ddp']:.1f}, {med['deferred']:.1f}, "
-                     f"{med['wait']:.1f} |")
-    lines += [
-        "",
-        "On loopback the wire is fast, so what waiting at the end of backward gives up, the "
-        "overlap of the last blocks with the next forward, is small; it grows with the share "
-        "of communication that the default overlaps with the forward (a slow network, "
-        "many-block plans).",
-        CONTRACT_END,
-        "",
-    ]
+        a, b, c = (got[k] for k in keys)
+        lines.append(f"| {model} | {bs} | {sched} | {nb} | {mode} | **{a[0]:.3f}** ({a[1]:.3f} – "
+                     f"{a[2]:.3f}) | {b[0]:.3f} ({b[1]:.3f} – {b[2]:.3f}) | {c[0]:.3f} "
+                     f"({c[1]:.3f} – {c[2]:.3f}) | "
+                     + ", ".join(f"{med[k]:.1f}" for k in ARMS[kind]) + " |")
+    lines += ["", sec["after"], sec["end"], ""]
     return lines
 
 
-CONTRACT_BEGIN = "<!-- wait_in_backward: begin -->"
-CONTRACT_END = "<!-- wait_in_backward: end -->"
-
-
-def _write_contract(lines: list[str]) -> None:
-    """Put the section into runtime_overhead.md, replacing an earlier one."""
+def _write_contract(lines: list[str], kind: str = "contract") -> None:
+    """Put a section into runtime_overhead.md, replacing an earlier one."""
+    begin, end = SECTIONS[kind]["begin"], SECTIONS[kind]["end"]
     text = OUT.read_text() if OUT.exists() else ""
-    if CONTRACT_BEGIN in text:
-        head, rest = text.split(CONTRACT_BEGIN, 1)
-        tail = rest.split(CONTRACT_END, 1)[1].lstrip("\n")
+    if begin in text:
+        head, rest = text.split(begin, 1)
+        tail = rest.split(end, 1)[1].lstrip("\n")
         text = head + "\n".join(lines) + tail
     else:
         text = text.rstrip("\n") + "\n\n" + "\n".join(lines)
@@ -337,16 +373,17 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations; print only")
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--only", choices=["contract"],
+    ap.add_argument("--only", choices=["contract", "guard"],
                     help="run only one section and replace it in the report (contract: "
-                         "wait_in_backward against the default)")
+                         "wait_in_backward against the default; guard: the runtime against "
+                         "itself without DDP's contract enforced)")
     a = ap.parse_args()
     pairs, rounds = (8, 2) if a.quick else (a.pairs, a.rounds)
     per_round = 6
-    if a.only == "contract":
-        section = contract_section(rounds, per_round, 1 if a.quick else 3)
+    if a.only:
+        section = contract_section(rounds, per_round, 1 if a.quick else 3, a.only)
         if not a.quick:
-            _write_contract(section)
+            _write_contract(section, a.only)
             print(f"wrote {OUT}")
         return
     configs = [("lab-cnn", 16, "default", False), ("lab-cnn", 16, "split4-forward", False),
@@ -452,6 +489,7 @@ def main() -> None:
         "",
     ]
     lines += contract_section(rounds, per_round, 1 if a.quick else 3)
+    lines += contract_section(rounds, per_round, 1 if a.quick else 3, "guard")
     OUT.write_text("\n".join(lines))
     print(f"wrote {OUT}")
 

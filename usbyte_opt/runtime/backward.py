@@ -397,11 +397,12 @@ class StepComm:
         this step; then every tensor some rank used has the average in ``p.grad``."""
         if self.guard is not None and not self.keep_grad_guard:
             self.guard.disarm_grads()
-        if self.phase is not ISSUED and self.phase is not WAITED:
-            self.issued_by = by
-            self.finish()
-        self.wait_blocks()
-        self.expose_used()
+        with torch._C.DisableTorchFunctionSubclass():   # the runtime's own reads and writes
+            if self.phase is not ISSUED and self.phase is not WAITED:
+                self.issued_by = by
+                self.finish()
+            self.wait_blocks()
+            self.expose_used()
         if self.phase is ISSUED:
             self._enter(WAITED)
 

@@ -228,9 +228,9 @@ class Guard:
         if self.grad_window and is_grad:
             what = f"p.grad of {self.names[t]!r} " + ("read" if kind == "get" else "assigned")
             if self.refuse_grads is not None:
-                self.refuse_grads(what)
-                if kind == "set":
-                    return   # p.grad = None: honoured (the refusal lets it through)
+                if kind == "get":
+                    self.refuse_grads(what)
+                return   # p.grad = None: honoured (the step leaves the tensor out)
             self.grads_touched = True
             self.on_grad(what)
         if self.param_armed[t] and not is_grad:

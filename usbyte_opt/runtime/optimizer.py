@@ -68,7 +68,7 @@ from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
 from .sharded import check_sharded
-from .updates import STREAM_UPDATE_GROUPS
+from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS
 
 if TYPE_CHECKING:
     from .autotune import Probe, Tuner
@@ -84,25 +84,29 @@ class DistributedOptimizer(torch.optim.Optimizer):
     Use it like Horovod's: wrap, then train as usual. The model is the plain module (no DDP
     wrapper); its parameters are broadcast from rank 0 here.
 
-    **Gradient access.** The runtime keeps communication in flight past ``backward()`` and
-    ``step()``; that is where its speed comes from. So, unlike DDP (which waits for every
-    bucket before ``backward()`` returns), gradients are not averaged yet when ``backward()``
-    returns:
+    **DDP's contract, enforced** (:mod:`.guard`). The runtime keeps communication in flight
+    past ``backward()`` and updates in flight past ``step()``; that is where its speed comes
+    from. Code that looks sees what DDP would show, with no change to the loop:
 
-    * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
-      buffer, being averaged in place: reading or changing it gives undefined values.
-      Call :meth:`synchronize` (or :meth:`clip_grad_norm_`, or let ``GradScaler`` read
-      ``param_groups``) first: it waits for the all-reduce, after which ``p.grad`` holds the
-      average for every tensor some rank used, as under DDP, and may be read or changed
-      before ``step()``;
-    * after ``step()`` (overlap mode), ``p.grad`` is ``None`` until the next backward, the
-      gradients belonging to the pending updates. ``zero_grad()`` in any form (on this
-      object, the wrapped optimizer or the model), ``p.grad = None`` or any other change of
-      ``p.grad`` then cannot alter the update. ``zero_grad(set_to_none=False)`` on this object
-      keeps its meaning for tensors no rank uses in the next step (they are stepped with a
-      zero gradient, as under DDP); on the model or the wrapped optimizer it cannot, since
-      there is no gradient to zero. In fence mode ``p.grad`` keeps the averaged gradient after
-      ``step()``, as under DDP. Sharded mode has a contract of its own (below).
+    * after ``backward()``, the first read or write of any ``p.grad``
+      (``torch.nn.utils.clip_grad_norm_(model.parameters())``, a logged norm, gradient
+      surgery, ``p.grad = g``, GradScaler's ``unscale_``) first waits for the step's
+      all-reduce; then ``p.grad`` holds the average for every tensor some rank used, as under
+      DDP. A tensor replaced (``p.grad = g``) is stepped with ``g``; ``p.grad = None`` drops
+      it from the step. :meth:`synchronize` does the same wait explicitly;
+    * after ``step()`` (overlap mode), the first touch of a parameter's value (an EMA,
+      ``state_dict()``, ``deepcopy``, ``p.data.clamp_()``) first runs its pending update.
+      ``p.grad`` is ``None`` until the next backward, the gradients belonging to the pending
+      updates: ``zero_grad()`` in any form or ``p.grad = None`` then cannot alter the update.
+      ``zero_grad(set_to_none=False)`` on this object keeps its meaning for tensors no rank
+      uses in the next step (they are stepped with a zero gradient, as under DDP); on the
+      model or the wrapped optimizer it cannot, since there is no gradient to zero. In fence
+      mode ``p.grad`` keeps the averaged gradient after ``step()``, as under DDP. Sharded mode
+      has a contract of its own (below).
+
+    What cannot be made equal is refused on every rank in one line: a parameter with no
+    gradient under ``find_unused_parameters=False`` (as DDP), a parameter unfrozen or a param
+    group added after wrapping, a parameter in two reentrant-checkpointed segments.
 
     **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``): the
     averaged gradient never exists whole, only as this rank's shard of each block (its
@@ -110,9 +114,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
       buffer, holding this rank's *local* gradient divided by the world size (summed over the
-      passes of an accumulation), never averaged. It may be read; changing it gives undefined
-      results (the reduce-scatter may still be reading it). ``torch.nn.utils.clip_grad_norm_``
-      on it clips those local values, not the step: use :meth:`clip_grad_norm_`;
+      passes of an accumulation), never averaged. A read of it by user code (``torch.nn.
+      utils.clip_grad_norm_(model.parameters())``, a logged norm) is refused in one line,
+      since DDP would show the average there: use :meth:`clip_grad_norm_`; ``p.grad = None``
+      drops the tensor from the step;
     * :meth:`clip_grad_norm_` computes the global norm of the averaged gradients from one
       all-reduce of the shards' per-tensor parts (a collective: every rank calls it),
       counting the tensors DDP would (those with a gradient in ``p.grad`` after the wait),
@@ -143,13 +148,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
       step, as under DDP; zeroing it in place changes nothing; any other in-place change
       raises. In passes that only accumulate, ``p.grad`` holds the local sum, as under DDP.
 
-    With ``wait_in_backward=True`` the runtime keeps DDP's contract instead: the end of
-    backward (the autograd final callback) waits for the step's all-reduce, so ``p.grad``
-    holds the averaged gradients when ``backward()`` returns, for code that reads or changes
-    them without calling :meth:`synchronize` (a trainer that clips with
-    ``torch.nn.utils.clip_grad_norm_`` or logs the gradient norm). Blocks still go out during
-    backward; what is lost is their overlap with the next forward (measured in
-    ``benchmarks/runtime_overhead.md``). The trainer integrations
+    With ``wait_in_backward=True`` the end of backward (the autograd final callback) waits
+    for the step's all-reduce, as DDP's does, so nothing is left in flight when ``backward()``
+    returns. Blocks still go out during backward; what is lost is their overlap with the next
+    forward (measured in ``benchmarks/runtime_overhead.md``). The trainer integrations
     (:mod:`usbyte_opt.integrations`) turn it on.
 
     A loop that never zeroes gradients accumulates them across steps under DDP; here each
@@ -199,8 +201,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             prediction every this many iterations (0: never); warns once when they are more
             than 15% apart.
         replan_on_drift: on that warning, plan (or verify) again.
-        wait_in_backward: DDP's gradient contract: the averaged gradients are in ``p.grad``
-            when ``backward()`` returns (see *Gradient access* above).
+        wait_in_backward: wait for the step's all-reduce at the end of backward, as DDP does
+            (nothing in flight when ``backward()`` returns; see *DDP's contract* above).
         trace: record the measured timeline as a Chrome trace in this file (each rank but 0
             adds ``.rankN`` before the suffix, :mod:`usbyte_opt.runtime.trace`); default:
             ``$USBYTE_TRACE`` (what ``usbyte-opt launch --trace`` sets), else no trace.
@@ -408,16 +410,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _check_unchanged(self) -> None:
         """At ``step()``: refuse what would silently train differently from DDP, on every
         rank alike (every rank runs the same code): a parameter unfrozen after wrapping (its
-        gradient is never averaged) and a param group added to the wrapped optimizer."""
+        gradient is never averaged); :meth:`_check_groups`: a param group added to the wrapped
+        optimizer."""
         for name, p in self._frozen:
             if p.requires_grad and p.grad is not None:
                 raise UsbyteError(f"parameter {name!r} was frozen when the DistributedOptimizer "
                                   "was built and has a gradient now: its gradient would never "
                                   "be averaged; unfreeze before wrapping (or wrap again)")
+
+    def _check_groups(self) -> None:
         if self._shape is not None and self._group_shape() != self._shape:
-            raise UsbyteError("the wrapped optimizer's param groups changed after wrapping "
-                              "(add_param_group?): those parameters would not be averaged; add "
-                              "the group before creating the DistributedOptimizer")
+            raise UsbyteError(GROUPS_CHANGED)
 
     def _honour_assigned(self) -> None:
         """``p.grad`` replaced after the step's gradients were waited for (gradient surgery,
@@ -533,6 +536,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
         elif st.sharded is not None and st.sharded.exposed is not None:
             st.sharded.unexpose()  # a scaler read param_groups, then plain step() was called
+        self._check_groups()   # (GradScaler's sentinel group member is gone by now)
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
         if skip:  # sharded mode: no step, no all-gather; the parameters stay as they are

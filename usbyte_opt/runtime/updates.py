@@ -29,6 +29,11 @@ from .buffers import FlatGrads
 if TYPE_CHECKING:
     from .trace import Recorder
 
+#: The refusal of a param group added to the wrapped optimizer after wrapping.
+GROUPS_CHANGED = ("the wrapped optimizer's param groups changed after wrapping (add_param_group?): "
+                  "those parameters would not be averaged; add the group before creating the "
+                  "DistributedOptimizer")
+
 #: Default number of optimizer calls per step in :class:`StreamUpdates`.
 STREAM_UPDATE_GROUPS = 8
 
@@ -125,9 +130,7 @@ class SubsetStepper:
             p.grad = g.views[t]
         groups = self.opt.param_groups
         if len(groups) != len(self.hp):
-            raise UsbyteError("the wrapped optimizer's param groups changed after wrapping "
-                              "(add_param_group?): those parameters would not be averaged; add "
-                              "the group before creating the DistributedOptimizer")
+            raise UsbyteError(GROUPS_CHANGED)
         old_params = [grp["params"] for grp in groups]
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
