@@ -213,9 +213,7 @@ PATTERNS: dict[str, Pattern] = {
     "logged gradient norm": Pattern(after_backward=log_norm, outcome=GRADS),
     "in-place gradient surgery": Pattern(after_backward=surgery, opt="adam", outcome=GRADS),
     "p.grad = zeros_like(p.grad)": Pattern(after_backward=reassign, outcome=GRADS),
-    "p.grad = None after backward": Pattern(after_backward=drop_grad, opt="adamw",
-                                            outcome={**EQ, "zero1": "refused",
-                                                     "zero2": "refused"}),
+    "p.grad = None after backward": Pattern(after_backward=drop_grad, opt="adamw", outcome=EQ),
     "EMA after step": Pattern(after_step=ema, opt="adam", outcome=EQ),
     "_foreach EMA after step": Pattern(after_step=foreach_ema, opt="adam", outcome=EQ),
     "state_dict() after step": Pattern(after_step=snapshot, outcome=EQ),
@@ -275,8 +273,53 @@ def run_pattern(name: str, mode: str, rank: int, ws: int) -> dict:
     return {"diff": diff, "logs_equal": logs[0] == logs[1], "logs": logs}
 
 
+def skipped_backward(rank: int, ws: int, mode: str, scaler: bool) -> dict:
+    """Sharded mode, rank 1 runs no backward at step 2 (a data loader that ran dry), then
+    clips with ``opt.clip_grad_norm_`` (a collective) or steps through GradScaler (whose
+    non-finite flag is one). Under DDP the other rank would wait for ever; here rank 1's blocks
+    go out as zeros. Against DDP with rank 1's loss times zero at that step."""
+    torch.manual_seed(0)
+    proto = Net()
+    ref, mod = copy.deepcopy(proto), copy.deepcopy(proto)
+    ddp = DDP(ref)
+    o_ref = OPTS["adam"](ref.parameters())
+    sched, kw = schedule_for(mode, mod)
+    o_usb = DistributedOptimizer(OPTS["adam"](mod.parameters()), mod, schedule=sched,
+                                 verify=False, timeout=30, **kw)
+    scalers = [torch.amp.GradScaler("cpu", init_scale=4.0) if scaler else None for _ in "ab"]
+    for side, (model, opt, sc) in enumerate(((ddp, o_ref, scalers[0]), (mod, o_usb, scalers[1]))):
+        for step in range(4):
+            x, y = batch(rank, step)
+            skip = rank == 1 and step == 2
+            if not (skip and side == 1):
+                loss = F.mse_loss(model(x), y) * (0.0 if skip else 1.0)
+                (loss if sc is None else sc.scale(loss)).backward()
+            if sc is None:
+                if side == 0:
+                    torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+                else:
+                    o_usb.clip_grad_norm_(0.05)
+                opt.step()
+            else:
+                sc.step(opt)
+                sc.update()
+            opt.zero_grad()
+    o_usb.synchronize()
+    return {"diff": max((a.detach() - b.detach()).abs().max().item()
+                        for a, b in zip(ref.parameters(), mod.parameters()))}
+
+
+SKIPPED = [(m, s) for m in ("zero1", "zero2") for s in (False, True)]
+
+
 def run_matrix(rank: int, ws: int) -> dict[str, dict]:
     out = {}
+    for mode, scaler in SKIPPED:
+        key = f"skipped backward | {mode} | {'GradScaler' if scaler else 'clip'}"
+        try:
+            out[key] = skipped_backward(rank, ws, mode, scaler)
+        except Exception as e:  # noqa: BLE001
+            out[key] = {"error": f"{type(e).__name__}: {e}"}
     for name, pat in PATTERNS.items():
         for mode in MODES:
             if mode not in pat.outcome:
@@ -318,3 +361,13 @@ def test_hazard_matrix(matrix: list[dict[str, dict]], name: str, mode: str) -> N
             assert got["logs_equal"], f"rank {rank}: logged {got['logs'][1]}, DDP {got['logs'][0]}"
     if expected == "refused":
         assert per_rank[0]["refused"] == per_rank[1]["refused"].replace("rank 1", "rank 0")
+
+
+@pytest.mark.parametrize("mode,scaler", SKIPPED)
+def test_sharded_rank_that_skipped_backward_does_not_hang(matrix: list[dict[str, dict]], mode: str,
+                                                          scaler: bool) -> None:
+    key = f"skipped backward | {mode} | {'GradScaler' if scaler else 'clip'}"
+    for rank, m in enumerate(matrix):
+        got = m[key]
+        assert "error" not in got, f"rank {rank}: {got['error']}"
+        assert got["diff"] < 1e-6, f"rank {rank}: parameters differ from DDP's by {got['diff']}"

@@ -455,7 +455,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.comm.complete_if_due("param_groups")
         elif _read_by_grad_scaler():  # sharded: GradScaler sees the shards (Sharded.expose)
             comm = st.comm
-            if comm.phase is not Phase.IDLE and not comm.accumulating:
+            # (A rank that ran no backward this step takes part too: its blocks go out as
+            # zeros, and the non-finite flag's all-reduce finds every rank.)
+            if not comm.accumulating and st.sharded.exposed is None:
                 comm.complete("GradScaler")
                 with torch._C.DisableTorchFunctionSubclass():
                     st.sharded.expose([st.in_opt[t] and p.grad is not None
@@ -704,10 +706,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all-reduce of the shards' per-tensor parts (a collective: every rank calls it), and
         the shards are scaled; ``p.grad`` is left alone (see *Gradient access*)."""
         st = self._state
+        if st.sharded is not None and st.comm.phase is Phase.IDLE:
+            # No backward on this rank since step(): the norm is a collective, so take part
+            # (this rank's blocks go out as zeros, as step() would send them) rather than
+            # leave the others waiting.
+            st.comm.complete("clip_grad_norm_()")
         st.comm.complete_if_due("clip_grad_norm_()", between_passes=True)
         if st.sharded is not None:
-            if st.comm.phase is Phase.IDLE:   # no gradient since step(): nothing to clip
-                return torch.tensor(0.0)
             sh = st.sharded
             if sh.param_order is None:  # the model's parameter order, once per schedule
                 sh.param_order = self._model_order()
