@@ -65,7 +65,7 @@ import torch
 
 from ..errors import UsbyteError
 from ..formats import Schedule
-from ._common import Plan, log_plan, resolve, runtime_kwargs
+from ._common import Plan, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 __all__ = ["prepare", "runtime_optimizer", "synchronize"]
 
@@ -264,5 +264,6 @@ def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.
     # Accelerate's AcceleratedOptimizer around it, marked prepared as accelerator.prepare
     # marks what it returns (so that passing it to accelerator.prepare again wraps nothing).
     opt = accelerator.prepare(dopt)
+    report_skipped_steps(opt)   # step_was_skipped on an fp16 overflow, as under DDP
     log_plan(plan, TRAINER, accelerator.process_index)
     return model, opt
