@@ -40,8 +40,8 @@ Started with ``usbyte-opt launch --schedule S --nproc-per-node N train.py`` (whi
   ``accelerator.backward`` sees the averaged gradients) inside Accelerate's own
   ``AcceleratedOptimizer`` (so ``step()`` and ``zero_grad()`` are skipped on the micro-batches
   that do not sync, and ``GradScaler`` runs as Accelerate runs it; on an fp16 overflow the
-  runtime skips the update itself, so ``optimizer.step_was_skipped`` stays ``False``, as it
-  does in Accelerate for its fused optimizers, and a prepared LR scheduler still steps), and
+  runtime skips the update itself, and ``optimizer.step_was_skipped`` is ``True`` then, as
+  under DDP, so a prepared LR scheduler does not step), and
   ``accelerator.accumulate(model)`` / ``accelerator.no_sync(model)`` enter the runtime's
   :meth:`~usbyte_opt.runtime.DistributedOptimizer.no_sync` (Accelerate calls the ``no_sync``
   of the model it is given; the model returned carries the runtime's).

@@ -22,7 +22,10 @@ The schedule decides the path (:func:`usbyte_opt.integrations.resolve`):
   the Trainer asks Accelerate for DDP's; the LR scheduler works on it; checkpoints
   (``save_steps``, ``save_model``) and ``resume_from_checkpoint`` keep the wrapped optimizer's
   own state format; evaluation, checkpoints and the end of ``train()`` first apply every
-  pending update (:meth:`~usbyte_opt.runtime.DistributedOptimizer.synchronize`).
+  pending update (:meth:`~usbyte_opt.runtime.DistributedOptimizer.synchronize`). With
+  ``fp16`` (a ``GradScaler``), a step the scaler skips on an overflow is reported skipped
+  (``accelerator.optimizer_step_was_skipped``), so the LR scheduler does not step after it, as
+  under the Trainer's DDP.
 
 The run says which path it takes, once, on rank 0. Start it as the Trainer is started:
 ``torchrun --nproc-per-node N train.py``, or ``usbyte-opt launch --schedule S
