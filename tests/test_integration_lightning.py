@@ -339,6 +339,36 @@ def test_precision_16_mixed_as_written_with_gradient_clipping_trains_like_lightn
             assert max_diff(ref["buffers"], run["buffers"]) == 0.0
 
 
+def test_the_fp16_plugin_judges_the_optimizer_the_runtime_wraps(pg):
+    """On the runtime path the plugin clips a plain optimizer's gradients and refuses a fused
+    one's with Lightning's own message, naming it as under DDP."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from usbyte_opt.integrations.lightning import _runtime_precision
+    from usbyte_opt.runtime import DistributedOptimizer, default_schedule
+
+    plugin = fp16_plugin()
+    plugin.__class__ = _runtime_precision(MixedPrecision)
+    opts = []
+    for fused in (False, True):
+        model = nn.Linear(4, 3)
+        opts.append(DistributedOptimizer(torch.optim.AdamW(model.parameters(), fused=fused), model,
+                                         schedule=default_schedule(model), verify=False))
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 10.0)
+    try:
+        plugin.clip_gradients(opts[0], 1.0)
+        grads = [p.grad for p in opts[0].optimizer.param_groups[0]["params"]]
+        assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item() == \
+            pytest.approx(1.0, rel=1e-5)
+        with pytest.raises(RuntimeError, match=r"optimizer, AdamW, does not allow for gradient clipping"):
+            plugin.clip_gradients(opts[1], 1.0)
+        plugin.clip_gradients(opts[1], 0.0)     # no clipping asked: nothing refused
+    finally:
+        for o in opts:
+            o.close()
+
+
 def test_bad_options_are_refused_in_one_line(tmp_path):
     with pytest.raises(UsbyteError, match="runtime option 'bogus'"):
         UsbyteStrategy(bogus=1)
