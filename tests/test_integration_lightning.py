@@ -237,6 +237,9 @@ def train_all(rank: int, ws: int, paths: dict[str, str], out: str) -> dict:
         res[name] = fit(strategy, d, name, accum=1, plugins=[plugin], callbacks=[norms])
         res[name].update(norms=norms.values, scale=plugin.scaler.get_scale(),
                          plugin_class=type(plugin).__name__)
+    res["ref_manual16"] = fit(DDP(), d, "refm16", accum=2, manual=True, plugins=[fp16_plugin()])
+    res["run_manual16"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "runm16",
+                              accum=2, manual=True, plugins=[fp16_plugin()])
     res["ref_16"] = fit(DDP(), d, "ref16", accum=1, precision="16-mixed")
     res["run_16"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "run16", accum=1,
                         precision="16-mixed")
@@ -326,6 +329,14 @@ def test_fp16_with_gradient_clipping_and_overflows_trains_like_lightnings_ddp(ru
         if rank == 0:
             assert max_diff(ref["buffers"], run["buffers"]) == 0.0
         assert run["plugin_class"] == "MixedPrecision"     # Lightning's plugin, put back
+
+
+def test_fp16_with_manual_optimization_and_clip_gradients_trains_like_lightnings_ddp(runs):
+    for v in runs:
+        ref, run = v["ref_manual16"], v["run_manual16"]
+        assert run["path"] == "runtime" and ref["steps"] == run["steps"] == EPOCHS * STEPS_PER_EPOCH
+        assert ref["opt_steps"] == run["opt_steps"] and run["opt_steps"][0] < ref["steps"]
+        assert max_diff(ref["params"], run["params"]) == 0.0
 
 
 def test_precision_16_mixed_as_written_with_gradient_clipping_trains_like_lightnings_ddp(runs):

@@ -81,6 +81,7 @@ from torch import nn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.core.optimizer import LightningOptimizer
     from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -152,7 +153,7 @@ def _runtime_precision(base: type) -> type:
             from ..runtime import DistributedOptimizer
 
             if (self.scaler is None or not isinstance(optimizer, DistributedOptimizer)
-                    or _takes_found_inf(optimizer.optimizer)):
+                    or not _takes_found_inf(optimizer) or _takes_found_inf(optimizer.optimizer)):
                 return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             scaler = self.scaler
 
@@ -172,7 +173,9 @@ def _runtime_precision(base: type) -> type:
                            ) -> None:
             from ..runtime import DistributedOptimizer
 
-            if isinstance(optimizer, DistributedOptimizer):
+            if isinstance(optimizer, LightningOptimizer):   # manual optimization's clip_gradients
+                optimizer = optimizer.optimizer
+            if isinstance(optimizer, DistributedOptimizer) and _takes_found_inf(optimizer):
                 if _takes_found_inf(optimizer.optimizer):
                     optimizer = optimizer.optimizer    # Lightning's refusal, naming it as under DDP
                 else:                                  # MixedPrecision's check is about that one
