@@ -54,11 +54,12 @@ backward is refused: on the runtime path, accumulate with ``block_backward_sync(
 ``toggle_model(sync_grad=False)``. One optimizer per LightningModule on the runtime path
 (Lightning allows several only with manual optimization); several run on the DDP path.
 
-Mixed precision (``precision="16-mixed"``/``"bf16-mixed"``) with ``gradient_clip_val`` trains as
-under Lightning's DDP: Lightning's ``MixedPrecision`` plugin would take the runtime (which sets
-``_step_supports_amp_scaling``, so that ``GradScaler`` hands its ``step()`` the overflow verdict)
-for a fused optimizer, neither unscaling before clipping nor clipping; on the runtime path it
-judges the optimizer the runtime wraps instead, for the duration of ``fit``.
+Mixed precision (``precision="16-mixed"``/``"bf16-mixed"``) with ``gradient_clip_val`` (or
+``self.clip_gradients`` in manual optimization) trains as under Lightning's DDP: Lightning's
+``MixedPrecision`` plugin would take the runtime (which sets ``_step_supports_amp_scaling``, so
+that ``GradScaler`` hands its ``step()`` the overflow verdict) for a fused optimizer, neither
+unscaling before clipping nor clipping; on the runtime path it judges the optimizer the runtime
+wraps instead, for the duration of ``fit``.
 
 In overlap mode, between ``optimizer.step()`` and the next training forward the parameters
 still hold their values before that step's update (it is applied right before each module's
