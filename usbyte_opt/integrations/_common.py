@@ -150,7 +150,7 @@ def report_skipped_steps(accelerated: Any) -> None:
     if getattr(accelerated, "scaler", None) is None:
         return
     runtime = accelerated.optimizer
-    step = accelerated._optimizer_original_step_method
+    step = getattr(accelerated, "_optimizer_original_step_method", runtime.step)
     fused = bool(getattr(runtime.optimizer, "_step_supports_amp_scaling", False))
 
     def noting_step(*args: Any, **kwargs: Any) -> Any:
