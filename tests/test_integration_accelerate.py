@@ -4,7 +4,9 @@ prepared DataLoader and LR scheduler, ``save_state`` / ``load_state``), against 
 own DDP, on two gloo ranks (``Accelerator(cpu=True)`` on the process group run_local made):
 a runtime schedule in overlap mode and a ddp-tuned schedule with several buckets give the
 same parameters and clip norms as Accelerate's DDP, bitwise; a resumed run equals the
-uninterrupted one; and the example runs under ``usbyte-opt launch``."""
+uninterrupted one; with fp16 and a GradScaler whose first steps overflow, the steps are reported
+skipped and the prepared LR scheduler leaves them out, as under DDP; and the example runs under
+``usbyte-opt launch``."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import dataclasses
 import importlib.util
 import io
 import json
+import math
 import os
 import subprocess
 import sys
@@ -86,13 +89,21 @@ def fresh_accelerator(**kwargs):
 
 
 def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
-          resume: bool = False, **accelerator_kwargs) -> dict:
+          resume: bool = False, fp16: bool = False, **accelerator_kwargs) -> dict:
     """Accelerate's loop, ``STEPS`` optimizer steps of ``ACCUM`` micro-batches (a resumed run:
     the steps after ``SAVE_AT``). ``how``: "baseline" (accelerator.prepare: Accelerate's own
-    DDP) or "usbyte" (usbyte_opt's prepare)."""
+    DDP) or "usbyte" (usbyte_opt's prepare). ``fp16``: ``mixed_precision="fp16"`` as
+    Accelerate runs it on a GPU (fp16 autocast, a GradScaler), on CPU, where it sets up
+    neither; the scale so large that the first steps overflow."""
     from usbyte_opt.integrations.accelerate import prepare, runtime_optimizer, synchronize
 
+    if fp16:
+        accelerator_kwargs["mixed_precision"] = "fp16"
     acc = fresh_accelerator(gradient_accumulation_steps=ACCUM, **accelerator_kwargs)
+    if fp16:
+        acc.native_amp = True
+        acc.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -12,
+                                          growth_interval=2)
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     lr = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.05 * s))
@@ -112,7 +123,7 @@ def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
     if resume:
         acc.load_state(ckpt)
         loader = acc.skip_first_batches(loader, SAVE_AT * ACCUM)
-    norms = []
+    norms, lrs, skipped = [], [], []
     with warnings.catch_warnings():
         warnings.simplefilter("error", UsbyteWarning)   # watch_buckets: DDP's buckets unplanned
         for x, y in loader:
@@ -124,13 +135,17 @@ def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
                 opt.step()
                 lr.step()
                 opt.zero_grad()
+                if acc.sync_gradients:
+                    lrs.append(lr.get_last_lr()[0])
+                    skipped.append(opt.step_was_skipped)
             if save and acc.sync_gradients and len(norms) == SAVE_AT:
                 acc.save_state(ckpt)    # mid-run, then training goes on
     synchronize(opt)
     net = acc.unwrap_model(model)
     out = {"params": [p.detach().clone() for p in net.parameters()],
            "buffers": [b.detach().clone() for b in net.buffers()],
-           "norms": norms, "type": type(model).__name__, "log": err.getvalue()}
+           "norms": norms, "lrs": lrs, "skipped": skipped, "type": type(model).__name__,
+           "log": err.getvalue()}
     dopt = runtime_optimizer(opt)
     if dopt is not None:
         out["calls"] = dopt.optimizer_calls
@@ -205,6 +220,10 @@ def cases(rank: int, ws: int, tmp: str) -> dict:
     base16, run16 = train(tmp, "baseline", None, **bf16), train(tmp, "usbyte", sched["runtime"], **bf16)
     out["bf16"] = {"diff": diff(run16, base16, rank), "norms": run16["norms"] == base16["norms"],
                    "vs_fp32": diff(base16, base, rank)}
+    base16, run16 = train(tmp, "baseline", None, fp16=True), train(tmp, "usbyte", sched["runtime"], fp16=True)
+    out["fp16"] = {"diff": diff(run16, base16, rank), "norms": repr(run16["norms"]) == repr(base16["norms"]),
+                   "lrs": run16["lrs"] == base16["lrs"], "skipped": run16["skipped"],
+                   "base_skipped": base16["skipped"], "first_norm": run16["norms"][0]}
     out["planned"] = [b.end - b.start for b in load_schedule(sched["tuned"]).blocks]
     out["runtime_blocks"] = len(load_schedule(sched["runtime"]).blocks)
     return out
@@ -242,6 +261,12 @@ def test_prepare_trains_like_accelerates_ddp_on_both_paths_and_resumes(tmp_path:
         assert v["unused"]["diff"] == 0.0
         assert v["bf16"]["diff"] == 0.0 and v["bf16"]["norms"]
         assert v["bf16"]["vs_fp32"] > 0.0       # autocast did run
+        # fp16, the first steps overflowing: reported skipped, the prepared LR scheduler
+        # leaves them out, as under DDP
+        f16 = v["fp16"]
+        assert f16["skipped"] == f16["base_skipped"] and f16["skipped"][0] and not all(f16["skipped"])
+        assert f16["lrs"] and f16["norms"] and f16["diff"] == 0.0
+        assert not math.isfinite(f16["first_norm"])
         m = v["misuse"]
         assert "already prepared (AcceleratedOptimizer)" in m[0]
         assert "DistributedDataParallelKwargs(bucket_cap_mb=5)" in m[1]

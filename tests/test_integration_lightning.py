@@ -6,8 +6,13 @@ with ``accumulate_grad_batches=3``, ``gradient_clip_val=1.0``, validation and a 
 every epoch, then a resume from the first checkpoint; a ``ddp-tuned`` schedule of three
 buckets through ``Trainer(strategy="usbyte")`` and ``$USBYTE_SCHEDULE`` against DDP with
 ``accumulate_grad_batches=2``; manual optimization (accumulation in the strategy's
-``block_backward_sync()``, clipping with ``self.clip_gradients``) on both. Real JSON schedule
-files, real process groups. Then the example under ``usbyte-opt launch``.
+``block_backward_sync()``, clipping with ``self.clip_gradients``) on both; mixed precision with
+``gradient_clip_val=1.0`` on both: Lightning's fp16 path (``MixedPrecision("16-mixed")``: fp16
+autocast and a ``GradScaler``, given as a plugin with device ``"cpu"``, since
+``precision="16-mixed"`` on a CPU accelerator becomes ``"bf16-mixed"``), its scale so large that
+the first steps overflow and are skipped, and ``precision="16-mixed"`` as written (bf16 autocast
+here). Real JSON schedule files, real process groups. Then the example under ``usbyte-opt
+launch``.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import subprocess
 import sys
@@ -128,8 +134,30 @@ class Buckets(pl.Callback):
             self.check = str(e)
 
 
+class Norms(pl.Callback):
+    """The gradients' total norm where Lightning's hooks see them: after unscaling, before
+    clipping (``inf``/``nan`` on a step that overflowed)."""
+
+    def __init__(self):
+        self.values: list[float] = []
+
+    def on_before_optimizer_step(self, trainer, module, optimizer):
+        grads = [p.grad for p in module.parameters() if p.grad is not None]
+        self.values.append(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])).item())
+
+
+def fp16_plugin():
+    """Lightning's "16-mixed" plugin on CPU (fp16 autocast, GradScaler), its scale so large
+    that the first steps overflow."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler(
+        "cpu", init_scale=2.0 ** 40, backoff_factor=2.0 ** -12, growth_interval=2))
+
+
 def fit(strategy, d: Path, name: str, *, accum: int, manual: bool = False, ckpt: str | None = None,
-        seed: int = 0, callbacks=(), checkpoint: bool = False, val_every: int | None = None) -> dict:
+        seed: int = 0, callbacks=(), checkpoint: bool = False, val_every: int | None = None,
+        precision=None, plugins=None) -> dict:
     model = Net(seed=seed, manual=manual, accum=accum)
     callbacks = list(callbacks)
     if checkpoint:
@@ -144,7 +172,8 @@ def fit(strategy, d: Path, name: str, *, accum: int, manual: bool = False, ckpt:
         accumulate_grad_batches=1 if manual else accum, gradient_clip_val=None if manual else 1.0,
         logger=False, enable_progress_bar=False, enable_model_summary=False,
         num_sanity_val_steps=0, limit_val_batches=2, enable_checkpointing=checkpoint,
-        val_check_interval=val_every, callbacks=callbacks, default_root_dir=d)
+        val_check_interval=val_every, callbacks=callbacks, default_root_dir=d, precision=precision,
+        plugins=plugins)
     train, val = loaders(trainer.world_size, accum)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always", UsbyteWarning)
@@ -154,6 +183,8 @@ def fit(strategy, d: Path, name: str, *, accum: int, manual: bool = False, ckpt:
     return {"params": [p.detach().clone() for p in model.parameters()],
             "buffers": [b.detach().clone() for b in model.buffers()],
             "val": model.val_losses, "steps": trainer.global_step,
+            "opt_steps": sorted({float(st["step"]) for st in trainer.optimizers[0].state.values()}),
+            "precision": trainer.precision_plugin.precision,
             "strategy": type(trainer.strategy).__name__,
             "path": getattr(getattr(trainer.strategy, "plan", None), "path", "baseline"),
             "warnings": [str(x.message) for x in w if issubclass(x.category, UsbyteWarning)]}
@@ -198,6 +229,20 @@ def train_all(rank: int, ws: int, paths: dict[str, str], out: str) -> dict:
     res["ref_manual"] = fit(DDP(), d, "refm", accum=2, manual=True, val_every=3)
     res["run_manual"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "runm",
                             accum=2, manual=True, val_every=3)
+    # mixed precision and gradient_clip_val: fp16 with a GradScaler (overflows skipped), and
+    # precision="16-mixed" as written (bf16-mixed on CPU)
+    for name, strategy in (("ref_fp16", DDP()),
+                           ("run_fp16", UsbyteStrategy(schedule=paths["overlap"], verify=False))):
+        plugin, norms = fp16_plugin(), Norms()
+        res[name] = fit(strategy, d, name, accum=1, plugins=[plugin], callbacks=[norms])
+        res[name].update(norms=norms.values, scale=plugin.scaler.get_scale(),
+                         plugin_class=type(plugin).__name__)
+    res["ref_manual16"] = fit(DDP(), d, "refm16", accum=2, manual=True, plugins=[fp16_plugin()])
+    res["run_manual16"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "runm16",
+                              accum=2, manual=True, plugins=[fp16_plugin()])
+    res["ref_16"] = fit(DDP(), d, "ref16", accum=1, precision="16-mixed")
+    res["run_16"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "run16", accum=1,
+                        precision="16-mixed")
     # the example's baseline, for the launched run below
     sys.path.insert(0, str(ROOT / "examples"))
     import lightning_train
@@ -266,6 +311,73 @@ def test_manual_optimization_and_validation_inside_an_accumulation_train_like_li
         if rank == 0:
             assert max_diff(ref["buffers"], run["buffers"]) == 0.0
             assert ref["val"] == run["val"] and len(run["val"]) == 2 * 2 * EPOCHS
+
+
+def test_fp16_with_gradient_clipping_and_overflows_trains_like_lightnings_ddp(runs):
+    steps = EPOCHS * STEPS_PER_EPOCH
+    for rank, v in enumerate(runs):
+        ref, run = v["ref_fp16"], v["run_fp16"]
+        assert run["path"] == "runtime" and ref["precision"] == run["precision"] == "16-mixed"
+        assert ref["steps"] == run["steps"] == steps
+        # the first steps overflowed: GradScaler skipped them, under DDP and the runtime alike
+        assert ref["opt_steps"] == run["opt_steps"] and 0 < run["opt_steps"][0] < steps - 1
+        assert not math.isfinite(run["norms"][0]) and ref["scale"] == run["scale"] < 2.0 ** 40
+        # unscaled before the hooks and the clipping, as under DDP (bitwise), and clipped
+        assert len(run["norms"]) == steps and repr(ref["norms"]) == repr(run["norms"])
+        assert any(1.0 < n < math.inf for n in run["norms"])
+        assert max_diff(ref["params"], run["params"]) == 0.0
+        if rank == 0:
+            assert max_diff(ref["buffers"], run["buffers"]) == 0.0
+        assert run["plugin_class"] == "MixedPrecision"     # Lightning's plugin, put back
+
+
+def test_fp16_with_manual_optimization_and_clip_gradients_trains_like_lightnings_ddp(runs):
+    for v in runs:
+        ref, run = v["ref_manual16"], v["run_manual16"]
+        assert run["path"] == "runtime" and ref["steps"] == run["steps"] == EPOCHS * STEPS_PER_EPOCH
+        assert ref["opt_steps"] == run["opt_steps"] and run["opt_steps"][0] < ref["steps"]
+        assert max_diff(ref["params"], run["params"]) == 0.0
+
+
+def test_precision_16_mixed_as_written_with_gradient_clipping_trains_like_lightnings_ddp(runs):
+    for rank, v in enumerate(runs):
+        ref, run = v["ref_16"], v["run_16"]
+        assert run["path"] == "runtime"
+        assert ref["precision"] == run["precision"] == "bf16-mixed"   # Lightning's choice on CPU
+        assert ref["steps"] == run["steps"] == EPOCHS * STEPS_PER_EPOCH
+        assert max_diff(ref["params"], run["params"]) == 0.0
+        if rank == 0:
+            assert max_diff(ref["buffers"], run["buffers"]) == 0.0
+
+
+def test_the_fp16_plugin_judges_the_optimizer_the_runtime_wraps(pg):
+    """On the runtime path the plugin clips a plain optimizer's gradients and refuses a fused
+    one's with Lightning's own message, naming it as under DDP."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    from usbyte_opt.integrations.lightning import _runtime_precision
+    from usbyte_opt.runtime import DistributedOptimizer, default_schedule
+
+    plugin = fp16_plugin()
+    plugin.__class__ = _runtime_precision(MixedPrecision)
+    opts = []
+    for fused in (False, True):
+        model = nn.Linear(4, 3)
+        opts.append(DistributedOptimizer(torch.optim.AdamW(model.parameters(), fused=fused), model,
+                                         schedule=default_schedule(model), verify=False))
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 10.0)
+    try:
+        plugin.clip_gradients(opts[0], 1.0)
+        grads = [p.grad for p in opts[0].optimizer.param_groups[0]["params"]]
+        assert torch.linalg.vector_norm(torch.cat([g.flatten() for g in grads])).item() == \
+            pytest.approx(1.0, rel=1e-5)
+        with pytest.raises(RuntimeError, match=r"optimizer, AdamW, does not allow for gradient clipping"):
+            plugin.clip_gradients(opts[1], 1.0)
+        plugin.clip_gradients(opts[1], 0.0)     # no clipping asked: nothing refused
+    finally:
+        for o in opts:
+            o.close()
 
 
 def test_bad_options_are_refused_in_one_line(tmp_path):

@@ -3,8 +3,9 @@ own DDP, on two gloo ranks: a tiny BERT built from a config (dropout off), a see
 data set, accumulation 3, clipping at 1.0, 8 optimizer steps. The runtime path (an overlap
 schedule), a checkpoint and the resume from it, and the stock-DDP path (a ddp-tuned schedule
 of several buckets, in BERT's real gradient-ready order) all run in one spawned run, since
-starting the ranks and importing transformers is most of the cost. The example script runs
-under ``usbyte-opt launch``."""
+starting the ranks and importing transformers is most of the cost; so does fp16 with overflows
+against the Trainer's DDP (see :class:`CpuFp16`). The example script runs under ``usbyte-opt
+launch``."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import copy
 import dataclasses
 import json
 import logging
+import math
 import os
 import subprocess
 import sys
@@ -30,7 +32,7 @@ from usbyte_opt.formats import save_schedule  # noqa: E402
 from usbyte_opt.launcher import free_port, run_local  # noqa: E402
 from usbyte_opt.planning.problem import Problem  # noqa: E402
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks  # noqa: E402
-from usbyte_opt.runtime import UsbyteWarning, profile_from_model  # noqa: E402
+from usbyte_opt.runtime import UsbyteWarning, default_schedule, profile_from_model  # noqa: E402
 from usbyte_opt.runtime.default_plan import split_blocks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,6 +121,46 @@ def norms(trainer) -> list[float]:
     return [e["grad_norm"] for e in trainer.state.log_history if "grad_norm" in e]
 
 
+class CpuFp16:
+    """A Trainer mixin: ``fp16=True`` as Accelerate runs it on a GPU (fp16 autocast in the
+    prepared model's forward, a ``GradScaler`` in ``accelerator.backward``, in the clipping's
+    unscale and in ``AcceleratedOptimizer.step``, which reports the steps the scaler skips), on
+    CPU, where Accelerate sets up neither. The scale is so large that the first steps overflow."""
+
+    def create_accelerator_and_postprocess(self):
+        super().create_accelerator_and_postprocess()
+        self.accelerator.native_amp = True
+        self.accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 40,
+                                                       backoff_factor=2.0 ** -12, growth_interval=2)
+
+
+def fp16_run(cls, base, data, out: str, **kw) -> dict:
+    """6 optimizer steps of fp16 with overflows, no accumulation, a linear LR decay, AdamW not
+    fused (HF's default, fused AdamW, takes the scaler's verdict itself and is never reported
+    skipped, under DDP as here): the LR in force after each step, the AdamW step count."""
+    from transformers import TrainerCallback
+
+    class LRs(TrainerCallback):
+        def __init__(self):
+            self.lrs: list[float] = []
+
+        def on_step_end(self, args, state, control, lr_scheduler=None, **kwargs):
+            self.lrs.append(lr_scheduler.get_last_lr()[0])
+
+    lrs = LRs()
+    tr = type("Fp16" + cls.__name__, (CpuFp16, cls), {})(
+        model=copy.deepcopy(base), train_dataset=data, callbacks=[lrs], **kw,
+        args=arguments(out, fp16=True, optim="adamw_torch", gradient_accumulation_steps=1, max_steps=6,
+                       warmup_steps=0, lr_scheduler_type="linear", logging_steps=1))
+    tr.train()
+    inner = tr.optimizer
+    while not isinstance(inner, torch.optim.AdamW):
+        inner = inner.optimizer
+    return {"lrs": lrs.lrs, "params": params(tr.model), "norms": norms(tr),
+            "scale": tr.accelerator.scaler.get_scale(),
+            "adam_steps": sorted({float(st["step"]) for st in inner.state.values()})}
+
+
 class Lines(logging.Handler):
     def __init__(self):
         super().__init__(logging.INFO)
@@ -200,7 +242,16 @@ def trainers(rank: int, ws: int, tmp: str) -> dict:
                ddp_warnings=[str(w.message) for w in caught if issubclass(w.category, UsbyteWarning)])
     uddp.check_buckets(wrapped, tuned)
 
-    # 5. Misuse: a bad runtime option, bucket caps of one's own with a ddp-tuned schedule.
+    # 5. fp16, the first steps overflowing: the Trainer's DDP, then the runtime path (the
+    #    runtime's default plan in overlap mode: one block, for time's sake).
+    ref16 = fp16_run(Trainer, base, data, os.path.join(tmp, "ref16"))
+    run16 = fp16_run(UsbyteTrainer, base, data, os.path.join(tmp, "run16"),
+                     schedule=default_schedule(base, ws), runtime_options={"verify": False})
+    out["fp16"] = {"ref": {k: v for k, v in ref16.items() if k != "params"},
+                   "run": {k: v for k, v in run16.items() if k != "params"},
+                   "diff": diff(run16["params"], ref16["params"])}
+
+    # 6. Misuse: a bad runtime option, bucket caps of one's own with a ddp-tuned schedule.
     errors = []
     for kw in ({"schedule": rpath, "runtime_options": {"wait_in_backward": False}},
                {"schedule": tpath, "args": arguments(os.path.join(tmp, "x"), ddp_bucket_cap_mb=10)},
@@ -267,9 +318,23 @@ def test_ddp_tuned_schedule_runs_the_trainers_ddp_with_the_planned_buckets(resul
         assert v["ddp_diff"] == 0.0, v["ddp_diff"]
 
 
+def test_fp16_overflow_steps_leave_the_lr_scheduler_alone_as_under_the_trainers_ddp(results):
+    for v in results:
+        ref, run = v["fp16"]["ref"], v["fp16"]["run"]
+        assert len(ref["lrs"]) == len(run["lrs"]) == 6
+        # GradScaler skipped the first steps (the runtime skips the update itself); the
+        # scheduler stepped only after the others, as under DDP
+        assert ref["adam_steps"] == run["adam_steps"] and 0 < run["adam_steps"][0] < 5
+        assert not math.isfinite(run["norms"][0]) and ref["scale"] == run["scale"]
+        assert run["lrs"] == ref["lrs"]
+        assert run["lrs"][0] == 2e-3 and len(set(run["lrs"])) == 1 + run["adam_steps"][0]
+        assert repr(run["norms"]) == repr(ref["norms"])
+        assert v["fp16"]["diff"] == 0.0, v["fp16"]["diff"]
+
+
 def test_the_run_says_which_path_once_on_rank_0(results):
     lines0 = results[0]["lines"]
-    assert sum("the usbyte-opt runtime, " in ln and "overlap mode" in ln for ln in lines0) == 2
+    assert sum("the usbyte-opt runtime, " in ln and "overlap mode" in ln for ln in lines0) == 3
     assert sum("stock DistributedDataParallel with the schedule's" in ln for ln in lines0) == 1
     assert results[1]["lines"] == []
 

@@ -131,6 +131,39 @@ def runtime_kwargs(options: dict[str, Any], trainer: str) -> dict[str, Any]:
     return {**options, "wait_in_backward": True}
 
 
+def report_skipped_steps(accelerated: Any) -> None:
+    """Make Accelerate's ``AcceleratedOptimizer`` around a
+    :class:`~usbyte_opt.runtime.DistributedOptimizer` report the steps ``GradScaler`` skips
+    (``step_was_skipped``, ``Accelerator.optimizer_step_was_skipped``) as it reports them for
+    the plain optimizer under DDP.
+
+    With a scaler, ``AcceleratedOptimizer.step()`` calls ``scaler.step(optimizer)`` with the
+    optimizer's ``step`` patched to note that it ran: the scaler never calls a plain
+    optimizer's ``step()`` on an fp16 overflow, so the note is missing and
+    ``step_was_skipped`` is true; the Hugging Face Trainer then leaves its LR scheduler alone,
+    and a prepared ``AcceleratedScheduler`` does not step. The runtime's ``step()`` is called
+    on every step (it sets ``_step_supports_amp_scaling``, so the scaler hands it ``found_inf``
+    and it skips the update itself): here the note is made only when ``found_inf`` is zero.
+    A wrapped optimizer that takes ``found_inf`` itself (a fused one) is called by the scaler
+    on every step under DDP too, and its steps are never reported skipped, as there.
+    Nothing without a scaler (fp32, bf16)."""
+    if getattr(accelerated, "scaler", None) is None:
+        return
+    runtime = accelerated.optimizer
+    step = getattr(accelerated, "_optimizer_original_step_method", runtime.step)
+    fused = bool(getattr(runtime.optimizer, "_step_supports_amp_scaling", False))
+
+    def noting_step(*args: Any, **kwargs: Any) -> Any:
+        found_inf = vars(runtime).get("found_inf")   # set by GradScaler.step() for this call
+        skipped = found_inf is not None and not fused and float(found_inf) > 0
+        out = step(*args, **kwargs)
+        if not skipped:
+            accelerated._accelerate_step_called = True
+        return out
+
+    accelerated._optimizer_patched_step_method = noting_step
+
+
 def log_plan(plan: Plan, trainer: str, rank: int) -> None:
     """Say which path the run uses: one line on rank 0's stderr (and to the
     ``usbyte_opt.integrations`` logger at INFO)."""

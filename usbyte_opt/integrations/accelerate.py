@@ -40,8 +40,8 @@ Started with ``usbyte-opt launch --schedule S --nproc-per-node N train.py`` (whi
   ``accelerator.backward`` sees the averaged gradients) inside Accelerate's own
   ``AcceleratedOptimizer`` (so ``step()`` and ``zero_grad()`` are skipped on the micro-batches
   that do not sync, and ``GradScaler`` runs as Accelerate runs it; on an fp16 overflow the
-  runtime skips the update itself, so ``optimizer.step_was_skipped`` stays ``False``, as it
-  does in Accelerate for its fused optimizers, and a prepared LR scheduler still steps), and
+  runtime skips the update itself, and ``optimizer.step_was_skipped`` is ``True`` then, as
+  under DDP, so a prepared LR scheduler does not step), and
   ``accelerator.accumulate(model)`` / ``accelerator.no_sync(model)`` enter the runtime's
   :meth:`~usbyte_opt.runtime.DistributedOptimizer.no_sync` (Accelerate calls the ``no_sync``
   of the model it is given; the model returned carries the runtime's).
@@ -65,7 +65,7 @@ import torch
 
 from ..errors import UsbyteError
 from ..formats import Schedule
-from ._common import Plan, log_plan, resolve, runtime_kwargs
+from ._common import Plan, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 __all__ = ["prepare", "runtime_optimizer", "synchronize"]
 
@@ -264,5 +264,6 @@ def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.
     # Accelerate's AcceleratedOptimizer around it, marked prepared as accelerator.prepare
     # marks what it returns (so that passing it to accelerator.prepare again wraps nothing).
     opt = accelerator.prepare(dopt)
+    report_skipped_steps(opt)   # step_was_skipped on an fp16 overflow, as under DDP
     log_plan(plan, TRAINER, accelerator.process_index)
     return model, opt

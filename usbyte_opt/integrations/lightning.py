@@ -54,6 +54,13 @@ backward is refused: on the runtime path, accumulate with ``block_backward_sync(
 ``toggle_model(sync_grad=False)``. One optimizer per LightningModule on the runtime path
 (Lightning allows several only with manual optimization); several run on the DDP path.
 
+Mixed precision (``precision="16-mixed"``/``"bf16-mixed"``) with ``gradient_clip_val`` (or
+``self.clip_gradients`` in manual optimization) trains as under Lightning's DDP: Lightning's
+``MixedPrecision`` plugin would take the runtime (which sets ``_step_supports_amp_scaling``, so
+that ``GradScaler`` hands its ``step()`` the overflow verdict) for a fused optimizer, neither
+unscaling before clipping nor clipping; on the runtime path it judges the optimizer the runtime
+wraps instead, for the duration of ``fit``.
+
 In overlap mode, between ``optimizer.step()`` and the next training forward the parameters
 still hold their values before that step's update (it is applied right before each module's
 next use). Lightning's checkpoints, validation and the end of ``fit`` see the updated values;
@@ -75,7 +82,10 @@ from torch import nn
 try:
     import lightning.pytorch as pl
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+    from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as e:  # pragma: no cover - the extra is not installed
     raise ImportError("usbyte_opt.integrations.lightning needs the lightning package: "
                       "pip install 'usbyte-opt[lightning]'") from e
@@ -111,6 +121,71 @@ class _Root(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._lightning_module.training_step(*args, **kwargs)
+
+
+def _takes_found_inf(optimizer: Any) -> bool:
+    """Whether ``optimizer`` unscales and skips on ``found_inf`` in its own ``step()`` (fused
+    optimizers): Lightning's test (``_step_supports_amp_scaling``)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+_PRECISION_CLASSES: dict[type, type] = {}
+
+
+def _runtime_precision(base: type) -> type:
+    """``base`` (Lightning's ``MixedPrecision``, or a subclass that keeps its ``optimizer_step``
+    and ``clip_gradients``) acting on a :class:`~usbyte_opt.runtime.DistributedOptimizer` as
+    on the optimizer it wraps.
+
+    ``MixedPrecision`` unscales the gradients (``scaler.unscale_``) right after the closure,
+    before the ``on_before_optimizer_step`` hooks and ``gradient_clip_val``, unless the
+    optimizer sets ``_step_supports_amp_scaling`` (fused optimizers, which unscale in
+    ``step()``), and refuses to clip those. The runtime sets it so that ``GradScaler`` calls its
+    ``step()`` on every step with ``found_inf`` (it skips the update itself, on every rank
+    alike). Here that attribute is the wrapped optimizer's: for a plain one the gradients are
+    unscaled after the closure and clipped as under DDP, then ``scaler.step`` still goes to
+    the runtime; a fused one is refused clipping with Lightning's own message, as under DDP.
+    """
+    if base in _PRECISION_CLASSES:
+        return _PRECISION_CLASSES[base]
+
+    class RuntimeMixedPrecision(base):  # type: ignore[valid-type,misc]
+        def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+            from ..runtime import DistributedOptimizer
+
+            if (self.scaler is None or not isinstance(optimizer, DistributedOptimizer)
+                    or not _takes_found_inf(optimizer) or _takes_found_inf(optimizer.optimizer)):
+                return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            scaler = self.scaler
+
+            def closure_then_unscale() -> Any:
+                result = closure()
+                # MixedPrecision's own condition: no unscaling where automatic optimization
+                # skipped the backward (the closure returned None).
+                if result is not None or not model.automatic_optimization:
+                    scaler.unscale_(optimizer)
+                return result
+
+            return super().optimizer_step(optimizer, model=model, closure=closure_then_unscale,
+                                          **kwargs)
+
+        def clip_gradients(self, optimizer: Any, clip_val: int | float = 0.0,
+                           gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM
+                           ) -> None:
+            from ..runtime import DistributedOptimizer
+
+            if isinstance(optimizer, LightningOptimizer):   # manual optimization's clip_gradients
+                optimizer = optimizer.optimizer
+            if isinstance(optimizer, DistributedOptimizer) and _takes_found_inf(optimizer):
+                if _takes_found_inf(optimizer.optimizer):
+                    optimizer = optimizer.optimizer    # Lightning's refusal, naming it as under DDP
+                else:                                  # MixedPrecision's check is about that one
+                    return super(MixedPrecision, self).clip_gradients(  # type: ignore[misc]
+                        optimizer, clip_val, gradient_clip_algorithm)
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)
+
+    RuntimeMixedPrecision.__name__ = RuntimeMixedPrecision.__qualname__ = base.__name__
+    return _PRECISION_CLASSES.setdefault(base, RuntimeMixedPrecision)
 
 
 class UsbyteStrategy(DDPStrategy):
@@ -176,6 +251,7 @@ class UsbyteStrategy(DDPStrategy):
         self._state_hooks: list[Any] = []
         self._failed = False
         self._accumulating = False   # a pass that only accumulates ran since the last step
+        self._plugin_class: tuple[Any, type] | None = None   # a precision plugin to put back
 
     # ----------------------------------------------------------------------------------
     # Set-up: DDP with the planned buckets, or the runtime on the plain module
@@ -222,6 +298,14 @@ class UsbyteStrategy(DDPStrategy):
                                         **self._runtime_options) for opt in self.optimizers]
         self.distributed_optimizers = wrapped
         self.optimizers = wrapped
+        # Mixed precision: Lightning's plugin treats the runtime as the optimizer it wraps
+        # (unscaling before clipping); put back at teardown.
+        plugin = self.precision_plugin
+        kind = type(plugin)
+        if (isinstance(plugin, MixedPrecision) and kind.optimizer_step is MixedPrecision.optimizer_step
+                and kind.clip_gradients is MixedPrecision.clip_gradients):
+            plugin.__class__ = _runtime_precision(kind)
+            self._plugin_class = (plugin, kind)
         module = self.lightning_module
         assert module is not None
         # LightningModule.state_dict() (checkpoints, user code) sees the updated values.
@@ -315,6 +399,10 @@ class UsbyteStrategy(DDPStrategy):
             except Exception:
                 if not self._failed:
                     raise  # after a failure, the original error is the one to see
+        if self._plugin_class is not None:
+            plugin, kind = self._plugin_class
+            plugin.__class__ = kind
+            self._plugin_class = None
         for h in self._state_hooks:
             h.remove()
         self._state_hooks = []

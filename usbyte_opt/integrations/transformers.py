@@ -22,7 +22,10 @@ The schedule decides the path (:func:`usbyte_opt.integrations.resolve`):
   the Trainer asks Accelerate for DDP's; the LR scheduler works on it; checkpoints
   (``save_steps``, ``save_model``) and ``resume_from_checkpoint`` keep the wrapped optimizer's
   own state format; evaluation, checkpoints and the end of ``train()`` first apply every
-  pending update (:meth:`~usbyte_opt.runtime.DistributedOptimizer.synchronize`).
+  pending update (:meth:`~usbyte_opt.runtime.DistributedOptimizer.synchronize`). With
+  ``fp16`` (a ``GradScaler``), a step the scaler skips on an overflow is reported skipped
+  (``accelerator.optimizer_step_was_skipped``), so the LR scheduler does not step after it, as
+  under the Trainer's DDP.
 
 The run says which path it takes, once, on rank 0. Start it as the Trainer is started:
 ``torchrun --nproc-per-node N train.py``, or ``usbyte-opt launch --schedule S
@@ -52,7 +55,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ..errors import UsbyteError
-from ._common import Plan, log_plan, resolve, runtime_kwargs
+from ._common import Plan, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 #: The name the integration gives itself in its log line and errors.
 TRAINER = "transformers"
@@ -185,7 +188,7 @@ class UsbyteTrainer(Trainer):
         if self.usbyte_plan.path == "ddp":
             acc.ddp_handler = _PlannedDDPHandler(acc.ddp_handler, self)
             return
-        prepare_model, no_sync = acc.prepare_model, acc.no_sync
+        prepare_model, prepare_optimizer, no_sync = acc.prepare_model, acc.prepare_optimizer, acc.no_sync
         ref = weakref.ref(self)
 
         def prepare_plain(model: Any, device_placement: bool | None = None,
@@ -202,7 +205,18 @@ class UsbyteTrainer(Trainer):
                 return opt.no_sync()
             return no_sync(model)
 
+        def prepare_reporting(optimizer: Any, device_placement: bool | None = None) -> Any:
+            # Accelerate's AcceleratedOptimizer, made to report the steps GradScaler skips
+            # (the Trainer then does not step its LR scheduler, as under DDP).
+            from ..runtime import DistributedOptimizer
+
+            prepared = prepare_optimizer(optimizer, device_placement=device_placement)
+            if isinstance(_inner(prepared), DistributedOptimizer):
+                report_skipped_steps(prepared)
+            return prepared
+
         acc.prepare_model = prepare_plain
+        acc.prepare_optimizer = prepare_reporting
         acc.no_sync = runtime_no_sync
 
     def _check_args(self) -> None:
