@@ -116,9 +116,12 @@ def launch(ctx: typer.Context) -> None:
             f"{args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, world size "
             f"{sched.world_size})")
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
-    from ..launcher import run_torchrun
+    from ..launcher import run_summary, run_torchrun
 
-    failures = run_torchrun(args, quiet=not debug)
+    with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
+        failures = run_torchrun(args, quiet=not debug)
+    if said:
+        console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
     if failures is not None:
         raise _failure(failures, script) from None
 
