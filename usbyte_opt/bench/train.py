@@ -323,7 +323,8 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
     stops alike); while a comparison's interval contains 1, rounds of ``ceil(iterations /
     rounds)`` are added for the undecided trainees and ``against``, as
     :meth:`~usbyte_opt.verdict.Budget.more` says (``budget.max_pairs`` rounds at most,
-    ``budget.max_s`` seconds of timed rounds). Runtimes with a trace file record their
+    ``budget.max_s`` seconds of timed rounds), and the others then catch up untimed, so that
+    every trainee ends after as many steps. Runtimes with a trace file record their
     measured timeline only in a last, untimed pass of ``traced`` iterations that every trainee
     runs (recording costs the host time in the hooks, which DDP's timed iterations do not pay).
     """
@@ -380,6 +381,14 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
         if r + 1 >= rounds and r + 1 in budget.looks():   # the decided ones are done
             active = [t for t in active if t is base or (t in compared and
                                                          not ratios[t.name].distinguishable)]
+    # Those that sat out added rounds catch up, untimed: every trainee ends after as many
+    # steps on the same batches, so that their parameters stay comparable.
+    most_steps = max(t.steps for t in trainees)
+    for t in trainees:
+        while t.steps < most_steps:
+            t.iteration()
+        t.drain()
+    dist.barrier()
     if traced > 0:
         for t in trainees:
             t.record_trace(True)

@@ -22,10 +22,11 @@ from ..env import AUTO
 from ..planning.strategies import load_builtin
 from . import common
 
-#: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
-#: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
+#: The columns of the result table shown without ``--wide`` (they fit 100 columns, "vs DDP"
+#: with its interval); ``--wide`` shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the
+#: Markdown report does.
 DEFAULT_COLUMNS = ("strategy", "measured ms", "state MB", "predicted ms", "error", "vs DDP",
-                   "vs bound", "blocks")
+                   "vs bound")
 
 
 def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
