@@ -569,6 +569,8 @@ class Tuner:
         self.verify_t0 = time.perf_counter()
         self.timer.take()
         self._run(_side(0))
+        if self.steps:   # at construction, the constructor writes it
+            self._write_summary(ended=True)
 
     def _round_done(self) -> bool:
         """A round of windows has ended: agree on its medians over the ranks, and say whether
@@ -669,10 +671,12 @@ class Tuner:
         if self.rank != 0 or not path:
             return
         text = self.summary()
-        if ended and self.phase != "settled":
-            text = (f"the run ended on {DDP_BUCKETS} before the plan was made and verified"
-                    if self.auto else f"the run ended on {DDP_BUCKETS} before the plan "
-                                      f"{self._what()} was verified against them")
+        if ended and self.phase == "verify":
+            text = (f"the run ended before the plan {self._what()} was verified against "
+                    f"{DDP_BUCKETS} (it ran both in turns)")
+        elif ended and self.phase != "settled":
+            text = (f"the run ended on {DDP_BUCKETS} before the plan was made (planning in the "
+                    f"run measures its first {WARMUP + CLEAN + OVERLAP} iterations)")
         try:
             tmp = f"{path}.{os.getpid()}.tmp"
             with open(tmp, "w") as f:
