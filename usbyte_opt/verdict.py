@@ -122,9 +122,18 @@ class Ratio:
         return math.sqrt(self.hi / self.lo) - 1.0
 
     def noise(self) -> str:
-        """``±X%``: how close two times may be and still look alike on this machine."""
+        """``±X%``: how close two times may be and still look alike on this machine (``within
+        a factor of N`` past ±100%).
+
+        Example::
+
+            >>> Ratio(1.0, 0.94, 1.0638, 6).noise(), Ratio(0.6, 0.1, 4.4, 4).noise()
+            ('±6%', 'within a factor of 6.6')
+        """
         w = self.half_width
-        return "too few windows to tell" if math.isinf(w) else f"±{max(1, round(100 * w))}%"
+        if math.isinf(w):
+            return "too few windows to tell"
+        return f"±{max(1, round(100 * w))}%" if w < 1.0 else f"within a factor of {1 + w:.1f}"
 
     def verdict(self, a: str = "A", b: str = "B") -> str:
         """``"<b> faster"``, ``"<a> faster"`` or ``"not distinguishable on this machine (±X%)"``.

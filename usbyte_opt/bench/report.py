@@ -404,7 +404,7 @@ def _measured_verdict(s: str, pred: float, v: dict[str, Any]) -> str:
         b = "slower than DDP"
     else:
         return (f"verdict: {s} against DDP: {v['verdict']}; predicted {pred:.2f}x DDP's speed, "
-                f"{meas}; the machine is too noisy to tell a difference that small")
+                f"{meas}: its interval contains 1, this machine is too noisy to tell")
     if a == b:
         return f"verdict holds: {s} predicted {pred:.2f}x DDP's speed, {meas}: {b} either way"
     return (f"verdict changes: {s} predicted {pred:.2f}x DDP's speed ({a}), {meas} ({b}). Trust "
