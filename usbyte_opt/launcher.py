@@ -154,7 +154,8 @@ class RankError:
             return cls(msg, timestamp=int(data.get("timestamp", 0) or 0))
         if not isinstance(msg, Mapping) or not isinstance(msg.get("message"), str):
             return None
-        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), Mapping) else {}
+        info = msg.get("extraInfo")
+        extra: Mapping[str, Any] = info if isinstance(info, Mapping) else {}
         code = extra.get("exit_code", 1)
         return cls(msg["message"], code if isinstance(code, int) and code > 0 else 1,
                    extra.get("peer") is True, extra.get("usbyte") is True,
@@ -320,7 +321,7 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
             files.append(f)
             procs.append(subprocess.Popen(rank_argv, env=env_r, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=f))
-        reader = None
+        reader: IO[str] | None = None
         if progress is not None:
             reader = open(folder / "rank0.log", errors="replace")
             files.append(reader)
@@ -335,8 +336,8 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
     finally:
         if any(p.poll() is None for p in procs):
             stop(procs)
-        for f in files:
-            f.close()
+        for fh in files:
+            fh.close()
         shutil.rmtree(temp, ignore_errors=True)
 
 

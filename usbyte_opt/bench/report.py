@@ -465,6 +465,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
                      "—" if comm is None else f"{comm:+.1f}"])
     lines: list[str] = []
     if compute_off is not None:
+        assert ref is not None   # compute_off comes from it
         measured = (f"{ref['measured_ms']:.1f} ms measured without communication, "
                     f"{ref['predicted_ms']:.1f} ms profiled")
         if abs(compute_off) >= abs(worst_comm):

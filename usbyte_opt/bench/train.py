@@ -29,7 +29,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -182,6 +182,8 @@ class Trainee:
         self.batches = make_batches(inputs, rank, BATCHES)
         self.plain = model
         params = [p for p in model.parameters() if p.requires_grad]
+        self.model: torch.nn.Module
+        self.opt: Any   # a torch optimizer, or the runtime's DistributedOptimizer
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -192,6 +194,7 @@ class Trainee:
             from ..ddp import wrap
 
             ids = [device.index] if device.type == "cuda" else None
+            assert isinstance(schedule, Schedule), "ddp-tuned trains a planned schedule"
             self.model = wrap(model, schedule, device_ids=ids)
             self.opt = make_optimizer(optimizer, params)
         elif kind == "fsdp2":
@@ -257,7 +260,7 @@ class Trainee:
         the same trainees in the same order)."""
         from torch.distributed.tensor import DTensor
 
-        return torch.cat([(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach())
+        return torch.cat([(cast(Any, p.detach()).full_tensor() if isinstance(p, DTensor) else p.detach())
                           .reshape(-1).float().cpu()
                           for p in self.plain.parameters() if p.requires_grad])
 

@@ -57,9 +57,9 @@ def demo(
     from ..bench import BenchConfig, ProfileOptions, run_bench
 
     keep = output_dir is not None
-    if keep:
+    if output_dir is not None:
         common.check_output_dir(output_dir, "--output-dir")
-    out = output_dir if keep else Path(tempfile.mkdtemp(prefix="usbyte-demo-"))
+    out = output_dir if output_dir is not None else Path(tempfile.mkdtemp(prefix="usbyte-demo-"))
     cfg = BenchConfig(model=model, nproc=2, iterations=iterations, batch_size=batch_size,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       out_dir=out, rounds=4, max_rounds=12, max_train_s=90.0, warmup=1,

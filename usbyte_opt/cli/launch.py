@@ -54,7 +54,7 @@ def _parser() -> Any:
     def error(message: str) -> None:
         raise UsageError(f"launch: {message} (usage: {parser.usage})")
 
-    parser.error = error  # type: ignore[method-assign]
+    parser.error = error  # type: ignore[method-assign, assignment]
     return parser
 
 
@@ -145,8 +145,9 @@ def _failure(failures: dict[int, Any], script: str) -> BaseException:
     if left:
         _, _, message, code = min(left)
         return ExitError(message, code)
-    rank, failure = min(failures.items(), key=lambda kv: (
+    pick: tuple[Any, Any] = min(failures.items(), key=lambda kv: (
         kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
+    rank, failure = pick
     where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
     return ExitError(f"launch: {script}: {where}; its output is above",
                      failure.exitcode if failure and failure.exitcode > 0 else 1)
