@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-rank batch size")
     ap.add_argument("--no-verify", action="store_true",
-                    help="runtime path: run the schedule as given, without timing it against the fallback")
+                    help="runtime path: run the schedule as given, without timing it against DDP's buckets")
     ap.add_argument("--report", help="rank 0 writes the measurements here (JSON)")
     a = ap.parse_args()
 

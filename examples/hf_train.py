@@ -94,7 +94,7 @@ def main() -> None:
     ap.add_argument("--size", choices=sorted(SIZES), default="bench", help="model size (default: bench)")
     ap.add_argument("--batch-size", type=int, default=None, help="per-rank batch size (default: the size's)")
     ap.add_argument("--no-verify", action="store_true",
-                    help="runtime path: run the schedule as given, without timing it against the fallback")
+                    help="runtime path: run the schedule as given, without timing it against DDP's buckets")
     ap.add_argument("--report", metavar="PATH", help="rank 0 writes the run's figures here as JSON")
     a = ap.parse_args()
 

@@ -113,8 +113,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--size", choices=sorted(SIZES), default="tiny", help="model size (default: tiny)")
     ap.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default: 0.001)")
     ap.add_argument("--no-verify", action="store_true",
-                    help="runtime path: keep the schedule without timing it against the DDP-like "
-                         "fallback first")
+                    help="runtime path: keep the schedule without timing it against DDP's "
+                         "buckets first")
     ap.add_argument("--report", metavar="PATH", help="rank 0 writes the JSON report here")
     return ap.parse_args(argv)
 

@@ -16,12 +16,15 @@ from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import load_profile, load_schedule
 from usbyte_opt.launcher import run_local
 from usbyte_opt.runtime import DistributedOptimizer
-from usbyte_opt.runtime.autotune import CLEAN, OVERLAP, ROUNDS, WARMUP, WINDOW
+from usbyte_opt.runtime.autotune import CLEAN, MAX_ROUNDS, MIN_ROUNDS, OVERLAP, WARMUP, WINDOW
+from usbyte_opt.verdict import Budget
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_runtime_equivalence import OPTIMIZERS, SmallCNN, image_batch, max_diff, mse, sched_wfbp, twins  # noqa: E402
 
-STEPS = WARMUP + CLEAN + OVERLAP + 2 * ROUNDS * WINDOW + 4
+STEPS = WARMUP + CLEAN + OVERLAP + 2 * MAX_ROUNDS * WINDOW + 4
+#: The steps a verification can settle at: after a look of the budget (in rounds).
+LOOKS = [2 * k * WINDOW for k in Budget(MIN_ROUNDS, MAX_ROUNDS).looks()]
 
 
 def train(rank: int, ws: int, kind: str, auto_dir: str | None = None,
@@ -55,7 +58,7 @@ def check_same_on_every_rank(res) -> list[dict]:
     for v in vals:
         assert v["diff"] <= 1e-5, v
     assert vals[0]["switches"] == vals[1]["switches"]
-    for key in ("chosen", "measured_ms", "settled_at_step"):
+    for key in ("chosen", "measured_ms", "settled_at_step", "summary", "vs_ddp_buckets"):
         assert vals[0]["report"][key] == vals[1]["report"][key], key
     return vals
 
@@ -65,8 +68,14 @@ def test_auto_plans_switches_everywhere_at_once_and_trains_like_ddp(tmp_path):
     vals = check_same_on_every_rank(res)
     rep = vals[0]["report"]
     assert rep["auto"] and rep["auto_settled_at_step"] == WARMUP + CLEAN + OVERLAP
-    assert rep["settled_at_step"] <= 50
+    assert rep["settled_at_step"] - (WARMUP + CLEAN + OVERLAP) in LOOKS
     assert rep["chosen"] in ("plan", "fallback") and rep["phase"] == "settled"
+    # Kept only when measurably faster; the summary says which, and never "fallback".
+    v = rep["vs_ddp_buckets"]
+    assert (rep["chosen"] == "plan") == (v["hi"] is not None and v["hi"] < 1.0)
+    assert rep["summary"].startswith("kept the plan best" if rep["chosen"] == "plan"
+                                     else "running DDP's buckets: the plan best")
+    assert "fallback" not in rep["summary"]
     assert vals[0]["switches"][0][:2] == (WARMUP + CLEAN + OVERLAP - 1, "best")
     # What it wrote is what optimize and simulate read.
     prof = load_profile(tmp_path / "auto" / "profile.json")
@@ -81,7 +90,9 @@ def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed
     rep = vals[0]["report"]
     assert rep["chosen"] == "fallback"          # the plan's windows were made 40 ms slower
     assert rep["measured_ms"]["plan"] > rep["measured_ms"]["fallback"]
-    assert rep["settled_at_step"] == 2 * ROUNDS * WINDOW
+    assert rep["settled_at_step"] in LOOKS
+    assert rep["summary"].startswith("running DDP's buckets: the plan wfbp")
+    assert "95% CI" in rep["summary"] and rep["vs_ddp_buckets"]["ratio"] > 1.0
 
 
 def one_rank_replan_needs_a_tuner(rank: int, ws: int) -> str:
@@ -115,8 +126,9 @@ def test_env_auto_starts_on_the_fallback():
 
 
 def drift(rank: int, ws: int) -> dict:
-    """The plan is kept (the fallback's windows are made slower on every rank); its prediction
-    is far off, so the drift check warns once on rank 0 and, asked to, verifies again."""
+    """The plan is kept (DDP's buckets' windows are made slower on every rank); its prediction
+    is far off, so the drift check warns once on rank 0 and, asked to, verifies again. The
+    loop ends on the tuner's state, which every rank holds alike (same steps everywhere)."""
     import dataclasses
     import warnings
 
@@ -129,12 +141,15 @@ def drift(rank: int, ws: int) -> dict:
                                check_every=5, replan_on_drift=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for _ in range(2 * ROUNDS * WINDOW + 6):
+        for _ in range(2 * MAX_ROUNDS * WINDOW + 12):
             if opt.schedule.strategy == "ddp-like":
                 time.sleep(0.02)
             m(torch.randn(4, 8)).sum().backward(); opt.step(); opt.zero_grad()
+            rep = opt.report()
+            if rep.get("drift") and rep["phase"] == "verify":
+                break
     rep = opt.report()
-    return {"chosen": rep["chosen"], "drift": rep.get("drift"), "phase": rep["phase"],
+    return {"chosen": rep["chosen"], "summary": rep["summary"], "drift": rep.get("drift"), "phase": rep["phase"],
             "warnings": [str(w.message) for w in caught if "off its prediction" in str(w.message)]}
 
 
@@ -143,6 +158,7 @@ def test_drift_from_the_prediction_warns_once_and_can_replan():
     for r in res:
         assert r.ok, r.trace
         assert r.value["chosen"] == "plan"
+        assert r.value["summary"].startswith("verifying the plan default")   # again, after the drift
         assert r.value["drift"]["predicted_ms"] == 0.01
         assert r.value["phase"] == "verify"      # replan_on_drift started a new verification
     assert len(res[0].value["warnings"]) == 1 and not res[1].value["warnings"]

@@ -86,6 +86,27 @@ def test_summarize_errors_and_speedups(tmp_path):
     assert rows["best"][COLUMNS.index("state MB")] == "2.00"
 
 
+def test_speedup_from_paired_windows_with_its_interval(tmp_path):
+    """Each turn's median, paired with DDP's of the same round: the speed-up, its interval
+    (at the level of the budget's looks) and the verdict; DDP's own row has none."""
+    raw = raw_record()
+    raw["job"].update(rounds=4, iterations=12, max_rounds=12)
+    raw["runs"]["ddp"]["windows_ms"] = [100.0, 130.0, 104.0, 98.0]   # a slow spell in round 2
+    raw["runs"]["best"]["windows_ms"] = [80.0, 105.0, 83.0, 79.0]
+    res = summarize(raw, {"kind": "x", "short": "x", "description": "x"}, tmp_path)
+    by = {r["strategy"]: r for r in res["runs"]}
+    v = by["best"]["vs_ddp"]
+    assert v["pairs"] == 4 and v["lo"] < by["best"]["speedup_vs_ddp"] == v["ratio"] < v["hi"]
+    assert v["lo"] > 1.0 and v["verdict"] == "best faster"
+    assert by["ddp"]["vs_ddp"] is None and by["ddp"]["speedup_vs_ddp"] == 1.0
+    cell = {r[0]: r for r in table_rows(res)}["best"][COLUMNS.index("vs DDP")]
+    assert cell == f"{v['ratio']:.2f}x ({v['lo']:.2f}–{v['hi']:.2f})"
+    raw["runs"]["best"]["windows_ms"] = [80.0, 140.0, 110.0, 79.0]     # noise: no verdict
+    res = summarize(raw, {"kind": "x", "short": "x", "description": "x"}, tmp_path)
+    v = next(r for r in res["runs"] if r["strategy"] == "best")["vs_ddp"]
+    assert v["lo"] < 1.0 < v["hi"] and v["verdict"].startswith("not distinguishable on this machine (±")
+
+
 def test_a_strategy_without_prediction_has_none_not_nan(tmp_path):
     raw = raw_record()
     raw["planned"]["predicted"]["fsdp2"] = {"ms": None, "mode": "none", "blocks": None}
@@ -226,7 +247,7 @@ def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path):
 def test_short_lab_run(tmp_path):
     out = tmp_path / "lab"
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
-                      strategies=("ddp", "usbyte"), out_dir=out, rounds=1, warmup=1,
+                      strategies=("ddp", "usbyte"), out_dir=out, rounds=1, max_rounds=1, warmup=1,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)
@@ -276,7 +297,7 @@ def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
     strategies = ("ddp", "auto") + (("ddp-tuned",) if "ddp-tuned" in load_builtin() else ())
     out = tmp_path / "lab"
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
-                      strategies=strategies, out_dir=out, rounds=1, warmup=1, reference=False,
+                      strategies=strategies, out_dir=out, rounds=1, max_rounds=1, warmup=1, reference=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=300.0)
@@ -301,7 +322,7 @@ def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
     out = tmp_path / "s"
     names = ["ddp", "best-sharded", "best-sharded-zero2"]
     cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=tuple(names),
-                      out_dir=out, rounds=1, warmup=1, reference=False, plot=False,
+                      out_dir=out, rounds=1, max_rounds=1, warmup=1, reference=False, plot=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)

@@ -21,7 +21,11 @@ def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):
                  "how far the prediction was off", "compute ms", "comm ms"):
         assert word in p.stdout, word
     assert "dominates the error" in p.stdout
-    assert "verdict holds: best" in p.stdout or "verdict changes: best" in p.stdout
+    last = p.stdout.strip().splitlines()[-1]
+    verdict = p.stdout[p.stdout.rindex("verdict"):]        # the last paragraph: best against DDP
+    assert verdict.startswith(("verdict holds: best", "verdict changes: best",
+                               "verdict: best against DDP: not distinguishable on this machine (±")), verdict
+    assert "95% CI" in verdict and last in verdict
     assert max(len(line) for line in p.stdout.splitlines()) <= 100, p.stdout
     assert list(tmp_path.iterdir()) == []  # without --output-dir nothing is written
 
@@ -56,3 +60,26 @@ def test_explain_without_a_reference_run_says_so():
     assert rows[1][4:] == ["—", "—"]
     assert lines[0].startswith("no run without communication")
     assert lines[1].startswith("verdict holds: best") and "about as fast as DDP" in lines[1]
+
+
+def test_explain_uses_the_paired_interval_when_measured():
+    res = runs((120.0, 100.0), (104.0, 90.0), (88.0, 75.0))
+    best = res["runs"][1]
+    best["vs_ddp"] = {"ratio": 1.15, "lo": 1.08, "hi": 1.22, "pairs": 4, "confidence": 0.95,
+                      "verdict": "best faster"}
+    lines = explain(res)[1]
+    assert lines[-1] == ("verdict holds: best predicted 1.11x DDP's speed, measured 1.15x (95% CI "
+                         "1.08–1.22x, 4 rounds): faster than DDP either way")
+    best["vs_ddp"] = {**best["vs_ddp"], "lo": 0.9, "verdict": "not distinguishable on this machine (±15%)"}
+    lines = explain(res)[1]
+    assert lines[-1].startswith("verdict: best against DDP: not distinguishable on this machine (±15%); "
+                                "predicted 1.11x DDP's speed, measured 1.15x (95% CI 0.90–1.22x")
+
+
+def test_a_time_below_the_lower_bound_is_called_noise():
+    res = runs((120.0, 100.0), (74.0, 90.0), (70.0, 75.0))
+    res["runs"][1]["vs_lower_bound"] = 0.9
+    res["compute_scale"] = 0.93
+    lines = explain(res)[1]
+    assert any(x.startswith("best measured 74.0 ms, 0.90x the lower bound: below the lower bound: "
+                            "timing noise") for x in lines)

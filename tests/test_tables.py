@@ -34,7 +34,9 @@ def raw_record() -> dict:
                     "predicted": predicted},
         "schedules": {}, "traces": {},
         "runs": {s: {"durations_ms": [1300.25 + i, 1400.75, 1350.5], "final_loss": 1.0,
-                     "max_param_diff": 0.0} for i, s in enumerate(names)},
+                     "max_param_diff": 0.0,   # windows: an interval in "vs DDP"; one below the bound
+                     "windows_ms": [1300.25 + 3 * i, 1400.75, 1350.5 - i, 1100.0 + 40 * i]}
+                 for i, s in enumerate(names)},
         "phases_s": {"profile": 1.0, "plan": 0.1, "train": 2.0},
         "reference": "ddp",
     }

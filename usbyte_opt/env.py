@@ -13,6 +13,9 @@ Every module that reads or sets one of them imports its name from here.
 - :data:`LAUNCHED_ENV`: set on ranks that ``--nproc-per-node`` started on this host; a rank
   whose collective failed because another rank stopped then prints nothing and leaves the
   one line (the other rank's cause) to the launcher.
+- :data:`SUMMARY_FILE_ENV`: where rank 0 of a run that plans or verifies writes its one-line
+  summary (what it kept, against DDP's buckets); ``usbyte-opt launch`` sets it and prints
+  the line when the run ends.
 
 The ranks' place in the world uses torchrun's own names (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :mod:`usbyte_opt.launcher`
@@ -29,6 +32,7 @@ TRACE_ENV = "USBYTE_TRACE"
 DEBUG_ENV = "USBYTE_DEBUG"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 LAUNCHED_ENV = "USBYTE_LAUNCHED"
+SUMMARY_FILE_ENV = "USBYTE_SUMMARY_FILE"
 
 __all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "ERROR_FILE_ENV", "LAUNCHED_ENV", "SCHEDULE_ENV",
-           "TRACE_ENV"]
+           "SUMMARY_FILE_ENV", "TRACE_ENV"]

@@ -11,7 +11,8 @@ Every rank usbyte-opt starts is told its place as torchrun tells it (:func:`rank
 - :func:`run_local`: a Python function on ``world_size`` spawned processes, each with its
   process group, and a hard deadline: for tests, examples and benchmarks.
 - :func:`run_torchrun`: ``torch.distributed.run`` for ``usbyte-opt launch``, its own log
-  lines silenced, Ctrl-C and other signals turned into one outcome.
+  lines silenced, Ctrl-C and other signals turned into one outcome; :func:`run_summary`
+  reads back the one line the runtime's rank 0 leaves on what it kept.
 
 Nothing hangs: when a rank fails the others are stopped (:func:`stop`, the one way ranks are
 stopped here), and past a deadline every rank is.
@@ -31,6 +32,7 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import pickle
@@ -42,13 +44,13 @@ import sys
 import tempfile
 import time
 import traceback
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import IO, Any
 
-from .env import ERROR_FILE_ENV, LAUNCHED_ENV
+from .env import ERROR_FILE_ENV, LAUNCHED_ENV, SUMMARY_FILE_ENV
 from .errors import DistributedError, ExitError, PeerFailure, UsbyteError, first_line
 
 #: The address ranks on this host meet at.
@@ -152,7 +154,8 @@ class RankError:
             return cls(msg, timestamp=int(data.get("timestamp", 0) or 0))
         if not isinstance(msg, Mapping) or not isinstance(msg.get("message"), str):
             return None
-        extra = msg.get("extraInfo") if isinstance(msg.get("extraInfo"), Mapping) else {}
+        info = msg.get("extraInfo")
+        extra: Mapping[str, Any] = info if isinstance(info, Mapping) else {}
         code = extra.get("exit_code", 1)
         return cls(msg["message"], code if isinstance(code, int) and code > 0 else 1,
                    extra.get("peer") is True, extra.get("usbyte") is True,
@@ -318,7 +321,7 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
             files.append(f)
             procs.append(subprocess.Popen(rank_argv, env=env_r, stdin=subprocess.DEVNULL,
                                           stdout=subprocess.DEVNULL, stderr=f))
-        reader = None
+        reader: IO[str] | None = None
         if progress is not None:
             reader = open(folder / "rank0.log", errors="replace")
             files.append(reader)
@@ -333,8 +336,8 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
     finally:
         if any(p.poll() is None for p in procs):
             stop(procs)
-        for f in files:
-            f.close()
+        for fh in files:
+            fh.close()
         shutil.rmtree(temp, ignore_errors=True)
 
 
@@ -587,6 +590,43 @@ def run_torchrun(args: Any, quiet: bool = True) -> dict[int, Any] | None:
     return None
 
 
+@contextlib.contextmanager
+def run_summary() -> Iterator[list[str]]:
+    """Inside: :data:`~usbyte_opt.env.SUMMARY_FILE_ENV` names a file in a fresh temporary
+    folder, for the ranks started there (the runtime's rank 0 writes its one-line summary to
+    it: what it kept, against DDP's buckets). After: the list given holds that line, or
+    nothing when no rank wrote one; the folder is gone and the variable as it was.
+
+    Example::
+
+        >>> with run_summary() as said:
+        ...     with open(os.environ["USBYTE_SUMMARY_FILE"], "w") as f:
+        ...         _ = f.write("kept the plan best\\n")
+        >>> said, "USBYTE_SUMMARY_FILE" in os.environ
+        (['kept the plan best'], False)
+    """
+    folder = tempfile.mkdtemp(prefix="usbyte-summary-")
+    path = os.path.join(folder, "summary.txt")
+    before = os.environ.get(SUMMARY_FILE_ENV)
+    os.environ[SUMMARY_FILE_ENV] = path
+    said: list[str] = []
+    try:
+        yield said
+    finally:
+        if before is None:
+            os.environ.pop(SUMMARY_FILE_ENV, None)
+        else:
+            os.environ[SUMMARY_FILE_ENV] = before
+        try:
+            with open(path) as f:
+                line = f.read().strip().splitlines()
+            said.extend(line[:1])
+        except OSError:
+            pass
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 __all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "free_port",
-           "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_torchrun", "stop",
+           "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_summary", "run_torchrun",
+           "stop",
            "threads_per_rank", "values", "write_rank_error"]

@@ -146,8 +146,14 @@ class BenchConfig:
     batch_size: int | None = None
     out_dir: Path | None = None
     """Default ``bench-results/<name>-<network>``."""
-    rounds: int = 2
-    """Turns each strategy takes (interleaved, so noise hits all alike)."""
+    rounds: int = 4
+    """Turns each strategy takes at least (interleaved, so noise hits all alike; each turn is
+    a window of the comparison with DDP, :mod:`usbyte_opt.verdict`)."""
+    max_rounds: int = 12
+    """Turns to go up to while a strategy's time against DDP's is not distinguishable (the
+    undecided strategies and DDP only); at most ``rounds``: exactly ``rounds``."""
+    max_train_s: float = 600.0
+    """No turn is added once the timed turns have taken this many seconds."""
     warmup: int = 2
     """Untimed iterations at the start of each turn."""
     device: str | None = None
@@ -161,7 +167,7 @@ class BenchConfig:
     time_budget_s: float = 0.6
     """Local-search seconds of ``best``."""
     verify: bool = False
-    """Runtime strategies verify their plan against the DDP-like fallback (``--verify``)."""
+    """Runtime strategies verify their plan against DDP's buckets (``--verify``)."""
     timeout_s: float = 1800.0
     """Hard limit of the ranks' run; past it they are killed."""
     threads: int | None = None
@@ -230,6 +236,8 @@ class BenchConfig:
             trace=self.trace,
             pg_timeout_s=max(300.0, self.timeout_s),
             first_warmup=self.first_warmup,
+            max_rounds=self.max_rounds,
+            max_train_s=self.max_train_s,
         )
         return job
 

@@ -81,8 +81,13 @@ class Job:
     first_warmup: int = 3
     """Untimed iterations of each strategy's first turn."""
     verify: bool = False
-    """Let the runtime verify its plan against the DDP-like fallback (``--verify``); off, every
+    """Let the runtime verify its plan against DDP's buckets (``--verify``); off, every
     strategy is measured as planned."""
+    max_rounds: int = 0
+    """Rounds to go up to, beyond ``rounds``, while a strategy's time against DDP's is not
+    distinguishable (:mod:`usbyte_opt.verdict`); at most ``rounds``: exactly ``rounds``."""
+    max_train_s: float = 600.0
+    """No round is added once the timed rounds have taken this many seconds."""
 
     def to_dict(self) -> dict[str, Any]:
         """The job as the JSON object of its file."""

@@ -15,8 +15,14 @@ Definitions, per strategy:
   bench measured, charged by the planner's rule (:mod:`usbyte_opt.bench.refine`), on compute
   recalibrated to the side-by-side ``no-comm`` run (``compute_scale`` = its measured median
   over the profile's forward + backward + step; 1 without it).
-* ``speedup_vs_ddp``: DDP's measured median over this one (``predicted_speedup_vs_ddp``: the
-  same with predictions).
+* ``speedup_vs_ddp``: DDP's time over this one's, from the paired windows (each turn's median,
+  a strategy's turn paired with DDP's of the same round: :mod:`usbyte_opt.verdict`), with
+  ``vs_ddp`` holding its 95% interval (``lo``, ``hi``), the ``pairs`` and the ``verdict``
+  ("<strategy> faster", "DDP faster" or "not distinguishable on this machine (±X%)");
+  without windows (fewer than 2 pairs), DDP's measured median over this one and no interval
+  (``predicted_speedup_vs_ddp``: the same with predictions).
+* ``vs_lower_bound``: measured over the proven lower bound; below 1 the measurement is timing
+  noise (:func:`below_bound` says so, and why).
 * ``state_bytes``: the optimizer state's bytes on the rank holding most of it, after training
   (its peak: the optimizers trained with only grow their state); ``state_bytes_by_rank`` per
   rank. The whole model's under DDP, about ``1 / world_size`` of it under ``fsdp2`` and the
@@ -42,6 +48,7 @@ from typing import Any
 
 from ..collectives.sweep import median
 from ..profiler.timing import quantile
+from ..verdict import Budget, Ratio
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP, TORCH_FSDP2
 
 #: Largest parameter difference from the reference that still counts as "same training":
@@ -63,12 +70,43 @@ def stats(durations: Sequence[float]) -> dict[str, float]:
             "mean_ms": round(sum(durations) / len(durations), 6)}
 
 
+def budget_of(job: dict[str, Any]) -> Budget:
+    """The budget of rounds the bench took (:class:`~usbyte_opt.verdict.Budget`): its level is
+    that of the intervals it decided on, and reported.
+
+    Example::
+
+        >>> budget_of({"rounds": 4, "iterations": 12, "max_rounds": 12}).looks()
+        [4, 8, 12]
+        >>> budget_of({"rounds": 2, "iterations": 8}).level()     # no round added: one look
+        0.95
+    """
+    least = max(1, min(int(job.get("rounds", 1)), int(job.get("iterations", 1))))
+    return Budget(least, max(least, int(job.get("max_rounds", 0))))
+
+
+def vs_ddp(ddp_windows: Sequence[float], windows: Sequence[float], budget: Budget) -> Ratio:
+    """DDP's time over a strategy's (its speed-up) from paired windows, with the interval.
+
+    Example::
+
+        >>> r = vs_ddp([100.0, 104.0, 98.0, 101.0], [90.0, 95.0, 88.0, 91.0], Budget(4, 4))
+        >>> print(r)
+        1.11x (95% CI 1.09–1.12x)
+    """
+    from ..verdict import compare
+
+    n = min(len(ddp_windows), len(windows))
+    return compare(ddp_windows[:n], windows[:n], budget.level(), budget.confidence).inverse()
+
+
 def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> dict[str, Any]:
     """The result document (what ``--json`` prints) from the rank-0 ``raw`` record."""
     predicted = raw["planned"]["predicted"]
     runs = []
     ddp = raw["runs"].get(TORCH_DDP)
     ddp_ms = stats(ddp["durations_ms"])["median_ms"] if ddp else None
+    budget = budget_of(raw["job"])
     ddp_pred = predicted[TORCH_DDP]["ms"] if TORCH_DDP in predicted else None
     lb_all = raw["planned"]["lower_bound_ms"]
     lb_sharded = raw["planned"].get("sharded_lower_bound_ms")
@@ -83,6 +121,13 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         refined = p_ms if refined is None else refined
         rt = run.get("runtime") or {}
         by_rank = run.get("state_bytes_by_rank") or []
+        paired = None
+        if ddp and s not in (TORCH_DDP, REFERENCE) and ddp.get("windows_ms") and run.get("windows_ms"):
+            r = vs_ddp(ddp["windows_ms"], run["windows_ms"], budget)
+            if r.pairs >= 2:
+                paired = {**r.to_dict(), "verdict": r.inverse().verdict("DDP", s)}
+        speedup = (paired["ratio"] if paired else
+                   round(ddp_ms / m, 6) if ddp_ms and m and s != REFERENCE else None)
         runner = RUNNERS.get(s, "runtime" if p["mode"] != "sharded" else
                              f"runtime sharded, ZeRO-{(rt.get('memory') or {}).get('zero_stage', 1)}")
         row = {
@@ -105,7 +150,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "error": round((m - p_ms) / m, 6) if m and p_ms is not None else None,
             "refined_ms": None if refined is None else round(refined, 6),
             "refined_error": round((m - refined) / m, 6) if m and refined is not None else None,
-            "speedup_vs_ddp": round(ddp_ms / m, 6) if ddp_ms and m and s != REFERENCE else None,
+            "speedup_vs_ddp": speedup,
+            "vs_ddp": paired,
             "predicted_speedup_vs_ddp": (round(ddp_pred / p_ms, 6)
                                          if ddp_pred and p_ms and s != REFERENCE else None),
             "vs_lower_bound": round(m / lb, 6) if m and lb and s != REFERENCE else None,
@@ -174,10 +220,58 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
                      r["predicted_mode"], _f(None if r["error"] is None else 100 * r["error"], "+.1f", "%"),
                      _f(r["refined_ms"]),
                      _f(None if r["refined_error"] is None else 100 * r["refined_error"], "+.1f", "%"),
-                     _f(r["speedup_vs_ddp"], ".2f", "x"), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
-                     _f(r.get("vs_lower_bound"), ".2f", "x"), _f(r["blocks"], "d"),
+                     _vs_ddp_cell(r), _f(r["predicted_speedup_vs_ddp"], ".2f", "x"),
+                     _bound_cell(r.get("vs_lower_bound")), _f(r["blocks"], "d"),
                      _f(r["max_param_diff"], ".1e")])
     return rows
+
+
+def _vs_ddp_cell(row: dict[str, Any]) -> str:
+    """``1.05x (0.98–1.12)``: the speed-up against DDP and its interval, when measured in
+    paired windows."""
+    v = row.get("vs_ddp")
+    if v and v.get("lo") is not None:
+        return f"{v['ratio']:.2f}x ({v['lo']:.2f}–{v['hi']:.2f})"
+    return _f(row.get("speedup_vs_ddp"), ".2f", "x")
+
+
+def _bound_cell(x: float | None) -> str:
+    """Measured over the lower bound; ``noise`` below 1 (:func:`below_bound`), never rounded
+    up to 1.
+
+    Example::
+
+        >>> _bound_cell(1.234), _bound_cell(0.9995), _bound_cell(None)
+        ('1.23x', '0.99x noise', '—')
+    """
+    if x is not None and x < 1.0:
+        return f"{math.floor(100 * x) / 100:.2f}x noise"
+    return _f(x, ".2f", "x")
+
+
+def below_bound(result: dict[str, Any]) -> list[str]:
+    """One sentence per strategy measured faster than its proven lower bound: that is timing
+    noise, not a speed, and why it can happen here.
+
+    Example::
+
+        >>> res = {"compute_scale": 0.8, "runs": [
+        ...     {"strategy": "best", "vs_lower_bound": 0.83, "measured_ms": 83.0}]}
+        >>> print(below_bound(res)[0])  # doctest: +NORMALIZE_WHITESPACE
+        best measured 83.0 ms, 0.83x the lower bound: below the lower bound: timing noise (the
+        bound holds for the profiled compute, and this run's compute took x0.80 of it)
+    """
+    out = []
+    scale = result.get("compute_scale") or 1.0
+    for r in result["runs"]:
+        x = r.get("vs_lower_bound")
+        if x is None or x >= 1.0:
+            continue
+        why = (f"the bound holds for the profiled compute, and this run's compute took x{scale:.2f} of it"
+               if scale < 1.0 else "the machine's speed changed while it was measured")
+        out.append(f"{r['strategy']} measured {r['measured_ms']:.1f} ms, {_bound_cell(x)[:-6]} the lower bound: "
+                   f"below the lower bound: timing noise ({why})")
+    return out
 
 
 COLUMNS = ["strategy", "runs on", "measured ms", "p10–p90", "state MB", "predicted ms", "mode", "error",
@@ -233,7 +327,9 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
            f"and {result['loaded_comm'].get('cpu_ms_per_block') or 0:.2f} ms per block"]
           if result.get("loaded_comm") else []),
         f"- {result['iterations']} timed iterations per strategy in {result['rounds']} interleaved "
-        "rounds; iteration = forward start to forward start, mean over ranks; median and p10–p90",
+        "rounds (more while a strategy and DDP were not distinguishable); iteration = forward start "
+        "to forward start, mean over ranks; median and p10–p90; vs DDP: DDP's time over the "
+        "strategy's from each round's pair of turns, with its 95% interval (`usbyte_opt.verdict`)",
         "- state MB: the optimizer state's bytes (1 MB = 10^6 bytes) on the rank holding most "
         "of it, after training, which is its peak (SGD, Adam and AdamW only grow their state); "
         "every rank's in result.json (`state_bytes_by_rank`)",
@@ -297,12 +393,34 @@ def _verdict(ratio: float) -> str:
     return "about as fast as DDP"
 
 
+def _measured_verdict(s: str, pred: float, v: dict[str, Any]) -> str:
+    """The verdict line of ``s`` against DDP from its paired windows ``v`` (``vs_ddp``)."""
+    meas = (f"measured {v['ratio']:.2f}x ({round(100 * v['confidence'])}% CI "
+            f"{v['lo']:.2f}–{v['hi']:.2f}x, {v['pairs']} rounds)")
+    a = _verdict(pred)
+    if v["lo"] > 1.0:
+        b = "faster than DDP"
+    elif v["hi"] < 1.0:
+        b = "slower than DDP"
+    else:
+        return (f"verdict: {s} against DDP: {v['verdict']}; predicted {pred:.2f}x DDP's speed, "
+                f"{meas}: its interval contains 1, this machine is too noisy to tell")
+    if a == b:
+        return f"verdict holds: {s} predicted {pred:.2f}x DDP's speed, {meas}: {b} either way"
+    return (f"verdict changes: {s} predicted {pred:.2f}x DDP's speed ({a}), {meas} ({b}). Trust "
+            "the measurement on this machine; a profile taken when the machine is as loaded as "
+            "in training predicts it better.")
+
+
 def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
     """How far the prediction was off, per strategy, and what that means for the user.
 
     Returns the rows of a table (:data:`EXPLAIN_COLUMNS`: measured, predicted, how far off,
     and the parts of the difference that compute and communication explain, in ms) and
-    sentences: which source of error dominates and whether the verdict against DDP changes.
+    sentences: which source of error dominates, any measurement below the lower bound (timing
+    noise, :func:`below_bound`), and whether the verdict against DDP changes — from each run's
+    paired windows (``vs_ddp``: "not distinguishable on this machine (±X%)" when its interval
+    contains 1), else from the medians.
 
     The compute part is the side-by-side run without communication (``no-comm``): measured
     against the profile's forward + backward + step. It is common to every strategy, so it
@@ -347,6 +465,7 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
                      "—" if comm is None else f"{comm:+.1f}"])
     lines: list[str] = []
     if compute_off is not None:
+        assert ref is not None   # compute_off comes from it
         measured = (f"{ref['measured_ms']:.1f} ms measured without communication, "
                     f"{ref['predicted_ms']:.1f} ms profiled")
         if abs(compute_off) >= abs(worst_comm):
@@ -363,12 +482,17 @@ def explain(result: dict[str, Any]) -> tuple[list[list[str]], list[str]]:
                          "with the all-reduce cost measured under load: refined).")
     else:
         lines.append("no run without communication to split the error into compute and communication")
+    lines += below_bound({"runs": list(runs.values()), **{k: v for k, v in result.items() if k != "runs"}})
     ddp = runs.get(TORCH_DDP)
     if ddp and ddp.get("measured_ms") and ddp.get("predicted_ms"):
         for s, r in runs.items():
             if s in (TORCH_DDP, REFERENCE) or not r.get("measured_ms") or not r.get("predicted_ms"):
                 continue
             pred = ddp["predicted_ms"] / r["predicted_ms"]
+            v = r.get("vs_ddp")
+            if v and v.get("lo") is not None:
+                lines.append(_measured_verdict(s, pred, v))
+                continue
             meas = ddp["measured_ms"] / r["measured_ms"]
             a, b = _verdict(pred), _verdict(meas)
             if a == b:
@@ -440,5 +564,5 @@ def load_json(path: str | Path) -> Any:
         return json.load(f)
 
 
-__all__ = ["COLUMNS", "EXPLAIN_COLUMNS", "PARAM_TOLERANCE", "compare_trace", "explain", "markdown",
-           "pick_iteration", "stats", "summarize", "table_rows"]
+__all__ = ["COLUMNS", "EXPLAIN_COLUMNS", "PARAM_TOLERANCE", "below_bound", "budget_of", "compare_trace",
+           "explain", "markdown", "pick_iteration", "stats", "summarize", "table_rows", "vs_ddp"]

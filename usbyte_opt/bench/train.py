@@ -15,17 +15,21 @@ mode (ZeRO-1).
 Timing (:func:`interleave`): an iteration is the time from the start of one forward to the
 start of the next, which is what a training loop pays per step in steady state (a forward
 that waits for its parameters' all-reduce counts; so does DDP's wait at the end of backward).
-Trainees take turns in rounds, so that a slow spell of the shared machine hits every trainee
-alike: each turn runs ``warmup`` untimed iterations, then ``k`` timed ones, then one more
-whose only purpose is to end the last timed one, then drains (the runtime's ``synchronize``)
-and meets the other ranks at a barrier.
+Trainees take turns in rounds, the order reversed every other round, so that a slow spell of
+the shared machine hits every trainee alike: each turn runs ``warmup`` untimed iterations,
+then ``k`` timed ones, then one more whose only purpose is to end the last timed one, then
+drains (the runtime's ``synchronize``) and meets the other ranks at a barrier. Each turn is a
+window (:attr:`Trainee.windows_ms`): a strategy's turn and DDP's in the same round are a
+pair, and rounds are added while a strategy's time against DDP's is not distinguishable
+(:mod:`usbyte_opt.verdict`).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +38,7 @@ from ..errors import UsbyteError
 from ..formats import Schedule
 from ..models import build, make_batches
 from ..profiler.optimizers import make_optimizer
+from ..verdict import Budget
 
 #: Distinct batches each trainee cycles through (rank-dependent, same for every trainee).
 BATCHES = 4
@@ -177,6 +182,8 @@ class Trainee:
         self.batches = make_batches(inputs, rank, BATCHES)
         self.plain = model
         params = [p for p in model.parameters() if p.requires_grad]
+        self.model: torch.nn.Module
+        self.opt: Any   # a torch optimizer, or the runtime's DistributedOptimizer
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -187,6 +194,7 @@ class Trainee:
             from ..ddp import wrap
 
             ids = [device.index] if device.type == "cuda" else None
+            assert isinstance(schedule, Schedule), "ddp-tuned trains a planned schedule"
             self.model = wrap(model, schedule, device_ids=ids)
             self.opt = make_optimizer(optimizer, params)
         elif kind == "fsdp2":
@@ -211,6 +219,8 @@ class Trainee:
         self.steps = 0
         self._losses: list[torch.Tensor] = []
         self.durations_ms: list[float] = []
+        #: Each turn's timed iterations (ms), in order: the windows of the comparisons.
+        self.windows_ms: list[list[float]] = []
 
     def iteration(self) -> None:
         x = self.batches[self.steps % len(self.batches)]
@@ -250,7 +260,7 @@ class Trainee:
         the same trainees in the same order)."""
         from torch.distributed.tensor import DTensor
 
-        return torch.cat([(p.detach().full_tensor() if isinstance(p, DTensor) else p.detach())
+        return torch.cat([(cast(Any, p.detach()).full_tensor() if isinstance(p, DTensor) else p.detach())
                           .reshape(-1).float().cpu()
                           for p in self.plain.parameters() if p.requires_grad])
 
@@ -286,26 +296,38 @@ def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
             t.iteration()
         t.drain()
         torch.cuda.synchronize(device)
-        t.durations_ms += [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        new = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
     else:
         stamps = []
         for _ in range(timed + 1):
             stamps.append(time.perf_counter())
             t.iteration()
         t.drain()
-        t.durations_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        new = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    t.durations_ms += new
+    t.windows_ms.append(new)
     dist.barrier()
 
 
 def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup: int,
                device: torch.device, first_warmup: int = 3,
-               progress: Callable[[str], None] | None = None, traced: int = 0) -> None:
-    """Time ``iterations`` steady-state iterations of every trainee, in ``rounds`` turns each.
+               progress: Callable[[str], None] | None = None, traced: int = 0,
+               against: str | None = None, budget: Budget | None = None) -> None:
+    """Time ``iterations`` steady-state iterations of every trainee, in ``rounds`` turns each,
+    and more turns while a comparison with ``against`` is not distinguishable.
 
     Every trainee first runs ``first_warmup`` iterations once (DDP rebuilds its buckets after
     the first, the runtime learns its hooks' order in it); then, round after round, each takes
     a turn of ``warmup`` untimed and ``ceil(iterations / rounds)`` timed iterations (fewer in
-    the last round, so the total is ``iterations``). Runtimes with a trace file record their
+    the last round, so the total is ``iterations``), the order reversed every other round.
+    With ``against`` (a trainee's name, DDP) and ``budget``: every other trainee but
+    ``no-comm`` is compared with it in paired windows (:mod:`usbyte_opt.verdict`, on each
+    window's median, mean over the ranks, so every rank holds the same figures and goes on or
+    stops alike); while a comparison's interval contains 1, rounds of ``ceil(iterations /
+    rounds)`` are added for the undecided trainees and ``against``, as
+    :meth:`~usbyte_opt.verdict.Budget.more` says (``budget.max_pairs`` rounds at most,
+    ``budget.max_s`` seconds of timed rounds), and the others then catch up untimed, so that
+    every trainee ends after as many steps. Runtimes with a trace file record their
     measured timeline only in a last, untimed pass of ``traced`` iterations that every trainee
     runs (recording costs the host time in the hooks, which DDP's timed iterations do not pay).
     """
@@ -327,16 +349,49 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
         dist.barrier()
     rounds = max(1, min(rounds, iterations))
     per = -(-iterations // rounds)
+    base = next((t for t in trainees if t.name == against), None) if budget is not None else None
+    compared = [t for t in trainees if base is not None and t is not base and t.kind != "local"]
+    most = max(rounds, budget.max_pairs) if budget is not None and compared else rounds
+    budget = budget if compared else None
+    active = list(trainees)
+    agreed: dict[str, list[float]] = {t.name: [] for t in trainees}
     left = iterations
-    for r in range(rounds):
-        k = min(per, left)
+    t0 = time.perf_counter()
+    for r in range(most):
+        k = min(per, left) if r < rounds else per
         left -= k
         if k <= 0:
             break
-        for t in trainees:
+        label = f"{r + 1}/{rounds}" if r < rounds else f"{r + 1} (added: not yet distinguishable from {against})"
+        for t in (active if r % 2 == 0 else active[::-1]):
             if progress:
-                progress(f"round {r + 1}/{rounds}: {t.name}")
+                progress(f"round {label}: {t.name}")
             turn(t, warmup, k, device)
+        if budget is None or base is None:
+            continue
+        # This round's window medians and the time so far, mean over the ranks.
+        vec = torch.tensor([_median(t.windows_ms[-1]) for t in active]
+                           + [time.perf_counter() - t0], dtype=torch.float64)
+        dist.all_reduce(vec)
+        vals = (vec / dist.get_world_size()).tolist()
+        for t, v in zip(active, vals):
+            agreed[t.name].append(v)
+        pending = [t for t in compared if t in active]
+        ratios = {t.name: budget.compare(agreed[base.name][:len(agreed[t.name])], agreed[t.name])
+                  for t in pending}
+        if r + 1 >= rounds and not budget.more(r + 1, vals[-1], *ratios.values()):
+            break
+        if r + 1 >= rounds and r + 1 in budget.looks():   # the decided ones are done
+            active = [t for t in active if t is base or (t in compared and
+                                                         not ratios[t.name].distinguishable)]
+    # Those that sat out added rounds catch up, untimed: every trainee ends after as many
+    # steps on the same batches, so that their parameters stay comparable.
+    most_steps = max(t.steps for t in trainees)
+    for t in trainees:
+        while t.steps < most_steps:
+            t.iteration()
+        t.drain()
+    dist.barrier()
     if traced > 0:
         for t in trainees:
             t.record_trace(True)
@@ -345,6 +400,14 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
             t.drain()
             t.record_trace(False)
             dist.barrier()
+
+
+def _median(xs: Sequence[float]) -> float:
+    ys = sorted(xs)
+    if not ys:
+        return math.nan
+    k = len(ys) // 2
+    return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
 
 
 __all__ = ["BATCHES", "TRACED", "Trainee", "apply_fsdp2", "fsdp2_missing", "fsdp2_units", "interleave",

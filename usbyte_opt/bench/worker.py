@@ -13,7 +13,9 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
 3. rank 0 plans every strategy (:func:`usbyte_opt.planning.planner.compare`, so ``best`` is seeded
    with all of them; the sharded ones with ``shard=True``, :func:`usbyte_opt.bench.plan_reports`)
    and broadcasts the schedules;
-4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`);
+4. trains every requested strategy side by side (:func:`usbyte_opt.bench.train.interleave`),
+   adding rounds while a strategy's time against DDP's is not distinguishable
+   (:mod:`usbyte_opt.verdict`);
 5. compares each trainee's final parameters with the reference (DDP) and sends its timings
    and its optimizer-state bytes to rank 0, which writes ``raw.json`` in the output folder.
 
@@ -482,9 +484,15 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
                                     trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1))
     say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
+    from ..verdict import Budget
+
+    least = max(1, min(job.rounds, job.iterations))   # the rounds interleave() takes
+    budget = (Budget(min_pairs=least, max_pairs=job.max_rounds, max_s=job.max_train_s)
+              if job.max_rounds > least else None)
     interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
                first_warmup=job.first_warmup, progress=say,
-               traced=min(TRACED, job.iterations) if job.trace else 0)
+               traced=min(TRACED, job.iterations) if job.trace else 0,
+               against=TORCH_DDP, budget=budget)
     return trainees, traces
 
 
@@ -507,7 +515,8 @@ def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
                           / ref_params.abs().clamp(min=1.0)).max())
         elif t is ref:
             diff = 0.0
-        mine[t.name] = {"durations_ms": t.durations_ms, "losses": t.losses, "steps": t.steps,
+        mine[t.name] = {"durations_ms": t.durations_ms, "windows_ms": t.windows_ms,
+                        "losses": t.losses, "steps": t.steps,
                         "max_param_diff": diff, "runtime": t.report(),
                         "state_bytes": t.state_bytes()}
     every: list[Any] = [None] * world
@@ -518,6 +527,8 @@ def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
 def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned) -> dict[str, Any]:
     """Each strategy's run over all ranks; ``auto``'s prediction is the one the runtime made
     for the plan it settled on."""
+    from ..collectives.sweep import median
+
     runs = {}
     for s in strategies:
         per_rank = [e[s] for e in every]
@@ -525,7 +536,12 @@ def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned)
         # One number per iteration: the mean over ranks (they are coupled by the collectives).
         durations = [sum(p["durations_ms"][i] for p in per_rank) / world for i in range(n)]
         diffs = [p["max_param_diff"] for p in per_rank if p["max_param_diff"] is not None]
+        # One number per window (turn): its median on each rank, mean over ranks, as the
+        # comparisons in training took it (the pairs of usbyte_opt.verdict).
+        w = min(len(p["windows_ms"]) for p in per_rank)
+        windows = [sum(median(p["windows_ms"][i]) for p in per_rank) / world for i in range(w)]
         runs[s] = {"durations_ms": durations,
+                   "windows_ms": windows,
                    "durations_by_rank_ms": [p["durations_ms"] for p in per_rank],
                    "final_loss": per_rank[0]["losses"][-1] if per_rank[0]["losses"] else math.nan,
                    "losses_rank0": per_rank[0]["losses"],

@@ -22,10 +22,11 @@ from ..env import AUTO
 from ..planning.strategies import load_builtin
 from . import common
 
-#: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
-#: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
+#: The columns of the result table shown without ``--wide`` (they fit 100 columns, "vs DDP"
+#: with its interval); ``--wide`` shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the
+#: Markdown report does.
 DEFAULT_COLUMNS = ("strategy", "measured ms", "state MB", "predicted ms", "error", "vs DDP",
-                   "vs bound", "blocks")
+                   "vs bound")
 
 
 def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
@@ -40,8 +41,9 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
         f"{c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s",
         [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in table_rows(result)],
         justify_right_from=2 if wide else 1,
-        caption=(f"{result['iterations']} timed iterations per strategy; error = (measured − predicted) "
-                 "/ measured" + ("" if result["correct"] is None else
+        caption=(f"{result['iterations']} timed iterations per strategy, at least; vs DDP: its time "
+                 "over the strategy's, 95% interval; error = (measured − predicted) / measured"
+                 + ("" if result["correct"] is None else
                                  f"; training {'matches' if result['correct'] else 'DIFFERS FROM'} "
                                  f"{result['reference']}")
                  + ("" if wide else "; --wide for every column")))
@@ -84,7 +86,12 @@ def bench(
                                                     "traces go (default: NAME-NETWORK in "
                                                     "bench-results/).")] = None,
     rounds: Annotated[int, typer.Option(
-        "--rounds", min=1, help="Interleaved turns per strategy.")] = 2,
+        "--rounds", min=1, help="Interleaved turns per strategy, at least (each turn against "
+                                "DDP's in the same round: a pair of windows).")] = 4,
+    max_rounds: Annotated[int, typer.Option(
+        "--max-rounds", min=1, help="Add turns, up to this many, for strategies whose time "
+                                    "against DDP's is not distinguishable yet (95% interval "
+                                    "containing 1).")] = 12,
     reference: Annotated[bool, typer.Option(
         "--reference/--no-reference", help="Also time training without communication.")] = True,
     device: Annotated[Optional[str], typer.Option(
@@ -105,7 +112,8 @@ def bench(
     cfg = BenchConfig(model=model, nproc=nproc_per_node, bandwidth=bandwidth, iterations=iterations,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       profile=str(profile) if profile else None, batch_size=batch_size,
-                      out_dir=output_dir, rounds=rounds, reference=reference, device=device,
+                      out_dir=output_dir, rounds=rounds, max_rounds=max_rounds,
+                      reference=reference, device=device,
                       timeout_s=timeout_s, verify=verify)
     cfg.out_dir = common.check_output_dir(output_dir or default_out_dir(cfg), "--output-dir")
     result = run_bench(cfg, progress=None if as_json else console.info)

@@ -54,7 +54,7 @@ def _parser() -> Any:
     def error(message: str) -> None:
         raise UsageError(f"launch: {message} (usage: {parser.usage})")
 
-    parser.error = error  # type: ignore[method-assign]
+    parser.error = error  # type: ignore[method-assign, assignment]
     return parser
 
 
@@ -116,9 +116,12 @@ def launch(ctx: typer.Context) -> None:
             f"{args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, world size "
             f"{sched.world_size})")
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
-    from ..launcher import run_torchrun
+    from ..launcher import run_summary, run_torchrun
 
-    failures = run_torchrun(args, quiet=not debug)
+    with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
+        failures = run_torchrun(args, quiet=not debug)
+    if said:
+        console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
     if failures is not None:
         raise _failure(failures, script) from None
 
@@ -142,8 +145,9 @@ def _failure(failures: dict[int, Any], script: str) -> BaseException:
     if left:
         _, _, message, code = min(left)
         return ExitError(message, code)
-    rank, failure = min(failures.items(), key=lambda kv: (
+    pick: tuple[Any, Any] = min(failures.items(), key=lambda kv: (
         kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
+    rank, failure = pick
     where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
     return ExitError(f"launch: {script}: {where}; its output is above",
                      failure.exitcode if failure and failure.exitcode > 0 else 1)

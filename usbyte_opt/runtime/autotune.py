@@ -1,7 +1,7 @@
 """Planning and verifying inside the user's own run: ``schedule="auto"`` and ``verify=True``.
 
 **Auto** (``schedule="auto"``, ``USBYTE_SCHEDULE=auto``, ``usbyte-opt launch --schedule
-auto``). The run starts on the fallback plan (DDP's buckets in fence mode: it trains exactly
+auto``). The run starts on DDP's buckets (the fallback plan, in fence mode: it trains exactly
 as DDP). Then, inside the user's loop:
 
 1. :data:`WARMUP` iterations as they are;
@@ -19,13 +19,21 @@ as DDP). Then, inside the user's loop:
    switches to it at the same iteration. The profile and the schedule are written to
    ``auto_dir`` (or ``$USBYTE_AUTO_DIR``) for ``optimize``, ``simulate`` and ``bench``.
 
-**Verify** (``verify=True``, the default, for a plan given or planned). The plan and the
-fallback run in interleaved windows of :data:`WINDOW` iterations, :data:`ROUNDS` rounds, the
-order alternating; an iteration's time is the interval between two ``step()`` calls, the first
-interval of a window (the switch) dropped. Every rank's medians are summed over the ranks
-(the control group), so every rank takes the same decision, whatever its own timings: the plan
-is kept only if it is faster by more than :data:`MARGIN`. Rank 0 logs one line (chosen,
-measured for both, predicted); :meth:`Tuner.report` returns the same as a dict. Afterwards,
+**Verify** (``verify=True``, the default, for a plan given or planned). The plan and DDP's
+buckets run in interleaved windows of :data:`WINDOW` iterations, a round being one window of
+each, the order alternating; an iteration's time is the interval between two ``step()``
+calls, the first interval of a window (the switch) dropped, and a window's time is its median.
+After every round, the round's two window medians are summed over the ranks (the control
+group), so every rank holds the same figures whatever its own timings, and every rank applies
+the same rule to them (:mod:`usbyte_opt.verdict`): the plan's time over DDP's buckets' time
+from the paired windows, with its 95% interval; rounds are added (at least
+:data:`MIN_ROUNDS`, at most :data:`MAX_ROUNDS`, none once :data:`VERIFY_S` seconds have gone)
+until the interval excludes 1. The plan is kept only when its interval lies below 1 (measurably
+faster); slower, or not distinguishable on this machine, the run goes on with DDP's buckets.
+Rank 0 logs one line, the ``summary`` of :meth:`Tuner.report` (what runs, its time against
+DDP's buckets' with the interval, and the prediction); the report holds the figures, and
+with :data:`~usbyte_opt.env.SUMMARY_FILE_ENV` set rank 0 also writes that line to the file
+it names (``usbyte-opt launch`` prints it when the run ends). Afterwards,
 every ``check_every`` iterations the measured median is compared with the prediction; more than
 :data:`DRIFT` apart, rank 0 warns once, and ``replan()`` (or ``replan_on_drift``) plans again.
 The check costs no host wait: on CUDA it reads only the step events that have completed
@@ -52,9 +60,10 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..env import AUTO_DIR_ENV
+from ..env import AUTO_DIR_ENV, SUMMARY_FILE_ENV
 from ..errors import UsbyteError
 from ..formats import CommSpec, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
+from ..verdict import Budget, Ratio
 
 #: Iterations before measuring (the first one learns the hooks' order).
 WARMUP = 2
@@ -62,11 +71,15 @@ WARMUP = 2
 CLEAN = 5
 #: Iterations measured with communication as usual.
 OVERLAP = 4
-#: Iterations per verification window, and rounds of (plan, fallback) windows.
+#: Iterations per verification window.
 WINDOW = 4
-ROUNDS = 3
-#: The plan is kept only when its median is below the fallback's by more than this fraction.
-MARGIN = 0.01
+#: Rounds of (plan, DDP's buckets) windows: at least, at most, and no round started after
+#: this many seconds of verification (:class:`usbyte_opt.verdict.Budget`).
+MIN_ROUNDS = 4
+MAX_ROUNDS = 12
+VERIFY_S = 120.0
+#: What the plan is verified against, in what users read.
+DDP_BUCKETS = "DDP's buckets"
 #: Measured and predicted this far apart (relative) give a warning.
 DRIFT = 0.15
 #: Default interval (iterations) of the drift check.
@@ -263,10 +276,10 @@ class Tuner:
 
     Args:
         opt: the optimizer tuned (:class:`Tunable`).
-        fallback: the DDP-like fallback plan, the very object the optimizer runs when it
-            runs the fallback (schedules are compared by identity).
+        fallback: DDP's buckets (the DDP-like fallback plan), the very object the optimizer
+            runs when it runs them (schedules are compared by identity).
         auto: plan inside the run first.
-        verify: verify the plan against the fallback.
+        verify: verify the plan against DDP's buckets.
         auto_dir: where an auto run writes its profile and schedule.
         check_every: iterations between drift checks (0: none).
         replan_on_drift: plan again (auto) when the drift check fails.
@@ -294,7 +307,11 @@ class Tuner:
         self.probes: list[Probe] = []
         self.measured: dict[str, list[dict[str, Any]]] = {"clean": [], "overlap": []}
         self.windows: list[tuple[str, list[float]]] = []
-        self.order: list[str] = []
+        #: Each round's (plan, DDP's buckets) window medians, mean over the ranks.
+        self.rounds: list[tuple[float, float]] = []
+        self.budget = Budget(MIN_ROUNDS, MAX_ROUNDS, VERIFY_S)
+        self.verify_t0 = 0.0
+        self.ratio: Ratio | None = None
         self.recent: list[float] = []
         self.warned = False
         self.replan_asked = False
@@ -311,6 +328,7 @@ class Tuner:
             self._begin_verify()
         else:
             self.phase = "settled"
+        self._write_summary(ended=True)
 
     # -- the state machine -----------------------------------------------------------------
 
@@ -359,11 +377,11 @@ class Tuner:
                 self._arm()
         elif ph == "verify":
             if self.phase_step >= WINDOW:
-                self.windows.append((self.order[len(self.windows)], self.timer.take()))
-                if len(self.windows) == len(self.order):
+                self.windows.append((_side(len(self.windows)), self.timer.take()))
+                if len(self.windows) % 2 == 0 and not self._round_done():
                     self._decide()
                 else:
-                    self._run(self.order[len(self.windows)])
+                    self._run(_side(len(self.windows)))
                     self.phase_step = 0
         elif ph == "settled":
             if self.replan_asked:
@@ -375,6 +393,8 @@ class Tuner:
     def _restart(self) -> None:
         self.measured = {"clean": [], "overlap": []}
         self.windows = []
+        self.rounds = []
+        self.ratio = None
         if self.drift_work is not None and self.drift_work[0] is not None:
             self.opt.wait_host(self.drift_work[0], "all-reduce of the drift check")
         self.drift_work = None
@@ -386,7 +406,7 @@ class Tuner:
             self._begin_verify()
 
     def _run(self, which: str) -> None:
-        sched, source = (self.fallback, "<ddp-like fallback>") if which == "fallback" else self.plan
+        sched, source = (self.fallback, "<DDP's buckets>") if which == "fallback" else self.plan
         if self.opt.schedule is not sched:
             self.opt.switch(sched, source)
 
@@ -544,25 +564,42 @@ class Tuner:
         self.phase = "verify"
         self.phase_step = 0
         self.windows = []
-        self.order = []
-        for r in range(ROUNDS):
-            self.order += ["plan", "fallback"] if r % 2 == 0 else ["fallback", "plan"]
+        self.rounds = []
+        self.ratio = None
+        self.verify_t0 = time.perf_counter()
         self.timer.take()
-        self._run(self.order[0])
+        self._run(_side(0))
+        if self.steps:   # at construction, the constructor writes it
+            self._write_summary(ended=True)
 
-    def _decide(self) -> None:
-        per = {k: _median([x for w, xs in self.windows if w == k for x in xs])
-               for k in ("plan", "fallback")}
-        vec = torch.tensor([per["plan"], per["fallback"]], dtype=torch.float64)
+    def _round_done(self) -> bool:
+        """A round of windows has ended: agree on its medians over the ranks, and say whether
+        to take another (:meth:`usbyte_opt.verdict.Budget.more`, on figures every rank holds
+        alike, so every rank goes on or stops at the same step)."""
+        plan = [x for w, xs in self.windows[-2:] if w == "plan" for x in xs]
+        fb = [x for w, xs in self.windows[-2:] if w == "fallback" for x in xs]
+        vec = torch.tensor([_median(plan), _median(fb), time.perf_counter() - self.verify_t0],
+                           dtype=torch.float64)
         work = self.opt.control_all_reduce(vec)
         if work is not None:
             self.opt.wait_host(work, "all-reduce of the verification medians")
-        plan_ms, fb_ms = (v / self.ws for v in vec.tolist())
-        keep = plan_ms < fb_ms * (1.0 - MARGIN)
+        plan_ms, fb_ms, elapsed = (v / self.ws for v in vec.tolist())
+        self.rounds.append((plan_ms, fb_ms))
+        self.ratio = self.budget.compare([f for _, f in self.rounds], [p for p, _ in self.rounds])
+        return self.budget.more(len(self.rounds), elapsed, self.ratio)
+
+    def _decide(self) -> None:
+        r = self.ratio
+        assert r is not None   # set by the last round
+        plan_ms = _median([p for p, _ in self.rounds])
+        fb_ms = _median([f for _, f in self.rounds])
         self.info["measured_ms"] = {"plan": plan_ms, "fallback": fb_ms}
+        self.info["vs_ddp_buckets"] = {**r.to_dict(), "verdict": r.verdict(DDP_BUCKETS, "the plan")}
+        self.info["rounds"] = len(self.rounds)
         if self.info["predicted_ms"] is None:
             self.info["predicted_ms"] = self.plan[0].predicted.get("iteration_ms")
-        self._settle_on("plan" if keep else "fallback")
+        # Kept only when measurably faster: noise alone never keeps a slower plan.
+        self._settle_on("plan" if r.hi < 1.0 else "fallback")
 
     def _settle_on(self, which: str, note: str = "") -> None:
         self._run(which)
@@ -571,27 +608,82 @@ class Tuner:
         self.opt.set_probe(None)
         self.info["chosen"] = which
         self.info["settled_at_step"] = self.steps
+        self.info["summary"] = self.summary(note)
         self.timer.take()
+        self._write_summary()
         if self.rank == 0:
             print(self.line(note), file=sys.stderr, flush=True)
 
+    def _what(self) -> str:
+        sched = self.plan[0]
+        return f"{sched.strategy} ({sched.mode}, {len(sched.blocks)} blocks)"
+
+    def _predicted_ratio(self) -> str:
+        """The prediction beside the measurement: the plan's time over DDP's as the planner
+        predicted them (the schedule's ``baselines``), else the plan's predicted ms."""
+        pred = self.info.get("predicted_ms") or self.plan[0].predicted.get("iteration_ms")
+        ddp = (self.plan[0].predicted.get("baselines") or {}).get("ddp")
+        if pred and ddp:
+            return f"predicted {pred / ddp:.2f}x"
+        return f"predicted {pred:.1f} ms per iteration" if pred else "no prediction"
+
+    def summary(self, note: str = "") -> str:
+        """One line: what runs now and why — the plan kept with its time against DDP's
+        buckets' (interval) and the prediction, or DDP's buckets and why (the plan slower, not
+        measurably faster, planning failed), or the state while still measuring."""
+        i = self.info
+        what = self._what()
+        r = self.ratio
+        m = i.get("measured_ms") or {}
+        if self.phase != "settled":
+            if self.phase == "verify":
+                return (f"verifying the plan {what} against {DDP_BUCKETS} "
+                        f"({len(self.rounds)} rounds of windows so far)")
+            return f"running {DDP_BUCKETS} while measuring the run to plan it"
+        if i.get("note") and self.ws < 2:
+            return "one rank: nothing to plan or verify"
+        if r is None and i["chosen"] != "fallback":
+            how = "as planned in the run" if self.auto else "as given"
+            return f"running the plan {what} {how} (verify=False: not timed against {DDP_BUCKETS})"
+        if r is None:
+            return f"running {DDP_BUCKETS}" + (f": {note}" if note else "")
+        ms = (f"; {m['plan']:.1f} against {m['fallback']:.1f} ms per iteration over "
+              f"{r.pairs} rounds" if m else "")
+        fig = f"{r.ratio:.2f}x their time ({round(100 * r.confidence)}% CI {r.interval()}{ms})"
+        pred = self._predicted_ratio()
+        if i["chosen"] == "plan":
+            return (f"kept the plan {what}: {r.ratio:.2f}x {DDP_BUCKETS}' time "
+                    f"({round(100 * r.confidence)}% CI {r.interval()}{ms}), {pred}")
+        if r.lo > 1.0:
+            return f"running {DDP_BUCKETS}: the plan {what} was slower: {fig}, {pred}"
+        return (f"running {DDP_BUCKETS}: the plan {what} was not measurably faster "
+                f"({r.noise()} on this machine): {fig}, {pred}")
+
     def line(self, note: str = "") -> str:
         """The one line rank 0 logs when it settles."""
-        i = self.info
-        sched = self.plan[0]
-        what = f"{sched.strategy} ({sched.mode}, {len(sched.blocks)} blocks)"
-        m = i.get("measured_ms") or {}
-        pred = i.get("predicted_ms")
-        parts = [f"usbyte-opt: {'kept the plan' if i['chosen'] == 'plan' else 'chose the DDP-like fallback'}"
-                 f" {what if i['chosen'] == 'plan' else 'over ' + what}"]
-        if m:
-            parts.append(f"measured {m['plan']:.1f} ms/iteration planned against "
-                         f"{m['fallback']:.1f} ms fallback")
-        if pred is not None:
-            parts.append(f"predicted {pred:.1f} ms")
-        if note:
-            parts.append(note)
-        return "; ".join(parts)
+        return "usbyte-opt: " + (self.info.get("summary") or self.summary(note))
+
+    def _write_summary(self, ended: bool = False) -> None:
+        """Rank 0: the summary into the file :data:`~usbyte_opt.env.SUMMARY_FILE_ENV` names
+        (``usbyte-opt launch`` prints it at the end). ``ended``: written before settling, in
+        words that hold if the run ends before it settles."""
+        path = os.environ.get(SUMMARY_FILE_ENV)
+        if self.rank != 0 or not path:
+            return
+        text = self.summary()
+        if ended and self.phase == "verify":
+            text = (f"the run ended before the plan {self._what()} was verified against "
+                    f"{DDP_BUCKETS} (it ran both in turns)")
+        elif ended and self.phase != "settled":
+            text = (f"the run ended on {DDP_BUCKETS} before the plan was made (planning in the "
+                    f"run measures its first {WARMUP + CLEAN + OVERLAP} iterations)")
+        try:
+            tmp = f"{path}.{os.getpid()}.tmp"
+            with open(tmp, "w") as f:
+                f.write(text + "\n")
+            os.replace(tmp, path)
+        except OSError:
+            pass   # the run's own line on stderr still says it
 
     # -- later -------------------------------------------------------------------------------
 
@@ -631,12 +723,23 @@ class Tuner:
         self.replan_asked = True
 
     def report(self) -> dict[str, Any]:
+        """The figures of :attr:`info` (chosen, measured, predicted, interval), the phase, and
+        ``summary``: one line saying what runs and why (:meth:`summary`)."""
         out = dict(self.info)
+        if self.phase != "settled" or "summary" not in out:
+            out["summary"] = self.summary()
         out["phase"] = self.phase
         out["steps"] = self.steps
         out["schedule"] = {"strategy": self.opt.schedule.strategy, "mode": self.opt.schedule.mode,
                            "blocks": len(self.opt.schedule.blocks)}
         return out
+
+
+def _side(window: int) -> str:
+    """Which side runs window ``window`` of a verification: ``plan``, ``fallback``, then
+    ``fallback``, ``plan``, alternating by round."""
+    first_plan = (window // 2) % 2 == 0
+    return "plan" if (window % 2 == 0) == first_plan else "fallback"
 
 
 def _warning_class() -> type:
