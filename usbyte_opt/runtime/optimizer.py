@@ -191,9 +191,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``False`` issues blocks on ``process_group`` itself.
         update_groups: on CUDA in overlap mode, the number of optimizer calls the updates of
             one step are grouped into.
-        verify: time the plan against the DDP-like fallback (DDP's buckets, fence mode) in
-            interleaved windows during the first iterations and keep it only if it is measurably
-            faster (:mod:`usbyte_opt.runtime.autotune`; every rank decides alike). Applies to a
+        verify: time the plan against DDP's buckets (in fence mode, as DDP) in interleaved
+            windows during the first iterations and keep it only if its 95% interval says it is
+            faster (:mod:`usbyte_opt.runtime.autotune`, :mod:`usbyte_opt.verdict`; every rank
+            decides alike); else run DDP's buckets. Applies to a
             schedule given (argument or ``$USBYTE_SCHEDULE``) or planned (``"auto"``).
         auto_dir: with ``schedule="auto"``, where the measured profile and the planned
             schedule are written (default ``$USBYTE_AUTO_DIR``; unset: not written).
@@ -645,8 +646,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def report(self) -> dict[str, Any]:
         """What the runtime decided and measured: the schedule running, and with auto
-        planning or verification the plan, the chosen side (``"plan"`` or ``"fallback"``),
-        the measured ms per iteration of both, the prediction, and any drift warning. In
+        planning or verification the plan, the chosen side (``"plan"``, or ``"fallback"``:
+        DDP's buckets), the measured ms per iteration of both, the prediction, any drift
+        warning, and ``"summary"``, one line saying what runs and what it won. In
         sharded mode, ``"memory"``: this rank's bytes of optimizer state and gradients
         (:meth:`.sharded.Sharded.memory`)."""
         base: dict[str, Any] = {
