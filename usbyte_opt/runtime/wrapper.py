@@ -14,7 +14,8 @@ The schedule comes from ``schedule=`` or ``$USBYTE_SCHEDULE`` (what ``usbyte-opt
 --schedule`` sets), else DDP's own buckets. The optimizer is *taken over*: at the first
 forward, the one optimizer over the model's parameters (created before or after wrapping, as
 DDP scripts do both) is found and wrapped in a
-:class:`~usbyte_opt.runtime.DistributedOptimizer`; the user's object keeps working, its
+:class:`~usbyte_opt.runtime.DistributedOptimizer` (an evaluation under ``torch.no_grad()``
+before that runs the plain module); the user's object keeps working, its
 ``step()``, ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` now the runtime's.
 Pass ``optimizer=`` to name it instead (several optimizers over one model are refused).
 
@@ -28,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -35,6 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsbyteError
+from .checks import broadcast_from_rank0
 from .optimizer import DistributedOptimizer, ScheduleArg
 
 __all__ = ["DistributedDataParallel"]
@@ -106,6 +109,11 @@ class DistributedDataParallel(torch.nn.Module):
         self._schedule = schedule
         self._runtime_kwargs = runtime
         self._opt: DistributedOptimizer | None = None
+        # DDP's starting point, at construction as DDP: rank 0's parameters and buffers (an
+        # evaluation before the optimizer is found already sees them).
+        broadcast_from_rank0([p.detach() for p in module.parameters()], process_group, None)
+        if broadcast_buffers:
+            broadcast_from_rank0(list(module.buffers()), process_group, None, "buffers")
         if optimizer is not None:
             self._attach(optimizer)
 
@@ -147,11 +155,12 @@ class DistributedDataParallel(torch.nn.Module):
                           "every rank the same number of steps")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._opt is None:
-            self._attach(None)
         opt = self._opt
-        assert opt is not None
-        opt._state.comm.no_sync = not self._sync
+        if opt is None and torch.is_grad_enabled():   # the first forward that can train
+            self._attach(None)
+            opt = self._opt
+        if opt is not None:
+            opt._state.comm.no_sync = not self._sync
         if self.device_ids:
             dev = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
@@ -224,11 +233,25 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
         _TAKEN[base] = cls
     optimizer.__class__ = cls
     # An LR scheduler built before this wrapped step() on the object itself, calling the
-    # original class's step: drop that wrapper (the runtime marks the step as called).
+    # original class's step: wrap the runtime's instead, as the scheduler would have.
     step = optimizer.__dict__.get("step")
     if step is not None and getattr(step, "_wrapped_by_lr_sched", False):
-        del optimizer.__dict__["step"]
+        optimizer.__dict__["step"] = _lr_sched_step(optimizer)
     optimizer.__dict__["_usbyte_rt"] = rt
+
+
+def _lr_sched_step(optimizer: torch.optim.Optimizer) -> Any:
+    """``step`` marked as an LR scheduler marks it (``_opt_called``, no order warning)."""
+    ref = weakref.ref(optimizer)
+
+    def step(*args: Any, **kwargs: Any) -> Any:
+        opt = ref()
+        assert opt is not None
+        opt._opt_called = True  # type: ignore[attr-defined]
+        return _step(opt, *args, **kwargs)
+
+    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    return step
 
 
 def _runtime(opt: torch.optim.Optimizer) -> DistributedOptimizer | None:
