@@ -167,7 +167,8 @@ def test_schedule_records_its_model_and_a_mismatch_names_file_and_models(capsys,
     s = load_schedule(tmp_path / "old.json")
     assert s.model is None
     s2, source = resolve_schedule(dataclasses.replace(s), torch.nn.Linear(2, 2), 8)
-    with pytest.raises(MismatchError, match=r"old.json was planned for the profile 'resnet50'; this model is a Linear \("):
+    with pytest.raises(MismatchError,
+                       match=r"old.json was planned for the profile 'resnet50'; this model is a Linear \("):
         check_model(s2, model_tensors(torch.nn.Linear(2, 2)), source)
 
 
