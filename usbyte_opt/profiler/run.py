@@ -171,10 +171,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         warnings.warn(msg, ProfileWarning, stacklevel=2)
     batch = batch_size if batch_size is not None else resolve(model)[1]
     named = getattr(net, MODEL_NAME_ATTR, None)
-    prof = _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
-                     timings, agg, measured, dev, backend, world, batch)
-    prof.meta.update(optimizer=opt_name, optimizer_from=opt_from)
-    return prof
+    return _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
+                     timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
 
 
 def _build(model: str | Factory, batch_size: int | None, dev: torch.device, world: int,
@@ -272,8 +270,10 @@ def _analytic(opts: ProfileOptions) -> Measured:
 
 def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg: Aggregate,
               measured: Measured, dev: torch.device, backend: str, world: int,
-              batch: Any) -> Profile:
-    """The profile of the measured numbers, with the ``meta`` that says how they were found."""
+              batch: Any, optimizer: tuple[str, str] | None = None) -> Profile:
+    """The profile of the measured numbers, with the ``meta`` that says how they were found
+    (``optimizer``: the name of the optimizer timed and where it came from)."""
+    opt_name, opt_from = optimizer or (opts.optimizer, "--optimizer")
     F, B, every = agg.forward_ms, agg.backward_ms, agg.every
     tensors = []
     for i, n in enumerate(timings.names):
@@ -298,7 +298,8 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "hosts": len({r.host for r in every}),
         "batch_size": batch,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "optimizer": opts.optimizer,
+        "optimizer": opt_name,
+        "optimizer_from": opt_from,
         "warmup": opts.warmup,
         "repeats": opts.repeats,
         "threads": torch.get_num_threads(),

@@ -63,17 +63,18 @@ def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch
 
 
 def schedule_source(schedule: Schedule) -> str:
-    """How messages name a schedule object: the file it was read from, else what it is.
+    """How messages name a schedule object: the file it was read from, else (one built in
+    memory) ``<STRATEGY schedule>``.
 
     Example::
 
         >>> import torch
         >>> schedule_source(default_schedule(torch.nn.Linear(2, 2)))
-        'the default schedule (not read from a file)'
+        '<default schedule>'
     """
     if schedule.path:
         return str(Path(schedule.path))
-    return f"the {schedule.strategy} schedule (not read from a file)"
+    return f"<{schedule.strategy} schedule>"
 
 
 def model_label(model: torch.nn.Module) -> str:
@@ -107,7 +108,8 @@ def _mismatch(schedule: Schedule, source: str, model: str | None, detail: str) -
     planned = schedule.model or (schedule.profile_name and f"the profile {schedule.profile_name!r}")
     model = model or getattr(source, "model", None)
     if planned and model and planned.split(" (")[0] != model:
-        head = f"{source} was planned for {planned}; this model is a {model}"
+        article = "an" if model[:1].lower() in "aeio" else "a"
+        head = f"{source} was planned for {planned}; this model is {article} {model}"
     elif planned:
         head = f"{source} was planned for {planned}; this model differs from it"
     else:
