@@ -135,8 +135,9 @@ MODEL_NAME_ATTR = "usbyte_model_name"
 
 def model_name(spec: str | Callable) -> str:
     """The profile name a model spec gets by default: the built-in name, else the factory's
-    name, else (for a generic factory name such as ``build``, ``make_model`` or ``get_model``:
-    :data:`GENERIC_FACTORY_NAMES`) the last part of its module's name.
+    name, else (a ``package.module:factory`` spec whose factory has a generic name such as
+    ``build``, ``make_model`` or ``get_model``: :data:`GENERIC_FACTORY_NAMES`) the last part of
+    its module's name. A callable is named by its ``__name__``.
 
     Example::
 
@@ -145,12 +146,8 @@ def model_name(spec: str | Callable) -> str:
         >>> model_name("my_pkg.lightning_train:build"), model_name("zoo:get_model")
         ('lightning_train', 'zoo')
     """
-    if not isinstance(spec, str):
-        name = getattr(spec, "__name__", "model").strip("<>_") or "model"
-        module = getattr(spec, "__module__", None)
-        if name in GENERIC_FACTORY_NAMES and isinstance(module, str) and module != "__main__":
-            return module.rsplit(".", 1)[-1].strip("_") or name
-        return name
+    if not isinstance(spec, str):  # a callable given in Python: its own name
+        return getattr(spec, "__name__", "model").strip("<>_") or "model"
     if ":" not in spec:
         return spec
     module, _, factory = spec.rpartition(":")
