@@ -24,7 +24,7 @@ from ..errors import UsageError, UsbyteError
 from ..planning.strategies import load_builtin
 from . import common
 
-#: The columns of the result table shown without ``--wide`` (they fit 100 columns); ``--wide``
+#: The columns of the result table shown without ``--wide`` (they fit 80 columns); ``--wide``
 #: shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
 DEFAULT_COLUMNS = ("strategy", "measured ms", "state MB", "predicted ms", "error", "vs DDP",
                    "vs bound", "blocks")
