@@ -5,14 +5,15 @@ The loop is the one Accelerate's docs show (``accelerator.accumulate``,
 scheduler); the one usbyte-opt line is ``prepare(accelerator, model, optimizer)`` in place of
 ``accelerator.prepare(model, optimizer)``. The schedule decides the path: a ``ddp-tuned``
 schedule runs Accelerate's own DDP with the planned buckets, any other the usbyte-opt
-runtime. On two CPU ranks::
+runtime. ``build`` (the profiler's factory) builds the ``--size bench`` model, so the runs that
+use its schedule pass ``--size bench`` (a schedule given to another size stops with an error
+that names both). On two CPU ranks, from the repository root::
 
-    PYTHONPATH=examples usbyte-opt profile accelerate_train:build --nproc-per-node 2 \\
-        --device cpu -o p.json
-    usbyte-opt optimize p.json -o s.json                      # a runtime schedule
-    usbyte-opt optimize p.json --strategy ddp-tuned -o t.json # a stock-DDP schedule
-    usbyte-opt launch --schedule s.json --nproc-per-node 2 examples/accelerate_train.py
-    torchrun --nproc-per-node 2 examples/accelerate_train.py --baseline   # Accelerate's DDP
+    PYTHONPATH=examples usbyte-opt profile accelerate_train:build --nproc-per-node 2 --device cpu -o profiles/acc.json
+    usbyte-opt optimize profiles/acc.json --mode fence -o schedules/acc.json               # the runtime
+    usbyte-opt optimize profiles/acc.json --strategy ddp-tuned -o schedules/acc-ddp.json   # stock DDP
+    usbyte-opt launch --schedule schedules/acc.json --nproc-per-node 2 examples/accelerate_train.py --size bench
+    torchrun --nproc-per-node 2 examples/accelerate_train.py --size bench --baseline       # Accelerate's DDP
 
 (Accelerate's docs start scripts with ``accelerate launch``, which on GPUs runs torchrun;
 ``torchrun`` and ``usbyte-opt launch`` start them alike, with ``--schedule`` or
@@ -37,6 +38,7 @@ import torch.nn.functional as F
 SIZES = {"tiny": (8, 32, 8), "bench": (32, 1024, 32)}
 CLASSES = 10
 BATCH = {"tiny": 4, "bench": 8}
+LR = 1e-3
 
 
 class Net(nn.Module):
@@ -61,12 +63,15 @@ class Net(nn.Module):
 def make_model(size: str) -> Net:
     """The model of ``size``, seeded: every run starts from the same weights."""
     torch.manual_seed(0)
-    return Net(*SIZES[size])
+    net = Net(*SIZES[size])
+    net.usbyte_model_name = f"accelerate_train Net --size {size}"  # how usbyte-opt names it (profile, errors)
+    return net
 
 
 def build(batch_size: int | None = None):
     """The ``--size bench`` model for ``usbyte-opt profile accelerate_train:build`` (the
-    profiler's factory protocol): ``(model, inputs, loss_fn)``."""
+    profiler's factory protocol): ``(model, inputs, loss_fn, optimizer)``, the optimizer the
+    loop's (AdamW), whose step the profiler times."""
     batch_size = batch_size or BATCH["bench"]
     model = make_model("bench")
     side = SIZES["bench"][2]
@@ -77,7 +82,7 @@ def build(batch_size: int | None = None):
     def loss_fn(out: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(out, y.to(out.device))
 
-    return model, (x,), loss_fn
+    return model, (x,), loss_fn, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
 def dataset(size: str, samples: int) -> torch.utils.data.TensorDataset:
@@ -112,7 +117,7 @@ def main() -> None:
     accelerator = Accelerator(cpu=not cuda, gradient_accumulation_steps=a.accum)
     batch = a.batch_size or BATCH[a.size]
     model = make_model(a.size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.01 * s))
     if a.baseline:
         path = "baseline"

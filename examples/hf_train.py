@@ -4,14 +4,15 @@ The Trainer is ``usbyte_opt.integrations.transformers.UsbyteTrainer``: the plain
 ``transformers.Trainer`` plus ``schedule=``. The schedule decides the path: a ``ddp-tuned``
 schedule runs the Trainer's own DDP with the planned buckets, any other the usbyte-opt runtime.
 The model is built from a config (nothing is downloaded) and trained on a seeded synthetic data
-set. On two CPU ranks::
+set. ``build`` (the profiler's factory) builds the ``--size bench`` model (the default size;
+a schedule given to another size stops with an error that names both). On two CPU ranks, from
+the repository root::
 
-    PYTHONPATH=examples usbyte-opt profile hf_train:build --batch-size 8 --nproc-per-node 2 \\
-        --device cpu -o hf.json
-    usbyte-opt optimize hf.json -o hf-runtime.json                        # the runtime
-    usbyte-opt optimize hf.json --strategy ddp-tuned -o hf-ddp.json       # stock DDP
-    usbyte-opt launch --schedule hf-runtime.json --nproc-per-node 2 examples/hf_train.py
-    torchrun --nproc-per-node 2 examples/hf_train.py --baseline           # the plain Trainer
+    PYTHONPATH=examples usbyte-opt profile hf_train:build -b 8 --nproc-per-node 2 --device cpu -o profiles/hf.json
+    usbyte-opt optimize profiles/hf.json --mode fence -o schedules/hf.json                 # the runtime
+    usbyte-opt optimize profiles/hf.json --strategy ddp-tuned -o schedules/hf-ddp.json     # stock DDP
+    usbyte-opt launch --schedule schedules/hf.json --nproc-per-node 2 examples/hf_train.py --size bench
+    torchrun --nproc-per-node 2 examples/hf_train.py --size bench --baseline               # the plain Trainer
 
 ``--schedule PATH`` overrides ``$USBYTE_SCHEDULE`` (which ``usbyte-opt launch`` sets).
 ``--report PATH``: rank 0 writes the run's figures as JSON (per-step wall time after two
@@ -38,6 +39,7 @@ SIZES = {
                   vocab_size=8192, seq=32, batch=8),
 }
 LABELS = 4
+LR = 1e-3
 
 
 def model(size: str = "bench") -> torch.nn.Module:
@@ -50,7 +52,9 @@ def model(size: str = "bench") -> torch.nn.Module:
                      num_attention_heads=s["num_attention_heads"], intermediate_size=s["intermediate_size"],
                      vocab_size=s["vocab_size"], max_position_embeddings=max(64, s["seq"]),
                      num_labels=LABELS, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    return BertForSequenceClassification(cfg)
+    net = BertForSequenceClassification(cfg)
+    net.usbyte_model_name = f"hf_train BERT --size {size}"  # how usbyte-opt names it (profile, errors)
+    return net
 
 
 class Data(torch.utils.data.Dataset):
@@ -73,13 +77,16 @@ class Data(torch.utils.data.Dataset):
 
 def build(batch_size: int):
     """The profiler's factory (``usbyte_opt.models``): the ``bench`` model, a batch of its
-    inputs and its loss. Its tensor names are the model's own, which is the module
+    inputs, its loss and the Trainer's optimizer (AdamW at ``learning_rate``, whose step the
+    profiler times). Its tensor names are the model's own, which is the module
     ``UsbyteTrainer`` gives the runtime and DDP."""
     from usbyte_opt.models import RandomTargetLoss
 
     data = Data(batch_size, "bench")
     inputs = (data.ids, data.mask)
-    return model("bench"), inputs, RandomTargetLoss(LABELS, (batch_size,), pick=lambda out: out.logits)
+    net = model("bench")
+    return (net, inputs, RandomTargetLoss(LABELS, (batch_size,), pick=lambda out: out.logits),
+            torch.optim.AdamW(net.parameters(), lr=LR))
 
 
 def main() -> None:
@@ -107,7 +114,7 @@ def main() -> None:
     out_dir = tempfile.TemporaryDirectory(prefix="hf-train-")   # nothing is saved there
     args = TrainingArguments(output_dir=out_dir.name, use_cpu=not cuda, ddp_backend="nccl" if cuda else "gloo",
                              per_device_train_batch_size=batch, gradient_accumulation_steps=a.accum,
-                             max_steps=a.steps, max_grad_norm=a.clip, learning_rate=1e-3, warmup_steps=2,
+                             max_steps=a.steps, max_grad_norm=a.clip, learning_rate=LR, warmup_steps=2,
                              logging_steps=1, save_strategy="no", report_to=[], disable_tqdm=True,
                              dataloader_num_workers=0, seed=0, log_level="warning")
 

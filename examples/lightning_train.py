@@ -1,12 +1,15 @@
 """Train a CNN with BatchNorm in Lightning: Lightning's own DDP, or usbyte-opt's strategy.
 
-The LightningModule is plain Lightning; only the strategy differs. On two CPU ranks::
+The LightningModule is plain Lightning; only the strategy differs. ``build`` (the profiler's
+factory) builds the ``--size bench`` model, so the runs that use its schedule pass
+``--size bench`` (a schedule given to another size stops with an error that names both). On
+two CPU ranks, from the repository root::
 
-    PYTHONPATH=examples usbyte-opt profile lightning_train:build --nproc-per-node 2 --device cpu -o p.json
-    usbyte-opt optimize p.json -o runtime.json                        # the usbyte-opt runtime
-    usbyte-opt optimize p.json --strategy ddp-tuned -o tuned.json     # Lightning's DDP, planned buckets
-    usbyte-opt launch --schedule runtime.json --nproc-per-node 2 examples/lightning_train.py
-    torchrun --nproc-per-node 2 examples/lightning_train.py --baseline  # Lightning's DDP as it is
+    PYTHONPATH=examples usbyte-opt profile lightning_train:build --nproc-per-node 2 --device cpu -o profiles/pl.json
+    usbyte-opt optimize profiles/pl.json --mode fence -o schedules/pl.json             # the usbyte-opt runtime
+    usbyte-opt optimize profiles/pl.json --strategy ddp-tuned -o schedules/pl-ddp.json # Lightning DDP, planned buckets
+    usbyte-opt launch --schedule schedules/pl.json --nproc-per-node 2 examples/lightning_train.py --size bench
+    torchrun --nproc-per-node 2 examples/lightning_train.py --size bench --baseline   # Lightning's DDP as it is
 
 ``--schedule`` overrides ``$USBYTE_SCHEDULE`` (which ``usbyte-opt launch`` sets). Every rank
 starts from the same seeded weights and trains on its share (Lightning's distributed sampler)
@@ -56,6 +59,8 @@ class CNN(pl.LightningModule):
         self.head = nn.Sequential(nn.Flatten(), nn.Linear(c_in * side * side, cfg["hidden"]), nn.ReLU(),
                                   nn.Linear(cfg["hidden"], CLASSES))
         self.lr = lr
+        # How usbyte-opt names this model in a profile and in errors (the size is what differs).
+        self.usbyte_model_name = f"lightning_train CNN --size {size}"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.features(x))
@@ -70,14 +75,15 @@ class CNN(pl.LightningModule):
 
 def build(batch_size: int):
     """The profiler's factory (``usbyte-opt profile lightning_train:build``): the ``bench``
-    LightningModule itself, whose parameter names are the ones the strategy trains."""
+    LightningModule itself, whose parameter names are the ones the strategy trains, and the
+    AdamW of its ``configure_optimizers`` (whose step the profiler times)."""
     from usbyte_opt.models import RandomTargetLoss
 
     torch.manual_seed(0)
     model = CNN("bench")
     side = SIZES["bench"]["image"]
     x = torch.randn(batch_size, 3, side, side, generator=torch.Generator().manual_seed(1))
-    return model, (x,), RandomTargetLoss(CLASSES, (batch_size,))
+    return model, (x,), RandomTargetLoss(CLASSES, (batch_size,)), model.configure_optimizers()
 
 
 class StepTimer(pl.Callback):

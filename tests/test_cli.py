@@ -129,3 +129,172 @@ def test_optimize_ddp_tuned_runs_with_torch_absent(profile, tmp_path):
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "bucket_cap_mb_list" in json.loads(r.stdout)
+
+
+# --------------------------------------------------------------------------------------------
+# What a new user meets: the model a schedule was planned for, shipped files, usage errors,
+# output that fits 80 columns
+# --------------------------------------------------------------------------------------------
+
+
+def test_schedule_records_its_model_and_a_mismatch_names_file_and_models(capsys, tmp_path):
+    import dataclasses
+
+    import torch
+
+    from usbyte_opt.errors import MismatchError
+    from usbyte_opt.models import build
+    from usbyte_opt.runtime.checks import check_model, resolve_schedule
+    from usbyte_opt.runtime.default_plan import model_tensors
+
+    out = tmp_path / "x.json"
+    code, _, err = run_cli(capsys, "optimize", "profiles/resnet50.json", "-o", str(out))
+    assert code == 0, err
+    sched = load_schedule(out)
+    assert sched.model == "resnet50 (224x224 images)" and sched.path == str(out)
+    cnn, _, _ = build("cnn", 1)
+    for given in (str(out), sched):  # a path, or a Schedule read from that path
+        s, source = resolve_schedule(given, cnn, 8)
+        with pytest.raises(MismatchError) as e:
+            check_model(s, model_tensors(cnn), source)
+        msg = str(e.value)
+        assert msg.startswith(f"{out} was planned for resnet50 (224x224 images); this model is a cnn ("), msg
+        assert "tensor " in msg and "<" not in msg.split(" (")[0]
+    # an old schedule without the field still loads, and the message falls back to its profile
+    old = json.loads(out.read_text())
+    del old["model"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    s = load_schedule(tmp_path / "old.json")
+    assert s.model is None
+    s2, source = resolve_schedule(dataclasses.replace(s), torch.nn.Linear(2, 2), 8)
+    with pytest.raises(MismatchError,
+                       match=r"old.json was planned for the profile 'resnet50'; this model is a Linear \("):
+        check_model(s2, model_tensors(torch.nn.Linear(2, 2)), source)
+
+
+def test_optimize_refuses_to_replace_a_shipped_schedule(capsys, tmp_path, monkeypatch):
+    """In the repository itself: the default output of a shipped profile is a shipped schedule."""
+    from usbyte_opt.cli.common import REPOSITORY, shipped_files
+
+    if not shipped_files("schedules"):
+        pytest.skip("not a git checkout")
+    shipped = REPOSITORY / "schedules" / "resnet50.json"
+    before = shipped.read_bytes()
+    monkeypatch.chdir(REPOSITORY)
+    code, _, err = run_cli(capsys, "optimize", "profiles/resnet50.json")
+    assert code == 2 and err.count("\n") == 1 and "--force" in err, err
+    code, _, err = run_cli(capsys, "optimize", "profiles/vgg16.json", "-o", str(shipped))
+    assert code == 2 and "a shipped schedule" in err, err
+    code, _, err = run_cli(capsys, "profile", "resnet50", "--repeats", "1")
+    assert code == 2 and "a shipped profile" in err, err
+    assert shipped.read_bytes() == before
+
+
+@pytest.mark.parametrize("argv", [
+    ["profile", "cnn", "--nproc-per-node", "0"],
+    ["profile", "cnn", "--repeats", "0"],
+    ["profile", "nope"],
+    ["profile", "cnn", "--comm-min-kb", "100", "--comm-max-mb", "0.01"],
+    ["optimize", "profiles/resnet50.json", "--bandwidth-gbps", "0"],
+    ["bench", "cnn", "--strategies", "bogus"],
+    ["bench", "cnn", "--bandwidth", "3xyz"],
+    ["launch", "--schedule", "schedules/resnet50.json", "--nproc-per-node", "0", "x.py"],
+])
+def test_every_usage_error_exits_2(capsys, argv, tmp_path, monkeypatch):
+    code, out, err = run_cli(capsys, *argv, *(["-o", str(tmp_path / "o.json")] if argv[0] == "optimize" else []))
+    assert code == 2, (code, err)
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+
+
+def test_launch_help_is_its_own_and_points_to_torchrun(capsys):
+    code, out, _ = run_cli(capsys, "launch", "--help")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) <= 40 and max(map(len, lines)) <= 80, out
+    assert any("--schedule SCHEDULE" in ln for ln in lines[:15]) and "--help-torchrun" in out
+    assert "--rdzv-backend" not in out  # torchrun's own options are one command away
+    code, out, _ = run_cli(capsys, "launch", "--help-torchrun")
+    assert code == 0 and "--rdzv-backend" in out and "--schedule" in out
+
+
+def test_tables_fit_80_columns_without_cutting_words(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    from usbyte_opt import console
+
+    buf = io.StringIO()
+    monkeypatch.setattr(console, "out", Console(file=buf, width=80, highlight=False, soft_wrap=True))
+    # optimize --shard's columns: 8 of them, wrapped between words to fit
+    columns = ["strategy", "predicted ms", "vs ddp", "state MB", "state vs ddp", "blocks", "gathers",
+               "solve s"]
+    rows = [["best-sharded *", "92.87", "1.120x", "9.54", "0.12x", "40", "4", "2.093"],
+            ["ddp (unsharded, fence)", "103.98", "1.000x", "76.35", "1.00x", "4", "-", "-"]]
+    for width, wide in ((80, columns), (200, columns + ["reduce-scatters", "all-gathers"])):
+        buf.truncate(0)
+        buf.seek(0)
+        console.out.width = width
+        cells = [r + ["40", "4"][: len(wide) - len(columns)] for r in rows]
+        console.table("t", wide, cells)
+        text = buf.getvalue()
+        assert max(len(ln) for ln in text.splitlines()) <= width, text
+        assert "…" not in text
+        words = set(text.replace("│", " ").replace("┃", " ").split())
+        for w in " ".join(wide + [c for r in cells for c in r]).split():
+            assert w in words, (w, text)
+    # words that cannot fit: the table is wider, nothing is cut
+    buf.truncate(0)
+    buf.seek(0)
+    console.out.width = 30
+    console.table("t", ["bytescheduler-and-more", "predicted"], [["x" * 20, "1"]])
+    assert "x" * 20 in buf.getvalue() and "bytescheduler-and-more" in buf.getvalue()
+    assert console.out.width == 30
+
+
+def test_piped_output_honours_columns_and_says_1_block(profile, tmp_path):
+    import os
+
+    from usbyte_opt.formats import Block, Buffer, Schedule, load_profile, save_schedule
+
+    prof = load_profile(profile)
+    names = tuple(t.name for t in prof.tensors)
+    one = Schedule("hand", prof.name, prof.digest(), prof.fingerprint(), prof.comm.world_size,
+                   (Buffer("float32", names),), (Block(0, 0, sum(t.numel for t in prof.tensors)),),
+                   mode="fence")
+    save_schedule(one, tmp_path / "one.json")
+    env = dict(os.environ, COLUMNS="80")
+    res = subprocess.run([sys.executable, "-m", "usbyte_opt", "simulate", str(profile), str(tmp_path / "one.json")],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert max(len(ln) for ln in res.stdout.splitlines()) <= 80, res.stdout
+    assert " in 1 block" in res.stdout and "1 blocks" not in res.stdout
+    res = subprocess.run([sys.executable, "-m", "usbyte_opt", "optimize", str(profile), "--wide", "-o",
+                          str(tmp_path / "s.json")], capture_output=True, text=True,
+                         env=dict(os.environ, COLUMNS="200"), timeout=300)
+    assert res.returncode == 0 and "…" not in res.stdout, res.stdout
+
+
+def test_profile_of_a_factory_module_is_named_after_it_and_times_its_optimizer(tmp_path):
+    import os
+
+    (tmp_path / "tiny_net.py").write_text(
+        "import torch\n"
+        "def build(batch_size):\n"
+        "    m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))\n"
+        "    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)\n"
+        "    return m, (torch.randn(batch_size, 8),), lambda out: out.square().mean(), opt\n")
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    res = subprocess.run([sys.executable, "-m", "usbyte_opt", "profile", "tiny_net:build", "--warmup", "1",
+                          "--repeats", "2", "-b", "2"], cwd=tmp_path, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    prof = json.loads((tmp_path / "profiles" / "tiny_net.json").read_text())
+    assert prof["name"] == "tiny_net" and prof["meta"]["optimizer"] == "adamw"
+    assert "adamw, from the model's factory" in res.stdout
+    res = subprocess.run([sys.executable, "-m", "usbyte_opt", "profile", "tiny_net:build", "--warmup", "1",
+                          "--repeats", "2", "-b", "2", "--optimizer", "sgd", "-o", "p.json"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert res.returncode == 0, res.stderr
+    assert json.loads((tmp_path / "p.json").read_text())["meta"]["optimizer"] == "sgd"
+    assert "sgd, from --optimizer" in res.stdout

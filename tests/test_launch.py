@@ -61,7 +61,7 @@ def test_launch_runs_torchrun_with_the_schedule(tmp_path: Path):
     assert all(r["source"] == str(sched.resolve()) for r in ranks)
     assert ranks[0]["args"] == [str(out), "--schedule", "for-the-script"]  # after SCRIPT: its own
     assert ranks[0]["w"] == ranks[1]["w"]
-    assert "default, 1 blocks, world size 2" in res.stdout
+    assert "default, 1 block, world size 2" in res.stdout
 
 
 def test_launch_rejects_a_bad_schedule(tmp_path: Path):

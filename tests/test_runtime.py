@@ -91,7 +91,8 @@ def test_check_model_names_missing_tensor():
     s = default_schedule(mlp())
     other = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 8), nn.ReLU(), nn.Linear(8, 2),
                           nn.Linear(2, 2))
-    with pytest.raises(MismatchError, match=r"s\.json: tensor '5\.weight': the model trains it"):
+    with pytest.raises(MismatchError, match=r"s\.json was planned for the profile 'model'; this model "
+                                            r"differs from it \(tensor '5\.weight': the model trains it"):
         check_model(s, model_tensors(other), "s.json")
 
 

@@ -222,10 +222,10 @@ def wrap(model: torch.nn.Module, schedule: Schedule | str, *, check: bool = True
     from torch.nn.parallel import DistributedDataParallel
 
     from .formats import load_schedule
-    from .runtime.checks import check_model
+    from .runtime.checks import check_model, model_label, schedule_source
     from .runtime.default_plan import model_tensors
 
-    source = "<schedule>"
+    source = schedule_source(schedule) if isinstance(schedule, Schedule) else "<schedule>"
     if not isinstance(schedule, Schedule):
         source = str(schedule)
         schedule = load_schedule(schedule)
@@ -236,7 +236,7 @@ def wrap(model: torch.nn.Module, schedule: Schedule | str, *, check: bool = True
                                 find_unused_parameters=bool(ddp_kwargs.pop("find_unused_parameters",
                                                                            False)),
                                 static_graph=bool(ddp_kwargs.pop("static_graph", False)))
-    check_model(schedule, model_tensors(model), source)
+    check_model(schedule, model_tensors(model), source, model_label(model))
     ddp_model = DistributedDataParallel(model, **kwargs, **ddp_kwargs)
     if check:
         watch_buckets(ddp_model, schedule)

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .env import ERROR_FILE_ENV, LAUNCHED_ENV, SUMMARY_FILE_ENV
-from .errors import DistributedError, ExitError, PeerFailure, UsbyteError, first_line
+from .errors import DistributedError, ExitError, PeerFailure, UsageError, UsbyteError, first_line
 
 #: The address ranks on this host meet at.
 LOOPBACK = "127.0.0.1"
@@ -388,7 +388,7 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
     printed its own), or says that a collective failed when none did.
     """
     if nproc < 1:
-        raise UsbyteError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
+        raise UsageError(f"--nproc-per-node: expected an integer >= 1, got {nproc}")
     res = run_ranks([sys.executable, "-m", "usbyte_opt", *argv], nproc, terminal=True, grace_s=3.0,
                     env=dict(os.environ, **{LAUNCHED_ENV: "1"}))
     if not res.failed:

@@ -18,13 +18,14 @@ import typer
 from .. import console
 from ..bench import SHARDED_STRATEGIES, default_strategies
 from ..bench.worker import TORCH_DDP, TORCH_FSDP2
+from ..console import plural
 from ..env import AUTO
+from ..errors import UsageError, UsbyteError
 from ..planning.strategies import load_builtin
 from . import common
 
-#: The columns of the result table shown without ``--wide`` (they fit 100 columns, "vs DDP"
-#: with its interval); ``--wide`` shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the
-#: Markdown report does.
+#: The columns of the result table shown without ``--wide`` ("vs DDP" with its interval);
+#: ``--wide`` shows all of :data:`usbyte_opt.bench.report.COLUMNS`, as the Markdown report does.
 DEFAULT_COLUMNS = ("strategy", "measured ms", "state MB", "predicted ms", "error", "vs DDP",
                    "vs bound")
 
@@ -36,7 +37,7 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
     keep = list(range(len(COLUMNS))) if wide else [COLUMNS.index(c) for c in DEFAULT_COLUMNS]
     c = result["comm"]
     console.table(
-        f"{title}: {result['name']} on {result['world_size']} ranks, {result['network']['description']}; "
+        f"{title}: {result['name']} on {plural(result['world_size'], 'rank')}, {result['network']['description']}; "
         f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, all-reduce alpha "
         f"{c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s",
         [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in table_rows(result)],
@@ -115,6 +116,16 @@ def bench(
                       out_dir=output_dir, rounds=rounds, max_rounds=max_rounds,
                       reference=reference, device=device,
                       timeout_s=timeout_s, verify=verify)
+    try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
+        cfg.strategy_list()
+        if bandwidth:
+            from ..bench.lab import parse_rate
+
+            parse_rate(bandwidth)
+    except UsageError:
+        raise
+    except UsbyteError as e:
+        raise UsageError(str(e)) from None
     cfg.out_dir = common.check_output_dir(output_dir or default_out_dir(cfg), "--output-dir")
     result = run_bench(cfg, progress=None if as_json else console.info)
     if result is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
 from pathlib import Path
 from typing import Annotated, Optional
@@ -22,8 +23,15 @@ ARGV: list[str] = []
 #: Options shared by several commands, as ``Annotated`` types (``x: common.Json = False``).
 WorldSize = Annotated[Optional[int], typer.Option(
     "--world-size", "-n", min=2, help="Retarget to this many ranks (ring all-reduce model).")]
+def _positive(ctx: typer.Context, param: typer.CallbackParam, value: Optional[float]) -> Optional[float]:
+    """typer callback of an option that must be > 0 when given (a usage error otherwise)."""
+    if value is not None and not value > 0:
+        raise typer.BadParameter(f"expected a number > 0, got {value}")
+    return value
+
+
 BandwidthGbps = Annotated[Optional[float], typer.Option(
-    "--bandwidth-gbps", min=0.0, help="Retarget to this per-link bandwidth, Gbit/s.")]
+    "--bandwidth-gbps", callback=_positive, help="Retarget to this per-link bandwidth, Gbit/s.")]
 LatencyUs = Annotated[Optional[float], typer.Option(
     "--latency-us", min=0.0, help="Retarget to this latency per ring step, µs.")]
 
@@ -100,6 +108,40 @@ def check_output_dir(path: str | os.PathLike, option: str = "--output-dir") -> P
     return p
 
 
+#: The source checkout this package runs from: its ``profiles/`` and ``schedules/`` hold the
+#: shipped files (when it is one; an installed package has none).
+REPOSITORY = Path(__file__).resolve().parents[2]
+
+
+def shipped_files(folder: str) -> frozenset[Path]:
+    """The files of ``folder`` (``profiles`` or ``schedules``) that the repository tracks, as
+    absolute paths; empty when this is no git checkout (or git is missing)."""
+    try:
+        out = subprocess.run(["git", "-C", str(REPOSITORY), "ls-files", "-z", "--", folder],
+                             capture_output=True, timeout=20, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return frozenset()
+    return frozenset((REPOSITORY / f).resolve() for f in out.decode().split("\0") if f)
+
+
+def refuse_shipped(path: Path, option: str, what: str, force: bool) -> None:
+    """Raise :class:`~usbyte_opt.errors.UsageError` (exit code 2) when ``path`` is one of the
+    repository's shipped ``profiles/`` or ``schedules/`` files, unless ``force``: running a
+    documented command must not change a tracked file.
+
+    Example::
+
+        >>> refuse_shipped(REPOSITORY / "schedules" / "nope-never-shipped.json", "-o", "schedule", False)
+    """
+    p = Path(os.path.abspath(path))
+    if force or p.parent.name not in ("profiles", "schedules") or p.parent.resolve() != (
+            REPOSITORY / p.parent.name).resolve():
+        return
+    if p.resolve() in shipped_files(p.parent.name):
+        raise UsageError(f"{option} {path}: a shipped {what} of the repository; expected another "
+                         "path (-o FILE), or --force to replace it")
+
+
 def output_file(ctx: typer.Context, param: typer.CallbackParam, value: Optional[Path]) -> Optional[Path]:
     """typer callback of an output-file option: :func:`check_output_file` when it is given."""
     if value is not None and not ctx.resilient_parsing:
@@ -111,8 +153,10 @@ Trace = Annotated[Optional[Path], typer.Option(
     "--trace", dir_okay=False, callback=output_file,
     help="Write a Chrome/Perfetto trace of the predicted timeline here.")]
 Json = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")]
+Force = Annotated[bool, typer.Option(
+    "--force", help="Replace the output even when it is one of the repository's shipped files.")]
 Wide = Annotated[bool, typer.Option(
-    "--wide", help="Show every column of the table (the default ones fit a 100-column terminal).")]
+    "--wide", help="Show every column of the table (the default ones fit an 80-column terminal).")]
 
 
 def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],

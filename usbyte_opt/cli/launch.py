@@ -26,15 +26,35 @@ from .. import console
 from ..env import AUTO, AUTO_DIR_ENV, DEBUG_ENV, SCHEDULE_ENV
 from ..errors import ExitError, UsageError
 
-USAGE = ("usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR] [torchrun options] SCRIPT "
-         "[SCRIPT ARGS]\n\n"
-         "Validate SCHEDULE, then start SCRIPT under torchrun with USBYTE_SCHEDULE set, so that\n"
-         "DistributedOptimizer(optimizer, model) in the script applies it. With --schedule auto\n"
-         "the runtime measures and plans inside the run (no profile needed), verifies the plan\n"
-         "against DDP's buckets, and writes the profile and schedule it built to --auto-dir.\n\n"
-         "Examples:\n  usbyte-opt launch --schedule schedules/resnet50.json --nproc-per-node 8 "
-         "train.py --epochs 90\n"
-         "  usbyte-opt launch --schedule auto --auto-dir runs/auto --nproc-per-node 8 train.py\n")
+USAGE = """\
+Usage: usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR]
+                         [torchrun options] SCRIPT [SCRIPT ARGS]
+
+Validate SCHEDULE, then start SCRIPT under torchrun with USBYTE_SCHEDULE
+set, so that DistributedOptimizer(optimizer, model) in the script applies
+it. With --schedule auto the runtime measures and plans inside the run (no
+profile needed), verifies the plan against DDP's buckets, and writes the
+profile and schedule it built to --auto-dir.
+
+Options:
+  --schedule SCHEDULE  schedule file (from `usbyte-opt optimize`), or auto
+                       to plan inside the run; exported to the script as
+                       USBYTE_SCHEDULE (required)
+  --auto-dir DIR       with --schedule auto: where the runtime writes the
+                       profile and schedule it built (USBYTE_AUTO_DIR)
+  --debug              keep every rank's traceback, not one error line
+  -h, --help           show this message
+  --help-torchrun      list torchrun's options, all accepted here:
+                       --nproc-per-node N, --nnodes N, --rdzv-endpoint ...
+
+Everything after SCRIPT goes to the script.
+
+Examples:
+  usbyte-opt launch --schedule schedules/mine.json --nproc-per-node 2 \\
+      examples/train.py --model cnn
+  usbyte-opt launch --schedule auto --auto-dir runs/auto \\
+      --nproc-per-node 8 train.py
+"""
 
 
 def _parser() -> Any:
@@ -80,10 +100,11 @@ def launch(ctx: typer.Context) -> None:
     """Run SCRIPT under torchrun with USBYTE_SCHEDULE set (after validating the schedule)."""
     argv = list(ctx.args)
     if not argv or argv[0] in ("-h", "--help"):
-        console.out.print(USAGE, markup=False, highlight=False)
-        if argv:
-            console.out.print(_parser().format_help(), markup=False, highlight=False)
+        console.out.print(USAGE, markup=False, highlight=False, end="")
         raise typer.Exit(0 if argv else 2)
+    if argv[0] == "--help-torchrun":
+        console.out.print(_parser().format_help(), markup=False, highlight=False, end="")
+        raise typer.Exit(0)
     from ..formats import load_schedule
 
     early = _schedule_arg(argv)
@@ -92,6 +113,9 @@ def launch(ctx: typer.Context) -> None:
     args = _parser().parse_args(argv)
     auto = args.schedule == AUTO
     sched = None if auto else load_schedule(args.schedule)
+    if str(args.nproc_per_node).lstrip("-").isdigit() and int(args.nproc_per_node) < 1:
+        raise UsageError(f"launch: --nproc-per-node: expected an integer >= 1 (or auto, gpu, cpu), "
+                         f"got {args.nproc_per_node}")
     ws = _world_size(args.nnodes, args.nproc_per_node)
     if sched is not None and ws is not None and ws != sched.world_size:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
@@ -113,7 +137,7 @@ def launch(ctx: typer.Context) -> None:
         args.training_script, args.module = "usbyte_opt.cli.rank", True
     # On stdout, with the ranks' own output: stderr is kept for warnings and the one error line.
     what = ("auto (planned in the run)" if sched is None else
-            f"{args.schedule} ({sched.strategy}, {len(sched.blocks)} blocks, world size "
+            f"{args.schedule} ({sched.strategy}, {console.plural(len(sched.blocks), 'block')}, world size "
             f"{sched.world_size})")
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
     from ..launcher import run_summary, run_torchrun
@@ -158,4 +182,5 @@ def register(app: typer.Typer) -> None:
                                             "ignore_unknown_options": True,
                                             "help_option_names": []},
                 help="Train with a schedule: torchrun with USBYTE_SCHEDULE set. "
-                     "`usbyte-opt launch --help` lists the torchrun options.")(launch)
+                     "`usbyte-opt launch --help` shows its options, `--help-torchrun` "
+                     "torchrun's.")(launch)

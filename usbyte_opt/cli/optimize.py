@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -12,6 +13,7 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import console
+from ..console import plural
 from ..errors import UsbyteError
 from ..formats import Mode, Schedule, save_schedule
 from ..planning.planner import Progress, compare
@@ -25,7 +27,8 @@ def optimize(
         dir_okay=False, help="Profile JSON (see `usbyte-opt schema profile`).")],
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", dir_okay=False, callback=common.output_file,
-        help="Schedule to write (default: schedules/NAME.json, NAME the profile's name).")] = None,
+        help="Schedule to write (default: schedules/NAME.json, NAME the profile's name). A "
+             "schedule the repository ships is not replaced without --force.")] = None,
     strategy: Annotated[str, typer.Option(
         "--strategy", "-s", help="Strategy whose schedule is written: wfbp, ddp, ddp-tuned, "
                                  "mgwfbp, bytescheduler, usbyte or best. ddp-tuned also prints "
@@ -57,6 +60,7 @@ def optimize(
     trace: common.Trace = None,
     as_json: common.Json = False,
     wide: common.Wide = False,
+    force: common.Force = False,
 ) -> None:
     """Plan PROFILE with every strategy, compare them, write the schedule of --strategy.
 
@@ -75,9 +79,11 @@ def optimize(
     (docs/planner.md, "Sharded mode") against that mode's own lower bound, and shows
     unsharded DDP's time and memory beside it.
     """
+    if output is not None:
+        common.refuse_shipped(output, "--output", "schedule", force)
     if shard:
         _optimize_sharded(profile, output, strategy, world_size, bandwidth_gbps, latency_us,
-                          optimizer, trace, as_json)
+                          optimizer, trace, as_json, force)
         return
     if optimizer is not None:
         raise typer.BadParameter("only with --shard (the memory column)", param_hint="--optimizer")
@@ -87,6 +93,7 @@ def optimize(
     if mode is not None and mode not in (Mode.FENCE, Mode.OVERLAP):
         raise typer.BadParameter(f"expected fence or overlap, got {mode!r}", param_hint="--mode")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    out = _output(output, original, force)
     with progress_display(enabled=not as_json) as say:
         best_opts: dict[str, object] = {"time_budget_s": time_budget}
         if mode is not None:
@@ -96,7 +103,6 @@ def optimize(
                          progress=say)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
-    out = output if output is not None else Path("schedules") / f"{original.name}.json"
     written = _write(report, strategy, original, out, trace)
     if as_json:
         console.emit_json(_document(report, written, prof, original.name))
@@ -106,7 +112,7 @@ def optimize(
 
 def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_size: int | None,
                       bandwidth_gbps: float | None, latency_us: float | None,
-                      optimizer: str | None, trace: Path | None, as_json: bool) -> None:
+                      optimizer: str | None, trace: Path | None, as_json: bool, force: bool) -> None:
     """``optimize --shard``."""
     from ..planning.sharded import STATE_SLOTS
     from ..planning.strategies import load_sharded
@@ -120,11 +126,11 @@ def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_s
         raise typer.BadParameter(f"expected one of {', '.join(STATE_SLOTS)}, got {optimizer!r}",
                                  param_hint="--optimizer")
     original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    out = _output(output, original, force)
     with progress_display(enabled=not as_json) as say:
         report = compare(prof, shard=True, progress=say, optimizer=optimizer)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
-    out = output if output is not None else Path("schedules") / f"{original.name}.json"
     written = _write(report, strategy, original, out, trace)
     ref = report.reference
     assert ref is not None
@@ -137,23 +143,24 @@ def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_s
         return
     rows = []
     for n, r in report.results.items():
-        rows.append([n + (" *" if n == strategy else ""), r.mode, f"{r.iteration_ms:.2f}",
+        rows.append([n + (" *" if n == strategy else ""), f"{r.iteration_ms:.2f}",
                      f"{ref.iteration_ms / r.iteration_ms:.3f}x", _mb(r.state_bytes),
                      f"{r.state_bytes / ref.state_bytes:.2f}x" if ref.state_bytes else "-",
                      r.blocks, r.gathers, f"{r.solve_s:.3f}"])
-    rows.append([f"{ref.name} (unsharded)", ref.mode, f"{ref.iteration_ms:.2f}", "1.000x",
+    rows.append([f"{ref.name} (unsharded, {ref.mode})", f"{ref.iteration_ms:.2f}", "1.000x",
                  _mb(ref.state_bytes), "1.00x", ref.blocks, "-", "-"])
     c = prof.comm
     w = written
     console.table(
-        f"{original.name}, sharded: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms, "
-        f"{c.world_size} ranks, all-reduce alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+        f"{original.name}, sharded: {plural(len(prof.tensors), 'tensor')}, compute {report.compute_ms:.2f} ms, "
+        f"{plural(c.world_size, 'rank')}, all-reduce alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
         + ("" if c.reduce_scatter or c.all_gather else " (reduce-scatter and all-gather: half "
            "an all-reduce each, not measured)") + common.cpu_cost_note(c),
-        ["strategy", "mode", "predicted ms", "vs ddp", "state MB/rank", "state vs ddp",
-         "reduce-scatters", "all-gathers", "solve s"],
-        rows, justify_right_from=2,
-        caption=f"optimizer state: {report.state_slots} x the gradients' bytes unsharded; "
+        ["strategy", "predicted ms", "vs ddp", "state MB", "state vs ddp", "blocks", "gathers",
+         "solve s"],
+        rows, justify_right_from=1,
+        caption=f"sharded mode; state MB: optimizer state per rank ({report.state_slots} x the "
+                f"gradients' bytes unsharded); blocks: reduce-scatters, gathers: all-gathers; "
                 f"sharded lower bound {report.lower_bound_ms:.2f} ms; {w.strategy} is "
                 f"{100 * w.schedule.predicted['gap']:.2f}% above it")
     for skipped, why in report.skipped.items():
@@ -179,7 +186,8 @@ class Written:
 
 def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | None) -> Written:
     """Write the schedule of ``strategy`` (and its predicted trace, when asked)."""
-    sched = report.schedule(strategy, profile_digest=original.digest())
+    sched = dataclasses.replace(report.schedule(strategy, profile_digest=original.digest()),
+                                model=planned_model(original))
     caps = None
     if strategy == "ddp-tuned":
         from ..ddp import bucket_caps_mb
@@ -190,6 +198,23 @@ def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | N
         common.write_trace(trace, simulate(report.problem, sched, check=False),
                            f"{original.name} / {strategy} ({sched.mode}, predicted)")
     return Written(strategy, sched, out, trace, caps)
+
+
+def _output(output: Path | None, original: Any, force: bool) -> Path:
+    """Where the schedule goes: ``output``, else ``schedules/NAME.json``, checked before any
+    planning (a shipped schedule is not replaced without ``--force``)."""
+    if output is not None:
+        return output
+    out = Path("schedules") / f"{original.name}.json"
+    common.refuse_shipped(out, "default output", "schedule", force)
+    return common.check_output_file(out, "default output")
+
+
+def planned_model(profile: Any) -> str:
+    """The model a schedule of ``profile`` is planned for (its ``model`` field): the profile's
+    ``meta.model``, else its name."""
+    named = profile.meta.get("model")
+    return named if isinstance(named, str) and named else profile.name
 
 
 def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
@@ -239,8 +264,8 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
         columns[4:4] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
     c = prof.comm
     console.table(
-        f"{name}: {len(prof.tensors)} tensors, compute {report.compute_ms:.2f} ms "
-        f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {c.world_size} ranks, "
+        f"{name}: {plural(len(prof.tensors), 'tensor')}, compute {report.compute_ms:.2f} ms "
+        f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {plural(c.world_size, 'rank')}, "
         f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s" + common.cpu_cost_note(c),
         columns,
         rows,
@@ -249,7 +274,7 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
                 f"is {100 * w.schedule.predicted['gap']:.2f}% above it",
     )
     if w.caps is not None:
-        console.paragraph(f"Stock PyTorch DDP with these {len(w.caps)} buckets: "
+        console.paragraph(f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "
                           f"DistributedDataParallel(model, bucket_cap_mb_list={short_caps(w.caps)})")
         console.paragraph(f'or usbyte_opt.ddp.wrap(model, "{w.path}"), which also checks the model '
                           "against the schedule (docs/runtime.md)")

@@ -18,8 +18,9 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import console
+from ..console import plural
 from ..env import DEBUG_ENV, LAUNCHED_ENV
-from ..errors import PeerFailure, UsbyteError, first_line
+from ..errors import PeerFailure, UsageError, first_line
 from . import common
 
 
@@ -40,35 +41,37 @@ def profile(
              "torchvision:NAME) or package.module:factory returning (model, inputs, loss_fn) for "
              "factory(batch_size).")],
     batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", help="Per-rank batch size (default: the model's own).")] = None,
+        "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's own).")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(
-        "--nproc-per-node", help="Start this many ranks on this host (ignored under torchrun)."
+        "--nproc-per-node", min=1, help="Start this many ranks on this host (ignored under torchrun)."
     )] = None,
-    warmup: Annotated[int, typer.Option("--warmup", help="Untimed iterations before timing.")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Untimed iterations before timing.")] = 3,
     repeats: Annotated[int, typer.Option(
-        "--repeats", help="Timed iterations; medians are kept.")] = 10,
+        "--repeats", min=1, help="Timed iterations; medians are kept.")] = 10,
     device: Annotated[Optional[Device], typer.Option(
         "--device", help="cpu or cuda (default: cuda if available).")] = None,
     output: Annotated[Optional[Path], typer.Option(
         "--output", "-o", help="Profile file (default: NAME.json in profiles/, NAME the profile's "
-                               "name).")] = None,
+                               "name). A profile the repository ships is not replaced without "
+                               "--force.")] = None,
     name: Annotated[Optional[str], typer.Option(
         "--name", help="Profile name (default: from MODEL).")] = None,
-    optimizer: Annotated[Optim, typer.Option(
-        "--optimizer", help="Optimizer whose step gives update_ms (sgd = SGD with momentum)."
-    )] = Optim.sgd,
+    optimizer: Annotated[Optional[Optim], typer.Option(
+        "--optimizer", help="Optimizer whose step gives update_ms (sgd = SGD with momentum). "
+                            "Default: the model factory's own (a 4th element or an optimizer "
+                            "attribute), else sgd.")] = None,
     comm_min_kb: Annotated[float, typer.Option(
-        "--comm-min-kb", help="Smallest all-reduce of the sweep (KiB).")] = 4.0,
+        "--comm-min-kb", min=0.001, help="Smallest all-reduce of the sweep (KiB).")] = 4.0,
     comm_max_mb: Annotated[float, typer.Option(
-        "--comm-max-mb", help="Largest all-reduce of the sweep (MiB).")] = 64.0,
+        "--comm-max-mb", min=0.001, help="Largest all-reduce of the sweep (MiB).")] = 64.0,
     comm_points: Annotated[int, typer.Option(
-        "--comm-points", help="Sizes in the sweep (log-spaced).")] = 12,
+        "--comm-points", min=2, help="Sizes in the sweep (log-spaced).")] = 12,
     comm_repeats: Annotated[int, typer.Option(
-        "--comm-repeats", help="Timed all-reduces per size.")] = 5,
+        "--comm-repeats", min=1, help="Timed all-reduces per size.")] = 5,
     alpha_ms: Annotated[Optional[float], typer.Option(
-        "--alpha-ms", help="World size 1 only: analytic latency (default 1.3).")] = None,
+        "--alpha-ms", min=0.0, help="World size 1 only: analytic latency (default 1.3).")] = None,
     algbw_gbs: Annotated[Optional[float], typer.Option(
-        "--algbw-gbs", help="World size 1 only: analytic bandwidth in GB/s (default 1.79: 8 "
+        "--algbw-gbs", min=1e-6, help="World size 1 only: analytic bandwidth in GB/s (default 1.79: 8 "
                             "workers, 25 Gbit/s).")] = None,
     shard_sweep: Annotated[bool, typer.Option(
         "--shard-sweep/--no-shard-sweep", help="With 2+ ranks, also sweep reduce-scatter and "
@@ -79,29 +82,32 @@ def profile(
                                            "training thread (per block and per MB, while training "
                                            "runs) so that the planner charges it.")] = True,
     timeout_s: Annotated[float, typer.Option(
-        "--timeout-s", help="Process-group timeout (seconds).")] = 600.0,
+        "--timeout-s", min=0.001, help="Process-group timeout (seconds).")] = 600.0,
     stable_s: Annotated[float, typer.Option(
         "--stable-s", min=0.0, help="Time cap (seconds) of the extra rounds the all-reduce sweep "
                                     "and the probe each run until their numbers are stable (0: "
                                     "none).")] = 20.0,
+    force: common.Force = False,
 ) -> None:
     """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
     from ..models import model_name
 
     path = output or Path("profiles") / f"{name or model_name(model)}.json"
-    if os.environ.get("RANK", "0") == "0":
-        common.check_output_file(path, "--output")  # before any work: rank 0 writes it
+    if os.environ.get("RANK", "0") == "0":  # before any work: rank 0 writes it
+        common.refuse_shipped(path, "--output" if output else "default output", "profile", force)
+        common.check_output_file(path, "--output")
     if nproc_per_node is not None and "RANK" not in os.environ:
         _relaunch(model, nproc_per_node)
         return
     if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
-        raise UsbyteError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "
+        raise UsageError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "
                           f"and {comm_max_mb} MiB")
     from ..collectives.sweep import default_sizes
     from ..profiler.options import ProfileOptions
 
     opts = ProfileOptions(
-        warmup=warmup, repeats=repeats, optimizer=optimizer.value,
+        warmup=warmup, repeats=repeats, optimizer=(optimizer or Optim.sgd).value,
+        factory_optimizer=optimizer is None,
         comm_sizes=tuple(default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)),
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
@@ -197,8 +203,9 @@ def _summary(prof: Any, path: Path) -> None:
     console.table(f"profile {prof.name} → {path}", ["", "value"], [
         ["tensors", f"{len(prof.tensors)} ({total / 1e6:.1f} MB)"],
         ["forward / backward", f"{prof.forward_ms:.2f} / {prof.backward_ms:.2f} ms"],
-        ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({prof.meta['optimizer']})"],
-        ["world", f"{prof.meta['world_size']} rank(s) on {prof.meta['hosts']} host(s), "
+        ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({prof.meta['optimizer']}, "
+                           f"from {prof.meta.get('optimizer_from', '--optimizer')})"],
+        ["world", f"{plural(prof.meta['world_size'], 'rank')} on {plural(prof.meta['hosts'], 'host')}, "
                   f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
         ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                        + (f" ({len(c.samples)} sizes)" if c.samples else "")],

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from .. import console
+from ..console import plural
 from ..formats import Mode, load_schedule
 from ..planning.bounds import lower_bound
 from ..planning.problem import Problem
@@ -88,10 +89,10 @@ def simulate(
         ["compute (F + B)", f"{tl.compute_ms:.3f} ms"],
         ["exposed communication", f"{tl.exposed_ms:.3f} ms"],
         ["channel busy", f"{tl.comm_busy_ms:.3f} ms in "
-                         + (f"{len(tl.blocks)} reduce-scatters and {len(tl.gathers)} all-gathers"
-                            if sharded else f"{len(tl.blocks)} blocks")],
+                         + (f"{plural(len(tl.blocks), 'reduce-scatter')} and {plural(len(tl.gathers), 'all-gather')}"
+                            if sharded else plural(len(tl.blocks), "block"))],
         ["lower bound", f"{lb:.3f} ms (gap {100 * (tl.iteration_ms - lb) / lb:.2f}%)"],
-        ["cluster", f"{c.world_size} ranks, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+        ["cluster", f"{plural(c.world_size, 'rank')}, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                     + common.cpu_cost_note(c)],
     ]
     if "iteration_ms" in sched.predicted:

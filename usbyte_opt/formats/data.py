@@ -235,6 +235,13 @@ class Schedule:
     parameters in issue order, each the indices of the blocks whose shards it gathers together;
     every block in exactly one. ``None``: one all-gather per block, in reverse block order
     (:meth:`gather_groups`)."""
+    model: str | None = None
+    """The model it was planned for (optional field ``model``: the profile's ``meta.model``,
+    else its name), so that a schedule given to another model says which it fits; ``None``
+    where a file has none."""
+    path: str | None = field(default=None, compare=False, repr=False)
+    """The file it was read from (:func:`~usbyte_opt.formats.load_schedule`), for messages;
+    not part of the file."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))

@@ -9,6 +9,7 @@ file and a failed write leaves the old one.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -87,7 +88,7 @@ def save_profile(profile: Profile, path: str | os.PathLike) -> Path:
 
 def load_schedule(path: str | os.PathLike) -> Schedule:
     """Read and validate a schedule file."""
-    return parse_schedule(read_json(path), str(path))
+    return dataclasses.replace(parse_schedule(read_json(path), str(path)), path=str(path))
 
 
 def save_schedule(schedule: Schedule, path: str | os.PathLike) -> Path:

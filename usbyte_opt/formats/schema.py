@@ -267,6 +267,9 @@ class ScheduleFile(TypedDict):
     version: Annotated[Version, Rule(description=_VERSION_NOTE)]
     strategy: Annotated[Name, Rule(description="the strategy that made it")]
     profile: ProfileRef
+    model: NotRequired[Annotated[Name, Rule(description="the model it was planned for (the "
+                                            "profile's meta.model, else its name); named when "
+                                            "another model is given the schedule")]]
     fingerprint: Annotated[Name, Rule(description="the profile's fingerprint")]
     world_size: Annotated[int, Rule(ge=1, le=MAX_WORLD_SIZE)]
     mode: NotRequired[Annotated[ModeName, Rule(default=str(Mode.OVERLAP), description=_MODE_NOTE)]]
@@ -806,6 +809,7 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
         "version": VERSION,
         "strategy": schedule.strategy,
         "profile": {"name": schedule.profile_name, "digest": schedule.profile_digest},
+        **({"model": schedule.model} if schedule.model is not None else {}),
         "fingerprint": schedule.fingerprint,
         "world_size": schedule.world_size,
         "mode": str(schedule.mode),
@@ -848,7 +852,7 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
 
 
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
-_SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "fingerprint", "world_size",
+_SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "model", "fingerprint", "world_size",
                   "mode", "buffers", "blocks", "predicted", "shapes", "gathers"}
 
 
@@ -864,7 +868,8 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
                      dict(d["predicted"]), tuple(numels),
                      {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
                      None if shapes is None else {n: tuple(s) for n, s in shapes.items()},
-                     None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]))
+                     None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]),
+                     d.get("model"))
     if numels:
         check_coverage(sched, numels, source)
     return sched

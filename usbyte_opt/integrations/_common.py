@@ -92,7 +92,9 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
     if isinstance(schedule, str) and schedule == AUTO:
         return Plan("runtime", None, AUTO, "schedule auto is planned in the run")
     if isinstance(schedule, Schedule):
-        sched, source = schedule, f"<{schedule.strategy} schedule>"
+        from ..runtime.checks import schedule_source
+
+        sched, source = schedule, schedule_source(schedule)
     else:
         sched, source = load_schedule(schedule), str(schedule)
     if sched.mode is Mode.SHARDED:

@@ -219,11 +219,11 @@ def _prepare_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.opti
     from accelerate.utils import is_compiled_module
 
     from ..ddp import watch_buckets
-    from ..runtime.checks import check_model
+    from ..runtime.checks import check_model, model_label
     from ..runtime.default_plan import model_tensors
 
     assert plan.schedule is not None
-    check_model(plan.schedule, model_tensors(model), plan.source)
+    check_model(plan.schedule, model_tensors(model), plan.source, model_label(model))
     handler = _planned_handler(accelerator, model, plan)
     saved = accelerator.ddp_handler
     accelerator.ddp_handler = handler

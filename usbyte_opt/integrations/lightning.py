@@ -265,11 +265,11 @@ class UsbyteStrategy(DDPStrategy):
         plan = self.plan
         if plan.path == "ddp":
             from ..ddp import planned_ddp_kwargs, watch_buckets
-            from ..runtime.checks import check_model
+            from ..runtime.checks import check_model, model_label
             from ..runtime.default_plan import model_tensors
 
             assert plan.schedule is not None
-            check_model(plan.schedule, model_tensors(module), plan.source)
+            check_model(plan.schedule, model_tensors(module), plan.source, model_label(module))
             user = dict(self._user_ddp_kwargs)
             planned = planned_ddp_kwargs(plan.schedule, module, source=plan.source,
                                          find_unused_parameters=bool(user.pop("find_unused_parameters",

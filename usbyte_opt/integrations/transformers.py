@@ -240,12 +240,12 @@ class UsbyteTrainer(Trainer):
     def _planned_kwargs(self, model: torch.nn.Module) -> dict[str, Any]:
         """DDP's bucket arguments for ``model`` on the DDP path (checked against the schedule)."""
         from ..ddp import planned_ddp_kwargs
-        from ..runtime.checks import check_model
+        from ..runtime.checks import check_model, model_label
         from ..runtime.default_plan import model_tensors
 
         plan, a = self.usbyte_plan, self.args
         assert plan.schedule is not None
-        check_model(plan.schedule, model_tensors(model), plan.source)
+        check_model(plan.schedule, model_tensors(model), plan.source, model_label(model))
         # The plan assumes every parameter gets its gradient every step: with
         # find_unused_parameters DDP would never rebuild its buckets in gradient-ready order.
         # HF turns it on by default for many models; here only when asked for.

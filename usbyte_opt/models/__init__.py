@@ -24,7 +24,13 @@ are moved to the profiling device), ``loss_fn`` a callable taking ``model(*input
 returning a scalar tensor. The profiler runs ``loss_fn(model(*inputs)).backward()``. A
 ``loss_fn`` that holds targets should create them on ``output.device`` (as the built-ins
 do with :class:`RandomTargetLoss`), since the profiler moves the model after the factory
-returns.
+returns. The model trains with an optimizer of its own (AdamW for a transformer, say)? The
+factory may give it, and ``usbyte-opt profile`` then times its step instead of
+``--optimizer``'s: as a 4th element, ``(model, inputs, loss_fn, optimizer)`` (an optimizer over
+the model's parameters), or as an ``optimizer`` attribute of the factory, a callable that builds
+it from the trainable parameters (``build.optimizer = functools.partial(torch.optim.AdamW,
+lr=3e-4)``). A model may name itself in messages and in its profile's ``meta.model`` with a
+string attribute ``usbyte_model_name`` (default: the spec's name, as the profile's).
 
 Example::
 
@@ -39,9 +45,20 @@ from __future__ import annotations
 from .architectures import ARCHITECTURES, architecture_factory
 from .external import HF_MODELS, install_hint, torchvision_factory, transformers_factory
 from .protocol import PROTOCOL, Built, Factory, RandomTargetLoss, check_loss, make_batches, parameter_count
-from .registry import BUILTIN, LAB_MODELS, BuiltinModel, build, builtin_names, model_name, resolve
+from .registry import (
+    BUILTIN,
+    LAB_MODELS,
+    MODEL_NAME_ATTR,
+    BuiltinModel,
+    build,
+    build_with_optimizer,
+    builtin_names,
+    model_name,
+    resolve,
+)
 
-__all__ = ["ARCHITECTURES", "BUILTIN", "HF_MODELS", "LAB_MODELS", "PROTOCOL", "Built", "BuiltinModel", "Factory",
-           "RandomTargetLoss", "architecture_factory", "build", "builtin_names", "check_loss", "install_hint",
+__all__ = ["ARCHITECTURES", "BUILTIN", "HF_MODELS", "LAB_MODELS", "MODEL_NAME_ATTR", "PROTOCOL", "Built",
+           "BuiltinModel", "Factory", "RandomTargetLoss", "architecture_factory", "build", "build_with_optimizer",
+           "builtin_names", "check_loss", "install_hint",
            "make_batches", "model_name", "parameter_count", "resolve", "torchvision_factory",
            "transformers_factory"]

@@ -20,7 +20,8 @@ Built = tuple[nn.Module, tuple, Callable[[Any], torch.Tensor]]
 Factory = Callable[[int], Built]
 
 #: The expected shape of a factory's result, quoted in errors.
-PROTOCOL = "factory(batch_size: int) -> (model: torch.nn.Module, inputs: tuple, loss_fn: callable)"
+PROTOCOL = ("factory(batch_size: int) -> (model: torch.nn.Module, inputs: tuple, loss_fn: callable"
+            "[, optimizer: torch.optim.Optimizer])")
 
 
 class RandomTargetLoss:

@@ -24,7 +24,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from ..errors import UsbyteError
+from ..errors import UsageError, UsbyteError
 from . import builtin, lab
 from .architectures import ARCHITECTURES, architecture_factory
 from .external import (
@@ -121,36 +121,58 @@ def builtin_names() -> list[str]:
     return names + [n for n in torchvision_names() if n not in BUILTIN]
 
 
+#: Factory names that say nothing of the model: a profile of ``pkg.mod:build`` is named
+#: after the module (``mod``) instead.
+GENERIC_FACTORY_NAMES = frozenset({
+    "build", "make", "create", "get", "load", "factory", "model", "main", "new", "init", "setup",
+    "build_model", "make_model", "create_model", "get_model", "load_model", "new_model", "model_fn",
+    "model_factory", "factory_fn", "builder"})
+
+#: The attribute of a module that names the model in messages and in a profile's
+#: ``meta.model`` (:func:`build` sets it to the spec's name unless the factory set it first).
+MODEL_NAME_ATTR = "usbyte_model_name"
+
+
 def model_name(spec: str | Callable) -> str:
-    """The profile name a model spec gets by default: the built-in name or the factory's name.
+    """The profile name a model spec gets by default: the built-in name, else the factory's
+    name, else (a ``package.module:factory`` spec whose factory has a generic name such as
+    ``build``, ``make_model`` or ``get_model``: :data:`GENERIC_FACTORY_NAMES`) the last part of
+    its module's name. A callable is named by its ``__name__``.
 
     Example::
 
         >>> model_name("mlp"), model_name("torchvision:resnet50"), model_name("my.models:big_cnn")
         ('mlp', 'resnet50', 'big_cnn')
+        >>> model_name("my_pkg.lightning_train:build"), model_name("zoo:get_model")
+        ('lightning_train', 'zoo')
     """
-    if not isinstance(spec, str):
+    if not isinstance(spec, str):  # a callable given in Python: its own name
         return getattr(spec, "__name__", "model").strip("<>_") or "model"
-    return spec.rsplit(":", 1)[-1] if ":" in spec else spec
+    if ":" not in spec:
+        return spec
+    module, _, factory = spec.rpartition(":")
+    if factory in GENERIC_FACTORY_NAMES and module not in ("torchvision", "transformers", "hf"):
+        return module.rsplit(".", 1)[-1] or factory
+    return factory
 
 
 def resolve(spec: str | Factory) -> tuple[Factory, int]:
     """Turn ``spec`` into ``(factory, default_batch_size)``; a callable is taken as a factory.
 
-    Raises :class:`UsbyteError` (one line) for an unknown name, a module that cannot be
-    imported or an attribute that is missing or not callable.
+    Raises :class:`~usbyte_opt.errors.UsageError` (one line, exit code 2) for an unknown name,
+    a module that cannot be imported or an attribute that is missing or not callable.
 
     Example::
 
         >>> resolve("nope")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.UsbyteError: unknown model 'nope': expected a built-in name (mlp, ...
+        usbyte_opt.errors.UsageError: unknown model 'nope': expected a built-in name (mlp, ...
     """
     if callable(spec):
         return spec, 32
     if not isinstance(spec, str) or not spec:
-        raise UsbyteError(f"model spec: expected a name or package.module:factory, got {spec!r}")
+        raise UsageError(f"model spec: expected a name or package.module:factory, got {spec!r}")
     if spec in BUILTIN:
         entry = BUILTIN[spec]
         if entry.needs:
@@ -165,26 +187,26 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
         if spec in torchvision_names():
             return torchvision_factory(spec), _default_batch(spec)
         # fall through to "unknown model"; torchvision:NAME gives torchvision's import error
-        raise UsbyteError(f"unknown model {spec!r}: expected a built-in name ({', '.join(BUILTIN)}) or "
+        raise UsageError(f"unknown model {spec!r}: expected a built-in name ({', '.join(BUILTIN)}) or "
                           "package.module:factory")
     module_name, _, attr = spec.rpartition(":")
     if not module_name or not attr:
-        raise UsbyteError(f"model spec {spec!r}: expected package.module:factory")
+        raise UsageError(f"model spec {spec!r}: expected package.module:factory")
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())  # like `python -m`: the user's own modules are found
     try:
         module = importlib.import_module(module_name)
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
-        raise UsbyteError(f"model spec {spec!r}: cannot import module {module_name!r} "
+        raise UsageError(f"model spec {spec!r}: cannot import module {module_name!r} "
                           f"({type(e).__name__}: {first}); expected package.module:factory "
                           "importable from the current directory or PYTHONPATH") from None
     factory = getattr(module, attr, None)
     if factory is None:
-        raise UsbyteError(f"model spec {spec!r}: module {module_name!r} has no attribute {attr!r}; "
+        raise UsageError(f"model spec {spec!r}: module {module_name!r} has no attribute {attr!r}; "
                           f"expected {PROTOCOL}")
     if not callable(factory):
-        raise UsbyteError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not callable; "
+        raise UsageError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not callable; "
                           f"expected {PROTOCOL}")
     return factory, 32
 
@@ -204,6 +226,7 @@ def build(spec: str | Factory, batch_size: int | None = None,
     """Resolve ``spec``, call its factory and check the result against the protocol.
 
     The model is moved to ``device`` and put in training mode; tensor inputs are moved too.
+    An optimizer the factory gives (:func:`build_with_optimizer`) is dropped.
 
     Args:
         spec: a built-in name, ``package.module:factory`` or a factory callable.
@@ -213,10 +236,30 @@ def build(spec: str | Factory, batch_size: int | None = None,
     Returns:
         ``(model, inputs, loss_fn)`` with ``inputs`` a tuple.
     """
+    return build_with_optimizer(spec, batch_size, device)[0]
+
+
+def build_with_optimizer(spec: str | Factory, batch_size: int | None = None,
+                         device: str | torch.device = "cpu") -> tuple[Built, torch.optim.Optimizer | None]:
+    """:func:`build`, and the optimizer the model trains with when the factory gives one:
+    the factory may return it as a 4th element (``(model, inputs, loss_fn, optimizer)``, an
+    optimizer over the model's parameters), or carry an ``optimizer`` attribute, a callable
+    that builds it from the parameters (``build.optimizer = functools.partial(torch.optim.AdamW,
+    lr=3e-4)``). ``None`` when it gives neither (the profiler then times ``--optimizer``).
+
+    Example::
+
+        >>> def toy(batch_size):
+        ...     m = torch.nn.Linear(2, 2)
+        ...     return m, (torch.zeros(batch_size, 2),), lambda out: out.sum(), torch.optim.AdamW(m.parameters())
+        >>> (model, _, _), opt = build_with_optimizer(toy, 1)
+        >>> type(opt).__name__, getattr(model, MODEL_NAME_ATTR)
+        ('AdamW', 'toy')
+    """
     factory, default_batch = resolve(spec)
     batch = default_batch if batch_size is None else batch_size
     if not isinstance(batch, int) or batch < 1:
-        raise UsbyteError(f"--batch-size: expected an integer >= 1, got {batch!r}")
+        raise UsageError(f"--batch-size: expected an integer >= 1, got {batch!r}")
     label = spec if isinstance(spec, str) else model_name(spec)
     try:
         result = factory(batch)
@@ -225,12 +268,13 @@ def build(spec: str | Factory, batch_size: int | None = None,
     except Exception as e:
         first = str(e).splitlines()[0] if str(e) else ""
         raise UsbyteError(f"model {label!r}: factory({batch}) raised {type(e).__name__}: {first}") from e
-    if not (isinstance(result, (tuple, list)) and len(result) == 3):
+    if not (isinstance(result, (tuple, list)) and len(result) in (3, 4)):
         got = f"a {type(result).__name__}"
         if isinstance(result, (tuple, list)):
             got += f" of length {len(result)}"
         raise UsbyteError(f"model {label!r}: expected {PROTOCOL}, got {got}")
-    model, inputs, loss_fn = result
+    model, inputs, loss_fn = result[:3]
+    optimizer = result[3] if len(result) == 4 else None
     if not isinstance(model, nn.Module):
         raise UsbyteError(f"model {label!r}: expected {PROTOCOL}, but model is a {type(model).__name__}")
     if isinstance(inputs, torch.Tensor):
@@ -243,6 +287,23 @@ def build(spec: str | Factory, batch_size: int | None = None,
         raise UsbyteError(f"model {label!r} has no trainable parameters: nothing to all-reduce")
     device = torch.device(device)
     model.to(device).train()
-    return model, tuple(_to(x, device) for x in inputs), loss_fn
+    if not isinstance(getattr(model, MODEL_NAME_ATTR, None), str):
+        setattr(model, MODEL_NAME_ATTR, model_name(spec))
+    optimizer = _factory_optimizer(label, model, optimizer, getattr(factory, "optimizer", None))
+    return (model, tuple(_to(x, device) for x in inputs), loss_fn), optimizer
+
+
+def _factory_optimizer(label: str, model: nn.Module, given: Any, attribute: Any) -> torch.optim.Optimizer | None:
+    """The optimizer of :func:`build_with_optimizer`: the factory's 4th element, else its
+    ``optimizer`` attribute called on the trainable parameters (after the model was moved)."""
+    if given is None and attribute is not None:
+        if not callable(attribute):
+            raise UsbyteError(f"model {label!r}: the factory's optimizer attribute is a "
+                              f"{type(attribute).__name__}; expected a callable taking the parameters")
+        given = attribute([p for p in model.parameters() if p.requires_grad])
+    if given is not None and not isinstance(given, torch.optim.Optimizer):
+        raise UsbyteError(f"model {label!r}: the factory's optimizer is a {type(given).__name__}; "
+                          "expected a torch.optim.Optimizer over the model's parameters")
+    return given
 
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import torch
 
-from ..errors import UsbyteError
+from ..errors import UsageError
 
 #: The names ``--optimizer`` takes.
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -27,7 +27,20 @@ def make_optimizer(name: str, params: Sequence[torch.nn.Parameter]) -> torch.opt
         return torch.optim.Adam(params, lr=1e-4)
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-4)
-    raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {name!r}")
+    raise UsageError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {name!r}")
 
 
-__all__ = ["OPTIMIZERS", "make_optimizer"]
+def optimizer_name(optimizer: torch.optim.Optimizer) -> str:
+    """The name a profile records for an optimizer object: one of :data:`OPTIMIZERS` for
+    torch's SGD, Adam and AdamW, else its class name in lower case.
+
+    Example::
+
+        >>> p = [torch.nn.Parameter(torch.zeros(2))]
+        >>> optimizer_name(torch.optim.AdamW(p)), optimizer_name(torch.optim.RMSprop(p))
+        ('adamw', 'rmsprop')
+    """
+    return type(optimizer).__name__.lower()
+
+
+__all__ = ["OPTIMIZERS", "make_optimizer", "optimizer_name"]

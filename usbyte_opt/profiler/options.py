@@ -39,7 +39,11 @@ class ProfileOptions:
     repeats: int = 10
     """Timed iterations (medians are taken over them)."""
     optimizer: str = "sgd"
-    """``sgd`` (momentum), ``adam`` or ``adamw``: whose step gives ``update_ms``."""
+    """``sgd`` (momentum), ``adam`` or ``adamw``: whose step gives ``update_ms`` (unless the
+    model's factory gives its own optimizer and ``factory_optimizer`` is on)."""
+    factory_optimizer: bool = True
+    """Time the step of the optimizer the model's factory gives, when it gives one
+    (:func:`usbyte_opt.models.build_with_optimizer`), instead of ``optimizer``'s."""
     comm_sizes: tuple[int, ...] | None = None
     """All-reduce sizes of the sweep in bytes; ``None``: ``comm_points`` log-spaced sizes from
     4 KiB to 64 MiB."""

@@ -32,13 +32,13 @@ from ..collectives.agree import agree
 from ..collectives.issuers import backend_for, block_issuers
 from ..collectives.sweep import analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
-from ..errors import UsbyteError
+from ..errors import UsageError, UsbyteError
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, CommSpec, Profile, TensorSpec
 from ..formats.probe_record import CpuProbeRecord
 from ..group import barrier
-from ..models import Factory, build, model_name, resolve
+from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name, resolve
 from ..planning.cost import fit_samples
-from .optimizers import OPTIMIZERS, make_optimizer
+from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
 from .timing import IterationTimer, Progress, Summary, Timings, summarize
 
@@ -139,8 +139,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
     dev = resolve_device(device)
     label = model if isinstance(model, str) else model_name(model)
     if opts.optimizer not in OPTIMIZERS:
-        raise UsbyteError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {opts.optimizer!r}")
-    net, inputs, loss_fn = _build(model, batch_size, dev, world, group)
+        raise UsageError(f"--optimizer: expected one of {'|'.join(OPTIMIZERS)}, got {opts.optimizer!r}")
+    (net, inputs, loss_fn), own_opt = _build(model, batch_size, dev, world, group)
     backend = backend_for(group, dev) if world > 1 else "none"
 
     def sync() -> None:
@@ -150,7 +150,11 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
 
-    opt = make_optimizer(opts.optimizer, [p for p in net.parameters() if p.requires_grad])
+    if own_opt is not None and opts.factory_optimizer:
+        opt, opt_name, opt_from = own_opt, optimizer_name(own_opt), "the model's factory"
+    else:
+        opt = make_optimizer(opts.optimizer, [p for p in net.parameters() if p.requires_grad])
+        opt_name, opt_from = opts.optimizer, "--optimizer"
     timer = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync if world > 1 else None, label=label)
     timings = timer.run(opts.warmup, opts.repeats, progress)
     agg = _aggregate(summarize(timings), world, group)
@@ -166,18 +170,21 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
     for msg in measured.notes:
         warnings.warn(msg, ProfileWarning, stacklevel=2)
     batch = batch_size if batch_size is not None else resolve(model)[1]
-    return _assemble(name or model_name(model), label, opts, timings, agg, measured, dev,
-                     backend, world, batch)
+    named = getattr(net, MODEL_NAME_ATTR, None)
+    return _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
+                     timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
 
 
 def _build(model: str | Factory, batch_size: int | None, dev: torch.device, world: int,
-           group: Any) -> tuple[torch.nn.Module, Sequence[Any], Callable[[Any], torch.Tensor]]:
-    """The model, its inputs and loss; every rank agrees that building worked before the first
-    timed collective (a rank that failed makes every rank raise)."""
+           group: Any) -> tuple[tuple[torch.nn.Module, Sequence[Any], Callable[[Any], torch.Tensor]],
+                                torch.optim.Optimizer | None]:
+    """The model, its inputs and loss, and the factory's optimizer if it gives one; every rank
+    agrees that building worked before the first timed collective (a rank that failed makes
+    every rank raise)."""
     error: UsbyteError | None = None
     built: Any = None
     try:
-        built = build(model, batch_size, dev)
+        built = build_with_optimizer(model, batch_size, dev)
     except UsbyteError as e:
         error = e
     if world > 1:
@@ -263,8 +270,10 @@ def _analytic(opts: ProfileOptions) -> Measured:
 
 def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg: Aggregate,
               measured: Measured, dev: torch.device, backend: str, world: int,
-              batch: Any) -> Profile:
-    """The profile of the measured numbers, with the ``meta`` that says how they were found."""
+              batch: Any, optimizer: tuple[str, str] | None = None) -> Profile:
+    """The profile of the measured numbers, with the ``meta`` that says how they were found
+    (``optimizer``: the name of the optimizer timed and where it came from)."""
+    opt_name, opt_from = optimizer or (opts.optimizer, "--optimizer")
     F, B, every = agg.forward_ms, agg.backward_ms, agg.every
     tensors = []
     for i, n in enumerate(timings.names):
@@ -289,7 +298,8 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "hosts": len({r.host for r in every}),
         "batch_size": batch,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
-        "optimizer": opts.optimizer,
+        "optimizer": opt_name,
+        "optimizer_from": opt_from,
         "warmup": opts.warmup,
         "repeats": opts.repeats,
         "threads": torch.get_num_threads(),

@@ -46,7 +46,7 @@ import torch
 from torch import nn
 
 from ..collectives.sweep import median
-from ..errors import UsbyteError, first_line
+from ..errors import UsageError, UsbyteError, first_line
 from ..first_use import FirstUse
 from ..models import check_loss
 
@@ -319,9 +319,9 @@ class IterationTimer:
     def run(self, warmup: int = 3, repeats: int = 10, progress: Progress | None = None) -> Timings:
         """Discovery pass, ``warmup`` untimed iterations, then ``repeats`` timed ones."""
         if repeats < 1:
-            raise UsbyteError(f"--repeats: expected an integer >= 1, got {repeats}")
+            raise UsageError(f"--repeats: expected an integer >= 1, got {repeats}")
         if warmup < 0:
-            raise UsbyteError(f"--warmup: expected an integer >= 0, got {warmup}")
+            raise UsageError(f"--warmup: expected an integer >= 0, got {warmup}")
         total = 1 + warmup + repeats
         try:
             if self.hooks_on:

@@ -29,6 +29,7 @@ from ..collectives.agree import wait
 from ..env import SCHEDULE_ENV
 from ..errors import MismatchError, UsbyteError
 from ..formats import Schedule, fingerprint, load_schedule
+from ..models.registry import MODEL_NAME_ATTR
 from .default_plan import default_schedule
 
 #: Bytes of the record every rank all-gathers at start-up (digest plus a truncated error).
@@ -41,17 +42,19 @@ class UsbyteWarning(UserWarning):
 
 def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch.nn.Module,
                      world_size: int, warn: bool = True) -> tuple[Schedule, str]:
-    """The schedule to run and where it came from (its path, or ``"<STRATEGY schedule>"``).
+    """The schedule to run and where it came from: its path (also of a :class:`Schedule` read
+    from a file, :func:`schedule_source`), carrying the label of ``model`` for
+    :func:`check_model`'s message.
 
     Raises:
         FormatError: the file is missing or malformed (names the file and field).
     """
     if isinstance(schedule, Schedule):
-        return schedule, f"<{schedule.strategy} schedule>"
+        return schedule, _Source(schedule_source(schedule), model)
     if schedule is None:
         schedule = os.environ.get(SCHEDULE_ENV) or None
     if schedule is not None:
-        return load_schedule(schedule), str(Path(schedule))
+        return load_schedule(schedule), _Source(str(Path(schedule)), model)
     if warn:
         warnings.warn(f"no schedule given (argument or ${SCHEDULE_ENV}): using a default "
                       "DDP-like plan of 1 MiB + 25 MiB buckets; run `usbyte-opt optimize` for a "
@@ -59,14 +62,71 @@ def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch
     return default_schedule(model, world_size), "<default schedule>"
 
 
+def schedule_source(schedule: Schedule) -> str:
+    """How messages name a schedule object: the file it was read from, else (one built in
+    memory) ``<STRATEGY schedule>``.
+
+    Example::
+
+        >>> import torch
+        >>> schedule_source(default_schedule(torch.nn.Linear(2, 2)))
+        '<default schedule>'
+    """
+    if schedule.path:
+        return str(Path(schedule.path))
+    return f"<{schedule.strategy} schedule>"
+
+
+def model_label(model: torch.nn.Module) -> str:
+    """What a message calls a model: the registry name it was built under
+    (:func:`usbyte_opt.models.build` records it), else its class name.
+
+    Example::
+
+        >>> model_label(torch.nn.Linear(2, 2))
+        'Linear'
+    """
+    name = getattr(model, MODEL_NAME_ATTR, None)
+    return name if isinstance(name, str) and name else type(model).__name__
+
+
+class _Source(str):
+    """A schedule's source (its path) that also carries the label of the model it is checked
+    against, so that :func:`check_model` can name both."""
+
+    model: str | None
+
+    def __new__(cls, text: str, model: torch.nn.Module | None = None) -> _Source:
+        self = super().__new__(cls, text)
+        self.model = None if model is None else model_label(model)
+        return self
+
+
+def _mismatch(schedule: Schedule, source: str, model: str | None, detail: str) -> MismatchError:
+    """The one error of a schedule that does not fit the model: what it was planned for and
+    what the model is, then the first difference (``detail``)."""
+    planned = schedule.model or (schedule.profile_name and f"the profile {schedule.profile_name!r}")
+    model = model or getattr(source, "model", None)
+    if planned and model and planned.split(" (")[0] != model:
+        article = "an" if model[:1].lower() in "aeio" else "a"
+        head = f"{source} was planned for {planned}; this model is {article} {model}"
+    elif planned:
+        head = f"{source} was planned for {planned}; this model differs from it"
+    else:
+        head = f"{source} does not fit this model"
+    return MismatchError(f"{head} ({detail})")
+
+
 def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...], str]],
-                source: str) -> None:
+                source: str, model: str | None = None) -> None:
     """Raise :class:`MismatchError` unless ``tensors`` (name, shape, dtype) are the schedule's.
 
     Names are checked first (a tensor of the model missing from the schedule, then one of the
     schedule missing from the model), then dtypes, then shapes: per tensor when the schedule
     records ``shapes`` (an extra field the default plan writes), else per buffer by element
-    count, and finally the fingerprint itself.
+    count, and finally the fingerprint itself. The error says what the schedule was planned
+    for (its ``model`` field, else its profile's name) and what ``model`` is (a label such as
+    :func:`model_label`'s; default: the one :func:`resolve_schedule`'s ``source`` carries).
 
     Example::
 
@@ -77,48 +137,49 @@ def check_model(schedule: Schedule, tensors: Sequence[tuple[str, tuple[int, ...]
         >>> check_model(s, model_tensors(torch.nn.Linear(4, 2)), "s.json")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        usbyte_opt.errors.MismatchError: s.json: tensor 'weight': expected shape [2, 3] ..., got [2, 4] (model)
+        usbyte_opt.errors.MismatchError: s.json was planned for the profile 'model'; ... got [2, 4] (model))
     """
-    model = {n: (tuple(s), d) for n, s, d in tensors}
+    def fail(detail: str) -> MismatchError:
+        return _mismatch(schedule, source, model, detail)
+
+    mine = {n: (tuple(s), d) for n, s, d in tensors}
     where: dict[str, tuple[int, int]] = {}
     for b, buf in enumerate(schedule.buffers):
         for j, n in enumerate(buf.tensors):
             where[n] = (b, j)
-    for n in model:
+    for n in mine:
         if n not in where:
-            raise MismatchError(f"{source}: tensor {n!r}: the model trains it, the schedule does "
-                                f"not list it (schedule fingerprint {schedule.fingerprint}; model "
-                                f"{fingerprint(tensors)})")
+            raise fail(f"tensor {n!r}: the model trains it, the schedule does not list it "
+                       f"(schedule fingerprint {schedule.fingerprint}; model {fingerprint(tensors)})")
     for n, (b, j) in where.items():
-        if n not in model:
-            raise MismatchError(f"{source}: buffers[{b}].tensors[{j}]: tensor {n!r} is not a "
-                                "trainable parameter of the model (frozen, renamed or absent)")
+        if n not in mine:
+            raise fail(f"buffers[{b}].tensors[{j}]: tensor {n!r} is not a trainable parameter of "
+                       "the model (frozen, renamed or absent)")
     # Tensors in the model's registration order: "first" as the user reads the model.
     for n, _shape, dt in tensors:
         b = where[n][0]
         if dt != schedule.buffers[b].dtype:
-            raise MismatchError(f"{source}: tensor {n!r}: expected dtype "
-                                f"{schedule.buffers[b].dtype} (schedule buffers[{b}]), got {dt} "
-                                "(model)")
+            raise fail(f"tensor {n!r}: expected dtype {schedule.buffers[b].dtype} (schedule "
+                       f"buffers[{b}]), got {dt} (model)")
     shapes = schedule.shapes
     if shapes is not None:
         for n, shape, _ in tensors:
             want = shapes.get(n)
             if want is not None and list(want) != list(shape):
-                raise MismatchError(f"{source}: tensor {n!r}: expected shape {list(want)} "
-                                    f"(schedule), got {list(shape)} (model)")
+                raise fail(f"tensor {n!r}: expected shape {list(want)} (schedule), got "
+                           f"{list(shape)} (model)")
     if schedule.buffer_numel:
         for b, buf in enumerate(schedule.buffers):
-            got = sum(math.prod(model[n][0]) for n in buf.tensors)
+            got = sum(math.prod(mine[n][0]) for n in buf.tensors)
             if got != schedule.buffer_numel[b]:
-                raise MismatchError(f"{source}: buffers[{b}]: expected {schedule.buffer_numel[b]} "
-                                    f"elements (schedule), got {got} (model): a shape of one of its "
-                                    f"{len(buf.tensors)} {buf.dtype} tensors differs (the schedule "
-                                    "records no per-tensor shapes to name it)")
+                raise fail(f"buffers[{b}]: expected {schedule.buffer_numel[b]} elements (schedule), "
+                           f"got {got} (model): a shape of one of its {len(buf.tensors)} "
+                           f"{buf.dtype} tensors differs (the schedule records no per-tensor "
+                           "shapes to name it)")
     fp = fingerprint(tensors)
     if fp != schedule.fingerprint:
-        raise MismatchError(f"{source}: fingerprint: expected {schedule.fingerprint} (schedule), got "
-                            f"{fp} (model): names and dtypes agree, so a tensor shape differs")
+        raise fail(f"fingerprint: expected {schedule.fingerprint} (schedule), got {fp} (model): "
+                   "names and dtypes agree, so a tensor shape differs")
 
 
 _HINT = ("pass the plain module and do not wrap it (the runtime averages the gradients itself, "
