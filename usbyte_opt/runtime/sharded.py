@@ -824,7 +824,7 @@ class Sharded:
         device)."""
         g = self.grads
         index = {id(p): t for t, p in enumerate(g.params)}
-        stand = list(g.params)
+        stand: list[torch.Tensor] = list(g.params)
         groups = []
         for grp, ps in zip(self.opt.param_groups, self.orig_params):
             if cpu:
@@ -1071,10 +1071,11 @@ class Sharded:
         if got != want:
             what = next((k for k in want if not isinstance(got, dict) or got.get(k) != want[k]),
                         "format")
-            have = got.get(what) if isinstance(got, dict) else got
+            have: Any = got.get(what) if isinstance(got, dict) else got
             mine = want[what]
             if what == "blocks":
-                have, mine = f"{len(have)} blocks", f"{len(mine)} blocks (or other bounds)"
+                n_have = len(have) if isinstance(have, list) else have
+                have, mine = f"{n_have} blocks", f"{len(mine)} blocks (or other bounds)"
             raise UsbyteError(f"sharded state dict: saved with {what} {have}, this run has "
                               f"{mine}: load it with the same world size and schedule (or save "
                               "a full state with opt.state_dict() and load that)")
