@@ -131,19 +131,19 @@ class Channel:
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""
-        self._wait(work, what, self.timeout)
+        self._wait(work, what, self.timeout, host=not self.cuda)
 
     def wait_host(self, work: dist.Work, what: str) -> None:
         """Wait on the host for a control message (gloo, with the timeout)."""
-        self._wait(work, what, self.host_timeout)
+        self._wait(work, what, self.host_timeout, host=True)
 
-    def _wait(self, work: dist.Work, what: str, timeout: timedelta | None) -> None:
-        """A wait failing in one line. With a :attr:`cause` set, a host wait (gloo) runs in
+    def _wait(self, work: dist.Work, what: str, timeout: timedelta | None, host: bool) -> None:
+        """A wait failing in one line. With a :attr:`cause` set, a ``host`` wait (gloo) runs in
         slices of :data:`CAUSE_POLL_S`, asking it between them: a rank whose peers will never
         issue this collective fails within a slice of the cause being known, not at the
         timeout. The cause also names a failure's reason when it knows one."""
         why = self.cause
-        if why is not None and not self.cuda:
+        if why is not None and host:
             deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
             while True:
                 left = CAUSE_POLL_S if deadline is None else min(CAUSE_POLL_S,

@@ -747,9 +747,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         all-gather at a time beside the shards), keyed as the unsharded optimizer over the
         model's parameters keys it: a collective, so call it on every rank and save on rank 0.
         Called on some ranks only (``if rank == 0: save(opt.state_dict())``) it raises
-        :class:`~usbyte_opt.errors.DistributedError` on every rank, in one line naming the rank
-        that called alone, within 300 s (or ``timeout`` if shorter); the optimizer cannot train
-        after that. For checkpoints of large models use :meth:`sharded_state_dict`."""
+        :class:`~usbyte_opt.errors.DistributedError` there within 300 s (or ``timeout`` if
+        shorter), and the other ranks, blocked in their next step's wait, raise right after, in
+        one line naming the rank that called alone (the run cannot go on: every later blocked
+        wait of these optimizers raises the same). For checkpoints of large models use
+        :meth:`sharded_state_dict`."""
         self._settle()
         if self._state.sharded is not None:
             return self._state.sharded.full_state()
