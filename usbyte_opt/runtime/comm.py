@@ -25,7 +25,8 @@ the NCCL stream, never move to the device, and are read on the host when needed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 
 import torch
@@ -33,7 +34,10 @@ import torch.distributed as dist
 
 from ..collectives.agree import wait as _wait
 from ..collectives.issuers import serial_group, sum_issuer, wants_serial
-from ..errors import UsbyteError
+from ..errors import DistributedError, UsbyteError
+
+#: Seconds between two looks at :attr:`Channel.cause` while a host wait is blocked.
+CAUSE_POLL_S = 0.5
 
 
 def _closed(x: torch.Tensor) -> dist.Work:
@@ -56,7 +60,7 @@ class Channel:
     """
 
     __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "host_timeout",
-                 "serial", "control", "_issue")
+                 "serial", "control", "_issue", "cause")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout: timedelta | None, serial: bool | None = None):
@@ -79,6 +83,10 @@ class Channel:
         self.control = (serial_group(group, timeout, threads=2, tag="control")
                         if self.world_size > 1 else None)
         self._issue = sum_issuer(group, self.serial)
+        #: Why this channel's collectives no longer match across the ranks, if known (a
+        #: callable returning a one-line cause or None, consulted when a wait fails): set by
+        #: sharded mode's collective state dicts (:class:`~.sharded.CallBook`).
+        self.cause: Callable[[], str | None] | None = None
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
         """Sum ``view`` over the ranks, asynchronously (its gradients are already scaled by
@@ -123,8 +131,39 @@ class Channel:
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""
-        _wait(work, what, self.rank, self.timeout)
+        self._wait(work, what, self.timeout, host=not self.cuda)
 
     def wait_host(self, work: dist.Work, what: str) -> None:
         """Wait on the host for a control message (gloo, with the timeout)."""
-        _wait(work, what, self.rank, self.host_timeout)
+        self._wait(work, what, self.host_timeout, host=True)
+
+    def _wait(self, work: dist.Work, what: str, timeout: timedelta | None, host: bool) -> None:
+        """A wait failing in one line. With a :attr:`cause` set, a ``host`` wait (gloo) runs in
+        slices of :data:`CAUSE_POLL_S`, asking it between them: a rank whose peers will never
+        issue this collective fails within a slice of the cause being known, not at the
+        timeout. The cause also names a failure's reason when it knows one."""
+        why = self.cause
+        if why is not None and host:
+            deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+            while True:
+                left = CAUSE_POLL_S if deadline is None else min(CAUSE_POLL_S,
+                                                                 deadline - time.monotonic())
+                if left <= 0:
+                    timeout = timedelta(milliseconds=1)   # the timeout, reported below
+                    break
+                try:
+                    work.wait(timedelta(seconds=left))
+                    return
+                except RuntimeError:
+                    if work.is_completed():
+                        break   # a failure: reported below
+                found = why()
+                if found:
+                    raise DistributedError(f"rank {self.rank}: {what} failed: {found}")
+        try:
+            _wait(work, what, self.rank, timeout)
+        except DistributedError as e:
+            found = why() if why is not None else None
+            if found:
+                raise DistributedError(f"rank {self.rank}: {what} failed: {found}") from e
+            raise

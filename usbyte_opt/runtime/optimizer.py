@@ -750,11 +750,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, in its own format (pending updates applied
         first; local, so rank 0 alone may call it). In sharded mode, the full state gathered
-        from every rank's shards, keyed as the unsharded optimizer over the model's
-        parameters keys it: a collective, so call it on every rank and save on rank 0 (called
-        on rank 0 alone, as many checkpoint loops do, it raises
-        :class:`~usbyte_opt.errors.DistributedError` naming the ranks that did not come, after
-        waiting for them up to 300 s, or ``timeout`` if shorter)."""
+        from every rank's shards onto the host (CPU tensors; the device holds one block's
+        all-gather at a time beside the shards), keyed as the unsharded optimizer over the
+        model's parameters keys it: a collective, so call it on every rank and save on rank 0.
+        Called on some ranks only (``if rank == 0: save(opt.state_dict())``) it raises
+        :class:`~usbyte_opt.errors.DistributedError` there within 300 s (or ``timeout`` if
+        shorter), and the other ranks, blocked in their next step's wait, raise right after, in
+        one line naming the rank that called alone (the run cannot go on: every later blocked
+        wait of these optimizers raises the same). For checkpoints of large models use
+        :meth:`sharded_state_dict`."""
         self._settle()
         if self._state.sharded is not None:
             return self._state.sharded.full_state()
@@ -763,12 +767,46 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict of the wrapped optimizer (pending updates are applied first). In
         sharded mode, a full one (as :meth:`state_dict` returns it, or an unsharded
-        optimizer's over the model's parameters); each rank keeps its shards of it."""
+        optimizer's over the model's parameters), best on the host: torch's checks run against
+        host stand-ins of the parameters and each rank copies only its pieces to the device."""
         self._settle()
         if self._state.sharded is not None:
             self._state.sharded.load_full(state_dict)
             return
         self._opt.load_state_dict(state_dict)
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """Sharded mode: this rank's pieces of the optimizer state, for
+        ``torch.distributed.checkpoint`` (DCP). Local, no collective, no copy: the state
+        tensors themselves under keys distinct across ranks, so ``dcp.save`` writes each
+        rank's own pieces and no rank ever holds more than its shard; a piece without state
+        yet gets zeros (flagged as absent), so a fresh optimizer's dict is the template
+        ``dcp.load`` fills in place. Load with :meth:`load_sharded_state_dict`, on the same
+        world size and schedule (another is refused, by ``dcp.load`` for the missing keys or
+        in one line here)::
+
+            dcp.save({"model": model.state_dict(), "optim": opt.sharded_state_dict()},
+                     checkpoint_id=path)
+            sd = {"model": model.state_dict(), "optim": opt.sharded_state_dict()}
+            dcp.load(sd, checkpoint_id=path)
+            model.load_state_dict(sd["model"]); opt.load_sharded_state_dict(sd["optim"])
+        """
+        self._settle()
+        if self._state.sharded is None:
+            raise UsbyteError("sharded_state_dict() needs a sharded schedule (\"mode\": "
+                              "\"sharded\"): every rank holds the whole state here, save "
+                              "state_dict() on rank 0")
+        return self._state.sharded.sharded_state()
+
+    def load_sharded_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Install a dict of :meth:`sharded_state_dict` that ``dcp.load`` filled in place:
+        the hyperparameters and this rank's pieces of the state (its tensors taken as they
+        are). Local."""
+        self._settle()
+        if self._state.sharded is None:
+            raise UsbyteError("load_sharded_state_dict() needs a sharded schedule (\"mode\": "
+                              "\"sharded\"); load a full state with load_state_dict()")
+        self._state.sharded.load_sharded(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise UsbyteError("add_param_group after wrapping is not supported: add the group to the "
@@ -778,12 +816,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Synchronize, remove the hooks, give parameters their own gradients back and release
         the communication channel (its gloo groups and their worker threads). The optimizer
         cannot train after this; at interpreter exit, an optimizer not closed is released the
-        same way (its collectives given a few seconds to finish)."""
+        same way (its collectives given a few seconds to finish). In sharded mode a collective
+        (every rank calls it): the full state is gathered onto the host, the shards' state let
+        go, then the wrapped optimizer, back over its own parameters, loads the full state (on
+        the device, as any unsharded optimizer holds it)."""
         if self._closed:
             return
         self.synchronize()
         sharded = self._state.sharded
-        full = sharded.full_state() if sharded is not None else None
+        full = sharded.full_state("opt.close()") if sharded is not None else None
         self._state.remove()
         self._release()
         self._opt.__dict__.pop("_usbyte_rt", None)   # a taken-over optimizer is plain again

@@ -66,17 +66,18 @@ every tensor they hold is copied.
 
 from __future__ import annotations
 
+import itertools
 import threading
+import time
 import weakref
 from collections.abc import Callable, Sequence
-from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..collectives.issuers import all_gather_issuer, reduce_scatter_issuer
-from ..errors import DistributedError, UsbyteError, first_line
+from ..errors import DistributedError, UsbyteError
 from ..formats import Schedule
 from .buffers import FlatGrads, dense_strides
 from .comm import Channel
@@ -171,6 +172,98 @@ class GatherBack:
 
     def step(self, ts: Sequence[int]) -> None:
         self.sharded.copy_back(ts)
+
+
+_BOOK_IDS = itertools.count()
+
+
+class CallBook:
+    """The collective state-dict calls of sharded mode (``opt.state_dict()``, ``close()``),
+    met through the default group's store, so that a call on some ranks only
+    (``if rank == 0: save(opt.state_dict())``) fails in one line on every rank instead of
+    leaving the others in their next collective until a watchdog.
+
+    Each call records this rank's count of calls and what it called under keys of its own,
+    then waits (polling the store) for every rank's arrival, at most :data:`STATE_DICT_WAIT_S`
+    or the optimizer's shorter ``timeout``. Past that it leaves a note and raises. The other
+    ranks went on into their next step, where a host wait of the runtime blocks: the channel
+    asks :meth:`cause` (``Channel.cause``) every :data:`~.comm.CAUSE_POLL_S` seconds while
+    blocked, and raises the note (naming the rank that called alone) as soon as it is there.
+    Ranks that call different ones (``state_dict()`` here, ``close()`` there) all raise alike.
+    Built on every rank in the same order (one per :class:`Sharded`)."""
+
+    def __init__(self, chan: Channel):
+        self.chan, self.rank, self.ws = chan, chan.rank, chan.world_size
+        self.n = 0
+        self.store: Any = None
+        self.prefix = ""
+        if self.ws > 1:
+            from torch.distributed import distributed_c10d as c10d
+
+            name = "default" if chan.group is None else c10d._get_process_group_name(chan.group)
+            self.prefix = f"usbyte-state/{name}/{next(_BOOK_IDS)}"
+            self.store = c10d._get_default_store()
+
+    def limit(self) -> float:
+        host = self.chan.host_timeout
+        return STATE_DICT_WAIT_S if host is None else min(STATE_DICT_WAIT_S, host.total_seconds())
+
+    def _get(self, key: str) -> str | None:
+        k = f"{self.prefix}/{key}"
+        return self.store.get(k).decode() if self.store.check([k]) else None
+
+    def meet(self, what: str) -> None:
+        """Wait for every rank to make this call too (see the class); raise if one does not."""
+        if self.store is None:
+            return
+        self.n += 1
+        n, st, p = self.n, self.store, self.prefix
+        st.set(f"{p}/what/{n}/{self.rank}", what)
+        st.set(f"{p}/n/{self.rank}", str(n))
+        limit = self.limit()
+        deadline = time.monotonic() + limit
+        arrived = st.add(f"{p}/arrived/{n}", 1)
+        while arrived < self.ws:
+            note = self._get(f"refused/{n}")
+            if note is not None:
+                raise DistributedError(f"rank {self.rank}: {what} failed: {note}")
+            if time.monotonic() >= deadline:
+                self._refuse(what, n, limit)
+            time.sleep(0.005)
+            arrived = st.add(f"{p}/arrived/{n}", 0)
+        whats = [self._get(f"what/{n}/{q}") for q in range(self.ws)]
+        if len(set(whats)) > 1:
+            raise DistributedError(
+                f"rank {self.rank}: the ranks made different collective calls of sharded mode: "
+                + ", ".join(f"rank {q} {w}" for q, w in enumerate(whats))
+                + "; call the same on every rank")
+
+    def _refuse(self, what: str, n: int, limit: float) -> None:
+        late = [q for q in range(self.ws) if int(self._get(f"n/{q}") or 0) < n]
+        ranks = f"rank{'s' if len(late) > 1 else ''} {', '.join(map(str, late))}"
+        why = (f"in sharded mode it is a collective (it gathers every rank's shards): call it on "
+               f"every rank and save on rank 0; {ranks} did not call it within {limit:g} s")
+        self.store.set(f"{self.prefix}/refused/{n}", f"rank {self.rank} called {what} alone: {why}")
+        raise DistributedError(f"rank {self.rank}: {what} called on this rank alone: {why}")
+
+    def cause(self) -> str | None:
+        """Why a wait cannot end, if a rank made a collective state-dict call the others did
+        not: its note once it refused, or this rank's own refused call; else None."""
+        if self.store is None:
+            return None
+        try:
+            mine = self._get(f"refused/{self.n}") if self.n else None
+            if mine is not None:
+                return mine
+            for q in range(self.ws):
+                if q != self.rank:
+                    c = int(self._get(f"n/{q}") or 0)
+                    note = self._get(f"refused/{c}") if c > self.n else None
+                    if note is not None:
+                        return note
+        except (RuntimeError, ValueError):
+            return None
+        return None
 
 
 class Sharded:
@@ -321,6 +414,9 @@ class Sharded:
         optimizer.state.clear()
         for grp, members in zip(optimizer.param_groups, by_group):
             grp["params"] = [sp for sp, _, _ in members]
+        #: The collective state-dict calls (a lone one fails on every rank in one line).
+        self.book = CallBook(chan)
+        chan.cause = self.book.cause
         if full is not None:  # state loaded before wrapping: sharded like a loaded one
             self.load_full(full)
 
@@ -721,114 +817,285 @@ class Sharded:
 
     # -- state dicts -------------------------------------------------------------------------
 
-    def _plain(self) -> torch.optim.Optimizer:
-        """An unsharded optimizer of the same class over the original parameters, with the
-        current hyperparameters (no state)."""
-        groups = [{**{k: v for k, v in grp.items() if k != "params"}, "params": ps}
-                  for grp, ps in zip(self.opt.param_groups, self.orig_params)]
-        return type(self.opt)(groups)  # type: ignore[call-arg]  # SGD, Adam, AdamW: lr has a default
-
-    def full_state(self) -> dict[str, Any]:
-        """The full state dict, as an unsharded optimizer over the original parameters would
-        give it, gathered from every rank's shards (a collective: every rank calls it). The
-        ranks first meet at a monitored barrier: a rank that calls it while another does not
-        (``if rank == 0: save(opt.state_dict())``) raises within :data:`STATE_DICT_WAIT_S`
-        (or the optimizer's shorter ``timeout``), naming the ranks that did not come."""
-        ctl = self.chan.control
-        if ctl is not None:
-            limit = STATE_DICT_WAIT_S
-            if self.chan.host_timeout is not None:
-                limit = min(limit, self.chan.host_timeout.total_seconds())
-            try:
-                # Not in torch's stubs for ProcessGroup; gloo's backend has it.
-                ctl.monitored_barrier(timedelta(seconds=limit), True)  # type: ignore[attr-defined]
-            except RuntimeError as err:
-                raise DistributedError(
-                    f"rank {self.rank}: opt.state_dict() in sharded mode is a collective (it "
-                    "gathers every rank's shards): call it on every rank and save on rank 0; "
-                    f"waited {limit:g} s: {first_line(err)}") from err
+    def _plain(self, cpu: bool = False) -> tuple[torch.optim.Optimizer, list[torch.Tensor]]:
+        """An unsharded optimizer of the same class with the current hyperparameters (no
+        state), and its parameter per tensor index: the original parameters, or with ``cpu``
+        uninitialised host stand-ins of them (loading a full state there keeps it off the
+        device)."""
         g = self.grads
-        meta: dict[int, dict[str, Any]] = {}
+        index = {id(p): t for t, p in enumerate(g.params)}
+        stand: list[torch.Tensor] = list(g.params)
+        groups = []
+        for grp, ps in zip(self.opt.param_groups, self.orig_params):
+            if cpu:
+                ps = [torch.empty_strided(p.shape, p.stride(), dtype=p.dtype, device="cpu")
+                      for p in ps]
+            groups.append({**{k: v for k, v in grp.items() if k != "params"}, "params": ps})
+        plain = type(self.opt)(groups)  # type: ignore[call-arg]  # SGD, Adam, AdamW: lr has a default
+        for ps, grp in zip(self.orig_params, plain.param_groups):
+            for p, q in zip(ps, grp["params"]):
+                if id(p) in index:
+                    stand[index[id(p)]] = q
+        return plain, stand
+
+    def _set_hyper(self, groups: Sequence[dict[str, Any]]) -> None:
+        """The hyperparameters of ``groups`` (the wrapped optimizer's count of them) into the
+        wrapped optimizer's own group dicts, in place (an LR scheduler keeps acting on them)."""
+        for grp, pg in zip(self.opt.param_groups, groups):
+            for key, v in pg.items():
+                if key != "params":
+                    grp[key] = v
+
+    def _install_state(self, states: dict[int, dict[str, Any]], copy: bool) -> None:
+        """Per piece index, its state (the rest get none), cast as torch's own
+        ``load_state_dict`` casts it: to the shard's device and dtype, ``step`` left where it
+        is unless the group is fused or capturable. ``copy``: never alias a given tensor."""
+        group_of = {id(sp): grp for grp, members in zip(self.opt.param_groups, self.by_group)
+                    for sp, _, _ in members}
+        self.opt.state.clear()
+        for i, st in states.items():
+            sp = self.shard_params[i]
+            assert sp is not None
+            grp = group_of[id(sp)]
+            new: dict[str, Any] = {}
+            for key, v in st.items():
+                if not torch.is_tensor(v):
+                    new[key] = v
+                elif key == "step":
+                    new[key] = (v.to(dtype=torch.float32, device=sp.device, copy=copy)
+                                if grp.get("fused") or grp.get("capturable")
+                                else v.clone() if copy else v)
+                else:
+                    new[key] = v.to(dtype=sp.dtype if sp.is_floating_point() else v.dtype,
+                                    device=sp.device, copy=copy)
+            self.opt.state[sp] = new
+
+    def full_state(self, what: str = "opt.state_dict()") -> dict[str, Any]:
+        """The full state dict, on the host, as an unsharded optimizer over the original
+        parameters would give it, gathered from every rank's shards (a collective: every rank
+        calls it; :class:`CallBook` refuses a lone call on every rank). What each tensor has
+        (its keys, Adam's ``step``) is one host all-reduce on the control group; each block's
+        shards of each elementwise key are then all-gathered on the device (one block's
+        worth at a time, ``world_size * S`` elements) and copied to the host: the device
+        never holds more than that beside the shards."""
+        self.book.meet(what)
+        g = self.grads
+        n, m = g.n, len(self.pshard)
+        keys = sorted(ELEMENTWISE)
+        # Per tensor: its step (-1: none), then 1 per elementwise key it has (-1: none).
+        info = torch.full((n, 1 + len(keys)), -1.0, dtype=torch.float64)
+        steps: dict[int, torch.Tensor] = {}
         for (_, t, _, _), sp in zip(self.pieces, self.shard_params):
             st = self.opt.state.get(sp) if sp is not None else None
-            if not st:
-                continue
-            d = meta.setdefault(t, {})
-            for key, v in st.items():
-                d[key] = ("e", v.dtype) if key in ELEMENTWISE and torch.is_tensor(v) else ("v", v)
-        metas: list[Any] = [None] * self.ws
-        dist.all_gather_object(metas, meta, group=self.chan.group)
-        merged: dict[int, dict[str, Any]] = {}
-        for mt in metas:
-            for t, d in mt.items():
-                merged.setdefault(t, {}).update(d)
-        # Elementwise keys: a flat buffer per (buffer, key), every block's shards gathered.
-        wanted: dict[tuple[int, str], torch.dtype] = {}
-        for t, d in merged.items():
-            for key, (kind, val) in d.items():
-                if kind == "e":
-                    wanted[(g.region[t][0], key)] = val
+            for key, v in (st or {}).items():
+                if key in ELEMENTWISE:
+                    info[t, 1 + keys.index(key)] = 1.0
+                elif key == "step":
+                    steps[t] = v if torch.is_tensor(v) else torch.tensor(float(v))
+        if steps:  # one host transfer for them all (capturable / fused: on the device)
+            vals = torch.stack([v.detach().reshape(()).double() for v in steps.values()]).cpu()
+            for t, v in zip(steps, vals):
+                info[t, 0] = v
+        work = self.chan.control_all_reduce(info, dist.ReduceOp.MAX)
+        if work is not None:
+            self.chan.wait_host(work, "all-reduce of the optimizer state's keys and steps")
+        mine: list[list[tuple[int, int, int, torch.nn.Parameter | None]]] = [[] for _ in range(m)]
+        for (k, t, a, e), sp in zip(self.pieces, self.shard_params):
+            mine[k].append((t, a, e, sp))
         full: dict[tuple[int, str], torch.Tensor] = {}
-        for (b, key), dtype in sorted(wanted.items(), key=lambda x: x[0]):
-            flat = torch.zeros(g.flats[b].numel(), dtype=dtype, device=self.device)
-            for k in range(len(self.pshard)):
-                if self.buffer[k] != b:
+        for ki, key in enumerate(keys):
+            for k in range(m):
+                ts_in = [t for t in self.grads.block_tensors[k] if info[t, 1 + ki] > 0]
+                if not ts_in:
                     continue
-                shard = torch.zeros(self.size[k], dtype=dtype, device=flat.device)
-                olo = self.lo[k] + self.rank * self.size[k]
-                for (pk, _t, a, e), sp in zip(self.pieces, self.shard_params):
-                    if pk == k and sp is not None and key in self.opt.state.get(sp, {}):
-                        shard[a - olo:e - olo].copy_(self.opt.state[sp][key])
-                out = torch.zeros(self.size[k] * self.ws, dtype=dtype, device=flat.device)
-                self.chan.wait(self._ag(out, shard), f"all-gather of block {k}'s {key}")
-                flat[self.lo[k]:self.lo[k] + self.length[k]].copy_(out[:self.length[k]])
-            full[(b, key)] = flat
-        plain = self._plain()
-        for t, d in merged.items():
-            p = g.params[t]
-            b, ts, _ = g.region[t]
-            state: dict[str, Any] = {}
-            for key, (kind, val) in d.items():
-                if kind == "e":
-                    state[key] = _like(p, full[(b, key)], ts).clone()
+                lo, n_k, s = self.lo[k], self.length[k], self.size[k]
+                dtype = self.rs_out[k].dtype
+                olo = lo + self.rank * s
+                shard = torch.zeros(s, dtype=dtype, device=self.device)
+                for _, a, e, sp in mine[k]:
+                    v = self.opt.state.get(sp, {}).get(key) if sp is not None else None
+                    if v is not None:
+                        shard[a - olo:e - olo].copy_(v)
+                if self.ws > 1:
+                    out = torch.empty(s * self.ws, dtype=dtype, device=self.device)
+                    self.chan.wait(self._ag(out, shard), f"all-gather of block {k}'s {key}")
                 else:
-                    state[key] = val.clone() if torch.is_tensor(val) else val
-            plain.state[p] = state
+                    out = shard
+                host = out[:n_k].cpu()
+                del out, shard
+                for t in ts_in:
+                    _, t0, t1 = g.region[t]
+                    f = full.get((t, key))
+                    if f is None:
+                        f = full[(t, key)] = torch.zeros(t1 - t0, dtype=dtype)
+                    a, e = max(t0, lo), min(t1, lo + n_k)
+                    f[a - t0:e - t0] = host[a - lo:e - lo]
+        plain, _ = self._plain(cpu=True)
+        index = {id(p): t for t, p in enumerate(g.params)}
+        from torch.optim import optimizer as optim_mod
+
+        sdt = getattr(optim_mod, "_get_scalar_dtype", lambda: torch.float32)()
+        for ps, grp in zip(self.orig_params, plain.param_groups):
+            for p, q in zip(ps, grp["params"]):
+                t = index.get(id(p), -1)
+                if t < 0 or bool((info[t] < 0).all()):
+                    continue
+                state: dict[str, Any] = {}
+                if info[t, 0] >= 0:
+                    v = steps.get(t)
+                    state["step"] = (v.detach().to("cpu", copy=True) if v is not None
+                                     else torch.tensor(float(info[t, 0]), dtype=sdt))
+                for ki, key in enumerate(keys):
+                    if info[t, 1 + ki] > 0:
+                        state[key] = _like(p, full.pop((t, key)), 0)
+                plain.state[q] = state
         return plain.state_dict()
 
     def load_full(self, state_dict: dict[str, Any]) -> None:
         """Load a full state dict (an unsharded optimizer's over the original parameters):
-        the hyperparameters of its groups, and this rank's pieces of the state. Local."""
-        plain = self._plain()
-        plain.load_state_dict(state_dict)   # torch's own checks and casts
-        for grp, pg in zip(self.opt.param_groups, plain.param_groups):
-            for key, v in pg.items():
-                if key != "params":
-                    grp[key] = v
-        self.opt.state.clear()
+        the hyperparameters of its groups, and this rank's pieces of the state. Local; torch's
+        own checks and casts run against host stand-ins of the parameters, so the full state
+        is never on the device (each piece is copied there)."""
+        plain, stand = self._plain(cpu=True)
+        plain.load_state_dict(state_dict)   # torch's own checks and casts (on the host)
+        self._set_hyper(plain.param_groups)
         g = self.grads
         flats: dict[tuple[int, str], torch.Tensor] = {}
-        for (_, t, a, e), sp in zip(self.pieces, self.shard_params):
-            if sp is None:
-                continue
-            p = g.params[t]
-            st = plain.state.get(p)
+        states: dict[int, dict[str, Any]] = {}
+        for i, ((_, t, a, e), sp) in enumerate(zip(self.pieces, self.shard_params)):
+            st = plain.state.get(stand[t]) if sp is not None else None
             if not st:
                 continue
-            ts, te = g.region[t][1], g.region[t][2]
+            t0, t1 = g.region[t][1], g.region[t][2]
             new: dict[str, Any] = {}
             for key, v in st.items():
                 if key in ELEMENTWISE and torch.is_tensor(v):
                     f = flats.get((t, key))
                     if f is None:
-                        f = torch.zeros(te - ts, dtype=v.dtype, device=v.device)
+                        f = torch.zeros(t1 - t0, dtype=v.dtype, device=v.device)
                         with torch.no_grad():
-                            _like(p, f, 0).copy_(v)
+                            _like(stand[t], f, 0).copy_(v)
                         flats[(t, key)] = f
-                    new[key] = f[a - ts:e - ts].clone()
+                    new[key] = f[a - t0:e - t0]
                 else:
-                    new[key] = v.clone() if torch.is_tensor(v) else v
-            self.opt.state[sp] = new
+                    new[key] = v
+            states[i] = new
+        self._install_state(states, copy=True)
+
+    # -- DCP: each rank its own pieces --------------------------------------------------------
+
+    def layout(self) -> dict[str, Any]:
+        """What a sharded state dict's pieces depend on (the same on every rank)."""
+        return {"format": 1, "optimizer": type(self.opt).__name__, "world_size": self.ws,
+                "blocks": [[self.buffer[k], self.lo[k], self.length[k]]
+                           for k in range(len(self.pshard))]}
+
+    def _plain_index(self) -> list[int]:
+        """Per tensor index, its index in the unsharded optimizer's state dict."""
+        index = {id(p): t for t, p in enumerate(self.grads.params)}
+        out = [-1] * self.grads.n
+        i = 0
+        for ps in self.orig_params:
+            for p in ps:
+                if id(p) in index:
+                    out[index[id(p)]] = i
+                i += 1
+        return out
+
+    def _empty_state(self, sp: torch.nn.Parameter, grp: dict[str, Any]) -> dict[str, Any]:
+        """The state the wrapped optimizer's class gives a parameter like ``sp`` (keys, dtypes,
+        devices) on its first step, as zeros: a one-element probe stepped once, then each
+        elementwise key widened to ``sp``'s length."""
+        probe = torch.nn.Parameter(torch.zeros(1, dtype=sp.dtype, device=sp.device))
+        hyper = {k: v for k, v in grp.items() if k != "params"}
+        opt = type(self.opt)([{**hyper, "params": [probe]}])  # type: ignore[call-arg]
+        probe.grad = torch.zeros_like(probe)
+        with torch.inference_mode(False):
+            opt.step()
+        out: dict[str, Any] = {}
+        for key, v in opt.state.get(probe, {}).items():
+            if key in ELEMENTWISE and torch.is_tensor(v):
+                out[key] = torch.zeros(sp.numel(), dtype=v.dtype, device=v.device)
+            elif torch.is_tensor(v):
+                out[key] = torch.zeros_like(v)
+            else:
+                out[key] = v
+        return out
+
+    def sharded_state(self) -> dict[str, Any]:
+        """This rank's pieces of the optimizer state for ``torch.distributed.checkpoint``: the
+        wrapped optimizer's own state tensors (no copy), each under a key naming its tensor (as
+        the unsharded optimizer numbers it), the piece's first element in the tensor and the
+        state key (``state.<i>.<first>.<key>``), distinct across ranks; ``present.<rank>``,
+        which pieces have state (a piece without gets zeros, so a fresh optimizer's dict has
+        every key a checkpoint holds); ``param_groups`` (hyperparameters) and ``layout``
+        (:meth:`layout`), the same on every rank. Local."""
+        plain_i = self._plain_index()
+        group_of = {id(sp): grp for grp, members in zip(self.opt.param_groups, self.by_group)
+                    for sp, _, _ in members}
+        empty: dict[tuple[int, torch.dtype], dict[str, Any]] = {}
+        present = torch.zeros(len(self.pieces), dtype=torch.int8)
+        state: dict[str, Any] = {}
+        for i, ((_, t, a, _), sp) in enumerate(zip(self.pieces, self.shard_params)):
+            if sp is None:
+                continue
+            st = self.opt.state.get(sp)
+            if st:
+                present[i] = 1
+            else:
+                grp = group_of[id(sp)]
+                gi = next(j for j, gr in enumerate(self.opt.param_groups) if gr is grp)
+                proto = empty.get((gi, sp.dtype))
+                if proto is None:
+                    proto = empty[(gi, sp.dtype)] = self._empty_state(sp, grp)
+                st = {key: (torch.zeros(sp.numel(), dtype=v.dtype, device=v.device)
+                            if key in ELEMENTWISE and torch.is_tensor(v)
+                            else v.clone() if torch.is_tensor(v) else v)
+                      for key, v in proto.items()}
+            first = a - self.grads.region[t][1]
+            for key, v in st.items():
+                state[f"{plain_i[t]}.{first}.{key}"] = v
+        groups = [{k: v for k, v in grp.items() if k != "params"} for grp in self.opt.param_groups]
+        return {"layout": self.layout(), "param_groups": groups, "state": state,
+                f"present.{self.rank}": present}
+
+    def load_sharded(self, sd: dict[str, Any]) -> None:
+        """Install a sharded state dict of :meth:`sharded_state` (as ``dcp.load`` filled it in
+        place): the hyperparameters, and each piece's state where ``present`` says it has one.
+        The tensors are taken as they are (cast only if their device or dtype differ). Local."""
+        for name in ("layout", "param_groups", "state", f"present.{self.rank}"):
+            if name not in sd:
+                raise UsbyteError(f"sharded state dict: no {name!r} entry: expected the dict of "
+                                  "opt.sharded_state_dict() (filled in by dcp.load)")
+        want, got = self.layout(), sd["layout"]
+        if got != want:
+            what = next((k for k in want if not isinstance(got, dict) or got.get(k) != want[k]),
+                        "format")
+            have: Any = got.get(what) if isinstance(got, dict) else got
+            mine = want[what]
+            if what == "blocks":
+                n_have = len(have) if isinstance(have, list) else have
+                have, mine = f"{n_have} blocks", f"{len(mine)} blocks (or other bounds)"
+            raise UsbyteError(f"sharded state dict: saved with {what} {have}, this run has "
+                              f"{mine}: load it with the same world size and schedule (or save "
+                              "a full state with opt.state_dict() and load that)")
+        if len(sd["param_groups"]) != len(self.opt.param_groups):
+            raise UsbyteError(f"sharded state dict: {len(sd['param_groups'])} param groups, the "
+                              f"optimizer has {len(self.opt.param_groups)}")
+        present = sd[f"present.{self.rank}"]
+        plain_i = self._plain_index()
+        states: dict[int, dict[str, Any]] = {}
+        prefixes: dict[str, int] = {}
+        for i, ((_, t, a, _), sp) in enumerate(zip(self.pieces, self.shard_params)):
+            if sp is not None and int(present[i]):
+                prefixes[f"{plain_i[t]}.{a - self.grads.region[t][1]}."] = i
+        for name, v in sd["state"].items():
+            head, _, key = name.rpartition(".")
+            i = prefixes.get(head + ".", -1)
+            if i >= 0:
+                states.setdefault(i, {})[key] = v
+        self._set_hyper(sd["param_groups"])
+        self._install_state(states, copy=False)
 
     def restore(self) -> None:
         """Give the wrapped optimizer its own parameter lists back (no state)."""
