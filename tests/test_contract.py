@@ -312,8 +312,42 @@ def skipped_backward(rank: int, ws: int, mode: str, scaler: bool) -> dict:
 SKIPPED = [(m, s) for m in ("zero1", "zero2") for s in (False, True)]
 
 
+def wrapper_grad_scaler(rank: int, ws: int, mode: str) -> dict:
+    """The DDP loop with GradScaler (``unscale_``, ``step``, ``update``), its DDP line changed
+    to ``usbyte_opt.DistributedDataParallel``, in every mode: the scaler reads the taken-over
+    optimizer's groups (in sharded mode the runtime shows it the gradient shards)."""
+    import usbyte_opt
+
+    torch.manual_seed(0)
+    proto = Net()
+    ref, mod = copy.deepcopy(proto), copy.deepcopy(proto)
+    sched, kw = schedule_for(mode, mod)
+    sides = []
+    for net, wrap in ((ref, DDP), (mod, lambda m: usbyte_opt.DistributedDataParallel(
+            m, schedule=sched, verify=False, **kw))):
+        opt = OPTS["adam"](net.parameters())
+        sides.append((wrap(net), opt, torch.amp.GradScaler("cpu", init_scale=2.0 ** 20)))
+    for model, opt, sc in sides:
+        for step in range(STEPS):
+            x, y = batch(rank, step)
+            sc.scale(F.mse_loss(model(x), y) * (1e30 if step == 1 else 1.0)).backward()
+            sc.unscale_(opt)
+            sc.step(opt)
+            sc.update()
+            opt.zero_grad()
+    sides[1][0].optimizer.synchronize()
+    return {"diff": max((a.detach() - b.detach()).abs().max().item()
+                        for a, b in zip(ref.parameters(), mod.parameters())),
+            "scales": (sides[0][2].get_scale(), sides[1][2].get_scale())}
+
+
 def run_matrix(rank: int, ws: int) -> dict[str, dict]:
     out = {}
+    for mode in MODES:
+        try:
+            out[f"wrapper GradScaler | {mode}"] = wrapper_grad_scaler(rank, ws, mode)
+        except Exception as e:  # noqa: BLE001
+            out[f"wrapper GradScaler | {mode}"] = {"error": f"{type(e).__name__}: {e}"}
     for mode, scaler in SKIPPED:
         key = f"skipped backward | {mode} | {'GradScaler' if scaler else 'clip'}"
         try:
@@ -371,3 +405,12 @@ def test_sharded_rank_that_skipped_backward_does_not_hang(matrix: list[dict[str,
         got = m[key]
         assert "error" not in got, f"rank {rank}: {got['error']}"
         assert got["diff"] < 1e-6, f"rank {rank}: parameters differ from DDP's by {got['diff']}"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_wrapper_with_grad_scaler_equals_ddp(matrix: list[dict[str, dict]], mode: str) -> None:
+    for rank, m in enumerate(matrix):
+        got = m[f"wrapper GradScaler | {mode}"]
+        assert "error" not in got, f"rank {rank}: {got['error']}"
+        assert got["diff"] == 0.0, f"rank {rank}: parameters differ from DDP's by {got['diff']}"
+        assert got["scales"][0] == got["scales"][1]

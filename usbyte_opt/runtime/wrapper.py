@@ -228,6 +228,7 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
             "_usbyte_taken": True, "_step_supports_amp_scaling": True,
             "step": _step, "zero_grad": _zero_grad, "state_dict": _state_dict,
             "load_state_dict": _load_state_dict, "add_param_group": _add_param_group,
+            "param_groups": property(_param_groups, _set_param_groups),
             "__module__": base.__module__, "__qualname__": base.__qualname__,
         })
         _TAKEN[base] = cls
@@ -303,6 +304,24 @@ def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) ->
         return _base(self).load_state_dict(self, state_dict)
     with inner(self):
         rt.load_state_dict(state_dict)
+
+
+def _param_groups(self: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """The optimizer's own groups; in sharded mode, read by a GradScaler after backward, the
+    runtime's (which show it the gradient shards and every rank's non-finite flag)."""
+    d = self.__dict__
+    rt = d.get("_usbyte_rt")
+    if rt is None or d.get("_usbyte_pg") or rt._state.sharded is None:
+        return d["param_groups"]
+    d["_usbyte_pg"] = True
+    try:
+        return rt.param_groups
+    finally:
+        d["_usbyte_pg"] = False
+
+
+def _set_param_groups(self: torch.optim.Optimizer, value: list[dict[str, Any]]) -> None:
+    self.__dict__["param_groups"] = value
 
 
 def _add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
