@@ -366,7 +366,10 @@ def nested_items(r: np.ndarray, q: np.ndarray, w: np.ndarray, by: str = "ready")
     new[1:] = (R[1:] != R[:-1]) | (Q[1:] != Q[:-1])
     starts = np.flatnonzero(new)
     Wg = np.add.reduceat(W, starts) if len(starts) else W
-    members = [m.tolist() for m in np.split(order, starts[1:])] if len(starts) else []
+    # one conversion to a list, then slices (a split into thousands of small arrays costs
+    # more than the whole programme)
+    ids, cuts = order.tolist(), starts.tolist() + [len(order)]
+    members = [ids[a:b] for a, b in zip(cuts, cuts[1:])] if len(starts) else []
     Wsuf = np.cumsum(Wg[::-1])[::-1].copy()
     return NestedItems(R[starts], Q[starts], Wg, Wsuf, members)
 

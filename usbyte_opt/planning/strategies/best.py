@@ -134,39 +134,46 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     t = 0.0
     blocks: list[Block] = []
     left = n
+    push, pop = heapq.heappush, heapq.heappop
+    cutting = cut_min < math.inf
+    r_next = ready[rel[0]] if n else math.inf      # release of rel[ptr]
     while left:
-        while ptr < n and ready[rel[ptr]] <= t:
-            i = rel[ptr]
-            heapq.heappush(heap, (-tail[i], -ready[i], i))
-            ptr += 1
+        if r_next <= t:
+            while ptr < n and ready[rel[ptr]] <= t:
+                i = rel[ptr]
+                push(heap, (-tail[i], -ready[i], i))
+                ptr += 1
+            r_next = ready[rel[ptr]] if ptr < n else math.inf
         while heap and lo[heap[0][2]] >= end[heap[0][2]]:
-            heapq.heappop(heap)
+            pop(heap)
         if not heap:
-            t = ready[rel[ptr]]
+            t = r_next
             continue
         p = heap[0][2]
-        rem = end[p] - lo[p]
+        lo_p, end_p, isz_p = lo[p], end[p], isz[p]
+        rem = end_p - lo_p
         amount = rem
-        if cut_min < math.inf:
+        if cutting:
             # Next release that would outrank p (a few steps ahead is enough in practice:
             # releases are sorted, and beyond a handful the gap is too long to matter).
             t_next = math.inf
+            tp = tail[p]
             for j in rel[ptr:ptr + 8]:
-                if tail[j] > tail[p]:
+                if tail[j] > tp:
                     t_next = ready[j]
                     break
             gap = t_next - t
-            if gap < alpha + rem * isz[p] * beta:
-                k = int((gap - alpha) / (isz[p] * beta)) if gap > alpha else 0
-                min_el = int(cut_min / isz[p]) + 1
+            if gap < alpha + rem * isz_p * beta:
+                k = int((gap - alpha) / (isz_p * beta)) if gap > alpha else 0
+                min_el = int(cut_min / isz_p) + 1
                 if k >= min_el and rem - k >= min_el:
                     amount = k
-        b_lo, b_hi = lo[p], lo[p] + amount
-        lo[p] += amount
-        if lo[p] >= end[p]:
+        b_lo, b_hi = lo_p, lo_p + amount
+        lo[p] = b_hi
+        if b_hi >= end_p:
             left -= 1
-        nbytes = amount * isz[p]
-        if fuse_cap > 0 and b_hi == end[p]:
+        nbytes = amount * isz_p
+        if fuse_cap > 0 and b_hi == end_p:
             # Down: the block starts at p's start, so a neighbour's suffix can join.
             cur = p
             while b_lo == start[cur] and prev_of[cur] >= 0:
