@@ -172,6 +172,7 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         lo[p] = b_hi
         if b_hi >= end_p:
             left -= 1
+            pop(heap)                       # p is the top: sent in full
         nbytes = amount * isz_p
         if fuse_cap > 0 and b_hi == end_p:
             # Down: the block starts at p's start, so a neighbour's suffix can join.
@@ -320,8 +321,64 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
     """:func:`bound_guided`'s fill of ``windows`` (the bound's blocks, in time order);
     ``ready`` and ``tail`` per tensor as the bound relaxed them. ``events`` collects
     ``"hold"`` where ``hold`` would have changed the fill and ``"uncut"`` where ``uncut``
-    would have (a fill without them is the same plan)."""
+    would have (a fill without them is the same plan).
+
+    The fill of the windows (:func:`_edf_place`) does not depend on ``uncut``, which only
+    says where the pieces it left go: it is done once per problem and ``(windows, T, fill,
+    hold)`` (kept in ``problem.cache``) and copied for each ``uncut``."""
     events = set() if events is None else events
+    key = ("edf-place", tuple(windows), T, alpha, beta, fill, hold, id(ready), id(tail))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not ready or hit[1] is not tail:
+        hit = problem.cache[key] = (ready, tail, _edf_place(problem, windows, T, alpha, beta, fill,
+                                                             ready, tail, hold))
+    placed, starts0, first0, left0, held_event = hit[2]
+    if held_event:
+        events.add("hold")
+    blocks = [dict(c) for c in placed]
+    starts, first, left = list(starts0), dict(first0), list(left0)
+    n = problem.n
+    dtype = problem.dtype
+    # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
+    if first:
+        events.add("uncut")
+    for i, a in first.items():
+        if uncut:
+            blocks[a][i] += left[i]
+        else:
+            blocks.append({i: left[i]})
+            starts.append(math.inf)
+        left[i] = 0
+    # The rest: into the first block of its dtype that starts after its release (else the
+    # last of its dtype, else a block of its own).
+    of_dtype: dict[str, tuple[list[float], list[int]]] = {}
+    for b, c in enumerate(blocks):
+        at, ids = of_dtype.setdefault(dtype[next(iter(c))], ([], []))
+        at.append(starts[b])
+        ids.append(b)
+    for i in range(n):
+        if left[i] <= 0:
+            continue
+        at, ids = of_dtype.setdefault(dtype[i], ([], []))
+        if ids:
+            j = bisect_left(at, ready[i])
+            blocks[ids[min(j, len(ids) - 1)]][i] = left[i]
+        else:
+            blocks.append({i: left[i]})
+            at.append(ready[i])
+            ids.append(len(blocks) - 1)
+        left[i] = 0
+    return blocks
+
+
+def _edf_place(problem: Problem, windows: Sequence[tuple[float, float]], T: float, alpha: float,
+               beta: float, fill: str, ready: Sequence[float], tail: Sequence[float], hold: bool
+               ) -> tuple[list[dict[int, int]], list[float], dict[int, int], list[int], bool]:
+    """The fill of ``windows`` of :func:`_edf_fill`, before the pieces it left are placed:
+    ``(blocks, starts, first, left, held)``: each block's elements per tensor and its start,
+    the cut tensors whose second piece found no block (and the block of the first), the
+    elements of each tensor not placed, and whether ``hold`` would have changed the fill."""
+    events: set[str] = set()
     n = problem.n
     isz, dtype = problem.itemsize, problem.dtype
     left = list(problem.numel)                     # elements not yet placed
@@ -410,36 +467,7 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
             starts.append(s)
         else:
             comp.pop()
-    # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
-    if first:
-        events.add("uncut")
-    for i, a in first.items():
-        if uncut:
-            blocks[a][i] += left[i]
-        else:
-            blocks.append({i: left[i]})
-            starts.append(math.inf)
-        left[i] = 0
-    # The rest: into the first block of its dtype that starts after its release (else the
-    # last of its dtype, else a block of its own).
-    of_dtype: dict[str, tuple[list[float], list[int]]] = {}
-    for b, c in enumerate(blocks):
-        at, ids = of_dtype.setdefault(dtype[next(iter(c))], ([], []))
-        at.append(starts[b])
-        ids.append(b)
-    for i in range(n):
-        if left[i] <= 0:
-            continue
-        at, ids = of_dtype.setdefault(dtype[i], ([], []))
-        if ids:
-            j = bisect_left(at, ready[i])
-            blocks[ids[min(j, len(ids) - 1)]][i] = left[i]
-        else:
-            blocks.append({i: left[i]})
-            at.append(ready[i])
-            ids.append(len(blocks) - 1)
-        left[i] = 0
-    return blocks
+    return blocks, starts, first, left, "hold" in events
 
 
 def chained_layout(problem: Problem, blocks: list[dict[int, int]]) -> tuple[Layout, list[Block]]:
