@@ -20,3 +20,39 @@ def test_ten_thousand_tensors_best_at_most_every_strategy_and_covers_the_buffers
     check_coverage(sched, sched.buffer_numel, "best")
     assert sum(k.end - k.start for k in sched.blocks) == sum(t.numel for t in prof.tensors)
     assert sched.mode == best.mode and sched.predicted["iteration_ms"] == best.iteration_ms
+
+
+def _digest(report):
+    return {n: (r.iteration_ms, r.mode, [(k.buffer, k.start, k.end) for k in r.plan.blocks],
+                {k: v for k, v in r.plan.info.items() if k != "solve_s"})
+            for n, r in report.results.items()}
+
+
+def test_a_forked_usbyte_gives_the_same_report(monkeypatch):
+    """``compare(workers=2)`` plans usbyte in a forked child: the same plans as in one process,
+    the default layout shared; and where the child fails, the parent plans it itself."""
+    import os
+    import random
+
+    from usbyte_opt.planning import planner
+    from usbyte_opt.planning.strategies import STRATEGIES, Strategy, load_builtin
+    from usbyte_opt.planning.synthetic import random_profile
+
+    if not hasattr(os, "fork") or (os.cpu_count() or 1) < 2:
+        return
+    monkeypatch.setattr(planner, "FORK_TENSORS", 10)
+    prof = random_profile(random.Random(3), 80)
+    alone = compare(prof)
+    forked = compare(prof, workers=2)
+    assert _digest(forked) == _digest(alone)
+    assert forked.results["usbyte"].plan.layout is forked.problem.layout()
+    parent = os.getpid()
+    real = load_builtin()["usbyte"].plan
+
+    def fails_in_child(problem, **kw):
+        if os.getpid() != parent:
+            raise RuntimeError("child fails")
+        return real(problem, **kw)
+
+    monkeypatch.setitem(STRATEGIES, "usbyte", Strategy("usbyte", fails_in_child))
+    assert _digest(compare(prof, workers=2)) == _digest(alone)

@@ -103,9 +103,10 @@ def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int
         best_opts: dict[str, object] = {"time_budget_s": time_budget}
         if mode is not None:
             best_opts["modes"] = (mode,)
+        # workers=2: usbyte planned in a second process beside the others (large profiles)
         report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
                                         "best": best_opts},
-                         progress=say)
+                         progress=say, workers=2)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
     out = output if output is not None else Path("schedules") / f"{original.name}.json"

@@ -23,6 +23,8 @@ Example::
 from __future__ import annotations
 
 import gc
+import os
+import pickle
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -30,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsbyteError
-from ..formats import Mode, Profile, Schedule
+from ..formats import Block, Mode, Profile, Schedule
 from .bounds import lower_bound
 from .cost import retarget
 from .fastsim import scorer_for
@@ -172,7 +174,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
             update_rule: UpdateRule = UpdateRule.AVAIL, shard: bool = False,
-            optimizer: str | None = None) -> Report:
+            optimizer: str | None = None, workers: int = 1) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
@@ -191,14 +193,29 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     with unsharded DDP as the report's ``reference``. Every result's ``state_bytes`` counts
     the optimizer state of ``optimizer`` (``sgd``, ``adam``, ``adamw``; default: the one the
     profile timed, :func:`usbyte_opt.planning.sharded.state_slots`).
+
+    ``workers=2`` plans ``usbyte`` (the longest of the strategies that ``best`` is seeded with)
+    in a forked child process while this one plans the others, on a profile of at least
+    :data:`FORK_TENSORS` tensors, on a machine of two cores or more, where ``os.fork`` exists:
+    the same plans, sooner (what ``usbyte-opt optimize`` does). Where the child fails, this
+    process plans it after all.
     """
     with gc_paused():
-        return _compare(profile, strategies, options, progress, update_rule, shard, optimizer)
+        return _compare(profile, strategies, options, progress, update_rule, shard, optimizer,
+                        workers)
+
+
+#: ``compare(workers=2)`` forks only for profiles of at least this many tensors (below, the
+#: strategies take less than starting a process costs).
+FORK_TENSORS = 2000
+#: The strategy a forked child plans (``compare(workers=2)``).
+FORKED = "usbyte"
 
 
 def _compare(profile: Profile, strategies: Sequence[str] | None,
              options: Mapping[str, Mapping[str, Any]] | None, progress: Progress | None,
-             update_rule: UpdateRule, shard: bool, optimizer: str | None) -> Report:
+             update_rule: UpdateRule, shard: bool, optimizer: str | None,
+             workers: int = 1) -> Report:
     """:func:`compare` itself (which runs it with the garbage collector paused,
     :func:`gc_paused`)."""
     from .sharded import sharded_lower_bound
@@ -212,6 +229,10 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, update_rule=update_rule)
     slots = state_slots(problem, optimizer)
+    child = None
+    if (workers > 1 and not shard and FORKED in names and problem.n >= FORK_TENSORS
+            and hasattr(os, "fork") and (os.cpu_count() or 1) > 1):
+        child = _Forked(registry[FORKED].plan, problem, dict((options or {}).get(FORKED, {})))
     say("start", "lower bound", 0.0)
     t0 = time.perf_counter()
     report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
@@ -223,6 +244,9 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     options = options or {}
     best = "best-sharded" if shard else "best"
     ordered = [n for n in names if n != best] + ([best] if best in names else [])
+    if child is not None:     # its result is read where it comes in the order: before best
+        ordered.remove(FORKED)
+        ordered.insert(ordered.index(best) if best in ordered else len(ordered), FORKED)
     for n in ordered:
         kw = dict(options.get(n, {}))
         if n == best:
@@ -231,18 +255,83 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
         say("start", n, 0.0)
         t0 = time.perf_counter()
         try:
-            plan = registry[n].plan(problem, **kw)
+            if child is not None and n == FORKED:
+                plan, solve = child.result()
+            else:
+                plan = registry[n].plan(problem, **kw)
+                solve = time.perf_counter() - t0
         except NotApplicable as e:
             report.skipped[n] = str(e)
             say("done", n, time.perf_counter() - t0)
             continue
-        solve = time.perf_counter() - t0
         plan.info.setdefault("strategy", n)
         report.results[n] = _result(n, plan, problem, slots, solve)
         say("done", n, solve)
     # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report
+
+
+class _Forked:
+    """``plan(problem, **kw)`` in a forked child process, started now; :meth:`result` waits
+    for it. The child sends back the plan's blocks, mode and notes (and its layout, unless it
+    is the problem's default one, which this process has already), or the
+    :class:`~usbyte_opt.planning.strategies.NotApplicable` it raised; where anything else goes
+    wrong, :meth:`result` plans here instead, so the result is the same either way."""
+
+    def __init__(self, plan: Callable[..., Plan], problem: Problem, kw: dict[str, Any]):
+        self.plan, self.problem, self.kw = plan, problem, kw
+        self.pid = -1
+        read, write = os.pipe()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(read)
+            os.close(write)
+            return
+        if self.pid == 0:                       # the child: plan, send, leave at once
+            code = 1
+            try:
+                os.close(read)
+                t0 = time.perf_counter()
+                try:
+                    p = plan(problem, **kw)
+                    default = p.layout is problem.layout()
+                    msg: tuple = ("plan", [(b.buffer, b.start, b.end) for b in p.blocks],
+                                  None if default else p.layout, str(p.mode), p.info, p.gathers,
+                                  time.perf_counter() - t0)
+                except NotApplicable as e:
+                    msg = ("skip", str(e))
+                with os.fdopen(write, "wb") as f:
+                    pickle.dump(msg, f, protocol=pickle.HIGHEST_PROTOCOL)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.read = read
+
+    def result(self) -> tuple[Plan, float]:
+        """``(plan, solve seconds)``; raises the child's ``NotApplicable``."""
+        msg = None
+        if self.pid > 0:
+            try:
+                with os.fdopen(self.read, "rb") as f:
+                    data = f.read()
+            finally:
+                os.waitpid(self.pid, 0)
+            try:
+                msg = pickle.loads(data) if data else None
+            except Exception:   # a child that died half-way: plan here
+                msg = None
+        if msg is None:
+            t0 = time.perf_counter()
+            plan = self.plan(self.problem, **self.kw)
+            return plan, time.perf_counter() - t0
+        if msg[0] == "skip":
+            raise NotApplicable(msg[1])
+        _, blocks, layout, mode, info, gathers, solve = msg
+        lay = self.problem.layout() if layout is None else layout
+        return Plan(lay, [Block(*b) for b in blocks], Mode(mode), info, gathers), solve
 
 
 def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -> StrategyResult:
