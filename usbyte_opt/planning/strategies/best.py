@@ -129,8 +129,11 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         for a, b in zip(members, members[1:]):
             next_of[a], prev_of[b] = b, a
     rel = problem.ready_order()
+    # The heap holds each released tensor's place in the order of (-tail, -ready, index),
+    # plain ints, instead of those tuples: the same top, compared faster.
+    by_place, place = _places(problem, tail)
     ptr = 0
-    heap: list[tuple[float, float, int]] = []
+    heap: list[int] = []
     t = 0.0
     blocks: list[Block] = []
     left = n
@@ -140,16 +143,15 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     while left:
         if r_next <= t:
             while ptr < n and ready[rel[ptr]] <= t:
-                i = rel[ptr]
-                push(heap, (-tail[i], -ready[i], i))
+                push(heap, place[rel[ptr]])
                 ptr += 1
             r_next = ready[rel[ptr]] if ptr < n else math.inf
-        while heap and lo[heap[0][2]] >= end[heap[0][2]]:
+        while heap and lo[by_place[heap[0]]] >= end[by_place[heap[0]]]:
             pop(heap)
         if not heap:
             t = r_next
             continue
-        p = heap[0][2]
+        p = by_place[heap[0]]
         lo_p, end_p, isz_p = lo[p], end[p], isz[p]
         rem = end_p - lo_p
         amount = rem
@@ -206,6 +208,21 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         blocks.append(Block(pos[p][0], b_lo, b_hi))
         t += alpha + nbytes * beta
     return blocks
+
+
+def _places(problem: Problem, tail: Sequence[float]) -> tuple[list[int], list[int]]:
+    """The tensors in Jackson's order (largest tail first, then latest release, then index)
+    and each one's place in it; once per problem and ``tail`` (kept in ``problem.cache``)."""
+    key = ("jackson-places", id(tail))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not tail:
+        ready = problem.ready
+        by_place = sorted(range(problem.n), key=lambda i: (-tail[i], -ready[i], i))
+        place = [0] * problem.n
+        for k, i in enumerate(by_place):
+            place[i] = k
+        hit = problem.cache[key] = (tail, by_place, place)
+    return hit[1], hit[2]
 
 
 #: Bound-guided candidates (:func:`bound_guided`): the lower bound's blocks at the bound times
