@@ -76,7 +76,7 @@ def optimize(
     unsharded DDP's time and memory beside it.
     """
     # Reading, planning and writing allocate millions of short-lived objects and no cycles
-    # that matter: the cyclic collector's passes over them would cost a third of the time.
+    # that matter: the cyclic collector's passes over them would cost up to a third of the time.
     with gc_paused():
         if shard:
             _optimize_sharded(profile, output, strategy, world_size, bandwidth_gbps, latency_us,

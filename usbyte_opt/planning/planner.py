@@ -143,8 +143,8 @@ def gc_paused() -> Iterator[None]:
     Planning a large profile allocates millions of small objects (blocks, heap entries,
     candidate lists) and frees them by reference counting; none of it forms cycles that
     matter. With the collector on, every 700 allocations start a collection, and the full ones
-    walk every live object: on 10,000+ tensors that was a third of ``usbyte-opt optimize``'s
-    time. Nested uses are fine (the outermost one restores the state).
+    walk every live object: on 10,000+ tensors that was a fifth to a third of ``usbyte-opt
+    optimize``'s time. Nested uses are fine (the outermost one restores the state).
 
     Example::
 
