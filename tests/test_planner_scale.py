@@ -28,13 +28,16 @@ def _digest(report):
             for n, r in report.results.items()}
 
 
-def test_a_forked_usbyte_gives_the_same_report(monkeypatch):
-    """``compare(workers=2)`` plans usbyte in a forked child: the same plans as in one process,
-    the default layout shared; and where the child fails, the parent plans it itself."""
+def test_a_forked_child_gives_the_same_report(monkeypatch):
+    """``compare(workers=2)`` plans bytescheduler and usbyte in a forked child while the parent
+    prepares best's candidates that its seeds do not change: the same plans as in one process,
+    the default layout shared, also in one mode; and where the child fails, the parent plans
+    them itself."""
     import os
     import random
 
     from usbyte_opt.planning import planner
+    from usbyte_opt.planning.fastsim import MODES
     from usbyte_opt.planning.strategies import STRATEGIES, Strategy, load_builtin
     from usbyte_opt.planning.synthetic import random_profile
 
@@ -46,6 +49,9 @@ def test_a_forked_usbyte_gives_the_same_report(monkeypatch):
     forked = compare(prof, workers=2)
     assert _digest(forked) == _digest(alone)
     assert forked.results["usbyte"].plan.layout is forked.problem.layout()
+    assert ("best-prepared", tuple(MODES)) in forked.problem.cache
+    fence = {"best": {"modes": ("fence",)}}
+    assert _digest(compare(prof, options=fence, workers=2)) == _digest(compare(prof, options=fence))
     parent = os.getpid()
     real = load_builtin()["usbyte"].plan
 

@@ -194,11 +194,12 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     the optimizer state of ``optimizer`` (``sgd``, ``adam``, ``adamw``; default: the one the
     profile timed, :func:`usbyte_opt.planning.sharded.state_slots`).
 
-    ``workers=2`` plans ``usbyte`` (the longest of the strategies that ``best`` is seeded with)
-    in a forked child process while this one plans the others, on a profile of at least
-    :data:`FORK_TENSORS` tensors, on a machine of two cores or more, where ``os.fork`` exists:
-    the same plans, sooner (what ``usbyte-opt optimize`` does). Where the child fails, this
-    process plans it after all.
+    ``workers=2`` plans :data:`FORKED` (the longest of the strategies that ``best`` is seeded
+    with) in a forked child process while this one plans the others and the candidates of
+    ``best`` that do not depend on its seeds (:func:`usbyte_opt.planning.strategies.best.prepare`),
+    on a profile of at least :data:`FORK_TENSORS` tensors, on a machine of two cores or more,
+    where ``os.fork`` exists: the same plans, sooner (what ``usbyte-opt optimize`` does).
+    Where the child fails, this process plans them after all.
     """
     with gc_paused():
         return _compare(profile, strategies, options, progress, update_rule, shard, optimizer,
@@ -208,8 +209,8 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
 #: ``compare(workers=2)`` forks only for profiles of at least this many tensors (below, the
 #: strategies take less than starting a process costs).
 FORK_TENSORS = 2000
-#: The strategy a forked child plans (``compare(workers=2)``).
-FORKED = "usbyte"
+#: The strategies a forked child plans (``compare(workers=2)``), in this order.
+FORKED = ("bytescheduler", "usbyte")
 
 
 def _compare(profile: Profile, strategies: Sequence[str] | None,
@@ -230,9 +231,11 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     problem = Problem.from_profile(profile, update_rule=update_rule)
     slots = state_slots(problem, optimizer)
     child = None
-    if (workers > 1 and not shard and FORKED in names and problem.n >= FORK_TENSORS
+    forked = [n for n in FORKED if n in names]
+    if (workers > 1 and not shard and forked and problem.n >= FORK_TENSORS
             and hasattr(os, "fork") and (os.cpu_count() or 1) > 1):
-        child = _Forked(registry[FORKED].plan, problem, dict((options or {}).get(FORKED, {})))
+        child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
+                        problem)
     say("start", "lower bound", 0.0)
     t0 = time.perf_counter()
     report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
@@ -244,19 +247,24 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     options = options or {}
     best = "best-sharded" if shard else "best"
     ordered = [n for n in names if n != best] + ([best] if best in names else [])
-    if child is not None:     # its result is read where it comes in the order: before best
-        ordered.remove(FORKED)
-        ordered.insert(ordered.index(best) if best in ordered else len(ordered), FORKED)
+    if child is not None:     # their results are read last before best's, in their order
+        ordered = [n for n in ordered if n not in forked]
+        ordered[len(ordered) - (best in ordered):len(ordered) - (best in ordered)] = forked
     for n in ordered:
         kw = dict(options.get(n, {}))
         if n == best:
             kw.setdefault("seeds", [r.plan for r in report.results.values()])
             kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+        if child is not None and n == forked[0] and best in names:
+            # while the child plans, the candidates of best that its seeds do not change
+            from .strategies.best import prepare
+
+            prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
         say("start", n, 0.0)
         t0 = time.perf_counter()
         try:
-            if child is not None and n == FORKED:
-                plan, solve = child.result()
+            if child is not None and n in forked:
+                plan, solve = child.result(n)
             else:
                 plan = registry[n].plan(problem, **kw)
                 solve = time.perf_counter() - t0
@@ -273,14 +281,17 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
 
 
 class _Forked:
-    """``plan(problem, **kw)`` in a forked child process, started now; :meth:`result` waits
-    for it. The child sends back the plan's blocks, mode and notes (and its layout, unless it
-    is the problem's default one, which this process has already), or the
+    """Each ``plan(problem, **kw)`` of ``plans`` (name to function and keywords) in a forked
+    child process, started now, one after the other; :meth:`result` waits for them. The child
+    sends back each plan's blocks, mode and notes (and its layout, unless it is the problem's
+    default one, which this process has already), or the
     :class:`~usbyte_opt.planning.strategies.NotApplicable` it raised; where anything else goes
     wrong, :meth:`result` plans here instead, so the result is the same either way."""
 
-    def __init__(self, plan: Callable[..., Plan], problem: Problem, kw: dict[str, Any]):
-        self.plan, self.problem, self.kw = plan, problem, kw
+    def __init__(self, plans: dict[str, tuple[Callable[..., Plan], dict[str, Any]]],
+                 problem: Problem):
+        self.plans, self.problem = plans, problem
+        self.msgs: dict[str, tuple] | None = None
         self.pid = -1
         read, write = os.pipe()
         try:
@@ -293,39 +304,47 @@ class _Forked:
             code = 1
             try:
                 os.close(read)
-                t0 = time.perf_counter()
-                try:
-                    p = plan(problem, **kw)
-                    default = p.layout is problem.layout()
-                    msg: tuple = ("plan", [(b.buffer, b.start, b.end) for b in p.blocks],
-                                  None if default else p.layout, str(p.mode), p.info, p.gathers,
-                                  time.perf_counter() - t0)
-                except NotApplicable as e:
-                    msg = ("skip", str(e))
+                msgs: dict[str, tuple] = {}
+                for name, (fn, kw) in plans.items():
+                    t0 = time.perf_counter()
+                    try:
+                        p = fn(problem, **kw)
+                        default = p.layout is problem.layout()
+                        msgs[name] = ("plan", [(b.buffer, b.start, b.end) for b in p.blocks],
+                                      None if default else p.layout, str(p.mode), p.info,
+                                      p.gathers, time.perf_counter() - t0)
+                    except NotApplicable as e:
+                        msgs[name] = ("skip", str(e))
                 with os.fdopen(write, "wb") as f:
-                    pickle.dump(msg, f, protocol=pickle.HIGHEST_PROTOCOL)
+                    pickle.dump(msgs, f, protocol=pickle.HIGHEST_PROTOCOL)
                 code = 0
             finally:
                 os._exit(code)
         os.close(write)
         self.read = read
 
-    def result(self) -> tuple[Plan, float]:
-        """``(plan, solve seconds)``; raises the child's ``NotApplicable``."""
-        msg = None
-        if self.pid > 0:
-            try:
-                with os.fdopen(self.read, "rb") as f:
-                    data = f.read()
-            finally:
-                os.waitpid(self.pid, 0)
-            try:
-                msg = pickle.loads(data) if data else None
-            except Exception:   # a child that died half-way: plan here
-                msg = None
+    def _wait(self) -> dict[str, tuple]:
+        if self.msgs is None:
+            self.msgs = {}
+            if self.pid > 0:
+                try:
+                    with os.fdopen(self.read, "rb") as f:
+                        data = f.read()
+                finally:
+                    os.waitpid(self.pid, 0)
+                try:
+                    self.msgs = pickle.loads(data) if data else {}
+                except Exception:   # a child that died half-way: plan here
+                    self.msgs = {}
+        return self.msgs
+
+    def result(self, name: str) -> tuple[Plan, float]:
+        """``(plan, solve seconds)`` of ``name``; raises the child's ``NotApplicable``."""
+        msg = self._wait().get(name)
         if msg is None:
+            fn, kw = self.plans[name]
             t0 = time.perf_counter()
-            plan = self.plan(self.problem, **self.kw)
+            plan = fn(self.problem, **kw)
             return plan, time.perf_counter() - t0
         if msg[0] == "skip":
             raise NotApplicable(msg[1])

@@ -922,10 +922,46 @@ def _seeded(pool: _Pool, seeds: Sequence[Plan] | None) -> None:
         pool.add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
 
 
+def prepare(problem: Problem, modes: Sequence[Mode | str] = MODES) -> None:
+    """Build now the candidates of ``best`` that its seeds do not change (the constructions of
+    step 1, the bound-guided ones of step 3) and keep them in ``problem.cache``, where
+    :func:`plan` takes them from: what the planner does while another process plans the
+    seeds (:func:`usbyte_opt.planning.planner.compare` with ``workers=2``). Without it,
+    :func:`plan` builds them itself; the plan is the same."""
+    ms = tuple(Mode(m) for m in modes)
+    key = ("best-prepared", ms)
+    if key not in problem.cache:
+        built, guided = _Pool(problem, ms), _Pool(problem, ms)
+        _constructions(built)
+        _guided(guided)
+        problem.cache[key] = (built.items, guided.items)
+
+
 def _constructed(pool: _Pool) -> None:
-    """Steps 1 and 2: the alpha-aware Jackson rule over the ``(cut_min, fuse_cap)`` grid, in
-    units of the bytes one alpha carries on the cost model's linear bound, then the two-phase
-    candidates."""
+    """Steps 1 to 3 in the pool's order: the constructions (:func:`_constructions`), the
+    two-phase candidates (whose pruning reads the seeds), the bound-guided ones
+    (:func:`_guided`); the first and the last from :func:`prepare` where it ran."""
+    problem = pool.problem
+    prepared = problem.cache.get(("best-prepared", pool.modes))
+    if prepared is None:
+        _constructions(pool)
+    else:
+        pool.items.extend(prepared[0])
+    layout = problem.layout()
+    tail = tails(problem)
+    incumbent = min(c.T for c in pool.items)
+    bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
+    for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
+        pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
+    if prepared is None:
+        _guided(pool)
+    else:
+        pool.items.extend(prepared[1])
+
+
+def _constructions(pool: _Pool) -> None:
+    """Step 1: the alpha-aware Jackson rule over the ``(cut_min, fuse_cap)`` grid, in units of
+    the bytes one alpha carries on the cost model's linear bound."""
     problem = pool.problem
     layout = problem.layout()
     tail = tails(problem)
@@ -950,11 +986,6 @@ def _constructed(pool: _Pool) -> None:
             if (cut, f_best) not in tried:
                 pool.add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
                          construct(problem, layout, tail, cut * u0, f_best * u0), f_best)
-    incumbent = min(c.T for c in pool.items)
-    bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
-    for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
-        pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
-    _guided(pool)
 
 
 def _searched(problem: Problem, candidates: list[Candidate], modes: tuple[Mode, ...],
