@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -197,8 +198,8 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     ``workers=2`` plans :data:`FORKED` (the longest of the strategies that ``best`` is seeded
     with) in a forked child process while this one plans the others and the candidates of
     ``best`` that do not depend on its seeds (:func:`usbyte_opt.planning.strategies.best.prepare`),
-    on a profile of at least :data:`FORK_TENSORS` tensors, on a machine of two cores or more,
-    where ``os.fork`` exists: the same plans, sooner (what ``usbyte-opt optimize`` does).
+    on a profile of at least :data:`FORK_TENSORS` tensors, on a Linux machine of two cores or
+    more: the same plans, sooner (what ``usbyte-opt optimize`` does).
     Where the child fails, this process plans them after all.
     """
     with gc_paused():
@@ -233,7 +234,7 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     child = None
     forked = [n for n in FORKED if n in names]
     if (workers > 1 and not shard and forked and problem.n >= FORK_TENSORS
-            and hasattr(os, "fork") and (os.cpu_count() or 1) > 1):
+            and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1):
         child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
                         problem)
     say("start", "lower bound", 0.0)
