@@ -248,16 +248,15 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     options = options or {}
     best = "best-sharded" if shard else "best"
     ordered = [n for n in names if n != best] + ([best] if best in names else [])
-    if child is not None:     # their results are read last before best's, in their order
-        ordered = [n for n in ordered if n not in forked]
-        ordered[len(ordered) - (best in ordered):len(ordered) - (best in ordered)] = forked
+    first_forked = next((n for n in ordered if n in forked), None)
     for n in ordered:
         kw = dict(options.get(n, {}))
         if n == best:
             kw.setdefault("seeds", [r.plan for r in report.results.values()])
             kw.setdefault("lower_bound_ms", report.lower_bound_ms)
-        if child is not None and n == forked[0] and best in names:
-            # while the child plans, the candidates of best that its seeds do not change
+        if child is not None and n == first_forked and best in names:
+            # before waiting for the child (in the default order, the strategies it plans come
+            # last before best), the candidates of best that its seeds do not change
             from .strategies.best import prepare
 
             prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
