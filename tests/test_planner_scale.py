@@ -65,3 +65,16 @@ def test_a_forked_child_gives_the_same_report(monkeypatch):
 
     monkeypatch.setitem(STRATEGIES, "usbyte", Strategy("usbyte", fails_in_child))
     assert _digest(compare(prof, workers=2)) == _digest(alone)
+    monkeypatch.undo()
+
+    # An error in this process after the fork stops and reaps the child (no process left
+    # waiting on a pipe nobody reads).
+    def fails(problem, **kw):
+        raise RuntimeError("wfbp fails")
+
+    monkeypatch.setattr(planner, "FORK_TENSORS", 10)
+    monkeypatch.setitem(STRATEGIES, "wfbp", Strategy("wfbp", fails))
+    with pytest.raises(RuntimeError, match="wfbp fails"):
+        compare(prof, workers=2)
+    with pytest.raises(ChildProcessError):
+        os.waitpid(-1, os.WNOHANG)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import gc
 import os
 import pickle
+import signal
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -237,44 +238,48 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
             and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1):
         child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
                         problem)
-    say("start", "lower bound", 0.0)
-    t0 = time.perf_counter()
-    report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
-                    sharded=shard, state_slots=slots)
-    report.bound_s = time.perf_counter() - t0
-    say("done", "lower bound", report.bound_s)
-    if shard:
-        report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
-    options = options or {}
-    best = "best-sharded" if shard else "best"
-    ordered = [n for n in names if n != best] + ([best] if best in names else [])
-    first_forked = next((n for n in ordered if n in forked), None)
-    for n in ordered:
-        kw = dict(options.get(n, {}))
-        if n == best:
-            kw.setdefault("seeds", [r.plan for r in report.results.values()])
-            kw.setdefault("lower_bound_ms", report.lower_bound_ms)
-        if child is not None and n == first_forked and best in names:
-            # before waiting for the child (in the default order, the strategies it plans come
-            # last before best), the candidates of best that its seeds do not change
-            from .strategies.best import prepare
-
-            prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
-        say("start", n, 0.0)
+    try:
+        say("start", "lower bound", 0.0)
         t0 = time.perf_counter()
-        try:
-            if child is not None and n in forked:
-                plan, solve = child.result(n)
-            else:
-                plan = registry[n].plan(problem, **kw)
-                solve = time.perf_counter() - t0
-        except NotApplicable as e:
-            report.skipped[n] = str(e)
-            say("done", n, time.perf_counter() - t0)
-            continue
-        plan.info.setdefault("strategy", n)
-        report.results[n] = _result(n, plan, problem, slots, solve)
-        say("done", n, solve)
+        report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
+                        sharded=shard, state_slots=slots)
+        report.bound_s = time.perf_counter() - t0
+        say("done", "lower bound", report.bound_s)
+        if shard:
+            report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
+        options = options or {}
+        best = "best-sharded" if shard else "best"
+        ordered = [n for n in names if n != best] + ([best] if best in names else [])
+        first_forked = next((n for n in ordered if n in forked), None)
+        for n in ordered:
+            kw = dict(options.get(n, {}))
+            if n == best:
+                kw.setdefault("seeds", [r.plan for r in report.results.values()])
+                kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+            if child is not None and n == first_forked and best in names:
+                # before waiting for the child (in the default order, the strategies it plans come
+                # last before best), the candidates of best that its seeds do not change
+                from .strategies.best import prepare
+
+                prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
+            say("start", n, 0.0)
+            t0 = time.perf_counter()
+            try:
+                if child is not None and n in forked:
+                    plan, solve = child.result(n)
+                else:
+                    plan = registry[n].plan(problem, **kw)
+                    solve = time.perf_counter() - t0
+            except NotApplicable as e:
+                report.skipped[n] = str(e)
+                say("done", n, time.perf_counter() - t0)
+                continue
+            plan.info.setdefault("strategy", n)
+            report.results[n] = _result(n, plan, problem, slots, solve)
+            say("done", n, solve)
+    finally:
+        if child is not None:
+            child.close()
     # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report
@@ -322,6 +327,18 @@ class _Forked:
                 os._exit(code)
         os.close(write)
         self.read = read
+
+    def close(self) -> None:
+        """Stop and reap the child if its results were not read (this process is leaving
+        :func:`compare` on an error): it must not wait on a pipe nobody reads."""
+        if self.msgs is None and self.pid > 0:
+            self.msgs = {}
+            os.close(self.read)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
 
     def _wait(self) -> dict[str, tuple]:
         if self.msgs is None:
