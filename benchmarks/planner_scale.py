@@ -8,7 +8,9 @@ Each case is a profile made by :func:`usbyte_opt.planning.synthetic.moe_profile`
 analytic ring), written to a temporary file and planned by ``usbyte-opt optimize --json`` in
 a fresh process, end to end (interpreter start, import, load, every strategy, the lower bound,
 the schedule written). Per case it reports the wall time (range over ``--repeats`` runs, with
-the 1-minute load average before each run: the machine may be shared), the solve time of
+the 1-minute load average before each run: the machine may be shared), its processor time
+(user and system, the second process it forks included: other jobs inflate it less than the
+wall time), the solve time of
 ``best`` and ``usbyte`` inside that run, ``best`` planned alone (in this process:
 ``compare(profile, ["best"])``, which computes its cheap seeds itself), the peak resident
 memory of the optimize process (its ``VmHWM``), best against DDP and against the lower bound, and whether
@@ -23,6 +25,7 @@ import json
 import math
 import os
 import platform
+import resource
 import subprocess
 import sys
 import tempfile
@@ -56,12 +59,13 @@ def load1() -> float:
 def measure(label: str, prof, repeats: int, tmp: Path) -> dict:
     path = tmp / f"{prof.name}.json"
     save_profile(prof, path)
-    runs, loads, rss, planning = [], [], [], []
+    runs, cpus, loads, rss, planning = [], [], [], [], []
     data = None
     for _ in range(repeats):
         loads.append(load1())
         r = run_optimize_rss(path, tmp / "out.json")
         runs.append(r["wall_s"])
+        cpus.append(r["cpu_s"])
         rss.append(r["maxrss_mib"])
         data = r["json"]
         planning.append(data["lower_bound_s"] + sum(v["solve_s"] for v in data["strategies"].values()))
@@ -73,7 +77,7 @@ def measure(label: str, prof, repeats: int, tmp: Path) -> dict:
     row = {
         "case": label, "profile": prof.name, "tensors": len(prof.tensors),
         "gradient_gb": sum(t.nbytes for t in prof.tensors) / 1e9,
-        "wall_s": runs, "planning_s": planning, "load1": loads, "maxrss_mib": rss,
+        "wall_s": runs, "cpu_s": cpus, "planning_s": planning, "load1": loads, "maxrss_mib": rss,
         "solve_s": {k: v["solve_s"] for k, v in st.items()},
         "best_alone_s": best_alone,
         "best_ms": best, "ddp_ms": st["ddp"]["iteration_ms"],
@@ -83,7 +87,8 @@ def measure(label: str, prof, repeats: int, tmp: Path) -> dict:
         "alone_ms": alone.results["best"].iteration_ms,
     }
     print(f"{label:>10} {row['tensors']:>6} tensors  wall {min(runs):6.2f}-{max(runs):6.2f} s "
-          f"(load {min(loads):.2f}-{max(loads):.2f})  best {row['solve_s']['best']:.2f} s  "
+          f"cpu {min(cpus):.2f}-{max(cpus):.2f} s (load {min(loads):.2f}-{max(loads):.2f})  "
+          f"best {row['solve_s']['best']:.2f} s  "
           f"usbyte {row['solve_s']['usbyte']:.2f} s  alone {best_alone:.2f} s  "
           f"rss {max(rss):.0f} MiB  vs ddp {row['ddp_ms'] / best:.3f}x  gap {100 * row['gap']:.2f}%  "
           f"best<=all {row['best_le_all']}", flush=True)
@@ -111,18 +116,22 @@ sys.exit(code)
 
 
 def run_optimize_rss(path: Path, out: Path) -> dict:
-    """One ``usbyte-opt optimize --json`` in a fresh process: wall time, its peak resident
-    memory (MiB) and its JSON."""
+    """One ``usbyte-opt optimize --json`` in a fresh process: wall time, processor time (user
+    and system, the process and the child it forks), its peak resident memory (MiB) and its
+    JSON."""
     with tempfile.TemporaryDirectory() as d:
         peak_file = Path(d) / "peak"
         cmd = [sys.executable, "-c", CHILD, "optimize", str(path), "-o", str(out), "--json"]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         proc = subprocess.run(cmd, capture_output=True, cwd=ROOT,
                               env={**os.environ, "USBYTE_PEAK_FILE": str(peak_file)})
         wall = time.perf_counter() - t0
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
         if proc.returncode != 0:
             raise SystemExit(f"optimize failed on {path}: {proc.stderr.decode().strip()}")
-        return {"wall_s": wall, "maxrss_mib": int(peak_file.read_text()) / 1024.0,
+        return {"wall_s": wall, "cpu_s": cpu, "maxrss_mib": int(peak_file.read_text()) / 1024.0,
                 "json": json.loads(proc.stdout)}
 
 
@@ -141,13 +150,14 @@ def rng_s(v: list[float], fmt: str = ".2f") -> str:
 
 
 def markdown(moe: list[dict], dense: list[dict], repeats: int) -> str:
-    cols = ("| case | tensors | gradient GB | optimize wall s | planning s | load (1 min) | "
+    cols = ("| case | tensors | gradient GB | optimize wall s | optimize CPU s | planning s | load (1 min) | "
             "best solve s | usbyte solve s | best alone s | peak RSS MiB | best vs DDP | "
             "gap to bound | best <= all |")
-    sep = "|" + "---|" * 13
+    sep = "|" + "---|" * 14
 
     def line(r: dict) -> str:
         return (f"| {r['case']} | {r['tensors']:,} | {r['gradient_gb']:.2f} | {rng_s(r['wall_s'])} | "
+                f"{rng_s(r['cpu_s'])} | "
                 f"{rng_s(r['planning_s'])} | {rng_s(r['load1'])} | {r['solve_s']['best']:.2f} | "
                 f"{r['solve_s']['usbyte']:.2f} | "
                 f"{r['best_alone_s']:.2f} | {max(r['maxrss_mib']):.0f} | "
@@ -169,8 +179,12 @@ def markdown(moe: list[dict], dense: list[dict], repeats: int) -> str:
         "(27 x 64, top-6, 32k tokens), 10k, 12k and 20k have 160-expert layers (21, 24 and 42 "
         "layers, top-6, 64k tokens); all-reduce takes 0.7-1.4x the compute. "
         "`optimize wall s`: `usbyte-opt optimize PROFILE --json` in a fresh process, end to end, "
-        f"range over {repeats} runs; `planning s`: the lower bound and every strategy inside "
-        "those runs (the rest is starting Python, reading the profile and writing the schedule); "
+        f"range over {repeats} runs; `optimize CPU s`: its processor time (user and system, with "
+        "the second process it forks to plan bytescheduler and usbyte beside the others from "
+        "2,000 tensors on), which other jobs on the machine inflate less than the wall time; "
+        "`planning s`: the lower bound and every strategy inside those runs (summed, the second "
+        "process's too; the rest is starting Python, reading the profile and writing the "
+        "schedule); "
         "`best solve s` and `usbyte solve s`: inside the last of "
         "those runs; `best alone s`: `compare(profile, [\"best\"])` in the benchmark's process "
         "(best computes its cheap seeds itself); peak RSS of the optimize process (max over runs); "

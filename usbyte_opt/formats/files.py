@@ -53,6 +53,9 @@ def read_json(path: str | os.PathLike) -> Any:
 def write_json(path: str | os.PathLike, data: Any) -> Path:
     """Write JSON atomically: a temporary file in the same folder, fsync, then rename."""
     path = Path(path)
+    # one string, one write: json.dump would write each of the encoder's chunks (some 100,000
+    # for a schedule of 10,000 blocks) on its own
+    text = json.dumps(data, indent=1)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     umask = os.umask(0)
@@ -60,7 +63,7 @@ def write_json(path: str | os.PathLike, data: Any) -> Path:
     try:
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a written file gets the usual mode
         with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=1)
+            f.write(text)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())

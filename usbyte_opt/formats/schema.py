@@ -521,6 +521,122 @@ def _walk(tp: Any, v: Any, keys: list[Any], data: Any, source: str) -> None:
             raise _mismatch(tp, keys, data, source)
 
 
+def _check(tp: Any, v: Any, source: str) -> None:
+    """Raise what :func:`_walk` raises for ``v``, a whole file's value of type ``tp``: first
+    the compiled test of :func:`_valid` (a schedule of 10,000 blocks has some 50,000 values),
+    and only where it fails :func:`_walk`, which names the field."""
+    if not _valid(tp)(v):
+        _walk(tp, v, [], v, source)
+
+
+@functools.cache
+def _valid(tp: Any) -> Any:
+    """A function that tells whether a value is a valid ``tp``: :func:`_walk`'s rules, each
+    type read once (no error to build on the way)."""
+    base, kw = _split(tp)
+    origin = get_origin(base)
+    if is_typeddict(base):
+        hints, required = _fields(base)
+        fields = [(k, _valid(t), k in required) for k, t in hints.items()]
+
+        def record(v: Any) -> bool:
+            if not isinstance(v, dict):
+                return False
+            for k, ok, needed in fields:
+                if k in v:
+                    if not ok(v[k]):
+                        return False
+                elif needed:
+                    return False
+            return True
+        return record
+    if origin is list:
+        item, least = _valid(get_args(base)[0]), kw.get("min_length", 0)
+        return lambda v: isinstance(v, list) and len(v) >= least and all(map(item, v))
+    if origin is dict:
+        value = _valid(get_args(base)[1])
+        return lambda v: isinstance(v, dict) and all(map(value, v.values()))
+    if origin is Literal:
+        allowed = get_args(base)
+        return lambda v: any(v == a and isinstance(v, type(a))
+                             and isinstance(v, bool) == isinstance(a, bool) for a in allowed)
+    if base is str:
+        least = kw.get("min_length", 0)
+
+        def text(v: Any) -> bool:
+            if not isinstance(v, str) or len(v) < least:
+                return False
+            try:
+                v.encode()
+            except UnicodeEncodeError:
+                return False
+            return True
+        return text
+    if base in (int, float):
+        kinds = int if base is int else (int, float)
+        ge, gt, le = kw.get("ge"), kw.get("gt"), kw.get("le")
+
+        def number(v: Any) -> bool:
+            try:
+                if not isinstance(v, kinds) or isinstance(v, bool) or not math.isfinite(v):
+                    return False
+            except OverflowError:     # an int beyond floats: _walk's own error
+                return False
+            return not ((ge is not None and v < ge) or (gt is not None and v <= gt)
+                        or (le is not None and v > le))
+        return number
+    return lambda v: True
+
+
+def _read(kind: str, data: Any, source: str) -> dict[str, Any]:
+    """What :func:`_validate` returns for ``data``, a file's value: where :func:`_valid`
+    accepts it, built by :func:`_built` without pydantic (whose import and validator cost more
+    than reading a profile of 10,000 tensors); otherwise pydantic's value, or its error."""
+    tp = _FILES[kind]
+    if _valid(tp)(data):
+        return _built(tp)(data)  # type: ignore[no-any-return]
+    return _validate(kind, data, source)
+
+
+@functools.cache
+def _built(tp: Any) -> Any:
+    """A function from a valid value of ``tp`` (:func:`_valid`) to the value pydantic's
+    validation returns for it: each record's fields only (unknown ones dropped, or kept where
+    the record allows them), the missing ones at their default, numbers of ``float`` fields as
+    floats; fresh containers."""
+    base, _ = _split(tp)
+    origin = get_origin(base)
+    if is_typeddict(base):
+        hints, _ = _fields(base)
+        keep = _RECORDS[base][1] == "allow"
+        fields = []
+        for k, t in hints.items():
+            kw = _split(t)[1]
+            fields.append((k, _built(t), "default" in kw, kw.get("default")))
+
+        def record(v: dict[str, Any]) -> dict[str, Any]:
+            out = {}
+            for k, build, has_default, default in fields:
+                if k in v:
+                    out[k] = build(v[k])
+                elif has_default:
+                    out[k] = copy.deepcopy(default)
+            if keep:
+                for k, x in v.items():
+                    out.setdefault(k, x)
+            return out
+        return record
+    if origin is list:
+        item = _built(get_args(base)[0])
+        return lambda v: [item(x) for x in v]
+    if origin is dict:
+        value = _built(get_args(base)[1])
+        return lambda v: {k: value(x) for k, x in v.items()}
+    if base is float:
+        return float
+    return lambda v: v
+
+
 # --------------------------------------------------------------------------------------------
 # Errors as one line
 # --------------------------------------------------------------------------------------------
@@ -766,7 +882,7 @@ def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
         "comm": comm,
     }
     if source is not None:
-        _walk(ProfileFile, out, [], out, source)
+        _check(ProfileFile, out, source)
         _check_profile(out, source)
     return out
 
@@ -824,7 +940,7 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
     for k, v in schedule.extra.items():
         out.setdefault(k, v)
     if source is not None:
-        _walk(ScheduleFile, out, [], out, source)
+        _check(ScheduleFile, out, source)
         numels = _check_schedule(out, source)
         if numels:
             check_coverage(schedule, numels, source)
@@ -839,7 +955,7 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
 def parse_profile(data: Any, source: str = "<profile>") -> Profile:
     """Validate a profile file's JSON value and build the :class:`Profile`; a
     :class:`~usbyte_opt.errors.FormatError` names ``source`` and the first bad field."""
-    d = _validate("profile", data, source)
+    d = _read("profile", data, source)
     _check_profile(d, source)
     tensors = tuple(TensorSpec(t["name"], tuple(t["shape"]), t["dtype"], t["ready_ms"],
                                t["need_ms"], t["update_ms"]) for t in d["tensors"])

@@ -22,13 +22,19 @@ Example::
 
 from __future__ import annotations
 
+import gc
+import os
+import pickle
+import signal
+import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import UsbyteError
-from ..formats import Mode, Profile, Schedule
+from ..formats import Block, Mode, Profile, Schedule
 from .bounds import lower_bound
 from .cost import retarget
 from .fastsim import scorer_for
@@ -132,6 +138,34 @@ class Report:
                                      gathers=r.plan.gathers)
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off inside the block, as it was after it.
+
+    Planning a large profile allocates millions of small objects (blocks, heap entries,
+    candidate lists) and frees them by reference counting; none of it forms cycles that
+    matter. With the collector on, every 700 allocations start a collection, and the full ones
+    walk every live object: on 10,000+ tensors that was a fifth to a third of ``usbyte-opt
+    optimize``'s time. Nested uses are fine (the outermost one restores the state).
+
+    Example::
+
+        >>> import gc
+        >>> with gc_paused():
+        ...     gc.isenabled()
+        False
+        >>> gc.isenabled()
+        True
+    """
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
 def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: float | None = None,
                latency_us: float | None = None) -> Profile:
     """``profile`` with its comm moved to another cluster (see :func:`usbyte_opt.planning.cost.retarget`)."""
@@ -142,7 +176,7 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
             update_rule: UpdateRule = UpdateRule.AVAIL, shard: bool = False,
-            optimizer: str | None = None) -> Report:
+            optimizer: str | None = None, workers: int = 1) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
@@ -161,7 +195,32 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     with unsharded DDP as the report's ``reference``. Every result's ``state_bytes`` counts
     the optimizer state of ``optimizer`` (``sgd``, ``adam``, ``adamw``; default: the one the
     profile timed, :func:`usbyte_opt.planning.sharded.state_slots`).
+
+    ``workers=2`` plans :data:`FORKED` (the longest of the strategies that ``best`` is seeded
+    with) in a forked child process while this one plans the others and the candidates of
+    ``best`` that do not depend on its seeds (:func:`usbyte_opt.planning.strategies.best.prepare`),
+    on a profile of at least :data:`FORK_TENSORS` tensors, on a Linux machine of two cores or
+    more: the same plans, sooner (what ``usbyte-opt optimize`` does).
+    Where the child fails, this process plans them after all.
     """
+    with gc_paused():
+        return _compare(profile, strategies, options, progress, update_rule, shard, optimizer,
+                        workers)
+
+
+#: ``compare(workers=2)`` forks only for profiles of at least this many tensors (below, the
+#: strategies take less than starting a process costs).
+FORK_TENSORS = 2000
+#: The strategies a forked child plans (``compare(workers=2)``), in this order.
+FORKED = ("bytescheduler", "usbyte")
+
+
+def _compare(profile: Profile, strategies: Sequence[str] | None,
+             options: Mapping[str, Mapping[str, Any]] | None, progress: Progress | None,
+             update_rule: UpdateRule, shard: bool, optimizer: str | None,
+             workers: int = 1) -> Report:
+    """:func:`compare` itself (which runs it with the garbage collector paused,
+    :func:`gc_paused`)."""
     from .sharded import sharded_lower_bound
 
     registry = load_sharded() if shard else load_builtin()
@@ -173,37 +232,142 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, update_rule=update_rule)
     slots = state_slots(problem, optimizer)
-    say("start", "lower bound", 0.0)
-    t0 = time.perf_counter()
-    report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
-                    sharded=shard, state_slots=slots)
-    report.bound_s = time.perf_counter() - t0
-    say("done", "lower bound", report.bound_s)
-    if shard:
-        report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
-    options = options or {}
-    best = "best-sharded" if shard else "best"
-    ordered = [n for n in names if n != best] + ([best] if best in names else [])
-    for n in ordered:
-        kw = dict(options.get(n, {}))
-        if n == best:
-            kw.setdefault("seeds", [r.plan for r in report.results.values()])
-            kw.setdefault("lower_bound_ms", report.lower_bound_ms)
-        say("start", n, 0.0)
+    child = None
+    forked = [n for n in FORKED if n in names]
+    if (workers > 1 and not shard and forked and problem.n >= FORK_TENSORS
+            and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1):
+        child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
+                        problem)
+    try:
+        say("start", "lower bound", 0.0)
         t0 = time.perf_counter()
-        try:
-            plan = registry[n].plan(problem, **kw)
-        except NotApplicable as e:
-            report.skipped[n] = str(e)
-            say("done", n, time.perf_counter() - t0)
-            continue
-        solve = time.perf_counter() - t0
-        plan.info.setdefault("strategy", n)
-        report.results[n] = _result(n, plan, problem, slots, solve)
-        say("done", n, solve)
+        report = Report(problem, (sharded_lower_bound if shard else lower_bound)(problem),
+                        sharded=shard, state_slots=slots)
+        report.bound_s = time.perf_counter() - t0
+        say("done", "lower bound", report.bound_s)
+        if shard:
+            report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
+        options = options or {}
+        best = "best-sharded" if shard else "best"
+        ordered = [n for n in names if n != best] + ([best] if best in names else [])
+        first_forked = next((n for n in ordered if n in forked), None)
+        for n in ordered:
+            kw = dict(options.get(n, {}))
+            if n == best:
+                kw.setdefault("seeds", [r.plan for r in report.results.values()])
+                kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+            if child is not None and n == first_forked and best in names:
+                # before waiting for the child (in the default order, the strategies it plans come
+                # last before best), the candidates of best that its seeds do not change
+                from .strategies.best import prepare
+
+                prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
+            say("start", n, 0.0)
+            t0 = time.perf_counter()
+            try:
+                if child is not None and n in forked:
+                    plan, solve = child.result(n)
+                else:
+                    plan = registry[n].plan(problem, **kw)
+                    solve = time.perf_counter() - t0
+            except NotApplicable as e:
+                report.skipped[n] = str(e)
+                say("done", n, time.perf_counter() - t0)
+                continue
+            plan.info.setdefault("strategy", n)
+            report.results[n] = _result(n, plan, problem, slots, solve)
+            say("done", n, solve)
+    finally:
+        if child is not None:
+            child.close()
     # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report
+
+
+class _Forked:
+    """Each ``plan(problem, **kw)`` of ``plans`` (name to function and keywords) in a forked
+    child process, started now, one after the other; :meth:`result` waits for them. The child
+    sends back each plan's blocks, mode and notes (and its layout, unless it is the problem's
+    default one, which this process has already), or the
+    :class:`~usbyte_opt.planning.strategies.NotApplicable` it raised; where anything else goes
+    wrong, :meth:`result` plans here instead, so the result is the same either way."""
+
+    def __init__(self, plans: dict[str, tuple[Callable[..., Plan], dict[str, Any]]],
+                 problem: Problem):
+        self.plans, self.problem = plans, problem
+        self.msgs: dict[str, tuple] | None = None
+        self.pid = -1
+        read, write = os.pipe()
+        try:
+            self.pid = os.fork()
+        except OSError:
+            os.close(read)
+            os.close(write)
+            return
+        if self.pid == 0:                       # the child: plan, send, leave at once
+            code = 1
+            try:
+                os.close(read)
+                msgs: dict[str, tuple] = {}
+                for name, (fn, kw) in plans.items():
+                    t0 = time.perf_counter()
+                    try:
+                        p = fn(problem, **kw)
+                        default = p.layout is problem.layout()
+                        msgs[name] = ("plan", [(b.buffer, b.start, b.end) for b in p.blocks],
+                                      None if default else p.layout, str(p.mode), p.info,
+                                      p.gathers, time.perf_counter() - t0)
+                    except NotApplicable as e:
+                        msgs[name] = ("skip", str(e))
+                with os.fdopen(write, "wb") as f:
+                    pickle.dump(msgs, f, protocol=pickle.HIGHEST_PROTOCOL)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(write)
+        self.read = read
+
+    def close(self) -> None:
+        """Stop and reap the child if its results were not read (this process is leaving
+        :func:`compare` on an error): it must not wait on a pipe nobody reads."""
+        if self.msgs is None and self.pid > 0:
+            self.msgs = {}
+            os.close(self.read)
+            try:
+                os.kill(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            os.waitpid(self.pid, 0)
+
+    def _wait(self) -> dict[str, tuple]:
+        if self.msgs is None:
+            self.msgs = {}
+            if self.pid > 0:
+                try:
+                    with os.fdopen(self.read, "rb") as f:
+                        data = f.read()
+                finally:
+                    os.waitpid(self.pid, 0)
+                try:
+                    self.msgs = pickle.loads(data) if data else {}
+                except Exception:   # a child that died half-way: plan here
+                    self.msgs = {}
+        return self.msgs
+
+    def result(self, name: str) -> tuple[Plan, float]:
+        """``(plan, solve seconds)`` of ``name``; raises the child's ``NotApplicable``."""
+        msg = self._wait().get(name)
+        if msg is None:
+            fn, kw = self.plans[name]
+            t0 = time.perf_counter()
+            plan = fn(self.problem, **kw)
+            return plan, time.perf_counter() - t0
+        if msg[0] == "skip":
+            raise NotApplicable(msg[1])
+        _, blocks, layout, mode, info, gathers, solve = msg
+        lay = self.problem.layout() if layout is None else layout
+        return Plan(lay, [Block(*b) for b in blocks], Mode(mode), info, gathers), solve
 
 
 def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -> StrategyResult:

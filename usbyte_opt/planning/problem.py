@@ -155,6 +155,8 @@ class Problem:
         """Compile ``profile``; ``cost`` defaults to the model of its ``comm``
         (:func:`usbyte_opt.planning.cost.cost_model`)."""
         ts = profile.tensors
+        numel = [t.numel for t in ts]
+        itemsize = [t.itemsize for t in ts]
         return cls(
             profile=profile,
             cost=cost if cost is not None else cost_model(profile.comm),
@@ -162,15 +164,15 @@ class Problem:
             ready=[t.ready_ms for t in ts],
             need=[t.need_ms for t in ts],
             update=[t.update_ms for t in ts],
-            numel=[t.numel for t in ts],
-            itemsize=[t.itemsize for t in ts],
+            numel=numel,
+            itemsize=itemsize,
             dtype=[t.dtype for t in ts],
             index={t.name: i for i, t in enumerate(ts)},
             B=profile.backward_ms,
             F=profile.forward_ms,
             cpu_ms_per_block=profile.comm.cpu_ms_per_block,
             cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
-            total_bytes=sum(t.nbytes for t in ts),
+            total_bytes=sum(n * b for n, b in zip(numel, itemsize)),
             update_rule=UpdateRule(update_rule),
         )
 

@@ -129,44 +129,54 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         for a, b in zip(members, members[1:]):
             next_of[a], prev_of[b] = b, a
     rel = problem.ready_order()
+    # The heap holds each released tensor's place in the order of (-tail, -ready, index),
+    # plain ints, instead of those tuples: the same top, compared faster.
+    by_place, place = _places(problem, tail)
     ptr = 0
-    heap: list[tuple[float, float, int]] = []
+    heap: list[int] = []
     t = 0.0
     blocks: list[Block] = []
     left = n
+    push, pop = heapq.heappush, heapq.heappop
+    cutting = cut_min < math.inf
+    r_next = ready[rel[0]] if n else math.inf      # release of rel[ptr]
     while left:
-        while ptr < n and ready[rel[ptr]] <= t:
-            i = rel[ptr]
-            heapq.heappush(heap, (-tail[i], -ready[i], i))
-            ptr += 1
-        while heap and lo[heap[0][2]] >= end[heap[0][2]]:
-            heapq.heappop(heap)
+        if r_next <= t:
+            while ptr < n and ready[rel[ptr]] <= t:
+                push(heap, place[rel[ptr]])
+                ptr += 1
+            r_next = ready[rel[ptr]] if ptr < n else math.inf
+        while heap and lo[by_place[heap[0]]] >= end[by_place[heap[0]]]:
+            pop(heap)
         if not heap:
-            t = ready[rel[ptr]]
+            t = r_next
             continue
-        p = heap[0][2]
-        rem = end[p] - lo[p]
+        p = by_place[heap[0]]
+        lo_p, end_p, isz_p = lo[p], end[p], isz[p]
+        rem = end_p - lo_p
         amount = rem
-        if cut_min < math.inf:
+        if cutting:
             # Next release that would outrank p (a few steps ahead is enough in practice:
             # releases are sorted, and beyond a handful the gap is too long to matter).
             t_next = math.inf
+            tp = tail[p]
             for j in rel[ptr:ptr + 8]:
-                if tail[j] > tail[p]:
+                if tail[j] > tp:
                     t_next = ready[j]
                     break
             gap = t_next - t
-            if gap < alpha + rem * isz[p] * beta:
-                k = int((gap - alpha) / (isz[p] * beta)) if gap > alpha else 0
-                min_el = int(cut_min / isz[p]) + 1
+            if gap < alpha + rem * isz_p * beta:
+                k = int((gap - alpha) / (isz_p * beta)) if gap > alpha else 0
+                min_el = int(cut_min / isz_p) + 1
                 if k >= min_el and rem - k >= min_el:
                     amount = k
-        b_lo, b_hi = lo[p], lo[p] + amount
-        lo[p] += amount
-        if lo[p] >= end[p]:
+        b_lo, b_hi = lo_p, lo_p + amount
+        lo[p] = b_hi
+        if b_hi >= end_p:
             left -= 1
-        nbytes = amount * isz[p]
-        if fuse_cap > 0 and b_hi == end[p]:
+            pop(heap)                       # p is the top: sent in full
+        nbytes = amount * isz_p
+        if fuse_cap > 0 and b_hi == end_p:
             # Down: the block starts at p's start, so a neighbour's suffix can join.
             cur = p
             while b_lo == start[cur] and prev_of[cur] >= 0:
@@ -198,6 +208,21 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
         blocks.append(Block(pos[p][0], b_lo, b_hi))
         t += alpha + nbytes * beta
     return blocks
+
+
+def _places(problem: Problem, tail: Sequence[float]) -> tuple[list[int], list[int]]:
+    """The tensors in Jackson's order (largest tail first, then latest release, then index)
+    and each one's place in it; once per problem and ``tail`` (kept in ``problem.cache``)."""
+    key = ("jackson-places", id(tail))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not tail:
+        ready = problem.ready
+        by_place = sorted(range(problem.n), key=lambda i: (-tail[i], -ready[i], i))
+        place = [0] * problem.n
+        for k, i in enumerate(by_place):
+            place[i] = k
+        hit = problem.cache[key] = (tail, by_place, place)
+    return hit[1], hit[2]
 
 
 #: Bound-guided candidates (:func:`bound_guided`): the lower bound's blocks at the bound times
@@ -313,8 +338,64 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
     """:func:`bound_guided`'s fill of ``windows`` (the bound's blocks, in time order);
     ``ready`` and ``tail`` per tensor as the bound relaxed them. ``events`` collects
     ``"hold"`` where ``hold`` would have changed the fill and ``"uncut"`` where ``uncut``
-    would have (a fill without them is the same plan)."""
+    would have (a fill without them is the same plan).
+
+    The fill of the windows (:func:`_edf_place`) does not depend on ``uncut``, which only
+    says where the pieces it left go: it is done once per problem and ``(windows, T, fill,
+    hold)`` (kept in ``problem.cache``) and copied for each ``uncut``."""
     events = set() if events is None else events
+    key = ("edf-place", tuple(windows), T, alpha, beta, fill, hold, id(ready), id(tail))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not ready or hit[1] is not tail:
+        hit = problem.cache[key] = (ready, tail, _edf_place(problem, windows, T, alpha, beta, fill,
+                                                             ready, tail, hold))
+    placed, starts0, first0, left0, held_event = hit[2]
+    if held_event:
+        events.add("hold")
+    blocks = [dict(c) for c in placed]
+    starts, first, left = list(starts0), dict(first0), list(left0)
+    n = problem.n
+    dtype = problem.dtype
+    # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
+    if first:
+        events.add("uncut")
+    for i, a in first.items():
+        if uncut:
+            blocks[a][i] += left[i]
+        else:
+            blocks.append({i: left[i]})
+            starts.append(math.inf)
+        left[i] = 0
+    # The rest: into the first block of its dtype that starts after its release (else the
+    # last of its dtype, else a block of its own).
+    of_dtype: dict[str, tuple[list[float], list[int]]] = {}
+    for b, c in enumerate(blocks):
+        at, ids = of_dtype.setdefault(dtype[next(iter(c))], ([], []))
+        at.append(starts[b])
+        ids.append(b)
+    for i in range(n):
+        if left[i] <= 0:
+            continue
+        at, ids = of_dtype.setdefault(dtype[i], ([], []))
+        if ids:
+            j = bisect_left(at, ready[i])
+            blocks[ids[min(j, len(ids) - 1)]][i] = left[i]
+        else:
+            blocks.append({i: left[i]})
+            at.append(ready[i])
+            ids.append(len(blocks) - 1)
+        left[i] = 0
+    return blocks
+
+
+def _edf_place(problem: Problem, windows: Sequence[tuple[float, float]], T: float, alpha: float,
+               beta: float, fill: str, ready: Sequence[float], tail: Sequence[float], hold: bool
+               ) -> tuple[list[dict[int, int]], list[float], dict[int, int], list[int], bool]:
+    """The fill of ``windows`` of :func:`_edf_fill`, before the pieces it left are placed:
+    ``(blocks, starts, first, left, held)``: each block's elements per tensor and its start,
+    the cut tensors whose second piece found no block (and the block of the first), the
+    elements of each tensor not placed, and whether ``hold`` would have changed the fill."""
+    events: set[str] = set()
     n = problem.n
     isz, dtype = problem.itemsize, problem.dtype
     left = list(problem.numel)                     # elements not yet placed
@@ -403,36 +484,7 @@ def _edf_fill(problem: Problem, windows: Sequence[tuple[float, float]], T: float
             starts.append(s)
         else:
             comp.pop()
-    # Cuts whose second piece found no block: it goes last, alone (or back to the first piece).
-    if first:
-        events.add("uncut")
-    for i, a in first.items():
-        if uncut:
-            blocks[a][i] += left[i]
-        else:
-            blocks.append({i: left[i]})
-            starts.append(math.inf)
-        left[i] = 0
-    # The rest: into the first block of its dtype that starts after its release (else the
-    # last of its dtype, else a block of its own).
-    of_dtype: dict[str, tuple[list[float], list[int]]] = {}
-    for b, c in enumerate(blocks):
-        at, ids = of_dtype.setdefault(dtype[next(iter(c))], ([], []))
-        at.append(starts[b])
-        ids.append(b)
-    for i in range(n):
-        if left[i] <= 0:
-            continue
-        at, ids = of_dtype.setdefault(dtype[i], ([], []))
-        if ids:
-            j = bisect_left(at, ready[i])
-            blocks[ids[min(j, len(ids) - 1)]][i] = left[i]
-        else:
-            blocks.append({i: left[i]})
-            at.append(ready[i])
-            ids.append(len(blocks) - 1)
-        left[i] = 0
-    return blocks
+    return blocks, starts, first, left, "hold" in events
 
 
 def chained_layout(problem: Problem, blocks: list[dict[int, int]]) -> tuple[Layout, list[Block]]:
@@ -870,10 +922,46 @@ def _seeded(pool: _Pool, seeds: Sequence[Plan] | None) -> None:
         pool.add(f"seed:{s.info.get('strategy', '?')}", s.layout, s.blocks)
 
 
+def prepare(problem: Problem, modes: Sequence[Mode | str] = MODES) -> None:
+    """Build now the candidates of ``best`` that its seeds do not change (the constructions of
+    step 1, the bound-guided ones of step 3) and keep them in ``problem.cache``, where
+    :func:`plan` takes them from: what the planner does while another process plans the
+    seeds (:func:`usbyte_opt.planning.planner.compare` with ``workers=2``). Without it,
+    :func:`plan` builds them itself; the plan is the same."""
+    ms = tuple(Mode(m) for m in modes)
+    key = ("best-prepared", ms)
+    if key not in problem.cache:
+        built, guided = _Pool(problem, ms), _Pool(problem, ms)
+        _constructions(built)
+        _guided(guided)
+        problem.cache[key] = (built.items, guided.items)
+
+
 def _constructed(pool: _Pool) -> None:
-    """Steps 1 and 2: the alpha-aware Jackson rule over the ``(cut_min, fuse_cap)`` grid, in
-    units of the bytes one alpha carries on the cost model's linear bound, then the two-phase
-    candidates."""
+    """Steps 1 to 3 in the pool's order: the constructions (:func:`_constructions`), the
+    two-phase candidates (whose pruning reads the seeds), the bound-guided ones
+    (:func:`_guided`); the first and the last from :func:`prepare` where it ran."""
+    problem = pool.problem
+    prepared = problem.cache.get(("best-prepared", pool.modes))
+    if prepared is None:
+        _constructions(pool)
+    else:
+        pool.items.extend(prepared[0])
+    layout = problem.layout()
+    tail = tails(problem)
+    incumbent = min(c.T for c in pool.items)
+    bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
+    for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
+        pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
+    if prepared is None:
+        _guided(pool)
+    else:
+        pool.items.extend(prepared[1])
+
+
+def _constructions(pool: _Pool) -> None:
+    """Step 1: the alpha-aware Jackson rule over the ``(cut_min, fuse_cap)`` grid, in units of
+    the bytes one alpha carries on the cost model's linear bound."""
     problem = pool.problem
     layout = problem.layout()
     tail = tails(problem)
@@ -898,11 +986,6 @@ def _constructed(pool: _Pool) -> None:
             if (cut, f_best) not in tried:
                 pool.add(f"construct(cut={cut:g},fuse={f_best:g})", layout,
                          construct(problem, layout, tail, cut * u0, f_best * u0), f_best)
-    incumbent = min(c.T for c in pool.items)
-    bounds_tried = 24 if problem.n <= FULL_GRID_TENSORS else 8
-    for i, blocks in enumerate(two_phase(problem, layout, tail, bounds_tried, incumbent)):
-        pool.add("fence-dp" if i == 0 else f"two-phase#{i}", layout, blocks)
-    _guided(pool)
 
 
 def _searched(problem: Problem, candidates: list[Candidate], modes: tuple[Mode, ...],

@@ -107,7 +107,7 @@ def partition_tensor(numel: int, rows: int, partition: int) -> list[int]:
 class _Parts:
     """The partitions of every tensor for one partition size, with what the replay needs."""
 
-    __slots__ = ("blocks", "ready", "key", "size", "cost", "stat", "by_ready")
+    __slots__ = ("blocks", "ready", "key", "size", "cost", "stat", "by_ready", "by_key", "key_rank")
 
     def __init__(self, problem: Problem, layout: Layout, partition: int, tail: Sequence[float]):
         need_rank = {t: r for r, t in enumerate(problem.need_order())}
@@ -134,44 +134,55 @@ class _Parts:
                 self.stat.append((problem.ready[i], c, tail[i]))
                 off += cnt
         self.by_ready = sorted(range(len(self.blocks)), key=lambda p: (self.ready[p], self.key[p]))
+        #: Partitions by priority, and each one's place there: the replay's heap holds places,
+        #: plain ints (the keys are distinct), not (key, partition) pairs.
+        self.by_key = sorted(range(len(self.blocks)), key=self.key.__getitem__)
+        self.key_rank = [0] * len(self.blocks)
+        for r, p in enumerate(self.by_key):
+            self.key_rank[p] = r
 
 
 def replay(parts: _Parts, credit: float, stats: dict | None = None) -> list[int]:
     """Issue order (indices into ``parts``) of ByteScheduler's credit loop on one channel.
     ``stats["held"]`` is set to whether the credit ever held back a ready partition (if not,
     every larger credit gives this order too)."""
-    ready, key, size, cost = parts.ready, parts.key, parts.size, parts.cost
-    by_ready = parts.by_ready
+    ready, size, cost = parts.ready, parts.size, parts.cost
+    by_ready, by_key, key_rank = parts.by_ready, parts.by_key, parts.key_rank
     n = len(by_ready)
-    heap: list[tuple[int, int]] = []
+    heap: list[int] = []                              # places in by_key of the ready partitions
     outstanding: deque[tuple[float, int]] = deque()   # (finish, elements), FIFO = finish order
     out: list[int] = []
+    push, pop, send, back, issue = heapq.heappush, heapq.heappop, outstanding.append, \
+        outstanding.popleft, out.append
     left = credit
     last_fin = 0.0
     t = 0.0
     j = 0
+    issued = 0
     inf = math.inf
     held = False
-    while len(out) < n:
-        while j < n and ready[by_ready[j]] <= t:
-            p = by_ready[j]
-            heapq.heappush(heap, (key[p], p))
+    r_next = ready[by_ready[0]] if n else inf          # release of by_ready[j]
+    while issued < n:
+        while r_next <= t and j < n:
+            push(heap, key_rank[by_ready[j]])
             j += 1
+            r_next = ready[by_ready[j]] if j < n else inf
         while outstanding and outstanding[0][0] <= t:
-            left += outstanding.popleft()[1]
+            left += back()[1]
             if left > credit:
                 left = credit
         while heap and left > 0:
-            p = heapq.heappop(heap)[1]
-            left -= size[p]
+            p = by_key[pop(heap)]
+            sz = size[p]
+            left -= sz
             last_fin = (last_fin if last_fin > t else t) + cost[p]
-            outstanding.append((last_fin, size[p]))
-            out.append(p)
+            send((last_fin, sz))
+            issue(p)
+            issued += 1
         if heap:
             held = True
-        nr = ready[by_ready[j]] if j < n else inf
         nf = outstanding[0][0] if outstanding else inf
-        t = nr if nr < nf else nf
+        t = r_next if r_next < nf else nf
     if stats is not None:
         stats["held"] = held
     return out

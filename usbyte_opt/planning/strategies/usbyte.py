@@ -102,25 +102,15 @@ class Phase1Block:
     finish: float
 
 
-@dataclass(slots=True)
-class Snapshot:
-    """Phase 1's state when a tensor becomes ready (before the gap up to it is filled): what
-    a run resumed there starts from, and what :meth:`USByte._lower` reads."""
-
-    t: float
-    """The channel is free from ``t`` on."""
-    blocks: int
-    """Phase-1 blocks issued so far."""
-    last_u1: int
-    """End unit of the last of them (it may still grow; 0 without blocks)."""
-    last_finish: float
-    """Its finish then (0 without blocks)."""
-    rest_ms: float
-    """Transfer time (no alpha) of what is not yet sent."""
-    unfinished: int
-    """Tensors with elements not yet sent."""
-    worst: float
-    """Max of finish + tail over the closed blocks (at least ``B + F``)."""
+#: Phase 1's state when a tensor becomes ready (before the gap up to it is filled): what a run
+#: resumed there starts from, and what :meth:`USByte._lower` reads. A plain tuple (one is
+#: recorded per ready event, so it is built in the hot loop): ``(t, blocks, last_u1,
+#: last_finish, rest_ms, unfinished, worst)``, with ``t`` the time the channel is free from,
+#: ``blocks`` the phase-1 blocks issued so far, ``last_u1`` and ``last_finish`` the end unit and
+#: finish of the last of them (it may still grow; 0 without blocks), ``rest_ms`` the transfer
+#: time (no alpha) of what is not yet sent, ``unfinished`` the tensors with elements not yet
+#: sent and ``worst`` the max of finish + tail over the closed blocks (at least ``B + F``).
+Snapshot = tuple[float, int, int, float, float, int, float]
 
 
 @dataclass(slots=True)
@@ -138,11 +128,6 @@ class _Phase1:
     heap: list[tuple[float, int]]
     snaps: list[Snapshot]
     done_at: list[int] | None
-
-    def snapshot(self) -> Snapshot:
-        last = self.last
-        return Snapshot(self.t, len(self.blocks), last.u1 if last else 0,
-                        last.finish if last else 0.0, self.rest_ms, self.unfinished, self.worst)
 
 
 @dataclass(slots=True)
@@ -241,9 +226,15 @@ class USByte:
             rank: each tensor's place in ``priority`` (lower first), when the caller has it.
 
         Phases: the state at the start (:meth:`_fresh`, or :meth:`_resumed` from ``resume``);
-        per ready event, its :class:`Snapshot` (with ``record``), the bound (:meth:`_beyond`)
-        and Algorithm 1 over the gap up to it (:meth:`_fill`); then phase 2 and the outcome
-        (:meth:`_outcome`).
+        per ready event, its :data:`Snapshot` (with ``record``), the bound and Algorithm 1 over
+        the gap up to it; then phase 2 and the outcome (:meth:`_outcome`). The per-event work
+        is one loop over local variables: it runs once per tensor for every unit tried and
+        every candidate of the priority search.
+
+        The bound: every plan that continues the run takes at least the worst finish plus tail
+        so far, the last block's, and the channel's time plus what is left plus one alpha per
+        tensor that still needs a block (the last block's tensor may grow it without one), plus
+        the smallest tail.
         """
         n = len(self.numel)
         if rank is None:
@@ -259,14 +250,78 @@ class USByte:
             e0 = resume[1]
             run = self._resumed(resume[0], e0, m, rank, record)
         order, ready = self.order, self.ready
+        alpha, numel, beta_el, tail, low = self.alpha, self.numel, self.beta_el, self.tail, self.min_tail
+        S = unit
+        t, last, heap, sent, first = run.t, run.last, run.heap, run.sent, run.first
+        rest_ms, worst, unfinished = run.rest_ms, run.worst, run.unfinished
+        blocks, done_at = run.blocks, run.done_at
+        snaps = run.snaps if record else None
+        pruning = bound < math.inf
+        push, pop, ceil = heapq.heappush, heapq.heappop, math.ceil
         for e in range(e0, n):
             i = order[e]
-            if record:
-                run.snaps.append(run.snapshot())
-            if bound < math.inf and self._beyond(run, m, bound):
+            r = ready[i]
+            if snaps is not None:
+                snaps.append((t, len(blocks), last.u1 if last else 0,
+                              last.finish if last else 0.0, rest_ms, unfinished, worst))
+            if pruning and (worst >= bound or (
+                    t + rest_ms + alpha * unfinished + low >= bound if last is None else (
+                        last.finish + tail[last.tensor] >= bound
+                        or t + rest_ms + alpha * (unfinished - (sent[last.tensor] < m[last.tensor]))
+                        + low >= bound))):
                 return None
-            self._fill(run, ready[i], m, unit, e)
-            heapq.heappush(run.heap, (rank[i], i))
+            # Algorithm 1 over the gap up to r: the ready tensor of highest priority sends, or
+            # extends the previous block, until the channel reaches r or nothing ready is left;
+            # then the channel idles to r.
+            while t < r and heap:
+                j = heap[0][1]
+                g = r - t
+                left = m[j] - sent[j]
+                if last is not None and last.tensor == j:
+                    # extend the previous block: no second alpha, so fill the gap with units
+                    k = ceil(g / (beta_el[j] * S))
+                    if k > left:
+                        k = left
+                    el0 = min(last.u1 * S, numel[j])
+                    sent[j] += k
+                    last.u1 = sent[j]
+                    el1 = min(sent[j] * S, numel[j])
+                    rest_ms -= beta_el[j] * (el1 - el0)
+                    last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
+                    t = last.finish
+                else:
+                    rest = numel[j] - sent[j] * S
+                    if g < alpha:
+                        k = 1
+                    elif g < alpha + beta_el[j] * rest:
+                        # at g == alpha exactly this is 0; a block carries at least one unit
+                        k = max(1, ceil((g - alpha) / (beta_el[j] * S)))
+                        if k > left:
+                            k = left
+                    else:
+                        k = left
+                    if last is not None:
+                        v = last.finish + tail[last.tensor]
+                        if v > worst:
+                            worst = v
+                    u0 = sent[j]
+                    sent[j] += k
+                    el = min(sent[j] * S, numel[j]) - u0 * S
+                    rest_ms -= beta_el[j] * el
+                    last = Phase1Block(j, u0, sent[j], t, t + alpha + beta_el[j] * el)
+                    blocks.append(last)
+                    if first[j] != first[j]:      # nan: this is j's first phase-1 block
+                        first[j] = t
+                    t = last.finish
+                if sent[j] == m[j]:
+                    pop(heap)
+                    unfinished -= 1
+                    if done_at is not None:
+                        done_at[j] = e
+            if t < r:
+                t = r
+            push(heap, (rank[i], i))
+        run.t, run.last, run.rest_ms, run.worst, run.unfinished = t, last, rest_ms, worst, unfinished
         return self._outcome(run, unit, priority)
 
     def _fresh(self, record: bool) -> _Phase1:
@@ -279,15 +334,15 @@ class USByte:
                  record: bool) -> _Phase1:
         """Phase 1 of ``prev`` when ``order[e0]`` became ready, with the heap of ``rank``."""
         n = len(self.numel)
-        snap = prev.snaps[e0]
-        blocks = prev.phase1[:snap.blocks]
+        t, nb, last_u1, last_finish, rest_ms, unfinished, worst = prev.snaps[e0]
+        blocks = prev.phase1[:nb]
         sent = [0] * n
         first = [math.nan] * n
         last = None
-        if snap.blocks:
+        if nb:
             # earlier blocks are final; the last one may have grown since: copy it back
             lb = blocks[-1]
-            last = blocks[-1] = Phase1Block(lb.tensor, lb.u0, snap.last_u1, lb.start, snap.last_finish)
+            last = blocks[-1] = Phase1Block(lb.tensor, lb.u0, last_u1, lb.start, last_finish)
         for b in blocks:
             sent[b.tensor] = b.u1
             if first[b.tensor] != first[b.tensor]:
@@ -295,76 +350,8 @@ class USByte:
         heap = [(rank[x], x) for x in self.order[:e0] if sent[x] < m[x]]
         heapq.heapify(heap)
         done_at = [d if d < e0 else n for d in prev.done_at] if record else None
-        return _Phase1(snap.t, blocks, last, sent, first, snap.rest_ms, snap.unfinished, snap.worst,
-                       heap, prev.snaps[:e0], done_at)
-
-    def _beyond(self, run: _Phase1, m: Sequence[int], bound: float) -> bool:
-        """Whether every plan that continues ``run`` takes at least ``bound``: the worst finish
-        plus tail so far, the last block's, or the channel's time plus what is left plus one
-        alpha per tensor that still needs a block, plus the smallest tail."""
-        last, low, alpha = run.last, self.min_tail, self.alpha
-        if run.worst >= bound:
-            return True
-        if last is None:
-            return run.t + run.rest_ms + alpha * run.unfinished + low >= bound
-        return (last.finish + self.tail[last.tensor] >= bound
-                or run.t + run.rest_ms + alpha * (run.unfinished - (run.sent[last.tensor] < m[last.tensor]))
-                + low >= bound)
-
-    def _fill(self, run: _Phase1, r: float, m: Sequence[int], S: int, e: int) -> None:
-        """Algorithm 1 over the gap up to the next ready time ``r`` (event ``e``): the ready
-        tensor of highest priority sends, or extends the previous block, until the channel
-        reaches ``r`` or nothing ready is left; then the channel idles to ``r``."""
-        alpha, numel, beta_el, tail = self.alpha, self.numel, self.beta_el, self.tail
-        t, last, heap, sent = run.t, run.last, run.heap, run.sent
-        rest_ms, worst = run.rest_ms, run.worst
-        while t < r and heap:
-            j = heap[0][1]
-            g = r - t
-            left = m[j] - sent[j]
-            if last is not None and last.tensor == j:
-                # extend the previous block: no second alpha, so fill the gap with units
-                k = math.ceil(g / (beta_el[j] * S))
-                if k > left:
-                    k = left
-                el0 = min(last.u1 * S, numel[j])
-                sent[j] += k
-                last.u1 = sent[j]
-                el1 = min(sent[j] * S, numel[j])
-                rest_ms -= beta_el[j] * (el1 - el0)
-                last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
-                t = last.finish
-            else:
-                rest = numel[j] - sent[j] * S
-                if g < alpha:
-                    k = 1
-                elif g < alpha + beta_el[j] * rest:
-                    # at g == alpha exactly this is 0; a block carries at least one unit
-                    k = max(1, math.ceil((g - alpha) / (beta_el[j] * S)))
-                    if k > left:
-                        k = left
-                else:
-                    k = left
-                if last is not None:
-                    v = last.finish + tail[last.tensor]
-                    if v > worst:
-                        worst = v
-                u0 = sent[j]
-                sent[j] += k
-                el = min(sent[j] * S, numel[j]) - u0 * S
-                rest_ms -= beta_el[j] * el
-                last = Phase1Block(j, u0, sent[j], t, t + alpha + beta_el[j] * el)
-                run.blocks.append(last)
-                if run.first[j] != run.first[j]:      # nan: this is j's first phase-1 block
-                    run.first[j] = t
-                t = last.finish
-            if sent[j] == m[j]:
-                heapq.heappop(heap)
-                run.unfinished -= 1
-                if run.done_at is not None:
-                    run.done_at[j] = e
-        run.t = t if t > r else r
-        run.last, run.rest_ms, run.worst = last, rest_ms, worst
+        return _Phase1(t, blocks, last, sent, first, rest_ms, unfinished, worst,
+                       heap, prev.snaps[:e0] if record else [], done_at)
 
     def _outcome(self, run: _Phase1, S: int, priority: Sequence[int]) -> Outcome:
         """Phase 2 after ``run`` (:meth:`_finish`) and the outcome, with the smallest tail of
@@ -394,14 +381,14 @@ class USByte:
         the open block's, and the channel's time plus what is left to send plus one alpha per
         tensor that still needs a block (the open block's tensor may grow it without one), and
         then the smallest tail of those tensors (the last block carries one of them)."""
-        sn = prev.snaps[e]
-        low = prev.min_tail[e] if prev.min_tail and sn.unfinished else 0.0
-        if not sn.blocks:
-            return max(sn.worst, sn.t + sn.rest_ms + self.alpha * sn.unfinished + low)
-        j = prev.phase1[sn.blocks - 1].tensor
-        ext = sn.last_u1 < self._units[prev.unit][j]
-        return max(sn.worst, sn.last_finish + self.tail[j],
-                   sn.t + sn.rest_ms + self.alpha * (sn.unfinished - ext) + low)
+        t, nb, last_u1, last_finish, rest_ms, unfinished, worst = prev.snaps[e]
+        low = prev.min_tail[e] if prev.min_tail and unfinished else 0.0
+        if not nb:
+            return max(worst, t + rest_ms + self.alpha * unfinished + low)
+        j = prev.phase1[nb - 1].tensor
+        ext = last_u1 < self._units[prev.unit][j]
+        return max(worst, last_finish + self.tail[j],
+                   t + rest_ms + self.alpha * (unfinished - ext) + low)
 
     def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
         """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
