@@ -2,14 +2,20 @@
 DDP's accumulation protocol (``no_sync()``), the refusal of a model under DDP or FSDP on
 every rank, and stock DDP with planned buckets from any place that builds DDP
 (``planned_ddp_kwargs``, ``find_unused_parameters``, the bucket check after the rebuild).
-Two gloo ranks, real DDP side by side."""
+Two gloo ranks, real DDP side by side: one spawned run plays every scenario in turn (each
+with its own models, optimizers and DDP wrappers; an optimizer left open is released after
+its scenario, as at the end of a process), since starting the ranks costs more than most
+scenarios."""
 
 from __future__ import annotations
 
 import contextlib
 import copy
 import dataclasses
+import traceback
 import warnings
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -19,11 +25,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import MismatchError, UsbyteError
-from usbyte_opt.launcher import run_local
+from usbyte_opt.launcher import RankResult, run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning, profile_from_model
 from usbyte_opt.runtime.default_plan import split_blocks
+from usbyte_opt.runtime.exit_hook import release_at_exit
 
 needs_list = pytest.mark.skipif(not uddp.supports_bucket_list(),
                                 reason="torch without bucket_cap_mb_list")
@@ -113,10 +120,12 @@ def trainer_loop(rank: int, ws: int, mode: str, split: int, nested: bool = False
             "calls": opt.optimizer_calls}
 
 
-@pytest.mark.parametrize("mode, split, nested", [("overlap", 3, False), ("fence", 0, False),
-                                                 ("overlap", 2, True)])
-def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(mode, split, nested):
-    for r in run_local(trainer_loop, 2, args=(mode, split, nested), timeout_s=180):
+LOOPS = [("overlap", 3, False), ("fence", 0, False), ("overlap", 2, True)]
+
+
+@pytest.mark.parametrize("mode, split, nested", LOOPS)
+def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(outcomes, mode, split, nested):
+    for r in outcomes(f"trainer_loop-{mode}-{split}-{nested}"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["grads_equal"]
         assert all(x == y for x, y in r.value["norms"]), r.value["norms"]
@@ -139,8 +148,8 @@ def late_backward(rank: int, ws: int) -> str:
     return ""
 
 
-def test_a_second_backward_outside_no_sync_names_no_sync():
-    for r in run_local(late_backward, 2, timeout_s=120):
+def test_a_second_backward_outside_no_sync_names_no_sync(outcomes):
+    for r in outcomes("late_backward"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert "no_sync()" in r.value and "\n" not in r.value
 
@@ -179,14 +188,17 @@ def misuse(rank: int, ws: int, how: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("how, match", [
+MISUSES = [
     ("ddp", "the model is wrapped in DistributedDataParallel"),
     ("inside", "sits inside a DistributedDataParallel"),
     ("later", "runs inside DistributedDataParallel"),
     ("fsdp2", "FSDP2"),
-])
-def test_a_model_under_ddp_or_fsdp_is_refused_on_every_rank(how, match):
-    rs = run_local(misuse, 2, args=(how,), timeout_s=120)
+]
+
+
+@pytest.mark.parametrize("how, match", MISUSES)
+def test_a_model_under_ddp_or_fsdp_is_refused_on_every_rank(outcomes, how, match):
+    rs = outcomes(f"misuse-{how}")
     for r in rs:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert match in r.value, r.value
@@ -248,8 +260,8 @@ def stock(rank: int, ws: int, find_unused: bool) -> dict:
 
 @needs_list
 @pytest.mark.parametrize("find_unused", [False, True])
-def test_planned_ddp_kwargs_give_the_planned_buckets_with_or_without_find_unused(find_unused):
-    for r in run_local(stock, 2, args=(find_unused,), timeout_s=120):
+def test_planned_ddp_kwargs_give_the_planned_buckets_with_or_without_find_unused(outcomes, find_unused):
+    for r in outcomes(f"stock-{find_unused}"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert len(r.value["planned"]) >= 2
         assert r.value["sizes"] == r.value["planned"]
@@ -304,8 +316,8 @@ def mismatch_warns(rank: int, ws: int) -> list[str]:
 
 
 @needs_list
-def test_watch_buckets_warns_once_after_the_rebuild():
-    for r in run_local(mismatch_warns, 2, timeout_s=120):
+def test_watch_buckets_warns_once_after_the_rebuild(outcomes):
+    for r in outcomes("mismatch_warns"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert len(r.value) == 1 and "the schedule planned" in r.value[0]
 
@@ -330,7 +342,52 @@ def no_caps(rank: int, ws: int) -> str:
 
 
 @needs_list
-def test_check_buckets_names_a_ddp_built_without_the_caps():
-    for r in run_local(no_caps, 2, timeout_s=120):
+def test_check_buckets_names_a_ddp_built_without_the_caps(outcomes):
+    for r in outcomes("no_caps"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert "built without the schedule's bucket_cap_mb_list" in r.value, r.value
+
+
+# --------------------------------------------------------------------------------------------
+# The one spawned run
+# --------------------------------------------------------------------------------------------
+
+
+def scenarios() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
+    """Name -> (function, its arguments after rank and world size), in the order they run."""
+    out: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+    for mode, split, nested in LOOPS:
+        out[f"trainer_loop-{mode}-{split}-{nested}"] = (trainer_loop, (mode, split, nested))
+    out["late_backward"] = (late_backward, ())
+    for how, _ in MISUSES:
+        out[f"misuse-{how}"] = (misuse, (how,))
+    if uddp.supports_bucket_list():
+        for find_unused in (False, True):
+            out[f"stock-{find_unused}"] = (stock, (find_unused,))
+        out["mismatch_warns"] = (mismatch_warns, ())
+        out["no_caps"] = (no_caps, ())
+    return out
+
+
+def run_scenarios(rank: int, ws: int) -> dict[str, dict[str, Any]]:
+    """Every scenario on this rank; an exception is recorded, not raised, so that the ranks
+    stay in step (a scenario failing on one rank only may still leave the other waiting:
+    the run has a deadline)."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, (fn, args) in scenarios().items():
+        try:
+            out[name] = {"value": fn(rank, ws, *args)}
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            out[name] = {"error_type": f"{type(e).__module__}.{type(e).__qualname__}", "error": str(e),
+                         "trace": traceback.format_exc()}
+        release_at_exit()   # what the end of a process does with an optimizer left open
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> Callable[[str], list[RankResult]]:
+    """``outcomes(name)``: one :class:`RankResult` per rank for that scenario."""
+    res = run_local(run_scenarios, 2, timeout_s=600, pg_timeout_s=60)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+    return lambda name: [RankResult(r.rank, **r.value[name]) for r in res]
