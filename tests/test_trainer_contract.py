@@ -12,15 +12,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import traceback
 import warnings
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import Scenarios, play, played
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt import ddp as uddp
@@ -30,7 +29,6 @@ from usbyte_opt.planning.problem import Problem
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning, profile_from_model
 from usbyte_opt.runtime.default_plan import split_blocks
-from usbyte_opt.runtime.exit_hook import release_at_exit
 
 needs_list = pytest.mark.skipif(not uddp.supports_bucket_list(),
                                 reason="torch without bucket_cap_mb_list")
@@ -353,9 +351,9 @@ def test_check_buckets_names_a_ddp_built_without_the_caps(outcomes):
 # --------------------------------------------------------------------------------------------
 
 
-def scenarios() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
-    """Name -> (function, its arguments after rank and world size), in the order they run."""
-    out: dict[str, tuple[Callable[..., Any], tuple[Any, ...]]] = {}
+def scenarios() -> Scenarios:
+    """The scenarios of the spawned run, in the order they run."""
+    out: Scenarios = {}
     for mode, split, nested in LOOPS:
         out[f"trainer_loop-{mode}-{split}-{nested}"] = (trainer_loop, (mode, split, nested))
     out["late_backward"] = (late_backward, ())
@@ -369,25 +367,7 @@ def scenarios() -> dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]:
     return out
 
 
-def run_scenarios(rank: int, ws: int) -> dict[str, dict[str, Any]]:
-    """Every scenario on this rank; an exception is recorded, not raised, so that the ranks
-    stay in step (a scenario failing on one rank only may still leave the other waiting:
-    the run has a deadline)."""
-    out: dict[str, dict[str, Any]] = {}
-    for name, (fn, args) in scenarios().items():
-        try:
-            out[name] = {"value": fn(rank, ws, *args)}
-        except Exception as e:  # noqa: BLE001 - recorded for the test
-            out[name] = {"error_type": f"{type(e).__module__}.{type(e).__qualname__}", "error": str(e),
-                         "trace": traceback.format_exc()}
-        release_at_exit()   # what the end of a process does with an optimizer left open
-    return out
-
-
 @pytest.fixture(scope="module")
 def outcomes() -> Callable[[str], list[RankResult]]:
     """``outcomes(name)``: one :class:`RankResult` per rank for that scenario."""
-    res = run_local(run_scenarios, 2, timeout_s=600, pg_timeout_s=60)
-    for r in res:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
-    return lambda name: [RankResult(r.rank, **r.value[name]) for r in res]
+    return played(run_local(play, 2, args=(scenarios(),), timeout_s=600, pg_timeout_s=60))
