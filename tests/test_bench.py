@@ -177,7 +177,8 @@ def test_bandwidth_without_root_is_one_clear_line(tmp_path, monkeypatch, capsys)
 # --------------------------------------------------------------------------------------------
 
 
-def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True) -> None:
+def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True,
+                 profiled: bool = True) -> None:
     assert [r["strategy"] for r in res["runs"]] == strategies
     assert res["correct"] is True, [(r["strategy"], r["max_param_diff"]) for r in res["runs"]]
     for r in res["runs"]:
@@ -187,7 +188,8 @@ def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True)
         assert math.isfinite(r["final_loss"])
         assert len(r["state_bytes_by_rank"]) == res["world_size"]
         assert r["state_bytes"] == max(r["state_bytes_by_rank"]) > 0
-    for name in ("report.md", "result.json", "profile.json", "raw.json", *(["logs/rank0.log"] * logs)):
+    for name in ("report.md", "result.json", *(["profile.json"] * profiled), "raw.json",
+                 *(["logs/rank0.log"] * logs)):
         assert (out / name).exists(), name
     md = (out / "report.md").read_text()
     for s in strategies:
@@ -199,16 +201,21 @@ def half_of(state: list[int], whole: list[int]) -> bool:
     return all(abs(s / w - 0.5) < 0.01 for s, w in zip(state, whole, strict=True))
 
 
-def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path):
+def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path, sharded_bench):
     """DDP, the runtime and FSDP2 (``fsdp2``: torch's ``fully_shard``, which runs on CPU with
-    gloo): training matches DDP's, FSDP2 holding half of DDP's optimizer state per rank."""
+    gloo): training matches DDP's, FSDP2 holding half of DDP's optimizer state per rank. The
+    profile is given (``--profile``: the one :func:`sharded_bench` measured of the same model
+    and ranks), so the command trains and reports without profiling first."""
     out = tmp_path / "b"
+    given = sharded_bench[1] / "profile.json"
     p = cli("bench", "lab-cnn", "--batch-size", "2", "--iterations", "2", "--strategies",
-            "ddp,best,fsdp2", "--no-reference", "--json", "--output-dir", str(out))
+            "ddp,best,fsdp2", "--no-reference", "--rounds", "1", "--json", "--output-dir", str(out),
+            "--profile", str(given))
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout)  # nothing but JSON on stdout
     assert res["network"]["kind"] == "loopback" and res["world_size"] == 2
-    check_result(res, out, ["ddp", "best", "fsdp2"])
+    check_result(res, out, ["ddp", "best", "fsdp2"], profiled=False)
+    assert Path(res["profile"]).resolve() == given.resolve()
     by = {r["strategy"]: r for r in res["runs"]}
     assert by["fsdp2"]["runner"] == "torch FSDP2" and by["fsdp2"]["max_param_diff"] is not None
     # The whole model's momentum on every rank under DDP and the all-reduce runtime; FSDP2's
@@ -282,20 +289,28 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig):
     return run_bench(cfg)
 
 
-def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
-    """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
-    this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
-    per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
-    reduce-scatter and all-gather; and as ZeRO-2 (``best-sharded-zero2``): the same schedule
-    and training, with no flat gradient buffer (less gradient memory at its peak)."""
-    out = tmp_path / "s"
+@pytest.fixture(scope="module")
+def sharded_bench(tmp_path_factory) -> tuple[dict, Path]:
+    """A bench of DDP, ``best-sharded`` and ``best-sharded-zero2`` on two ranks started as
+    torchrun starts them (``run_bench`` in each): its result and output folder."""
+    out = tmp_path_factory.mktemp("bench") / "s"
     names = ["ddp", "best-sharded", "best-sharded-zero2"]
     cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=tuple(names),
                       out_dir=out, rounds=1, warmup=1, reference=False, plot=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)
-    res = values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0]
+    return values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0], out
+
+
+def test_sharded_runtime_trainee_holds_half_the_state(sharded_bench):
+    """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
+    this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
+    per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
+    reduce-scatter and all-gather; and as ZeRO-2 (``best-sharded-zero2``): the same schedule
+    and training, with no flat gradient buffer (less gradient memory at its peak)."""
+    res, out = sharded_bench
+    names = ["ddp", "best-sharded", "best-sharded-zero2"]
     check_result(res, out, names, logs=False)  # torchrun's ranks: no logs/
     by = {r["strategy"]: r for r in res["runs"]}
     bs, z2 = by["best-sharded"], by["best-sharded-zero2"]
