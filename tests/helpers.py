@@ -1,16 +1,20 @@
-"""Small builders shared by the planner and CLI tests."""
+"""Small builders shared by the planner and CLI tests, and scenarios played on one spawned set
+of ranks."""
 
 from __future__ import annotations
 
 import importlib.util
 import random
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
 from usbyte_opt.cli.main import main
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
+from usbyte_opt.launcher import RankResult
 from usbyte_opt.planning.problem import Layout
 
 MB_F32 = 250_000  # float32 elements in 1 MB (1 ms at 1 GB/s)
@@ -53,3 +57,36 @@ def load_benchmark(name: str) -> ModuleType:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+Scenarios = dict[str, tuple[Callable[..., Any], tuple[Any, ...]]]
+"""Name -> (a module-level function of ``(rank, world_size, *args)``, its ``args``)."""
+
+
+def play(rank: int, ws: int, scenarios: Scenarios) -> dict[str, dict[str, Any]]:
+    """Every scenario on this rank of one spawned run (``run_local(play, 2, args=(scenarios,))``),
+    in order: ``{"value": ...}`` or, for an exception, recorded rather than raised so that the
+    ranks stay in step, ``{"error_type", "error", "trace"}`` (a scenario failing on one rank
+    only may still leave the other waiting: the run has a deadline). An optimizer a scenario
+    left open is released after it, as at the end of a process."""
+    import traceback
+
+    from usbyte_opt.runtime.exit_hook import release_at_exit
+
+    out: dict[str, dict[str, Any]] = {}
+    for name, (fn, args) in scenarios.items():
+        try:
+            out[name] = {"value": fn(rank, ws, *args)}
+        except Exception as e:  # noqa: BLE001 - recorded for the test
+            out[name] = {"error_type": f"{type(e).__module__}.{type(e).__qualname__}",
+                         "error": str(e), "trace": traceback.format_exc()}
+        release_at_exit()
+    return out
+
+
+def played(results: list[RankResult]) -> Callable[[str], list[RankResult]]:
+    """The results of :func:`play`'s run as ``outcome(name)``: one :class:`RankResult` per rank
+    for that scenario (the run itself must have ended well on every rank)."""
+    for r in results:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+    return lambda name: [RankResult(r.rank, **r.value[name]) for r in results]

@@ -1,20 +1,25 @@
 """Planning and verifying inside the user's run (schedule="auto", verify=True), 2 gloo ranks:
 every rank switches at the same iteration, decisions are identical on every rank, training
-equals DDP throughout, and what an auto run writes is a profile and schedule the CLI reads."""
+equals DDP throughout, and what an auto run writes is a profile and schedule the CLI reads.
+The two-rank scenarios run in one spawned run (:func:`helpers.play`)."""
 
 from __future__ import annotations
 
 import os
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 import torch
+from helpers import play, played
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt.env import AUTO, SCHEDULE_ENV
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import load_profile, load_schedule
-from usbyte_opt.launcher import run_local
+from usbyte_opt.launcher import RankResult, run_local
 from usbyte_opt.runtime import DistributedOptimizer
 from usbyte_opt.runtime.autotune import CLEAN, MAX_ROUNDS, MIN_ROUNDS, OVERLAP, WARMUP, WINDOW
 from usbyte_opt.verdict import Budget
@@ -63,9 +68,8 @@ def check_same_on_every_rank(res) -> list[dict]:
     return vals
 
 
-def test_auto_plans_switches_everywhere_at_once_and_trains_like_ddp(tmp_path):
-    res = run_local(train, 2, args=("auto", str(tmp_path / "auto")), timeout_s=300)
-    vals = check_same_on_every_rank(res)
+def test_auto_plans_switches_everywhere_at_once_and_trains_like_ddp(outcomes, auto_dir):
+    vals = check_same_on_every_rank(outcomes("auto"))
     rep = vals[0]["report"]
     assert rep["auto"] and rep["auto_settled_at_step"] == WARMUP + CLEAN + OVERLAP
     assert rep["settled_at_step"] - (WARMUP + CLEAN + OVERLAP) in LOOKS
@@ -78,15 +82,14 @@ def test_auto_plans_switches_everywhere_at_once_and_trains_like_ddp(tmp_path):
     assert "fallback" not in rep["summary"]
     assert vals[0]["switches"][0][:2] == (WARMUP + CLEAN + OVERLAP - 1, "best")
     # What it wrote is what optimize and simulate read.
-    prof = load_profile(tmp_path / "auto" / "profile.json")
-    sched = load_schedule(tmp_path / "auto" / "schedule.json")
+    prof = load_profile(auto_dir / "profile.json")
+    sched = load_schedule(auto_dir / "schedule.json")
     assert sched.strategy == "best" and sched.fingerprint == prof.fingerprint()
     assert prof.comm.world_size == 2 and prof.comm.samples
 
 
-def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed():
-    res = run_local(train, 2, args=("verify", None, 40.0), timeout_s=300)
-    vals = check_same_on_every_rank(res)
+def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed(outcomes):
+    vals = check_same_on_every_rank(outcomes("verify_skewed"))
     rep = vals[0]["report"]
     assert rep["chosen"] == "fallback"          # the plan's windows were made 40 ms slower
     assert rep["measured_ms"]["plan"] > rep["measured_ms"]["fallback"]
@@ -112,14 +115,16 @@ def test_replan_without_planning_or_verifying_is_an_error():
 
 def env_auto(rank: int, ws: int) -> dict:
     os.environ[SCHEDULE_ENV] = AUTO
-    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
-    return opt.report()
+    try:
+        m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m)
+        return opt.report()
+    finally:
+        del os.environ[SCHEDULE_ENV]
 
 
-def test_env_auto_starts_on_the_fallback():
-    res = run_local(env_auto, 2, timeout_s=120)
-    for r in res:
+def test_env_auto_starts_on_the_fallback(outcomes):
+    for r in outcomes("env_auto"):
         assert r.ok, r.trace
         assert r.value["auto"] and r.value["schedule"]["strategy"] == "ddp-like"
         assert r.value["schedule"]["mode"] == "fence"
@@ -153,8 +158,8 @@ def drift(rank: int, ws: int) -> dict:
             "warnings": [str(w.message) for w in caught if "off its prediction" in str(w.message)]}
 
 
-def test_drift_from_the_prediction_warns_once_and_can_replan():
-    res = run_local(drift, 2, timeout_s=180)
+def test_drift_from_the_prediction_warns_once_and_can_replan(outcomes):
+    res = outcomes("drift")
     for r in res:
         assert r.ok, r.trace
         assert r.value["chosen"] == "plan"
@@ -162,3 +167,16 @@ def test_drift_from_the_prediction_warns_once_and_can_replan():
         assert r.value["drift"]["predicted_ms"] == 0.01
         assert r.value["phase"] == "verify"      # replan_on_drift started a new verification
     assert len(res[0].value["warnings"]) == 1 and not res[1].value["warnings"]
+
+
+@pytest.fixture(scope="module")
+def auto_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("autotune") / "auto"
+
+
+@pytest.fixture(scope="module")
+def outcomes(auto_dir: Path) -> Callable[[str], list[RankResult]]:
+    """``outcomes(name)``: one :class:`RankResult` per rank for that scenario."""
+    scenarios = {"auto": (train, ("auto", str(auto_dir))), "verify_skewed": (train, ("verify", None, 40.0)),
+                 "env_auto": (env_auto, ()), "drift": (drift, ())}
+    return played(run_local(play, 2, args=(scenarios,), timeout_s=600))

@@ -198,7 +198,8 @@ def test_bandwidth_without_root_is_one_clear_line(tmp_path, monkeypatch, capsys)
 # --------------------------------------------------------------------------------------------
 
 
-def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True) -> None:
+def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True,
+                 profiled: bool = True) -> None:
     assert [r["strategy"] for r in res["runs"]] == strategies
     assert res["correct"] is True, [(r["strategy"], r["max_param_diff"]) for r in res["runs"]]
     for r in res["runs"]:
@@ -208,7 +209,8 @@ def check_result(res: dict, out: Path, strategies: list[str], logs: bool = True)
         assert math.isfinite(r["final_loss"])
         assert len(r["state_bytes_by_rank"]) == res["world_size"]
         assert r["state_bytes"] == max(r["state_bytes_by_rank"]) > 0
-    for name in ("report.md", "result.json", "profile.json", "raw.json", *(["logs/rank0.log"] * logs)):
+    for name in ("report.md", "result.json", *(["profile.json"] * profiled), "raw.json",
+                 *(["logs/rank0.log"] * logs)):
         assert (out / name).exists(), name
     md = (out / "report.md").read_text()
     for s in strategies:
@@ -220,16 +222,21 @@ def half_of(state: list[int], whole: list[int]) -> bool:
     return all(abs(s / w - 0.5) < 0.01 for s, w in zip(state, whole, strict=True))
 
 
-def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path):
+def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path, sharded_bench):
     """DDP, the runtime and FSDP2 (``fsdp2``: torch's ``fully_shard``, which runs on CPU with
-    gloo): training matches DDP's, FSDP2 holding half of DDP's optimizer state per rank."""
+    gloo): training matches DDP's, FSDP2 holding half of DDP's optimizer state per rank. The
+    profile is given (``--profile``: the one :func:`sharded_bench` measured of the same model
+    and ranks), so the command trains and reports without profiling first."""
     out = tmp_path / "b"
+    given = sharded_bench[1] / "profile.json"
     p = cli("bench", "lab-cnn", "--batch-size", "2", "--iterations", "2", "--strategies",
-            "ddp,best,fsdp2", "--no-reference", "--json", "--output-dir", str(out))
+            "ddp,best,fsdp2", "--no-reference", "--rounds", "1", "--json", "--output-dir", str(out),
+            "--profile", str(given))
     assert p.returncode == 0, p.stderr[-2000:]
     res = json.loads(p.stdout)  # nothing but JSON on stdout
     assert res["network"]["kind"] == "loopback" and res["world_size"] == 2
-    check_result(res, out, ["ddp", "best", "fsdp2"])
+    check_result(res, out, ["ddp", "best", "fsdp2"], profiled=False)
+    assert Path(res["profile"]).resolve() == given.resolve()
     by = {r["strategy"]: r for r in res["runs"]}
     assert by["fsdp2"]["runner"] == "torch FSDP2" and by["fsdp2"]["max_param_diff"] is not None
     # The whole model's momentum on every rank under DDP and the all-reduce runtime; FSDP2's
@@ -241,22 +248,6 @@ def test_loopback_bench_json_is_pure_and_training_matches_ddp(tmp_path):
     trace = json.loads((out / "traces" / "best.compare.json").read_text())
     pids = {e["pid"] for e in trace["traceEvents"]}
     assert {0, 1, 2} <= pids  # predicted, rank 0 and rank 1 measured
-
-
-@pytest.mark.skipif(LAB_SKIP is not None, reason=f"lab: {LAB_SKIP}")
-def test_short_lab_run(tmp_path):
-    out = tmp_path / "lab"
-    cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
-                      strategies=("ddp", "usbyte"), out_dir=out, rounds=1, max_rounds=1, warmup=1,
-                      profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
-                                               stable_s=0.0, probe_points=2, probe_repeats=1),
-                      timeout_s=240.0)
-    res = run_bench(cfg)
-    check_result(res, out, ["ddp", "usbyte", "no-comm"])
-    assert res["network"]["kind"] == "lab" and res["network"]["tbf"]["rate_bps"] == 200_000_000
-    assert res["comm"]["algbw_gbs"] < 0.05  # measured on the shaped link (25 MB/s), not loopback
-    assert res["loaded_comm"] is not None and res["loaded_comm"]["algbw_gbs"] < 0.05
-    assert not [n for n in list_namespaces() if n.startswith(f"usbyte-{os.getpid()}-")]
 
 
 def test_probe_times_chains_of_blocks_on_the_given_channel():
@@ -288,24 +279,30 @@ def test_probe_times_chains_of_blocks_on_the_given_channel():
 
 
 @pytest.mark.skipif(LAB_SKIP is not None, reason=f"lab: {LAB_SKIP}")
-def test_short_lab_run_with_auto_and_stock_ddp_planned(tmp_path):
-    """``auto`` (the runtime planning in the run, no profile given to it) and, when the planner
-    registers it, ``ddp-tuned`` (stock DDP with the planned buckets): they run and the report
-    has their rows; timings are not checked."""
+def test_short_lab_run(tmp_path):
+    """One short run in the lab (one profile on the shaped link serves every strategy): the
+    comm lines are measured on the link, the lab is gone afterwards; ``usbyte``, ``auto``
+    (the runtime planning in the run, no profile given to it) and, when the planner registers
+    it, ``ddp-tuned`` (stock DDP with the planned buckets) run beside DDP and the run without
+    communication, and the report has their rows; timings are not checked."""
     from usbyte_opt.planning.strategies import load_builtin
 
-    strategies = ("ddp", "auto") + (("ddp-tuned",) if "ddp-tuned" in load_builtin() else ())
+    strategies = ("ddp", "usbyte", "auto") + (("ddp-tuned",) if "ddp-tuned" in load_builtin() else ())
     out = tmp_path / "lab"
     cfg = BenchConfig(model="lab-cnn", bandwidth="200mbit", batch_size=2, iterations=2,
-                      strategies=strategies, out_dir=out, rounds=1, max_rounds=1, warmup=1, reference=False,
+                      strategies=strategies, out_dir=out, rounds=1, max_rounds=1, warmup=1,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=300.0)
     res = run_bench(cfg)
-    check_result(res, out, list(strategies))
+    check_result(res, out, [*strategies, "no-comm"])
+    assert res["network"]["kind"] == "lab" and res["network"]["tbf"]["rate_bps"] == 200_000_000
+    assert res["comm"]["algbw_gbs"] < 0.05  # measured on the shaped link (25 MB/s), not loopback
+    assert res["loaded_comm"] is not None and res["loaded_comm"]["algbw_gbs"] < 0.05
+    assert not [n for n in list_namespaces() if n.startswith(f"usbyte-{os.getpid()}-")]
     auto = next(r for r in res["runs"] if r["strategy"] == "auto")
     assert auto["runtime_chosen"] in ("plan", "fallback")
-    assert all(r["vs_lower_bound"] > 0 for r in res["runs"])
+    assert all(r["vs_lower_bound"] > 0 for r in res["runs"] if r["strategy"] in strategies)
 
 
 def bench_rank(rank: int, world: int, cfg: BenchConfig):
@@ -313,20 +310,28 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig):
     return run_bench(cfg)
 
 
-def test_sharded_runtime_trainee_holds_half_the_state(tmp_path):
-    """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
-    this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
-    per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
-    reduce-scatter and all-gather; and as ZeRO-2 (``best-sharded-zero2``): the same schedule
-    and training, with no flat gradient buffer (less gradient memory at its peak)."""
-    out = tmp_path / "s"
+@pytest.fixture(scope="module")
+def sharded_bench(tmp_path_factory) -> tuple[dict, Path]:
+    """A bench of DDP, ``best-sharded`` and ``best-sharded-zero2`` on two ranks started as
+    torchrun starts them (``run_bench`` in each): its result and output folder."""
+    out = tmp_path_factory.mktemp("bench") / "s"
     names = ["ddp", "best-sharded", "best-sharded-zero2"]
     cfg = BenchConfig(model="lab-cnn", batch_size=2, iterations=2, strategies=tuple(names),
                       out_dir=out, rounds=1, max_rounds=1, warmup=1, reference=False, plot=False,
                       profiling=ProfileOptions(warmup=1, repeats=2, comm_points=4, comm_repeats=1,
                                                stable_s=0.0, probe_points=2, probe_repeats=1),
                       timeout_s=240.0)
-    res = values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0]
+    return values(run_local(bench_rank, 2, args=(cfg,), timeout_s=300))[0], out
+
+
+def test_sharded_runtime_trainee_holds_half_the_state(sharded_bench):
+    """The planner's best-sharded schedule trained on the runtime (its wrapped optimizer holds
+    this rank's shard only): training matches DDP's, with about half of DDP's optimizer state
+    per rank, predicted, refined and held against sharded mode's bound, the profile sweeping
+    reduce-scatter and all-gather; and as ZeRO-2 (``best-sharded-zero2``): the same schedule
+    and training, with no flat gradient buffer (less gradient memory at its peak)."""
+    res, out = sharded_bench
+    names = ["ddp", "best-sharded", "best-sharded-zero2"]
     check_result(res, out, names, logs=False)  # torchrun's ranks: no logs/
     by = {r["strategy"]: r for r in res["runs"]}
     bs, z2 = by["best-sharded"], by["best-sharded-zero2"]

@@ -12,7 +12,7 @@ import random
 import pytest
 import torch
 import torch.nn as nn
-from helpers import run_cli
+from helpers import play, played, run_cli
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from rich.console import Console
@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from usbyte_opt import console
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import MismatchError
-from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, load_schedule, save_profile
-from usbyte_opt.launcher import run_local
+from usbyte_opt.formats import Block, CommSpec, Profile, Schedule, TensorSpec, load_schedule, save_profile
+from usbyte_opt.launcher import RankResult, run_local
 from usbyte_opt.planning.fastsim import scorer_for
 from usbyte_opt.planning.planner import compare
 from usbyte_opt.planning.problem import Problem
@@ -292,13 +292,23 @@ def train_side_by_side(rank: int, ws: int, path: str) -> dict:
                                                                    b.parameters()))}
 
 
+@pytest.fixture(scope="module")
+def side_by_side(tmp_path_factory) -> dict[str, tuple[Schedule, list[RankResult]]]:
+    """Both schedules (``tuned``: :func:`planned`; ``wrong``: planned for the reversed ready
+    order) trained by :func:`train_side_by_side` in one spawned run of two ranks."""
+    d = tmp_path_factory.mktemp("ddp_tuned")
+    scheds = {"tuned": planned(d / "tuned.json"), "wrong": planned(d / "wrong.json", reverse=True)}
+    outcome = played(run_local(play, 2, args=({k: (train_side_by_side, (str(d / f"{k}.json"),))
+                                               for k in scheds},), timeout_s=300))
+    return {k: (s, outcome(k)) for k, s in scheds.items()}
+
+
 @pytest.mark.skipif(not uddp.supports_bucket_list(), reason="torch without bucket_cap_mb_list")
-def test_stock_ddp_builds_the_planned_buckets_and_trains_like_default_ddp(tmp_path):
-    path = tmp_path / "tuned.json"
-    sched = planned(path)
+def test_stock_ddp_builds_the_planned_buckets_and_trains_like_default_ddp(side_by_side):
+    sched, results = side_by_side["tuned"]
     sizes = [(k.end - k.start) * 4 for k in sched.blocks]
     assert len(set(sizes)) >= 2, sizes        # several buckets, not all alike
-    for r in run_local(train_side_by_side, 2, args=(str(path),), timeout_s=180):
+    for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["mismatch"] is None, r.value["mismatch"]
         assert r.value["rebuilt"] == sizes
@@ -306,11 +316,10 @@ def test_stock_ddp_builds_the_planned_buckets_and_trains_like_default_ddp(tmp_pa
 
 
 @pytest.mark.skipif(not uddp.supports_bucket_list(), reason="torch without bucket_cap_mb_list")
-def test_a_profile_whose_ready_order_is_not_the_models_gives_other_buckets(tmp_path):
-    path = tmp_path / "wrong.json"
-    sched = planned(path, reverse=True)
+def test_a_profile_whose_ready_order_is_not_the_models_gives_other_buckets(side_by_side):
+    sched, results = side_by_side["wrong"]
     assert len(sched.blocks) >= 2
-    for r in run_local(train_side_by_side, 2, args=(str(path),), timeout_s=180):
+    for r in results:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["mismatch"] is not None and "another order" in r.value["mismatch"]
         assert r.value["diff"] == 0.0        # DDP's arithmetic is the same whatever buckets

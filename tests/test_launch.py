@@ -1,4 +1,7 @@
-"""``usbyte-opt launch``: validates the schedule, then runs torchrun with USBYTE_SCHEDULE set."""
+"""``usbyte-opt launch``: validates the schedule, then runs torchrun with USBYTE_SCHEDULE set.
+
+The runs are real ``usbyte-opt`` subprocesses; the refusals before any rank starts (and
+``--help``) are driven in-process (``tests/test_errors.py`` sees launch errors as a user does)."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ import textwrap
 from pathlib import Path
 
 import torch
+from helpers import run_cli
 
 from usbyte_opt.formats import save_schedule
 from usbyte_opt.runtime import default_schedule
@@ -64,21 +68,21 @@ def test_launch_runs_torchrun_with_the_schedule(tmp_path: Path):
     assert "default, 1 block, world size 2" in res.stdout
 
 
-def test_launch_rejects_a_bad_schedule(tmp_path: Path):
+def test_launch_rejects_a_bad_schedule(tmp_path: Path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "usbyte-schedule", "version": 1}))
-    res = cli("launch", "--schedule", str(bad), "train.py")
-    assert res.returncode == 2
-    assert f"{bad}: strategy: expected a value (field is missing)" in res.stderr
-    assert "Traceback" not in res.stderr
+    code, _, err = run_cli(capsys, "launch", "--schedule", str(bad), "train.py")
+    assert code == 2
+    assert f"{bad}: strategy: expected a value (field is missing)" in err
+    assert "Traceback" not in err
 
 
-def test_launch_missing_file_and_missing_option(tmp_path: Path):
-    res = cli("launch", "--schedule", str(tmp_path / "nope.json"), "train.py")
-    assert res.returncode == 2 and "nope.json: expected an existing file" in res.stderr
-    res = cli("launch", "--nproc-per-node", "2", "train.py")
-    assert res.returncode == 2
-    assert "the following arguments are required: --schedule" in res.stderr
+def test_launch_missing_file_and_missing_option(tmp_path: Path, capsys):
+    code, _, err = run_cli(capsys, "launch", "--schedule", str(tmp_path / "nope.json"), "train.py")
+    assert code == 2 and "nope.json: expected an existing file" in err
+    code, _, err = run_cli(capsys, "launch", "--nproc-per-node", "2", "train.py")
+    assert code == 2
+    assert "the following arguments are required: --schedule" in err
 
 
 def test_launch_failure_of_the_script_is_one_line(tmp_path: Path):
@@ -91,10 +95,10 @@ def test_launch_failure_of_the_script_is_one_line(tmp_path: Path):
     assert "fail.py: rank 0 exited with code 3" in res.stderr
 
 
-def test_launch_help_lists_torchrun_options():
-    res = cli("launch", "--help")
-    assert res.returncode == 0
-    assert "--schedule SCHEDULE" in res.stdout and "--nproc-per-node" in res.stdout
+def test_launch_help_lists_torchrun_options(capsys):
+    code, out, _ = run_cli(capsys, "launch", "--help")
+    assert code == 0
+    assert "--schedule SCHEDULE" in out and "--nproc-per-node" in out
 
 
 def test_schedule_env_name_is_the_runtimes():

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import play, played
 from torch import nn
 
 from usbyte_opt.collectives.issuers import backend_for
@@ -197,11 +198,22 @@ def _sweep_with_own_time_caps(rank: int, ws: int) -> int:
     return sum(len(ts) for ts in sw.raw_ms)
 
 
-def test_sweep_rounds_are_decided_together_whatever_each_rank_clock_says():
-    from usbyte_opt.collectives.sweep import SMALL_REPEAT_FACTOR
-    from usbyte_opt.launcher import run_local, values
+@pytest.fixture(scope="module")
+def two_ranks():
+    """``two_ranks(name)``: the results of :func:`_sweep_with_own_time_caps` (``sweep``) and
+    :func:`_shard_collectives`, played in one spawned run of two ranks."""
+    from usbyte_opt.launcher import run_local
 
-    counts = values(run_local(_sweep_with_own_time_caps, 2, timeout_s=60, pg_timeout_s=20))
+    return played(run_local(play, 2, args=({"sweep": (_sweep_with_own_time_caps, ()),
+                                            "shard_collectives": (_shard_collectives, ())},),
+                            timeout_s=180, pg_timeout_s=60))
+
+
+def test_sweep_rounds_are_decided_together_whatever_each_rank_clock_says(two_ranks):
+    from usbyte_opt.collectives.sweep import SMALL_REPEAT_FACTOR
+    from usbyte_opt.launcher import values
+
+    counts = values(two_ranks("sweep"))
     first_rounds = 2 * SMALL_REPEAT_FACTOR + 2   # 4 KiB is below 1 MiB: more repeats
     assert counts[0] == counts[1] > first_rounds  # rank 1's extra rounds ran on both
 
@@ -256,10 +268,10 @@ def _shard_collectives(rank: int, ws: int) -> dict:
     return out
 
 
-def test_reduce_scatter_and_all_gather_run_on_the_runtime_channel_of_two_ranks():
-    from usbyte_opt.launcher import run_local, values
+def test_reduce_scatter_and_all_gather_run_on_the_runtime_channel_of_two_ranks(two_ranks):
+    from usbyte_opt.launcher import values
 
-    got = values(run_local(_shard_collectives, 2, timeout_s=120, pg_timeout_s=60))
+    got = values(two_ranks("shard_collectives"))
     total = [float(i) + float(i) + 10 for i in range(8)]          # rank 0's x plus rank 1's
     assert got[0]["shard"] == total[:4] and got[1]["shard"] == total[4:]
     assert got[0]["whole"] == got[1]["whole"] == total

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
+import pytest
 import torch
+from helpers import play, played
 
-from usbyte_opt.launcher import run_local
+from usbyte_opt.launcher import RankResult, run_local
 from usbyte_opt.runtime.comm import Channel
 
 
@@ -38,9 +41,17 @@ def completion_order(rank: int, ws: int, serial: bool) -> dict:
     return {"serial": chan.serial is not None, "orders": orders, "values": values}
 
 
-def test_blocks_run_one_at_a_time_in_issue_order():
-    res = run_local(completion_order, 2, args=(True,), timeout_s=120, pg_timeout_s=60)
-    for r in res:
+@pytest.fixture(scope="module")
+def orders() -> Callable[[str], list[RankResult]]:
+    """:func:`completion_order` with one block in flight (``serial``) and with two, in one
+    spawned run of two ranks."""
+    return played(run_local(play, 2, args=({"serial": (completion_order, (True,)),
+                                            "two": (completion_order, (False,))},),
+                            timeout_s=180, pg_timeout_s=60))
+
+
+def test_blocks_run_one_at_a_time_in_issue_order(orders):
+    for r in orders("serial"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["serial"]
         # A later block never finishes before an earlier one: gloo runs them on one thread.
@@ -49,9 +60,8 @@ def test_blocks_run_one_at_a_time_in_issue_order():
         assert r.value["values"] == [(3.0, 3.0)] * 3
 
 
-def test_two_in_flight_on_request():
-    res = run_local(completion_order, 2, args=(False,), timeout_s=120, pg_timeout_s=60)
-    for r in res:
+def test_two_in_flight_on_request(orders):
+    for r in orders("two"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert not r.value["serial"]
         assert r.value["values"] == [(3.0, 3.0)] * 3

@@ -4,12 +4,10 @@ and ``--help`` never cuts a default or a word at 80 or 100 columns."""
 from __future__ import annotations
 
 import io
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from helpers import run_cli
 from rich.console import Console
 
 from usbyte_opt import console
@@ -80,11 +78,13 @@ def test_demo_explanation_table_fits_100_columns(screen, tmp_path: Path):
 
 @pytest.mark.parametrize("columns", [80, 100])
 @pytest.mark.parametrize("command", ["", "profile", "launch", "bench", "demo", "schema"])
-def test_help_cuts_nothing(command: str, columns: int):
-    env = dict(os.environ, COLUMNS=str(columns), TERM="xterm")
-    argv = [sys.executable, "-m", "usbyte_opt", *([command] if command else []), "--help"]
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
-    assert res.returncode == 0, res.stderr
-    assert "…" not in res.stdout, res.stdout
+def test_help_cuts_nothing(command: str, columns: int, monkeypatch, capsys):
+    """In-process (the help is laid out from ``COLUMNS`` at each call, as in a fresh
+    ``usbyte-opt`` process; ``test_cli`` runs the real ``usbyte-opt --help``)."""
+    monkeypatch.setenv("COLUMNS", str(columns))
+    monkeypatch.setenv("TERM", "xterm")
+    code, out, err = run_cli(capsys, *([command] if command else []), "--help")
+    assert code == 0, err
+    assert "…" not in out, out
     if command in ("bench", "profile"):
-        assert "bytescheduler," in res.stdout or "NAME.json" in res.stdout  # defaults shown whole
+        assert "bytescheduler," in out or "NAME.json" in out  # defaults shown whole

@@ -2,7 +2,10 @@
 DDP's accumulation protocol (``no_sync()``), the refusal of a model under DDP or FSDP on
 every rank, and stock DDP with planned buckets from any place that builds DDP
 (``planned_ddp_kwargs``, ``find_unused_parameters``, the bucket check after the rebuild).
-Two gloo ranks, real DDP side by side."""
+Two gloo ranks, real DDP side by side: one spawned run plays every scenario in turn (each
+with its own models, optimizers and DDP wrappers; an optimizer left open is released after
+its scenario, as at the end of a process), since starting the ranks costs more than most
+scenarios."""
 
 from __future__ import annotations
 
@@ -10,16 +13,18 @@ import contextlib
 import copy
 import dataclasses
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers import Scenarios, play, played
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from usbyte_opt import ddp as uddp
 from usbyte_opt.errors import MismatchError, UsbyteError
-from usbyte_opt.launcher import run_local
+from usbyte_opt.launcher import RankResult, run_local
 from usbyte_opt.planning.problem import Problem
 from usbyte_opt.planning.strategies.ddp import buckets as bucket_blocks
 from usbyte_opt.runtime import DistributedOptimizer, UsbyteWarning, profile_from_model
@@ -113,10 +118,12 @@ def trainer_loop(rank: int, ws: int, mode: str, split: int, nested: bool = False
             "calls": opt.optimizer_calls}
 
 
-@pytest.mark.parametrize("mode, split, nested", [("overlap", 3, False), ("fence", 0, False),
-                                                 ("overlap", 2, True)])
-def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(mode, split, nested):
-    for r in run_local(trainer_loop, 2, args=(mode, split, nested), timeout_s=180):
+LOOPS = [("overlap", 3, False), ("fence", 0, False), ("overlap", 2, True)]
+
+
+@pytest.mark.parametrize("mode, split, nested", LOOPS)
+def test_wait_in_backward_and_no_sync_train_like_ddp_in_a_trainers_loop(outcomes, mode, split, nested):
+    for r in outcomes(f"trainer_loop-{mode}-{split}-{nested}"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["grads_equal"]
         assert all(x == y for x, y in r.value["norms"]), r.value["norms"]
@@ -139,8 +146,8 @@ def late_backward(rank: int, ws: int) -> str:
     return ""
 
 
-def test_a_second_backward_outside_no_sync_names_no_sync():
-    for r in run_local(late_backward, 2, timeout_s=120):
+def test_a_second_backward_outside_no_sync_names_no_sync(outcomes):
+    for r in outcomes("late_backward"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert "no_sync()" in r.value and "\n" not in r.value
 
@@ -179,14 +186,17 @@ def misuse(rank: int, ws: int, how: str) -> str:
     return ""
 
 
-@pytest.mark.parametrize("how, match", [
+MISUSES = [
     ("ddp", "the model is wrapped in DistributedDataParallel"),
     ("inside", "sits inside a DistributedDataParallel"),
     ("later", "runs inside DistributedDataParallel"),
     ("fsdp2", "FSDP2"),
-])
-def test_a_model_under_ddp_or_fsdp_is_refused_on_every_rank(how, match):
-    rs = run_local(misuse, 2, args=(how,), timeout_s=120)
+]
+
+
+@pytest.mark.parametrize("how, match", MISUSES)
+def test_a_model_under_ddp_or_fsdp_is_refused_on_every_rank(outcomes, how, match):
+    rs = outcomes(f"misuse-{how}")
     for r in rs:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert match in r.value, r.value
@@ -248,8 +258,8 @@ def stock(rank: int, ws: int, find_unused: bool) -> dict:
 
 @needs_list
 @pytest.mark.parametrize("find_unused", [False, True])
-def test_planned_ddp_kwargs_give_the_planned_buckets_with_or_without_find_unused(find_unused):
-    for r in run_local(stock, 2, args=(find_unused,), timeout_s=120):
+def test_planned_ddp_kwargs_give_the_planned_buckets_with_or_without_find_unused(outcomes, find_unused):
+    for r in outcomes(f"stock-{find_unused}"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert len(r.value["planned"]) >= 2
         assert r.value["sizes"] == r.value["planned"]
@@ -304,8 +314,8 @@ def mismatch_warns(rank: int, ws: int) -> list[str]:
 
 
 @needs_list
-def test_watch_buckets_warns_once_after_the_rebuild():
-    for r in run_local(mismatch_warns, 2, timeout_s=120):
+def test_watch_buckets_warns_once_after_the_rebuild(outcomes):
+    for r in outcomes("mismatch_warns"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert len(r.value) == 1 and "the schedule planned" in r.value[0]
 
@@ -330,7 +340,34 @@ def no_caps(rank: int, ws: int) -> str:
 
 
 @needs_list
-def test_check_buckets_names_a_ddp_built_without_the_caps():
-    for r in run_local(no_caps, 2, timeout_s=120):
+def test_check_buckets_names_a_ddp_built_without_the_caps(outcomes):
+    for r in outcomes("no_caps"):
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert "built without the schedule's bucket_cap_mb_list" in r.value, r.value
+
+
+# --------------------------------------------------------------------------------------------
+# The one spawned run
+# --------------------------------------------------------------------------------------------
+
+
+def scenarios() -> Scenarios:
+    """The scenarios of the spawned run, in the order they run."""
+    out: Scenarios = {}
+    for mode, split, nested in LOOPS:
+        out[f"trainer_loop-{mode}-{split}-{nested}"] = (trainer_loop, (mode, split, nested))
+    out["late_backward"] = (late_backward, ())
+    for how, _ in MISUSES:
+        out[f"misuse-{how}"] = (misuse, (how,))
+    if uddp.supports_bucket_list():
+        for find_unused in (False, True):
+            out[f"stock-{find_unused}"] = (stock, (find_unused,))
+        out["mismatch_warns"] = (mismatch_warns, ())
+        out["no_caps"] = (no_caps, ())
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes() -> Callable[[str], list[RankResult]]:
+    """``outcomes(name)``: one :class:`RankResult` per rank for that scenario."""
+    return played(run_local(play, 2, args=(scenarios(),), timeout_s=600, pg_timeout_s=60))
