@@ -402,7 +402,10 @@ def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> float
         F.mse_loss(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
         F.mse_loss(mod(x), y).backward()
         if step == 0 and undo_fix:
-            opt._state.gates.root_extra.clear()   # the gate back at the child's pre-hook
+            st = opt._state
+            st.gates.root_extra.clear()   # the gate back at the child's pre-hook
+            # and no guard (it would run the child's update at the parent's first read anyway)
+            st.guard = st.comm.guard = st.updates.guard = None
         if cuda:
             with torch.cuda.stream(opt._state.updates.stream):
                 torch.cuda._sleep(SLEEP_CYCLES)

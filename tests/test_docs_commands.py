@@ -56,6 +56,7 @@ SKIP: dict[str, str] = {
     "pip install 'torch==2.13.0' -e '.[lightning]'": _INSTALL,
     "pip install 'torch==2.13.0' -e '.[transformers]'": _INSTALL,
     "python -m pytest -q": _SUITE,
+    "python -m pytest -q -n 2 --dist loadfile": _SUITE,
     "python -m pytest -q -m slow": _SUITE,
     "python -m pytest -q --durations=20": _SUITE,
     "python -m pytest -q tests/test_x.py -k y": _SUITE,
