@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from ..errors import UsbyteError
 from ..formats import Schedule
 from .buffers import FlatGrads
 from .comm import Channel
+
+if TYPE_CHECKING:
+    from .guard import Guard
 
 
 class Phase(enum.Enum):
@@ -139,7 +142,7 @@ class StepComm:
         self.reaping = False
         self.reaped = 0                 # blocks before it are reaped (or not issued yet)
         #: Arms the tensors while their gradients are in flight (:mod:`.guard`), or None.
-        self.guard: Any = None
+        self.guard: Guard | None = None
         #: Keep the gradient guard armed after the wait (sharded mode: ``p.grad`` never holds
         #: the average, so reads stay refused until ``step()``).
         self.keep_grad_guard = False

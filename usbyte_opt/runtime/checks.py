@@ -324,3 +324,11 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
                             c.copy_(flat[off: off + c.numel()].view_as(c))
                             off += c.numel()
                 chunk, size = [], 0
+
+
+def require_initialized() -> None:
+    """Refuse to start before ``torch.distributed.init_process_group()``."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise UsbyteError("torch.distributed is not initialized: call "
+                          "torch.distributed.init_process_group() first (or start the script "
+                          "with `usbyte-opt launch`)")

@@ -147,19 +147,17 @@ class Guard:
             (:meth:`disarm_grads`) or raise.
         on_param: settles the parameter window for the tensors given (runs their updates);
             it must disarm them (:meth:`disarm`) or raise.
+        names: the tensors' names, in what settles (default ``#index``).
     """
 
     def __init__(self, params: Sequence[torch.nn.Parameter], on_grad: Callable[[str], None],
-                 on_param: Callable[[list[int]], None]):
+                 on_param: Callable[[list[int]], None], names: Sequence[str] | None = None):
         self.params = list(params)
         self.on_grad, self.on_param = on_grad, on_param
-        self.names: Sequence[str] = [f"#{t}" for t in range(len(self.params))]
+        self.names = list(names) if names is not None else [f"#{t}" for t in range(len(self.params))]
         self.grad_window = False
         #: Per tensor: armed for its pending update (the parameter window).
         self.param_armed = [False] * len(self.params)
-        #: The gradient window was settled by a touch this step (``p.grad`` may have been
-        #: reassigned: ``step()`` honours it).
-        self.grads_touched = False
         #: Sharded mode: ``p.grad`` is no averaged gradient there; a read is refused, not waited.
         self.refuse_grads: Callable[[str], None] | None = None
 
@@ -231,7 +229,6 @@ class Guard:
                 if kind == "get":
                     self.refuse_grads(what)
                 return   # p.grad = None: honoured (the step leaves the tensor out)
-            self.grads_touched = True
             self.on_grad(what)
         if self.param_armed[t] and not is_grad:
             self.on_param([t])

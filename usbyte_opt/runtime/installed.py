@@ -201,8 +201,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         updates.gate(ts)
         guard.disarm(ts)
 
-    guard = Guard(grads.params, lambda what: comm.complete(what), settle_param)
-    guard.names = grads.names
+    guard = Guard(grads.params, comm.complete, settle_param, grads.names)
     comm.guard = updates.guard = guard
     if sharded is not None:
         comm.keep_grad_guard = True

@@ -60,6 +60,7 @@ from .checks import (
     check_model,
     check_not_wrapped,
     check_world_size,
+    require_initialized,
     resolve_schedule,
     wrapped_now,
 )
@@ -262,10 +263,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._opt = optimizer
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
-        if not dist.is_available() or not dist.is_initialized():
-            raise UsbyteError("torch.distributed is not initialized: call "
-                              "torch.distributed.init_process_group() first (or start the script "
-                              "with `usbyte-opt launch`)")
+        require_initialized()
         if isinstance(optimizer, DistributedOptimizer):
             raise UsbyteError("the optimizer is already a DistributedOptimizer: wrap the plain one")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:

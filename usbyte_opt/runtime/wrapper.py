@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UsbyteError
-from .checks import broadcast_from_rank0
+from .checks import broadcast_from_rank0, require_initialized
 from .optimizer import DistributedOptimizer, ScheduleArg
 
 __all__ = ["DistributedDataParallel"]
@@ -89,10 +89,7 @@ class DistributedDataParallel(torch.nn.Module):
                  schedule: ScheduleArg = None, optimizer: torch.optim.Optimizer | None = None,
                  **runtime: Any):
         super().__init__()
-        if not dist.is_available() or not dist.is_initialized():
-            raise UsbyteError("torch.distributed is not initialized: call "
-                              "torch.distributed.init_process_group() first (or start the script "
-                              "with `usbyte-opt launch`)")
+        require_initialized()
         if device_ids is not None and len(device_ids) != 1:
             raise UsbyteError(f"device_ids: expected one device per process, got {device_ids!r}")
         self.module = module
@@ -219,9 +216,7 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
     ``state_dict()``, ``load_state_dict()`` and ``add_param_group()`` become the runtime's,
     and ``GradScaler.step(optimizer)`` hands its verdict to the runtime. The runtime's own
     calls of the wrapped optimizer reach the original methods."""
-    base = type(optimizer)
-    if getattr(base, "_usbyte_taken", False):
-        base = base.__mro__[1]
+    base = _base(optimizer) if getattr(type(optimizer), "_usbyte_taken", False) else type(optimizer)
     cls = _TAKEN.get(base)
     if cls is None:
         cls = type(base.__name__, (base,), {
