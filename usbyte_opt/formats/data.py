@@ -158,6 +158,40 @@ class CommSpec:
     ``None`` where not measured (every profile before sharded sweeps)."""
     all_gather: CollectiveCost | None = None
     """Measured all-gather cost (a shard in, ``b`` bytes out), optional as ``reduce_scatter``."""
+    nodes: int = 1
+    """Nodes the ranks are on (torchrun's ``--nnodes``), each with :attr:`ranks_per_node`
+    ranks; ``1`` in every profile before topology was recorded (a single-node world)."""
+    intra: CollectiveCost | None = None
+    """All-reduce cost on the ranks of one node (``ranks_per_node`` of them), ``b`` the whole
+    block's bytes; measured when there are several nodes of several ranks, else ``None``."""
+    inter: CollectiveCost | None = None
+    """All-reduce cost on one rank per node (``nodes`` of them), measured alone (the other
+    ranks idle), as ``intra``."""
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on each node (``world_size // nodes``).
+
+        Example::
+
+            >>> CommSpec("nccl", 16, 1.0, 5.0, nodes=2).ranks_per_node
+            8
+        """
+        return self.world_size // max(self.nodes, 1)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether a block can be all-reduced hierarchically: several nodes, several ranks on
+        each (reduce-scatter inside the node, all-reduce across nodes, all-gather inside).
+
+        Example::
+
+            >>> CommSpec("nccl", 16, 1.0, 5.0, nodes=2).hierarchical
+            True
+            >>> CommSpec("nccl", 2, 1.0, 5.0, nodes=2).hierarchical   # one rank per node
+            False
+        """
+        return self.nodes > 1 and self.ranks_per_node > 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -201,11 +235,14 @@ class Buffer:
 
 @dataclass(frozen=True, slots=True)
 class Block:
-    """A contiguous element range ``[start, end)`` of buffer ``buffer``: one all-reduce."""
+    """A contiguous element range ``[start, end)`` of buffer ``buffer``: one all-reduce, flat
+    on the whole group, or with ``hier`` hierarchical (reduce-scatter inside each node,
+    all-reduce across the nodes, all-gather inside; :attr:`Schedule.nodes` says the nodes)."""
 
     buffer: int
     start: int
     end: int
+    hier: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,6 +276,10 @@ class Schedule:
     """The model it was planned for (optional field ``model``: the profile's ``meta.model``,
     else its name), so that a schedule given to another model says which it fits; ``None``
     where a file has none."""
+    nodes: int = 1
+    """Nodes of :attr:`world_size` ranks, ``world_size // nodes`` on each (optional field
+    ``nodes``): what the hierarchical blocks (:attr:`Block.hier`) group ranks by. ``1``: one
+    node, every block flat."""
     path: str | None = field(default=None, compare=False, repr=False)
     """The file it was read from (:func:`~usbyte_opt.formats.load_schedule`), for messages;
     not part of the file."""
@@ -275,7 +316,27 @@ class Schedule:
             agreed["mode"] = str(self.mode)
         if "gathers" in d:
             agreed["gathers"] = d["gathers"]
+        if self.hierarchical:  # left out without hierarchy: such a digest is as before
+            agreed["nodes"] = self.nodes
         return _digest(agreed)
+
+    @property
+    def hierarchical(self) -> bool:
+        """Whether any block is hierarchical (:attr:`Block.hier`).
+
+        Example::
+
+            >>> s = Schedule("s", "p", "0" * 16, "f" * 16, 4, (Buffer("float32", ("a",)),),
+            ...              (Block(0, 0, 4, hier=True), Block(0, 4, 8)), nodes=2)
+            >>> s.hierarchical, s.ranks_per_node
+            (True, 2)
+        """
+        return any(k.hier for k in self.blocks)
+
+    @property
+    def ranks_per_node(self) -> int:
+        """Ranks on each node (``world_size // nodes``)."""
+        return self.world_size // max(self.nodes, 1)
 
 
 # --------------------------------------------------------------------------------------------

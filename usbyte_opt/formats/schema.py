@@ -194,6 +194,16 @@ class CommEntry(TypedDict):
     all_gather: NotRequired[Annotated[CollectiveEntry, Rule(
         description="measured all-gather cost (bytes out; bytes / world_size in per rank); "
                     "absent: half an all-reduce")]]
+    nodes: NotRequired[Annotated[int, Rule(
+        ge=1, le=MAX_WORLD_SIZE, default=1,
+        description="nodes the ranks are on, world_size / nodes on each (torchrun's "
+                    "--nnodes); divides world_size")]]
+    intra: NotRequired[Annotated[CollectiveEntry, Rule(
+        description="all-reduce cost on the ranks of one node (bytes the whole block's); "
+                    "measured with several nodes of several ranks")]]
+    inter: NotRequired[Annotated[CollectiveEntry, Rule(
+        description="all-reduce cost on one rank per node, the others idle (bytes the whole "
+                    "block's); measured with intra")]]
 
 
 @_record("usbyte-opt profile")
@@ -239,6 +249,10 @@ class BlockEntry(TypedDict):
     buffer: Annotated[int, Rule(ge=0, description="index into buffers")]
     start: Elements
     end: Annotated[Elements, Rule(description="> start; <= the buffer's numel")]
+    hier: NotRequired[Annotated[bool, Rule(
+        default=False, description="all-reduced hierarchically: reduce-scatter inside each "
+                                   "node, all-reduce across nodes, all-gather inside (needs "
+                                   "nodes > 1 with several ranks each, not sharded mode)")]]
 
 
 @_record("prediction", extra="allow")
@@ -272,6 +286,10 @@ class ScheduleFile(TypedDict):
                                             "another model is given the schedule")]]
     fingerprint: Annotated[Name, Rule(description="the profile's fingerprint")]
     world_size: Annotated[int, Rule(ge=1, le=MAX_WORLD_SIZE)]
+    nodes: NotRequired[Annotated[int, Rule(
+        ge=1, le=MAX_WORLD_SIZE, default=1,
+        description="nodes of world_size / nodes ranks each, as hierarchical blocks group "
+                    "them; divides world_size")]]
     mode: NotRequired[Annotated[ModeName, Rule(default=str(Mode.OVERLAP), description=_MODE_NOTE)]]
     buffers: Annotated[list[BufferEntry], Rule(min_length=1)]
     blocks: Annotated[list[BlockEntry], Rule(description="issue order; together they cover "
@@ -752,6 +770,17 @@ def _mismatch(tp: Any, keys: Sequence[Any], data: Any, source: str) -> FormatErr
 def _check_profile(d: dict[str, Any], source: str) -> None:
     """What no field of a valid profile value says alone: unique names, times within forward
     and backward, the gradient bytes."""
+    c = d["comm"]
+    nodes = c.get("nodes", 1)
+    if c["world_size"] % nodes:
+        raise FormatError(source, "comm.nodes", f"a divisor of world_size ({c['world_size']})",
+                          nodes)
+    G = c["world_size"] // nodes
+    for key in ("intra", "inter"):
+        if key in c and not (nodes > 1 and G > 1):
+            raise FormatError(source, f"comm.{key}", "nothing here unless comm.nodes > 1 with "
+                              f"several ranks on each (nodes {nodes}, world_size "
+                              f"{c['world_size']})")
     F, B = d["forward_ms"], d["backward_ms"]
     seen: dict[str, int] = {}
     total = 0
@@ -797,7 +826,18 @@ def _check_schedule(d: dict[str, Any], source: str) -> list[int]:
             numels.append(b["numel"])
     if numels and len(numels) != len(d["buffers"]):
         raise FormatError(source, "buffers", "a numel on every buffer or on none")
+    nodes, world = d.get("nodes", 1), d["world_size"]
+    if world % nodes:
+        raise FormatError(source, "nodes", f"a divisor of world_size ({world})", nodes)
     for i, k in enumerate(d["blocks"]):
+        if k.get("hier"):
+            if not (nodes > 1 and world // nodes > 1):
+                raise FormatError(source, f"blocks[{i}].hier", "false unless nodes > 1 with "
+                                  f"several ranks on each (nodes {nodes}, world_size {world})",
+                                  True)
+            if d.get("mode") == str(Mode.SHARDED):
+                raise FormatError(source, f"blocks[{i}].hier", "false in sharded mode (its "
+                                  "blocks are reduce-scattered flat)", True)
         p = f"blocks[{i}]"
         bi, s, e = k["buffer"], k["start"], k["end"]
         if bi >= len(d["buffers"]):
@@ -861,7 +901,10 @@ def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
         comm["cpu_ms_per_block"] = c.cpu_ms_per_block
     if c.cpu_ms_per_mb:
         comm["cpu_ms_per_mb"] = c.cpu_ms_per_mb
-    for key, cost in (("reduce_scatter", c.reduce_scatter), ("all_gather", c.all_gather)):
+    if c.nodes != 1:
+        comm["nodes"] = c.nodes
+    for key, cost in (("reduce_scatter", c.reduce_scatter), ("all_gather", c.all_gather),
+                      ("intra", c.intra), ("inter", c.inter)):
         if cost is not None:
             comm[key] = _dump_collective(cost)
     tensors = []
@@ -928,9 +971,11 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
         **({"model": schedule.model} if schedule.model is not None else {}),
         "fingerprint": schedule.fingerprint,
         "world_size": schedule.world_size,
+        **({"nodes": schedule.nodes} if schedule.nodes != 1 else {}),
         "mode": str(schedule.mode),
         "buffers": buffers,
-        "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end} for k in schedule.blocks],
+        "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end,
+                    **({"hier": True} if k.hier else {})} for k in schedule.blocks],
         "predicted": dict(schedule.predicted),
     }
     if schedule.shapes is not None:
@@ -963,13 +1008,14 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
     comm = CommSpec(c["backend"], c["world_size"], c["alpha_ms"], c["algbw_gbs"],
                     tuple((s["bytes"], s["ms"]) for s in c["samples"]), c["cpu_ms_per_block"],
                     c["cpu_ms_per_mb"], _parse_collective(c.get("reduce_scatter")),
-                    _parse_collective(c.get("all_gather")))
+                    _parse_collective(c.get("all_gather")), c["nodes"],
+                    _parse_collective(c.get("intra")), _parse_collective(c.get("inter")))
     return Profile(d["name"], d["forward_ms"], d["backward_ms"], tensors, comm, dict(d["meta"]))
 
 
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
 _SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "model", "fingerprint", "world_size",
-                  "mode", "buffers", "blocks", "predicted", "shapes", "gathers"}
+                  "nodes", "mode", "buffers", "blocks", "predicted", "shapes", "gathers"}
 
 
 def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
@@ -980,12 +1026,12 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
     shapes = d.get("shapes")
     sched = Schedule(d["strategy"], d["profile"]["name"], d["profile"]["digest"], d["fingerprint"],
                      d["world_size"], tuple(Buffer(b["dtype"], tuple(b["tensors"])) for b in d["buffers"]),
-                     tuple(Block(k["buffer"], k["start"], k["end"]) for k in d["blocks"]),
+                     tuple(Block(k["buffer"], k["start"], k["end"], k["hier"]) for k in d["blocks"]),
                      dict(d["predicted"]), tuple(numels),
                      {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
                      None if shapes is None else {n: tuple(s) for n, s in shapes.items()},
                      None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]),
-                     d.get("model"))
+                     d.get("model"), d["nodes"])
     if numels:
         check_coverage(sched, numels, source)
     return sched
