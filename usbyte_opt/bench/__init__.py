@@ -12,8 +12,12 @@ predicted beside measured) and ``logs/rank<r>.log``.
 Where the ranks run:
 
 * ``bandwidth`` given: in the lab (:mod:`usbyte_opt.bench.lab`), one network namespace per
-  rank, links shaped with tbf — root only;
-* otherwise on this machine's loopback (gloo, or NCCL with CUDA);
+  rank, links shaped with tbf — root only; with ``nodes`` > 1 the two-level lab: one
+  namespace per node, ``nproc`` ranks in each over its loopback, the nodes joined by the
+  shaped links;
+* otherwise on this machine's loopback (gloo, or NCCL with CUDA); with ``nodes`` > 1 the ranks
+  are grouped into nodes there (torchrun's node variables, nothing shaped:
+  :class:`~usbyte_opt.bench.lab.LoopbackNodes`);
 * under torchrun (``RANK`` set), on the ranks torchrun started: every rank calls
   :func:`run_bench`, rank 0 gets the result, the others ``None``.
 
@@ -53,6 +57,7 @@ from ..launcher import threads_per_rank
 from ..planning.strategies import load_sharded
 from ..profiler.options import ProfileOptions
 from .job import Job
+from .lab import IFNAME
 from .worker import REFERENCE, TORCH_DDP, TORCH_FSDP2
 
 #: The planner's sharded strategies (schedules in ``Mode.SHARDED``, ZeRO-1 on the runtime)
@@ -130,7 +135,10 @@ class BenchConfig:
     model: str
     """Built-in name, ``lab-cnn``/``lab-transformer`` or ``package.module:factory``."""
     nproc: int = 2
-    """Ranks to start on this machine."""
+    """Ranks to start per node (on this machine)."""
+    nodes: int = 1
+    """Nodes to emulate on this machine, each of ``nproc`` ranks (torchrun's numbering: node
+    k holds ranks k*nproc .. k*nproc+nproc-1); with ``bandwidth``, the two-level lab."""
     bandwidth: str | None = None
     """Link rate of the lab (``200mbit``); ``None``: the ordinary network."""
     iterations: int = 20
@@ -228,8 +236,8 @@ class BenchConfig:
             profile=str(Path(self.profile).resolve()) if self.profile else None,
             out_dir=str(out_dir.resolve()),
             device=self.device,
-            threads=self.threads or threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                                        self.nproc))),
+            threads=self.threads or threads_per_rank(int(os.environ.get(
+                "LOCAL_WORLD_SIZE", self.nproc * self.nodes))),   # every node on this machine
             profiling=self.profiling,
             verify=self.verify,
             time_budget_s=self.time_budget_s,
@@ -238,6 +246,7 @@ class BenchConfig:
             first_warmup=self.first_warmup,
             max_rounds=self.max_rounds,
             max_train_s=self.max_train_s,
+            link=None if not self.bandwidth or "RANK" in os.environ else IFNAME,
         )
         return job
 
@@ -249,14 +258,23 @@ def _model_label(model: str) -> str:
 
 
 def network_info(lab: Any = None) -> dict[str, Any]:
-    """How the ranks were connected, for the report."""
-    if lab is not None:
+    """How the ranks were connected, for the report (``nodes`` and ``ranks_per_node``: the
+    two-level lab's, or the nodes grouped on loopback)."""
+    if lab is not None and getattr(lab, "shaping", None) is not None:
         from .lab import format_rate
 
         s = lab.shaping
-        return {"kind": "lab", "rate_bps": s.rate_bps, "short": format_rate(s.rate_bps) + " lab",
+        nodes = {"nodes": lab.nodes, "ranks_per_node": lab.ranks_per_node} \
+            if lab.ranks_per_node > 1 else {}
+        short = format_rate(s.rate_bps) + " lab" + (
+            f", {lab.nodes} nodes x {lab.ranks_per_node}" if nodes else "")
+        return {"kind": "lab", "rate_bps": s.rate_bps, "short": short, **nodes,
                 "tbf": {"rate_bps": s.rate_bps, "burst_bytes": s.burst_bytes, "latency_ms": s.latency_ms},
                 "description": f"lab at {format_rate(s.rate_bps)} ({lab.describe()})"}
+    if lab is not None:   # nodes grouped on loopback
+        return {"kind": "loopback", "short": f"loopback, {lab.nodes} nodes x {lab.ranks_per_node}",
+                "nodes": lab.nodes, "ranks_per_node": lab.ranks_per_node,
+                "description": lab.describe()}
     if "RANK" in os.environ:
         return {"kind": "torchrun", "short": "torchrun", "description": "the ranks torchrun started"}
     return {"kind": "loopback", "short": "loopback", "description": "this machine's loopback"}
@@ -264,6 +282,8 @@ def network_info(lab: Any = None) -> dict[str, Any]:
 
 def default_out_dir(cfg: BenchConfig) -> Path:
     tag = cfg.bandwidth.replace("/", "") if cfg.bandwidth else "loopback"
+    if cfg.nodes > 1:
+        tag += f"-{cfg.nodes}x{cfg.nproc}"
     return Path("bench-results") / f"{cfg.name or _model_label(cfg.model)}-{tag}"
 
 
@@ -312,11 +332,14 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     from ..formats import write_json
     from ..models import resolve
     from . import report
+    from .lab import LoopbackNodes, check_nodes
     from .worker import run_rank
 
     t0 = time.perf_counter()
     out = cfg.out_dir or default_out_dir(cfg)
-    if cfg.nproc < 2 and "RANK" not in os.environ and progress is not None:
+    check_nodes(cfg.nodes, cfg.nproc)
+    world = cfg.nproc * cfg.nodes
+    if world < 2 and "RANK" not in os.environ and progress is not None:
         progress("one rank: no all-reduce to schedule; this measures the runtime's own cost "
                  "against DDP and checks the flow")
     job = cfg.job(out)
@@ -325,6 +348,9 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     if cfg.bandwidth and torchrun:
         raise UsbyteError("--bandwidth starts its own ranks in the lab: run `usbyte-opt bench` "
                           "without torchrun")
+    if cfg.nodes > 1 and torchrun:
+        raise UsbyteError(f"--nodes {cfg.nodes}: under torchrun the nodes are torchrun's own "
+                          "(--nnodes); leave --nodes out")
     for sub in ("traces", "schedules", "logs"):
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -340,11 +366,15 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     else:
         from .lab import Lab
 
-        ctx = Lab(cfg.nproc, cfg.bandwidth) if cfg.bandwidth else contextlib.nullcontext()
+        ctx: Any = contextlib.nullcontext()
+        if cfg.bandwidth:
+            ctx = Lab(world, cfg.bandwidth, ranks_per_node=cfg.nproc if cfg.nodes > 1 else 1)
+        elif cfg.nodes > 1:
+            ctx = LoopbackNodes(world, cfg.nproc)
         with ctx as lab:
             if lab is not None and progress:
-                progress(f"lab: {lab.describe()}")
-            _run_workers(job_path, cfg.nproc, out / "logs", lab, cfg.timeout_s, progress)
+                progress(("lab: " if cfg.bandwidth else "no --bandwidth: ") + lab.describe())
+            _run_workers(job_path, world, out / "logs", lab, cfg.timeout_s, progress)
         raw = report.load_json(out / "raw.json")
     network = network_info(lab)
     result = report.summarize(raw, network, out)

@@ -88,6 +88,9 @@ class Job:
     distinguishable (:mod:`usbyte_opt.verdict`); at most ``rounds``: exactly ``rounds``."""
     max_train_s: float = 600.0
     """No round is added once the timed rounds have taken this many seconds."""
+    link: str | None = None
+    """In the lab: the interface of each node's shaped link (``usb0``), whose sent bytes the
+    first rank of every node counts during each strategy's turns; ``None``: not counted."""
 
     def to_dict(self) -> dict[str, Any]:
         """The job as the JSON object of its file."""

@@ -10,13 +10,23 @@ by ``tc ... tbf`` (token bucket: a rate limit without added delay; these kernels
   hub end attached to the bridge), tbf on both ends of every pair: each rank's uplink and
   downlink carry ``rate``, as with one switch port per host.
 
-Names and addresses are the lab's own: namespaces ``usbyte-<pid>-r<rank>`` (and
-``usbyte-<pid>-hub``), addresses ``10.231.<k>.<rank + 1>/24`` with ``k`` derived from the pid,
-inside those namespaces only. Nothing is created in the host's own namespace, so deleting the
-namespaces removes every link. They are deleted on every exit path: normal exit, errors,
-Ctrl-C, SIGTERM/SIGHUP (turned into :class:`SystemExit` while the lab is open) and interpreter
-exit. A lab killed with SIGKILL leaves its namespaces behind; the next :class:`Lab` removes
-those of processes that no longer exist (only names with the ``usbyte-`` prefix).
+With ``ranks_per_node`` G > 1 it is the **two-level lab**: one namespace per *node*
+(``usbyte-<pid>-n<node>``), the node's G ranks sharing it, so that traffic between ranks of
+one node stays on that namespace's loopback (fast, as NVLink is against the NIC) while traffic
+between nodes crosses the shaped links, joined as above (2 nodes: one veth pair; more: the
+hub). Ranks are grouped as torchrun numbers them: node k holds global ranks k*G .. k*G+G-1,
+and :meth:`Lab.env` gives each rank torchrun's ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``,
+``GROUP_RANK`` and ``GROUP_WORLD_SIZE``; :meth:`Lab.torchrun` is the command that starts a
+node's ranks with torchrun itself.
+
+Names and addresses are the lab's own: namespaces ``usbyte-<pid>-r<rank>`` (two-level:
+``usbyte-<pid>-n<node>``; and ``usbyte-<pid>-hub``), addresses ``10.231.<k>.<i + 1>/24``
+(``i`` the rank, or the node) with ``k`` derived from the pid, inside those namespaces only.
+Nothing is created in the host's own namespace, so deleting the namespaces removes every link.
+They are deleted on every exit path: normal exit, errors, Ctrl-C, SIGTERM/SIGHUP (turned into
+:class:`SystemExit` while the lab is open) and interpreter exit. A lab killed with SIGKILL
+leaves its namespaces behind; the next :class:`Lab` removes those of processes that no longer
+exist (only names with the ``usbyte-`` prefix).
 
 MTU 9000 on every link (jumbo frames, as data-centre and HPC networks run them): at 1500
 bytes the veth + tbf + TCP path costs the cores that train many times more CPU per
@@ -49,6 +59,11 @@ Example::
     >>> with Lab(2, "200mbit") as lab:          # doctest: +SKIP
     ...     lab.command(1, ["python", "-c", "print(1)"])[:4], lab.master_addr
     (['ip', 'netns', 'exec', 'usbyte-4242-r1'], '10.231.243.1')
+    >>> two = Lab(4, "200mbit", ranks_per_node=2, prefix="x-")   # 2 nodes x 2 ranks
+    >>> two.nodes, two.node_of(3), two.command(3, ["python"])[3].endswith("-n1")
+    (2, 1, True)
+    >>> {k: two.env(3)[k] for k in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")}
+    {'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '2', 'GROUP_RANK': '1'}
 """
 
 from __future__ import annotations
@@ -190,6 +205,32 @@ def remove_stale(prefix: str = PREFIX) -> list[str]:
     return removed
 
 
+def tx_bytes(ifname: str = IFNAME, table: str = "/proc/net/dev") -> int | None:
+    """Bytes this process's network namespace has sent on ``ifname`` (the kernel's counter in
+    ``table``, ``/proc/net/dev``, which each namespace has its own of); ``None`` when it has no
+    such interface. Inside the lab, what a node sent on its shaped link.
+
+    Example::
+
+        >>> import tempfile
+        >>> with tempfile.NamedTemporaryFile("w", suffix=".dev", delete=False) as f:
+        ...     _ = f.write("Inter-|   Receive |  Transmit\\n face |bytes packets|bytes packets\\n"
+        ...                 "    lo: 10 1 0 0 0 0 0 0 10 1 0 0 0 0 0 0\\n"
+        ...                 "  usb0: 700 5 0 0 0 0 0 0 9000 7 0 0 0 0 0 0\\n")
+        >>> tx_bytes("usb0", f.name), tx_bytes("eth9", f.name)
+        (9000, None)
+    """
+    try:
+        with open(table) as f:
+            for line in f:
+                name, sep, rest = line.partition(":")
+                if sep and name.strip() == ifname:
+                    return int(rest.split()[8])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
 def preflight() -> None:
     """Raise :class:`LabError` (one line, with what to do) unless the lab can be built here."""
     if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
@@ -203,35 +244,90 @@ def preflight() -> None:
             raise LabError(f"--bandwidth needs `{tool}` (package {pkg}), which is not on PATH")
 
 
+def node_env(rank: int, world_size: int, ranks_per_node: int) -> dict[str, str]:
+    """torchrun's variables for global rank ``rank`` of ``world_size`` ranks in nodes of
+    ``ranks_per_node``: node k holds ranks k*G .. k*G+G-1 (``RANK = GROUP_RANK *
+    LOCAL_WORLD_SIZE + LOCAL_RANK``, as torchrun numbers them).
+
+    Example::
+
+        >>> node_env(5, 8, 4)   # doctest: +NORMALIZE_WHITESPACE
+        {'RANK': '5', 'WORLD_SIZE': '8', 'LOCAL_RANK': '1', 'LOCAL_WORLD_SIZE': '4',
+         'GROUP_RANK': '1', 'GROUP_WORLD_SIZE': '2'}
+    """
+    g = int(ranks_per_node)
+    if g < 1 or world_size % g or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} of {world_size} in nodes of {ranks_per_node}")
+    return {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % g),
+            "LOCAL_WORLD_SIZE": str(g), "GROUP_RANK": str(rank // g),
+            "GROUP_WORLD_SIZE": str(world_size // g)}
+
+
+def check_nodes(nodes: int, ranks_per_node: int) -> None:
+    """Refuse a node layout that makes no two-level lab (one line naming the option).
+
+    Example::
+
+        >>> check_nodes(2, 2)
+        >>> check_nodes(0, 2)
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsbyteError: --nodes 0: expected an integer >= 1
+    """
+    if nodes < 1:
+        raise UsbyteError(f"--nodes {nodes}: expected an integer >= 1")
+    if ranks_per_node < 1:
+        raise UsbyteError(f"--nproc-per-node {ranks_per_node}: expected an integer >= 1")
+    if nodes * ranks_per_node > 250:
+        raise UsbyteError(f"--nodes {nodes} x --nproc-per-node {ranks_per_node}: the lab holds at "
+                          "most 250 ranks on one machine")
+
+
 class Lab:
-    """Network namespaces joined by tbf-shaped veth links, one namespace per rank.
+    """Network namespaces joined by tbf-shaped veth links: one namespace per rank, or with
+    ``ranks_per_node`` > 1 one per node (the two-level lab: a node's ranks share its
+    namespace and talk over its loopback; nodes talk over the shaped links).
 
     Args:
-        world_size: number of ranks (>= 2).
+        world_size: number of ranks (>= 2; with ``ranks_per_node`` a multiple of it, for at
+            least 2 nodes).
         rate: link rate, e.g. ``"200mbit"`` (or bits per second as an int).
         latency_ms: tbf queue length in ms of ``rate``.
         mtu: MTU of every link (default 9000, jumbo frames as in data-centre networks; see
             the module docstring).
         prefix: name prefix of the namespaces (tests use their own).
+        ranks_per_node: ranks sharing one namespace (a node); 1 (default): one namespace per
+            rank, as before nodes existed.
 
-    Use it as a context manager; :meth:`command` wraps a rank's argv in ``ip netns exec`` and
-    :meth:`env` gives the rank's rendezvous variables.
+    Use it as a context manager; :meth:`command` wraps a rank's argv in ``ip netns exec`` (of
+    its node's namespace) and :meth:`env` gives the rank's rendezvous variables.
     """
 
     def __init__(self, world_size: int = 2, rate: str | int = "200mbit", latency_ms: float = 20.0,
-                 prefix: str = PREFIX, mtu: int = 9000):
-        if world_size < 2:
+                 prefix: str = PREFIX, mtu: int = 9000, ranks_per_node: int = 1):
+        g = int(ranks_per_node)
+        if g > 1:
+            check_nodes(world_size // g, g)
+            if world_size % g or world_size // g < 2:
+                raise UsbyteError(f"--nodes {world_size // g}: the two-level lab needs at least 2 "
+                                  f"nodes of {g} ranks (got {world_size} ranks)")
+        elif world_size < 2:
             raise UsbyteError(f"--nproc-per-node {world_size}: the lab needs at least 2 ranks")
         self.world_size = world_size
+        self.ranks_per_node = max(1, g)
+        self.nodes = world_size // self.ranks_per_node
         self.shaping = shaping(parse_rate(rate) if isinstance(rate, str) else int(rate), latency_ms,
                                mtu)
         self.mtu = int(mtu)
         self.prefix = prefix
         pid = os.getpid()
-        self.namespaces = [f"{prefix}{pid}-r{r}" for r in range(world_size)]
-        self.hub = f"{prefix}{pid}-hub" if world_size > 2 else None
+        tag = "n" if self.ranks_per_node > 1 else "r"
+        #: One namespace per node (per rank when ``ranks_per_node`` is 1).
+        self.namespaces = [f"{prefix}{pid}-{tag}{k}" for k in range(self.nodes)]
+        self.hub = f"{prefix}{pid}-hub" if self.nodes > 2 else None
         self.subnet = 1 + pid % 254  # 10.231.<subnet>.0/24
-        self.addresses = [f"10.231.{self.subnet}.{r + 1}" for r in range(world_size)]
+        #: Each namespace's address on its ``usb0`` (a node's ranks share it).
+        self.addresses = [f"10.231.{self.subnet}.{k + 1}" for k in range(self.nodes)]
         self._created: list[str] = []
         self._lock = threading.Lock()
         self._saved: dict[int, Any] = {}
@@ -243,21 +339,70 @@ class Lab:
     def master_addr(self) -> str:
         return self.addresses[0]
 
+    def node_of(self, rank: int) -> int:
+        """The node (namespace index) of global rank ``rank``."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank}: expected 0 .. {self.world_size - 1}")
+        return rank // self.ranks_per_node
+
     def command(self, rank: int, argv: Sequence[str]) -> list[str]:
-        """``argv`` run inside rank ``rank``'s namespace."""
-        return ["ip", "netns", "exec", self.namespaces[rank], *argv]
+        """``argv`` run inside rank ``rank``'s namespace (its node's)."""
+        return ["ip", "netns", "exec", self.namespaces[self.node_of(rank)], *argv]
 
     def env(self, rank: int) -> dict[str, str]:
-        """Rendezvous variables of rank ``rank``: MASTER_ADDR and the interface for gloo/NCCL."""
+        """Rendezvous variables of rank ``rank``: MASTER_ADDR and the interface for gloo/NCCL;
+        in the two-level lab also torchrun's node variables (:func:`node_env`)."""
         # NCCL would otherwise move bytes between GPUs of one host through shared memory or
-        # peer-to-peer copies, past the shaped link.
-        return {"MASTER_ADDR": self.master_addr, "GLOO_SOCKET_IFNAME": IFNAME,
-                "NCCL_SOCKET_IFNAME": IFNAME, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
-                "NCCL_IB_DISABLE": "1"}
+        # peer-to-peer copies, past the shaped link. (Two-level: gloo binds every rank to its
+        # node's usb0 address; a rank of the same node is that same address, which the kernel
+        # routes over the namespace's loopback, so only bytes between nodes meet the tbf.)
+        env = {"MASTER_ADDR": self.master_addr, "GLOO_SOCKET_IFNAME": IFNAME,
+               "NCCL_SOCKET_IFNAME": IFNAME, "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1",
+               "NCCL_IB_DISABLE": "1"}
+        if self.ranks_per_node > 1:
+            env.update(node_env(rank, self.world_size, self.ranks_per_node))
+        return env
+
+    def torchrun(self, node: int, argv: Sequence[str], port: int = 29500) -> list[str]:
+        """The command that starts node ``node``'s ranks with torchrun inside its namespace,
+        meeting at node 0's address (``--nnodes``, ``--nproc-per-node``, ``--node-rank``):
+        run it once per node, with :meth:`env`'s interface variables in the environment.
+
+        Example::
+
+            >>> Lab(4, "1gbit", ranks_per_node=2, prefix="x-").torchrun(1, ["train.py"])[5:]
+            ... # doctest: +ELLIPSIS, +NORMALIZE_WHITESPACE
+            ['-m', 'torch.distributed.run', '--nnodes', '2', '--nproc-per-node', '2',
+             '--node-rank', '1', '--master-addr', '10.231...1', '--master-port', '29500',
+             'train.py']
+        """
+        import sys
+
+        if not 0 <= node < self.nodes:
+            raise ValueError(f"node {node}: expected 0 .. {self.nodes - 1}")
+        return ["ip", "netns", "exec", self.namespaces[node], sys.executable, "-m",
+                "torch.distributed.run", "--nnodes", str(self.nodes), "--nproc-per-node",
+                str(self.ranks_per_node), "--node-rank", str(node), "--master-addr",
+                self.master_addr, "--master-port", str(port), *argv]
+
+    def link_bytes(self) -> list[int]:
+        """Bytes each namespace has sent on its ``usb0`` so far (the shaped link's own
+        counter, as ``tc -s qdisc`` reports it), in namespace order."""
+        out = []
+        for ns in self.namespaces:
+            p = _run(["ip", "netns", "exec", ns, "tc", "-s", "qdisc", "show", "dev", IFNAME])
+            m = re.search(r"Sent (\d+) bytes", p.stdout)
+            out.append(int(m.group(1)) if m else 0)
+        return out
 
     def describe(self) -> str:
-        topo = "veth pair" if self.world_size == 2 else f"bridge, {self.world_size} veth pairs"
-        return (f"{self.world_size} namespaces ({topo}), 10.231.{self.subnet}.0/24, "
+        n = self.nodes
+        topo = "veth pair" if n == 2 else f"bridge, {n} veth pairs"
+        if self.ranks_per_node > 1:
+            return (f"{n} nodes of {self.ranks_per_node} ranks, one namespace each (the node's "
+                    f"ranks over its loopback, nodes over a {topo}), 10.231.{self.subnet}.0/24, "
+                    f"{self.shaping.describe()} on every link end")
+        return (f"{n} namespaces ({topo}), 10.231.{self.subnet}.0/24, "
                 f"{self.shaping.describe()} on every link end")
 
     # -- life cycle --------------------------------------------------------------------------
@@ -316,8 +461,8 @@ class Lab:
             _run(["ip", "-n", self.hub, "link", "set", "br0", "mtu", str(self.mtu)])
         for ns, dev in ends:
             _run(["ip", "-n", ns, "link", "set", dev, "mtu", str(self.mtu)])
-        for r, ns in enumerate(self.namespaces):
-            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[r]}/24", "dev", IFNAME])
+        for k, ns in enumerate(self.namespaces):
+            _run(["ip", "-n", ns, "addr", "add", f"{self.addresses[k]}/24", "dev", IFNAME])
             _run(["ip", "-n", ns, "link", "set", IFNAME, "up"])
         for ns, dev in ends:
             self._shape(ns, dev)
@@ -365,5 +510,53 @@ class Lab:
         self._saved.clear()
 
 
-__all__ = ["IFNAME", "Lab", "LabError", "PREFIX", "Shaping", "format_rate", "list_namespaces",
-           "parse_rate", "preflight", "remove_stale", "shaping"]
+class LoopbackNodes:
+    """Ranks grouped into nodes on this machine's loopback, without a lab: every rank gets
+    torchrun's node variables (:func:`node_env`), so that what reads the topology (the
+    profiler, the planner, the runtime's subgroups) sees ``world_size // ranks_per_node``
+    nodes, but nothing between them is shaped: it checks the flow, not the network. It has
+    the surface :func:`usbyte_opt.launcher.run_ranks` takes as ``lab``.
+
+    Example::
+
+        >>> with LoopbackNodes(4, 2) as nodes:
+        ...     nodes.command(3, ["python"]), nodes.env(3)["GROUP_RANK"], nodes.master_addr
+        (['python'], '1', '127.0.0.1')
+    """
+
+    def __init__(self, world_size: int, ranks_per_node: int):
+        check_nodes(world_size // max(1, ranks_per_node), ranks_per_node)
+        self.world_size = world_size
+        self.ranks_per_node = ranks_per_node
+        self.nodes = world_size // ranks_per_node
+        self.master_addr = "127.0.0.1"
+        self.port: int | None = None
+
+    def __enter__(self) -> LoopbackNodes:
+        from ..launcher import free_port
+
+        self.port = free_port()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+    def command(self, rank: int, argv: Sequence[str]) -> list[str]:
+        """``argv`` itself: every rank runs on this machine."""
+        return list(argv)
+
+    def env(self, rank: int) -> dict[str, str]:
+        """torchrun's variables of rank ``rank`` (its node's), the rendezvous port, and gloo
+        on the loopback interface (a job spanning nodes must name the one they meet on)."""
+        env = {**node_env(rank, self.world_size, self.ranks_per_node), "GLOO_SOCKET_IFNAME": "lo"}
+        if self.port is not None:
+            env["MASTER_PORT"] = str(self.port)
+        return env
+
+    def describe(self) -> str:
+        return (f"{self.nodes} nodes of {self.ranks_per_node} ranks on this machine's loopback "
+                "(nothing shaped between them)")
+
+
+__all__ = ["IFNAME", "Lab", "LabError", "LoopbackNodes", "PREFIX", "Shaping", "check_nodes", "format_rate",
+           "list_namespaces", "node_env", "parse_rate", "preflight", "remove_stale", "shaping", "tx_bytes"]

@@ -159,6 +159,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
             "blocks": p["blocks"],
             "final_loss": run["final_loss"],
             "max_param_diff": run["max_param_diff"],
+            # In the lab: bytes sent on the shaped links per iteration, every node's together.
+            "link_bytes_per_iteration": run.get("link_bytes_per_iteration"),
             "schedule": raw["schedules"].get(s),
             "trace": raw["traces"].get(s),
         }
@@ -357,6 +359,12 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
     if ref is not None:
         lines.append(f"Compute alone (`no-comm`: every rank trains without communication, side by side): "
                      f"measured {ref['measured_ms']:.1f} ms against {ref['predicted_ms']:.1f} ms profiled.")
+    wire = [(r["strategy"], r["link_bytes_per_iteration"]) for r in result["runs"]
+            if r.get("link_bytes_per_iteration") is not None and r["strategy"] != REFERENCE]
+    if wire:
+        lines.append("Bytes on the shaped links per iteration, every node's together (the "
+                     "kernel's counter of each node's link, around every turn): "
+                     + ", ".join(f"{s} {b / 1e6:.2f} MB" for s, b in wire) + ".")
     for n in notes:
         lines.append(n)
     lines.append("")

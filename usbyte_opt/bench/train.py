@@ -221,6 +221,10 @@ class Trainee:
         self.durations_ms: list[float] = []
         #: Each turn's timed iterations (ms), in order: the windows of the comparisons.
         self.windows_ms: list[list[float]] = []
+        #: Bytes this rank's node sent on the lab's link during this trainee's turns, and the
+        #: iterations those turns ran (:func:`turn` with ``link``).
+        self.link_bytes = 0
+        self.link_iterations = 0
 
     def iteration(self) -> None:
         x = self.batches[self.steps % len(self.batches)]
@@ -279,12 +283,16 @@ TRACED = 10
 SETTLE_CAP = 120
 
 
-def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
+def turn(t: Trainee, warmup: int, timed: int, device: torch.device,
+         link: Callable[[], int] | None = None) -> None:
     """One turn of ``t``: untimed warm-up, ``timed`` timed iterations, drain, barrier.
 
     An iteration's time is from its start to the next one's, in steady state. On CUDA the
     stamps are events on the current stream, read after the turn: a host synchronize per
-    iteration would wait for NCCL as well and turn the runtime's overlap into a fence."""
+    iteration would wait for NCCL as well and turn the runtime's overlap into a fence. With
+    ``link`` (a byte counter of this node's link), the bytes sent during the turn and its
+    iterations are added to ``t.link_bytes`` and ``t.link_iterations``."""
+    sent = link() if link is not None else 0
     for _ in range(warmup):
         t.iteration()
     if device.type == "cuda":
@@ -307,12 +315,16 @@ def turn(t: Trainee, warmup: int, timed: int, device: torch.device) -> None:
     t.durations_ms += new
     t.windows_ms.append(new)
     dist.barrier()
+    if link is not None:
+        t.link_bytes += link() - sent
+        t.link_iterations += warmup + timed + 1
 
 
 def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup: int,
                device: torch.device, first_warmup: int = 3,
                progress: Callable[[str], None] | None = None, traced: int = 0,
-               against: str | None = None, budget: Budget | None = None) -> None:
+               against: str | None = None, budget: Budget | None = None,
+               link: Callable[[], int] | None = None) -> None:
     """Time ``iterations`` steady-state iterations of every trainee, in ``rounds`` turns each,
     and more turns while a comparison with ``against`` is not distinguishable.
 
@@ -330,6 +342,7 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
     every trainee ends after as many steps. Runtimes with a trace file record their
     measured timeline only in a last, untimed pass of ``traced`` iterations that every trainee
     runs (recording costs the host time in the hooks, which DDP's timed iterations do not pay).
+    ``link``: a byte counter of this node's link, read around every turn (:func:`turn`).
     """
     for t in trainees:
         t.record_trace(False)
@@ -366,7 +379,7 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
         for t in (active if r % 2 == 0 else active[::-1]):
             if progress:
                 progress(f"round {label}: {t.name}")
-            turn(t, warmup, k, device)
+            turn(t, warmup, k, device, link)
         if budget is None or base is None:
             continue
         # This round's window medians and the time so far, mean over the ranks.

@@ -30,6 +30,7 @@ import dataclasses
 import math
 import os
 import sys
+import tempfile
 import time
 import warnings
 from collections.abc import Callable
@@ -312,6 +313,7 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
     clock.lap("train")
     if job.trace:
         trace_mod.flush_all()
+        _gather_traces(traces, rank, world)
     ref, every = _gather(trainees, world)
     if rank != 0:
         return None
@@ -464,6 +466,9 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
     from .train import TRACED, Trainee, interleave
 
     out = Path(job.out_dir)
+    # Rank 0 records into the output folder; the others into a folder of their own machine,
+    # sent to rank 0 afterwards (_gather_traces): no filesystem is assumed shared.
+    tdir = out / "traces" if rank == 0 else Path(tempfile.mkdtemp(prefix="usbyte-traces-"))
     opt = job.profiling.optimizer
     trainees = []
     traces: dict[str, str] = {}
@@ -479,7 +484,7 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
                                     planned.schedules[s], rank=rank))
         else:  # the runtime, in its schedule's mode (all-reduce or sharded)
             if job.trace:
-                traces[s] = str(out / "traces" / f"{s}.measured.json")
+                traces[s] = str(tdir / f"{s}.measured.json")
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
                                     trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1))
@@ -492,8 +497,61 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
     interleave(trainees, job.iterations, job.rounds, job.warmup, dev,
                first_warmup=job.first_warmup, progress=say,
                traced=min(TRACED, job.iterations) if job.trace else 0,
-               against=TORCH_DDP, budget=budget)
+               against=TORCH_DDP, budget=budget, link=_link_counter(job))
     return trainees, traces
+
+
+def _link_counter(job: Job) -> Callable[[], int] | None:
+    """The byte counter of this node's lab link (``job.link``), read by the first rank of
+    each node only (the node's ranks share the link); ``None`` elsewhere."""
+    from .lab import tx_bytes
+
+    if job.link is None or int(os.environ.get("LOCAL_RANK", "0")) != 0 \
+            or tx_bytes(job.link) is None:
+        return None
+    name = job.link
+    return lambda: tx_bytes(name) or 0
+
+
+def _gather_traces(traces: dict[str, str], rank: int, world: int) -> None:
+    """Every rank's measured trace files, sent to rank 0 over the process group and written
+    there beside its own (``<strategy>.measured.rank<r>.json``); the other ranks' local
+    copies are removed."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ..runtime.trace import path_for_rank
+
+    mine: dict[str, str] = {}
+    for s, path in traces.items():
+        p = Path(path_for_rank(path, rank))
+        try:
+            mine[s] = p.read_text()
+        except OSError:
+            continue   # nothing recorded (a trainee that settled on DDP's buckets, say)
+    every: list[Any] = [None] * world if rank == 0 else []
+    dist.gather_object(mine, every if rank == 0 else None, dst=0)
+    if rank != 0:
+        if traces:
+            from ..runtime import trace as trace_mod
+
+            folder = Path(next(iter(traces.values()))).parent
+            for rec in list(trace_mod._recorders):   # sent: not to be written again at exit
+                if Path(rec.path).parent == folder:
+                    rec.records.clear()
+            shutil.rmtree(folder, ignore_errors=True)
+        return
+    for r, docs in enumerate(every):
+        if r == 0 or not docs:
+            continue
+        for s, text in docs.items():
+            if s in traces:
+                target = Path(path_for_rank(traces[s], r))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                tmp = target.with_suffix(".tmp")
+                tmp.write_text(text)
+                tmp.replace(target)
 
 
 def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
@@ -507,6 +565,7 @@ def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
     ref = ref or next((t for t in trainees if t.kind == "fsdp2"), None)
     ref_params = ref.parameters() if ref is not None else None
     mine = {}
+    counted = [t.link_iterations > 0 for t in trainees]
     for t in trainees:
         diff = None
         if ref_params is not None and t.kind != "local" and t is not ref:
@@ -518,7 +577,10 @@ def _gather(trainees: list[Any], world: int) -> tuple[Any, list[Any]]:
         mine[t.name] = {"durations_ms": t.durations_ms, "windows_ms": t.windows_ms,
                         "losses": t.losses, "steps": t.steps,
                         "max_param_diff": diff, "runtime": t.report(),
-                        "state_bytes": t.state_bytes()}
+                        "state_bytes": t.state_bytes(),
+                        # this node's link, counted by its first rank (None: not counted here)
+                        "link_bytes": t.link_bytes if any(counted) else None,
+                        "link_iterations": t.link_iterations}
     every: list[Any] = [None] * world
     dist.all_gather_object(every, mine)
     return ref, every
@@ -548,6 +610,7 @@ def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned)
                    "steps": per_rank[0]["steps"],
                    "max_param_diff": max(diffs) if diffs else None,
                    "state_bytes_by_rank": [p["state_bytes"] for p in per_rank],
+                   "link_bytes_per_iteration": _link_per_iteration(per_rank),
                    "runtime": per_rank[0]["runtime"]}
         rt = per_rank[0]["runtime"] or {}
         pred = planned.predicted.get(s)
@@ -556,6 +619,15 @@ def _runs(strategies: list[str], every: list[Any], world: int, planned: Planned)
             pred.mode = (rt.get("plan") or {}).get("mode", "auto")
             pred.blocks = (rt.get("plan") or {}).get("blocks")
     return runs
+
+
+def _link_per_iteration(per_rank: list[Any]) -> float | None:
+    """Bytes sent on the lab's links per iteration, all nodes together (each node's first
+    rank counted its own link); ``None`` when nothing was counted (not in the lab)."""
+    counted = [p for p in per_rank if p.get("link_bytes") is not None and p.get("link_iterations")]
+    if not counted:
+        return None
+    return sum(p["link_bytes"] / p["link_iterations"] for p in counted)
 
 
 def _compute_scale(runs: dict[str, Any], planned: Planned) -> float:

@@ -4,7 +4,8 @@ Profiles MODEL on real ranks (or takes ``--profile``), plans every strategy, tra
 model with PyTorch DDP (and PyTorch FSDP2, ``fsdp2``) and with the runtime under each
 strategy's schedule (the sharded ones in ZeRO-1 mode), and prints the measured iteration time
 beside the prediction and each strategy's optimizer-state bytes per rank. ``--bandwidth 200mbit`` runs the ranks in the
-lab (network namespaces joined by a tbf-shaped veth link; root only). The domain work is
+lab (network namespaces joined by a tbf-shaped veth link; root only); with ``--nodes 2
+--nproc-per-node 2`` the two-level lab (one namespace per node). The domain work is
 :func:`usbyte_opt.bench.run_bench`.
 """
 
@@ -55,9 +56,17 @@ def bench(
         help="Built-in name (cnn, transformer, mlp, lab-cnn, lab-vgg, lab-transformer, ...) or "
              "package.module:factory.")],
     nproc_per_node: Annotated[int, typer.Option(
-        "--nproc-per-node", "-n", min=1, help="Ranks to start on this machine (ignored under "
-                                              "torchrun). One rank has nothing to schedule: it "
-                                              "checks the flow and the runtime's own cost.")] = 2,
+        "--nproc-per-node", "-n", min=1, help="Ranks to start on this machine, per node "
+                                              "with --nodes (ignored under torchrun). One "
+                                              "rank has nothing to schedule: it checks the "
+                                              "flow and the runtime's own cost.")] = 2,
+    nodes: Annotated[int, typer.Option(
+        "--nodes", min=1, help="Nodes to emulate on this machine, each of --nproc-per-node "
+                               "ranks (ranks numbered as torchrun does). With --bandwidth the "
+                               "two-level lab: one namespace per node, its ranks over its "
+                               "loopback, the nodes over the shaped link (root only); without, "
+                               "the ranks grouped as nodes on loopback, nothing shaped (checks "
+                               "the flow, not the network).")] = 1,
     bandwidth: Annotated[Optional[str], typer.Option(
         "--bandwidth", help="Run in the lab at this link rate (200mbit, 1gbit; root only). "
                             "Default: the ordinary network.")] = None,
@@ -107,10 +116,14 @@ def bench(
     as_json: common.Json = False,
 ) -> None:
     """Train MODEL with DDP and with each strategy's schedule; report measured against predicted,
-    and each one's optimizer state per rank."""
+    and each one's optimizer state per rank.
+
+    Two nodes of two ranks in the lab, nodes joined by a 200 Mbit/s link:
+    sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit"""
     from ..bench import BenchConfig, default_out_dir, run_bench
 
-    cfg = BenchConfig(model=model, nproc=nproc_per_node, bandwidth=bandwidth, iterations=iterations,
+    cfg = BenchConfig(model=model, nproc=nproc_per_node, nodes=nodes, bandwidth=bandwidth,
+                      iterations=iterations,
                       strategies=tuple(s.strip() for s in strategies.split(",") if s.strip()),
                       profile=str(profile) if profile else None, batch_size=batch_size,
                       out_dir=output_dir, rounds=rounds, max_rounds=max_rounds,
@@ -118,6 +131,9 @@ def bench(
                       timeout_s=timeout_s, verify=verify)
     try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
         cfg.strategy_list()
+        from ..bench.lab import check_nodes
+
+        check_nodes(nodes, nproc_per_node)
         if bandwidth:
             from ..bench.lab import parse_rate
 
