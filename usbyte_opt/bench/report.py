@@ -181,7 +181,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "backward_ms": raw["backward_ms"],
         "update_ms": raw["planned"]["update_ms"],
         "comm": {k: raw["comm"][k] for k in ("backend", "alpha_ms", "algbw_gbs", "cpu_ms_per_block",
-                                            "cpu_ms_per_mb") if k in raw["comm"]},
+                                            "cpu_ms_per_mb", "nodes", "intra", "inter")
+                 if k in raw["comm"]},
         "loaded_comm": ({**{k: raw["loaded_comm"].get(k) for k in ("alpha_ms", "algbw_gbs", "cpu_ms_per_mb",
                                                                      "cpu_ms_per_block", "step_alone_ms",
                                                                      "samples")},

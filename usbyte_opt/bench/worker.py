@@ -667,7 +667,13 @@ def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: An
         "comm": {"backend": prof.comm.backend, "alpha_ms": prof.comm.alpha_ms,
                  "algbw_gbs": prof.comm.algbw_gbs, "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
                  "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
-                 "samples": [list(s) for s in prof.comm.samples]},
+                 "samples": [list(s) for s in prof.comm.samples],
+                 # the topology the profile measured: nodes, and the all-reduce lines inside a
+                 # node and across nodes (several nodes of several ranks only)
+                 "nodes": prof.comm.nodes,
+                 **{k: {"alpha_ms": c.alpha_ms, "algbw_gbs": c.algbw_gbs}
+                    for k, c in (("intra", prof.comm.intra), ("inter", prof.comm.inter))
+                    if c is not None}},
         "loaded_comm": None if loaded is None else loaded.to_dict(),
         "gradient_bytes": sum(t.nbytes for t in prof.tensors),
         "tensors": len(prof.tensors),
