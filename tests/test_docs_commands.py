@@ -81,6 +81,7 @@ SKIP: dict[str, str] = {
     "torchrun --nproc-per-node 8 -m usbyte_opt profile my_models:build_resnet --batch-size 64": _GPU,
     "sudo usbyte-opt bench lab-vgg --bandwidth 200mbit": _LAB,
     "sudo usbyte-opt bench lab-cnn --bandwidth 200mbit": _LAB,
+    "sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit": _LAB,
     "sudo usbyte-opt bench lab-transformer --bandwidth 200mbit -s ddp -k 8 --rounds 3": _LAB,
     "usbyte-opt bench lab-transformer -s ddp -k 8 --rounds 3":
         "long run: trains 2 strategies x 3 rounds (tests/test_bench.py runs bench)",
