@@ -113,6 +113,15 @@ def plan_reports(profile: Any, strategies: Sequence[str],
     return report, planner.compare(profile, list(SHARDED_STRATEGIES), shard=True)
 
 
+def flat_best() -> tuple[str, ...]:
+    """``best-flat`` where the planner reports it (``best`` with every block flat, beside
+    ``best`` on several nodes of several ranks), else nothing."""
+    from ..planning import planner
+
+    name = getattr(planner, "BEST_FLAT", None)
+    return (name,) if isinstance(name, str) else ()
+
+
 def default_strategies() -> tuple[str, ...]:
     """What ``--strategies`` defaults to: PyTorch DDP (``ddp``), then every registered
     strategy, in the registry's report order.
@@ -205,7 +214,7 @@ class BenchConfig:
 
         registry = load_builtin()
         known = list(dict.fromkeys([*registry, AUTO, TORCH_FSDP2, *SHARDED_STRATEGIES,
-                                    *(s + ZERO2 for s in SHARDED_STRATEGIES)]))
+                                    *(s + ZERO2 for s in SHARDED_STRATEGIES), *flat_best()]))
         out: list[str] = []
         for s in self.strategies:
             if s not in known:
@@ -444,5 +453,6 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
 
 
 __all__ = ["SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
+           "flat_best",
            "network_info", "plan_reports", "run_bench",
            "split_strategies"]

@@ -151,7 +151,7 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
     runs in (PyTorch DDP: fence); :func:`refine` adds ``refined_ms`` once training has run."""
     from ..env import AUTO
     from ..errors import UsbyteError
-    from . import plan_reports, zero2_base
+    from . import flat_best, plan_reports, zero2_base
 
     report, sharded = plan_reports(profile, strategies, {BEST: {"time_budget_s": time_budget_s}})
     out = Planned({}, {}, report.lower_bound_ms, report.compute_ms,
@@ -175,7 +175,11 @@ def plan(profile: Any, strategies: list[str], time_budget_s: float) -> Planned:
             out.predicted[s] = Prediction(None, "none", None)
         elif base not in rep_s.results:
             skipped = {**report.skipped, **(sharded.skipped if sharded is not None else {})}
-            raise UsbyteError(f"--strategies: {s}: {skipped.get(base, 'not planned')}")
+            why = skipped.get(base, "not planned")
+            if base in flat_best():
+                why = ("planned beside best on several nodes of several ranks only (a profile "
+                       "with comm.nodes > 1 and its intra/inter lines)")
+            raise UsbyteError(f"--strategies: {s}: {why}")
         else:
             r = rep_s.results[base]
             out.schedules[s] = rep_s.schedule(base)
