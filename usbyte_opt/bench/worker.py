@@ -471,8 +471,9 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
 
     out = Path(job.out_dir)
     # Rank 0 records into the output folder; the others into a folder of their own machine,
-    # sent to rank 0 afterwards (_gather_traces): no filesystem is assumed shared.
-    tdir = out / "traces" if rank == 0 else Path(tempfile.mkdtemp(prefix="usbyte-traces-"))
+    # made when first needed and sent to rank 0 afterwards (_gather_traces): no filesystem is
+    # assumed shared.
+    tdir: Path | None = out / "traces" if rank == 0 else None
     opt = job.profiling.optimizer
     trainees = []
     traces: dict[str, str] = {}
@@ -488,6 +489,7 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
                                     planned.schedules[s], rank=rank))
         else:  # the runtime, in its schedule's mode (all-reduce or sharded)
             if job.trace:
+                tdir = tdir or Path(tempfile.mkdtemp(prefix="usbyte-traces-"))
                 traces[s] = str(tdir / f"{s}.measured.json")
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
