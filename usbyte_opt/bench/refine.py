@@ -118,7 +118,8 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]],
     profile (chained calls on the runtime's channel, idle): the alternatives measured in the
     lab (a free intercept, the latency of small blocks under compute) predicted worse. The
     reduce-scatter and all-gather lines likewise from their own samples under compute (of the
-    whole block's bytes, as their lines are), where given; else the profile's, kept.
+    whole block's bytes, as their lines are), where given; else the profile's, kept; and the
+    profile's topology (``nodes``, ``intra``, ``inter``), kept.
 
     Example::
 
@@ -139,9 +140,12 @@ def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]],
         a, bw = fit_absolute(got, a0)
         return CollectiveCost(a, bw, tuple(got))
 
+    # The topology (nodes, the lines inside a node and across nodes) is kept: a hierarchical
+    # block is costed on those, as the planner costs it.
     return CommSpec(comm.backend, comm.world_size, alpha, algbw, tuple(samples),
                     reduce_scatter=line(comm.reduce_scatter, reduce_scatter),
-                    all_gather=line(comm.all_gather, all_gather))
+                    all_gather=line(comm.all_gather, all_gather),
+                    nodes=comm.nodes, intra=comm.intra, inter=comm.inter)
 
 
 def refined_overlap(problem: Problem, layout: Layout, blocks: Sequence[Block]) -> float:
