@@ -205,14 +205,18 @@ class HierCost:
         (5.7, 2.36)
         >>> round(c.allreduce_ms(10e6), 6), c.is_hier(10e6), c.is_hier(1_000)
         (2.36, True, True)
-        >>> c.crossover_bytes()      # hier has the lower alpha and the lower beta: always
-        0.0
+        >>> c.crossover_bytes(), c.is_linear   # hier has the lower alpha and beta: always
+        (inf, True)
         >>> d = HierCost(flat=(0.1, 2.0), intra=(0.06, 100.0), inter=(0.2, 5.0), nodes=2,
         ...              ranks_per_node=4)
         >>> round(d.crossover_bytes())       # 0.16 ms / 0.29e-6 ms per byte
         551724
         >>> d.is_hier(500_000), d.is_hier(600_000)
         (False, True)
+        >>> e = HierCost(flat=(0.7, 5.0), intra=(0.06, 10.0), inter=(0.2, 5.0), nodes=2,
+        ...              ranks_per_node=4)    # a slow ring inside: hierarchical below
+        >>> round(e.crossover_bytes()), e.is_hier(1_000_000), e.is_hier(5_000_000)
+        (4400000, True, False)
         >>> [round(x, 12) for x in d.linear_bound()], d.is_linear    # (min alpha, min beta)
         ([0.1, 2.1e-07], False)
         >>> round(d.flat_only().allreduce_ms(10e6), 6)   # the flat ring alone: 0.1 + 5 ms
@@ -262,12 +266,15 @@ class HierCost:
         return self.hierarchy and self.hier_ms(nbytes) < self.flat_ms(nbytes)
 
     def crossover_bytes(self) -> float:
-        """The size from which hierarchical is cheaper (``0``: at every size; ``inf``: never)."""
+        """The block size at which flat and hierarchical cost the same (``inf``: none above
+        zero, one form is the cheaper at every size). Hierarchical is the cheaper above it when
+        its beta is the smaller (a slow link between nodes), below it when its alpha is the
+        smaller and its beta the larger (a slow ring inside each node): :meth:`is_hier`."""
         da = self.hier_alpha_ms - self.flat[0]
         db = self.flat_beta_ms_per_byte - self.hier_beta_ms_per_byte
-        if db <= 0:
-            return 0.0 if da < 0 else math.inf
-        return max(da / db, 0.0)
+        if db == 0 or not da / db > 0:
+            return math.inf
+        return da / db
 
     def _dominated(self) -> bool:
         """Whether one line is at or below the other at every size (the minimum is a line)."""
