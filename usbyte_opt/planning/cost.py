@@ -21,6 +21,10 @@ all-gather in the next forward. On the same ring each is half an all-reduce:
 with ``b`` the whole (unsharded) block's bytes, so ``alpha = (n - 1) * hop_ms`` and
 ``algbw = busbw * n / (n - 1)``. A profile that measured them (``comm.reduce_scatter``,
 ``comm.all_gather``) has its own lines, which :func:`retarget` moves with the same formula.
+
+Several nodes of several ranks (a profile with ``comm.intra`` and ``comm.inter``, or one moved
+there by :func:`retarget_nodes`) get :class:`HierCost`: each block all-reduced flat or
+hierarchically, whichever is cheaper (docs/planner.md, "Several nodes").
 """
 
 from __future__ import annotations
