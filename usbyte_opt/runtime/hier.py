@@ -81,9 +81,11 @@ class HierWork:
         (True, True)
     """
 
-    __slots__ = ("_event", "_error", "_future")
+    __slots__ = ("_event", "_error", "_future", "stage")
 
     def __init__(self) -> None:
+        #: The stage running (named in a timeout's message).
+        self.stage = "hierarchical all-reduce"
         self._event = threading.Event()
         self._error: str | None = None
         self._future: torch.futures.Future = torch.futures.Future()
@@ -102,7 +104,7 @@ class HierWork:
     def wait(self, timeout: timedelta | None = None) -> bool:
         if not self._event.wait(None if timeout is None else timeout.total_seconds()):
             ms = int(timeout.total_seconds() * 1000) if timeout is not None else 0
-            raise RuntimeError(f"timed out after {ms} ms waiting for the hierarchical all-reduce")
+            raise RuntimeError(f"{self.stage}: timed out after {ms} ms")
         if self._error is not None:
             raise RuntimeError(self._error)
         return True
@@ -235,6 +237,7 @@ class HierChannel:
             work.done()
 
         def after_ar() -> None:
+            work.stage = ag_name
             self._ag(x, chunk).get_future().add_done_callback(stage(ag_name, after_ag))
 
         def after_rs() -> None:
@@ -246,9 +249,11 @@ class HierChannel:
             if self._ar is None:
                 after_ar()
             else:
+                work.stage = ar_name
                 self._ar(chunk).get_future().add_done_callback(stage(ar_name, after_ar))
 
         x_parts = [torch.empty_like(x)]
+        work.stage = rs_name
         self._rs(x_parts[0], x).get_future().add_done_callback(stage(rs_name, after_rs))
         return work
 
