@@ -54,6 +54,10 @@ Examples:
       examples/train.py --model cnn
   usbyte-opt launch --schedule auto --auto-dir runs/auto \\
       --nproc-per-node 8 train.py
+  # on each of 2 nodes, K its index (0 on HOST), GLOO_SOCKET_IFNAME on gloo:
+  usbyte-opt launch --schedule schedules/mine.json --nnodes 2 \\
+      --nproc-per-node 8 --node-rank K --master-addr HOST \\
+      --master-port 29500 train.py
 """
 
 
@@ -96,6 +100,35 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
     return int(lo) * int(nproc)
 
 
+def _rendezvous_host(args: Any) -> str | None:
+    """The host every node meets at: ``--rdzv-endpoint``'s, else ``--master-addr``."""
+    endpoint = str(getattr(args, "rdzv_endpoint", "") or "")
+    if endpoint:
+        host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 or "]" in endpoint else endpoint
+        return host.strip("[]") or None
+    return getattr(args, "master_addr", None)
+
+
+def _preflight(args: Any) -> None:
+    """A world spanning nodes whose ranks here the other nodes could not reach over gloo
+    fails now, before torchrun's rendezvous, on every node
+    (:func:`usbyte_opt.preflight.check_gloo`): on a host without CUDA (the script's ranks use
+    gloo), in one line; on a CUDA host (NCCL, gloo only where the script asks for it) the
+    same line is a warning."""
+    import torch
+
+    from ..errors import UsbyteError
+    from ..preflight import check_gloo
+
+    nnodes = max((int(n) for n in str(args.nnodes).split(":") if n.isdigit()), default=1)
+    try:
+        check_gloo("launch", nnodes=nnodes, master=_rendezvous_host(args))
+    except UsbyteError as e:
+        if not torch.cuda.is_available():
+            raise
+        console.warn(f"{e} (on NCCL this matters to the script's gloo groups only)")
+
+
 def launch(ctx: typer.Context) -> None:
     """Run SCRIPT under torchrun with USBYTE_SCHEDULE set (after validating the schedule)."""
     argv = list(ctx.args)
@@ -121,6 +154,7 @@ def launch(ctx: typer.Context) -> None:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
                      f"{ws}: the block order stays valid, its timing was predicted for the other "
                      "size")
+    _preflight(args)
     wrapped = not (args.no_python or args.run_path)
     if wrapped and not args.module and not Path(args.training_script).is_file():
         raise UsageError(f"launch: {args.training_script}: expected an existing script file")
