@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .env import ERROR_FILE_ENV, LAUNCHED_ENV, SUMMARY_FILE_ENV
-from .errors import DistributedError, ExitError, PeerFailure, UsageError, UsbyteError, first_line
+from .errors import DistributedError, ExitError, PeerFailure, UsageError, UsbyteError, first_line, with_rank
 
 #: The address ranks on this host meet at.
 LOOPBACK = "127.0.0.1"
@@ -144,7 +144,9 @@ class RankError:
     usbyte: bool = False
     """A usbyte-opt error, whose message is the whole story; else an exception of the rank's
     own code, whose traceback is on the rank's stderr."""
-    timestamp: int = 0
+    timestamp: float = 0
+    """When it failed (seconds since the epoch): the file's ``extraInfo.time`` where this module
+    wrote it (sub-second), else torch elastic's whole-second ``timestamp``."""
 
     @classmethod
     def of(cls, data: Any) -> RankError | None:
@@ -157,9 +159,14 @@ class RankError:
         info = msg.get("extraInfo")
         extra: Mapping[str, Any] = info if isinstance(info, Mapping) else {}
         code = extra.get("exit_code", 1)
+        when = extra.get("time")
+        if not isinstance(when, (int, float)) or isinstance(when, bool):
+            try:
+                when = int(extra.get("timestamp", 0) or 0)
+            except (TypeError, ValueError):
+                when = 0
         return cls(msg["message"], code if isinstance(code, int) and code > 0 else 1,
-                   extra.get("peer") is True, extra.get("usbyte") is True,
-                   int(extra.get("timestamp", 0) or 0))
+                   extra.get("peer") is True, extra.get("usbyte") is True, when)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> RankError | None:
@@ -201,6 +208,7 @@ def write_rank_error(exc: BaseException, path: str | os.PathLike | None = None) 
     e = describe(exc)
     data = {"message": {"message": e.message, "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time())),
+        "time": time.time(),
         "exit_code": e.exit_code, "peer": e.peer, "usbyte": e.usbyte}}}
     try:
         Path(target).write_text(json.dumps(data))
@@ -243,6 +251,61 @@ def _exits_quietly(e: BaseException) -> bool:
     """A command-line exit (typer's ``Exit``, a usage error), not an error of the rank."""
     return type(e).__name__ in ("Exit", "Abort") and type(e).__module__.split(".")[0] in ("click",
                                                                                           "typer")
+
+
+def _collective_text(message: str) -> bool:
+    """Whether a failed rank's one line is a collective that failed because another rank
+    stopped (the text of :func:`usbyte_opt.group.collective_failure`, read from an error
+    file)."""
+    return ("gloo" in message or "NCCL" in message) and any(
+        s in message for s in ("Connection", "connection", "Timed out", "timed out", "closed", "abort"))
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failed rank as the process that started it saw it: its global rank, exit code
+    (negative: the signal that ended it), when it failed, the error it left (if any) and its
+    node (``GROUP_RANK``; ``None`` when unknown)."""
+
+    rank: int
+    exitcode: int
+    timestamp: float
+    error: RankError | None = None
+    node: int | None = None
+
+    @property
+    def peer(self) -> bool:
+        """It failed because another rank stopped (its collective failed): not a cause."""
+        return self.error is not None and (self.error.peer or _collective_text(self.error.message))
+
+    @property
+    def stopped(self) -> bool:
+        """It was stopped (SIGTERM) by its launcher after another rank failed: not a cause."""
+        return self.exitcode == -signal.SIGTERM
+
+    @property
+    def label(self) -> str:
+        """``rank R``, with ``(node K)`` when the node is known."""
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
+
+
+def first_failure(failures: Sequence[Failure]) -> Failure | None:
+    """The failure that caused the others: the earliest (then the lowest rank) of those that
+    failed on their own, neither because a peer stopped (:attr:`Failure.peer`) nor stopped
+    by the launcher (:attr:`Failure.stopped`); ``None`` when every failure here is such a
+    consequence (on several nodes: the cause is on another node).
+
+    Example::
+
+        >>> peer = RankError("rank 1: a collective failed", peer=True, usbyte=True)
+        >>> killed, hurt = Failure(3, -9, 100.2, None, 1), Failure(1, 4, 100.1, peer, 0)
+        >>> first_failure([hurt, killed]).label
+        'rank 3 (node 1)'
+        >>> first_failure([hurt]) is None
+        True
+    """
+    causes = [f for f in failures if not f.peer and not f.stopped]
+    return min(causes, key=lambda f: (f.timestamp, f.rank)) if causes else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +471,7 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
         return code, ""  # rank 0 failed on its own and has printed its error
     error = res.errors.get(first)
     shown = error.message if error is not None else f"exited with code {res.codes[first]}"
-    return code, f"rank {first}: {shown}"
+    return code, with_rank(first, shown)
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,7 +689,8 @@ def run_summary() -> Iterator[list[str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "free_port",
+__all__ = ["Exit", "Failure", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "first_failure",
+           "free_port",
            "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_summary", "run_torchrun",
            "stop",
            "threads_per_rank", "values", "write_rank_error"]

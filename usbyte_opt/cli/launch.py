@@ -109,12 +109,12 @@ def _rendezvous_host(args: Any) -> str | None:
     return getattr(args, "master_addr", None)
 
 
-def _preflight(args: Any) -> None:
+def _preflight(args: Any) -> int:
     """A world spanning nodes whose ranks here the other nodes could not reach over gloo
     fails now, before torchrun's rendezvous, on every node
     (:func:`usbyte_opt.preflight.check_gloo`): on a host without CUDA (the script's ranks use
     gloo), in one line; on a CUDA host (NCCL, gloo only where the script asks for it) the
-    same line is a warning."""
+    same line is a warning. Returns the most nodes ``--nnodes`` allows."""
     import torch
 
     from ..errors import UsbyteError
@@ -127,6 +127,7 @@ def _preflight(args: Any) -> None:
         if not torch.cuda.is_available():
             raise
         console.warn(f"{e} (on NCCL this matters to the script's gloo groups only)")
+    return nnodes
 
 
 def launch(ctx: typer.Context) -> None:
@@ -154,7 +155,7 @@ def launch(ctx: typer.Context) -> None:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
                      f"{ws}: the block order stays valid, its timing was predicted for the other "
                      "size")
-    _preflight(args)
+    nnodes = _preflight(args)
     wrapped = not (args.no_python or args.run_path)
     if wrapped and not args.module and not Path(args.training_script).is_file():
         raise UsageError(f"launch: {args.training_script}: expected an existing script file")
@@ -181,34 +182,59 @@ def launch(ctx: typer.Context) -> None:
     if said:
         console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
     if failures is not None:
-        raise _failure(failures, script) from None
+        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+        raise _failure(failures, script, nnodes, nproc) from None
 
 
-def _failure(failures: dict[int, Any], script: str) -> BaseException:
-    """The one error a failed run reports: the first usbyte-opt error a rank left in its error
-    file (``rank N: message``, with its exit code; torchrun read the file:
-    :class:`usbyte_opt.launcher.RankError`), else the rank that exited first on its own (the
-    others were stopped by torchrun after it); ``KeyboardInterrupt`` when every rank ended
-    from Ctrl-C."""
-    from ..launcher import RankError
+def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
+             nproc: int | None = None) -> BaseException:
+    """The one error a failed run reports: the rank that failed first on its own
+    (:func:`usbyte_opt.launcher.first_failure`: not one whose collective failed because
+    another rank stopped, nor one torchrun stopped after it), by its error file's time
+    (torchrun read the file: :class:`usbyte_opt.launcher.RankError`) or when torchrun saw it
+    end: its usbyte-opt error (``rank N: message``, with its exit code) or what ended it. On
+    several nodes the rank is named with its node (``GROUP_RANK``), and a node where every
+    failure was such a consequence says that the cause is on another node.
+    ``KeyboardInterrupt`` when every rank ended from Ctrl-C."""
+    from ..errors import with_rank
+    from ..launcher import Failure, RankError, first_failure
 
     codes = {f.exitcode for f in failures.values()}
-    if failures and codes <= {130, -signal.SIGINT, -signal.SIGTERM} and codes & {130, -signal.SIGINT}:
+    if failures and codes <= {130, -signal.SIGTERM, -signal.SIGINT} and codes & {130, -signal.SIGINT}:
         return KeyboardInterrupt()
-    left = []
+    if not failures:
+        return ExitError(f"launch: {script}: a worker failed; its output is above", 1)
+    several = nnodes > 1 and nproc is not None
+    records = []
     for rank, f in failures.items():
         e = RankError.of(getattr(f, "error_file_data", None))
-        if e is not None and e.usbyte:
-            left.append((f.timestamp, rank, e.message, e.exit_code))
-    if left:
-        _, _, message, code = min(left)
-        return ExitError(message, code)
-    pick: tuple[Any, Any] = min(failures.items(), key=lambda kv: (
-        kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
-    rank, failure = pick
-    where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
-    return ExitError(f"launch: {script}: {where}; its output is above",
-                     failure.exitcode if failure and failure.exitcode > 0 else 1)
+        when = e.timestamp if e is not None and e.timestamp else float(f.timestamp)
+        records.append(Failure(rank, f.exitcode, when, e, rank // nproc if several and nproc else None))
+    first = first_failure(records)
+    if first is None:
+        seen = min(records, key=lambda r: (r.timestamp, r.rank))
+        why = seen.error.message if seen.error is not None else f"exited with code {seen.exitcode}"
+        where = f"node {seen.node}" if seen.node is not None else "this node"
+        elsewhere = "on another node: see its output" if several else "a rank that left no error"
+        return ExitError(f"launch: {script}: no rank on {where} failed on its own "
+                         f"({with_rank(seen.rank, why)}); the first failure is {elsewhere}",
+                         seen.exitcode if seen.exitcode > 0 else 1)
+    label = first.label
+    code = first.exitcode if first.exitcode > 0 else 1
+    e = first.error
+    if e is not None and e.usbyte:
+        message = with_rank(first.rank, e.message)
+        if first.node is not None:
+            message = f"{label}:{message[len(f'rank {first.rank}:'):]}"
+        return ExitError(message, e.exit_code)
+    if first.exitcode < 0:
+        try:
+            what = f"was killed by {signal.Signals(-first.exitcode).name}"
+        except ValueError:
+            what = f"was killed by signal {-first.exitcode}"
+    else:
+        what = f"exited with code {first.exitcode}"
+    return ExitError(f"launch: {script}: {label} {what} first; its output is above", code)
 
 
 def register(app: typer.Typer) -> None:
