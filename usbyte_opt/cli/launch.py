@@ -16,6 +16,7 @@ its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit c
 from __future__ import annotations
 
 import os
+import re
 import signal
 from pathlib import Path
 from typing import Any
@@ -213,7 +214,7 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
     first = first_failure(records)
     if first is None:
         seen = min(records, key=lambda r: (r.timestamp, r.rank))
-        why = seen.error.message if seen.error is not None else f"exited with code {seen.exitcode}"
+        why = _short(seen.error.message) if seen.error is not None else f"exited with code {seen.exitcode}"
         where = f"node {seen.node}" if seen.node is not None else "this node"
         elsewhere = "on another node: see its output" if several else "a rank that left no error"
         return ExitError(f"launch: {script}: no rank on {where} failed on its own "
@@ -232,9 +233,20 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
             what = f"was killed by {signal.Signals(-first.exitcode).name}"
         except ValueError:
             what = f"was killed by signal {-first.exitcode}"
-    else:
-        what = f"exited with code {first.exitcode}"
-    return ExitError(f"launch: {script}: {label} {what} first; its output is above", code)
+        return ExitError(f"launch: {script}: {label} {what}, the first rank to fail", code)
+    return ExitError(f"launch: {script}: {label} exited with code {first.exitcode}, the first rank "
+                     "to fail; its output is above", code)
+
+
+def _short(message: str) -> str:
+    """A collective library's error without its source location and advice.
+
+    Example::
+
+        >>> _short("RuntimeError: [/src/gloo/pair.cc:537] Read error: Connection reset. This is typically ...")
+        'RuntimeError: Read error: Connection reset'
+    """
+    return re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", message).split(". This is")[0]
 
 
 def register(app: typer.Typer) -> None:
