@@ -20,6 +20,7 @@ import math
 import os
 import platform
 import socket
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -310,6 +311,7 @@ def _measure_levels(opts: ProfileOptions, dev: torch.device, backend: str, topo:
             return None
         return lambda _, done, total: progress(name, done, total)
 
+    t0 = time.perf_counter()
     intra_groups = [dist.new_group(list(range(k * G, (k + 1) * G))) for k in range(N)]
     inter_group = dist.new_group([k * G for k in range(N)])
     mine = intra_groups[node]
@@ -333,7 +335,8 @@ def _measure_levels(opts: ProfileOptions, dev: torch.device, backend: str, topo:
                  "fit_from": "the slowest node's median at each size",
                  "slowest_node": slowest,
                  "node_medians_ms": [[_r(m) for m in meds] for _, meds in per_node],
-                 "repeats": reps, **intra_rec}
+                 "repeats": reps, "seconds": _r(time.perf_counter() - t0), **intra_rec}
+    t0 = time.perf_counter()
     # Across the nodes: local rank 0 of each; the others wait at the world's barrier.
     swept: Any = None
     if rank % G == 0:
@@ -353,7 +356,7 @@ def _measure_levels(opts: ProfileOptions, dev: torch.device, backend: str, topo:
     inter_sw: Sweep = box[0]
     inter, inter_rec = fit_collective(inter_sw)
     inter_rec = {"group": f"local rank 0 of each of the {N} nodes, the other ranks idle",
-                 "repeats": reps, **inter_rec}
+                 "repeats": reps, "seconds": _r(time.perf_counter() - t0), **inter_rec}
     for g in (*intra_groups, inter_group):
         if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
             dist.destroy_process_group(g)
