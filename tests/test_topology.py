@@ -229,3 +229,27 @@ def test_launch_names_the_killed_rank_of_its_node_not_a_peer_that_failed_earlier
     e = _failure(own, "train.py", nnodes=2, nproc=2)
     assert (str(e), e.exit_code) == ("rank 2 (node 1): tensor 'w' differs", 3)
     assert str(_failure(own, "train.py")) == "rank 2: tensor 'w' differs"
+
+
+def test_launch_on_a_loopback_hostname_spanning_nodes_stops_before_torchrun(capsys, monkeypatch, tmp_path):
+    import socket
+
+    import torch
+    from helpers import run_cli
+
+    from usbyte_opt.formats import save_schedule
+    from usbyte_opt.runtime import default_schedule
+
+    if torch.cuda.is_available():
+        pytest.skip("on a CUDA host launch warns instead (NCCL)")
+    sched = tmp_path / "s.json"
+    save_schedule(default_schedule(torch.nn.Linear(4, 2), 4), sched)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    code, out, err = run_cli(capsys, "launch", "--schedule", str(sched), "--nnodes", "2",
+                             "--nproc-per-node", "2", "--node-rank", "1", "--master-addr",
+                             "192.0.2.1", "--master-port", "29500", str(tmp_path / "train.py"))
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and lines[0].startswith("error: launch: "), err
+    assert "GLOO_SOCKET_IFNAME" in lines[0] and "ip route get 192.0.2.1" in lines[0]
+    assert "usbyte-opt:" not in out   # nothing started
