@@ -216,9 +216,10 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
         seen = min(records, key=lambda r: (r.timestamp, r.rank))
         why = _short(seen.error.message) if seen.error is not None else f"exited with code {seen.exitcode}"
         where = f"node {seen.node}" if seen.node is not None else "this node"
-        elsewhere = "on another node: see its output" if several else "a rank that left no error"
+        then = ("the first failure is on another node: see its output" if several else
+                "no rank says why (--debug shows the tracebacks)")
         return ExitError(f"launch: {script}: no rank on {where} failed on its own "
-                         f"({with_rank(seen.rank, why)}); the first failure is {elsewhere}",
+                         f"({with_rank(seen.rank, why)}); {then}",
                          seen.exitcode if seen.exitcode > 0 else 1)
     label = first.label
     code = first.exitcode if first.exitcode > 0 else 1
