@@ -308,6 +308,99 @@ def first_failure(failures: Sequence[Failure]) -> Failure | None:
     return min(causes, key=lambda f: (f.timestamp, f.rank)) if causes else None
 
 
+#: Key prefix of the failures the nodes' launchers exchange (:func:`share_failures`).
+FAILURE_KEY = "usbyte-failure"
+
+
+def _failure_record(f: Failure) -> dict[str, Any]:
+    e = f.error
+    return {"rank": f.rank, "exitcode": f.exitcode, "time": f.timestamp, "node": f.node,
+            "error": None if e is None else {"message": e.message, "exit_code": e.exit_code,
+                                             "peer": e.peer, "usbyte": e.usbyte,
+                                             "timestamp": e.timestamp}}
+
+
+def _failure_of(d: Mapping[str, Any]) -> Failure:
+    e = d.get("error")
+    return Failure(int(d["rank"]), int(d["exitcode"]), float(d["time"]),
+                   None if not e else RankError(str(e["message"]), int(e["exit_code"]),
+                                                bool(e["peer"]), bool(e["usbyte"]),
+                                                float(e["timestamp"])),
+                   None if d.get("node") is None else int(d["node"]))
+
+
+class FailureBoard:
+    """Where the launchers of a run's nodes leave their failures for one another, so that each
+    names the same first one (:func:`first_failure`): a small TCP store at ``port`` (the
+    rendezvous port + 1 in ``usbyte-opt launch``) that node 0's launcher hosts from before
+    torchrun starts until the others have read it (or :meth:`close`). Best effort: where the
+    store cannot be hosted or reached in ``wait_s`` seconds, a node keeps its own view.
+    Failure times are each node's wall clock.
+
+    Example (two nodes' launchers, here in one process)::
+
+        >>> port = free_port()
+        >>> host, other = FailureBoard(0, 2, LOOPBACK, port), FailureBoard(1, 2, LOOPBACK, port)
+        >>> import threading
+        >>> killed = Failure(3, -9, 100.0, None, 1)
+        >>> t = threading.Thread(target=other.share, args=([killed],)); t.start()
+        >>> [f.label for f in host.share([Failure(0, 1, 100.5, RankError("rank 0: x", peer=True), 0)])]
+        ['rank 0 (node 0)', 'rank 3 (node 1)']
+        >>> t.join(); host.close()
+    """
+
+    def __init__(self, node: int, nodes: int, host: str, port: int, wait_s: float = 5.0):
+        self.node, self.nodes, self.host, self.port, self.wait_s = node, nodes, host, port, wait_s
+        self.store: Any = None
+        if node == 0:
+            self.store = self._open(True)
+
+    def _open(self, master: bool) -> Any:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        try:
+            return dist.TCPStore(self.host, self.port, None, master, timedelta(seconds=self.wait_s),
+                                 wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - port taken, host unreachable: no exchange
+            return None
+
+    def share(self, failures: Sequence[Failure]) -> list[Failure]:
+        """This node's ``failures`` and those the other nodes left (waiting up to ``wait_s``
+        for every node's); node 0 then waits (``wait_s`` more at most) until every node that
+        wrote has read."""
+        import json
+
+        store = self.store if self.node == 0 else self._open(False)
+        if store is None:
+            return list(failures)
+        key = FAILURE_KEY
+        keys = [f"{key}/{k}" for k in range(self.nodes)]
+        out: list[Failure] = []
+        try:
+            store.set(f"{key}/{self.node}", json.dumps([_failure_record(f) for f in failures]))
+            deadline = time.monotonic() + self.wait_s
+            while time.monotonic() < deadline and not store.check(keys):
+                time.sleep(0.05)
+            for k in keys:
+                if store.check([k]):
+                    out += [_failure_of(d) for d in json.loads(store.get(k))]
+            store.set(f"{key}/read/{self.node}", "1")
+            if self.node == 0:
+                wrote = [f"{key}/read/{k}" for k in range(self.nodes) if store.check([f"{key}/{k}"])]
+                until = time.monotonic() + self.wait_s
+                while time.monotonic() < until and not store.check(wrote):
+                    time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the host went away: what was read
+            pass
+        return out or list(failures)
+
+    def close(self) -> None:
+        """Stop hosting (node 0) or drop the connection."""
+        self.store = None
+
+
 @dataclass(frozen=True, slots=True)
 class Exit:
     """How the ranks of :func:`run_ranks` ended."""
@@ -690,7 +783,7 @@ def run_summary() -> Iterator[list[str]]:
 
 
 __all__ = ["Exit", "Failure", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "first_failure",
-           "free_port",
+           "FailureBoard", "free_port",
            "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_summary", "run_torchrun",
            "stop",
            "threads_per_rank", "values", "write_rank_error"]

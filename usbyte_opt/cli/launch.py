@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -178,24 +179,33 @@ def launch(ctx: typer.Context) -> None:
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
     from ..launcher import run_summary, run_torchrun
 
-    with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
-        failures = run_torchrun(args, quiet=not debug)
-    if said:
-        console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
-    if failures is not None:
-        nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
-        raise _failure(failures, script, nnodes, nproc) from None
+    board = _board(args, nnodes)   # before torchrun: node 0 hosts it for the whole run
+    try:
+        with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
+            failures = run_torchrun(args, quiet=not debug)
+        if said:
+            console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
+        if failures is not None:
+            nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+            raise _failure(failures, script, nnodes, nproc,
+                           board.share if board is not None else None) from None
+    finally:
+        if board is not None:
+            board.close()
 
 
 def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
-             nproc: int | None = None) -> BaseException:
+             nproc: int | None = None,
+             share: Callable[[list[Any]], list[Any]] | None = None) -> BaseException:
     """The one error a failed run reports: the rank that failed first on its own
     (:func:`usbyte_opt.launcher.first_failure`: not one whose collective failed because
     another rank stopped, nor one torchrun stopped after it), by its error file's time
     (torchrun read the file: :class:`usbyte_opt.launcher.RankError`) or when torchrun saw it
     end: its usbyte-opt error (``rank N: message``, with its exit code) or what ended it. On
-    several nodes the rank is named with its node (``GROUP_RANK``), and a node where every
-    failure was such a consequence says that the cause is on another node.
+    several nodes the rank is named with its node (``GROUP_RANK``); ``share`` (the nodes'
+    exchange, :func:`usbyte_opt.launcher.share_failures`) adds the other nodes' failures, so
+    that every node names the same first one; a node that learns of none where every failure
+    of its own was a consequence says that the cause is on another node.
     ``KeyboardInterrupt`` when every rank ended from Ctrl-C."""
     from ..errors import with_rank
     from ..launcher import Failure, RankError, first_failure
@@ -211,7 +221,10 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
         e = RankError.of(getattr(f, "error_file_data", None))
         when = e.timestamp if e is not None and e.timestamp else float(f.timestamp)
         records.append(Failure(rank, f.exitcode, when, e, rank // nproc if several and nproc else None))
-    first = first_failure(records)
+    everywhere = records
+    if several and share is not None:
+        everywhere = share(records) or records
+    first = first_failure(everywhere)
     if first is None:
         seen = min(records, key=lambda r: (r.timestamp, r.rank))
         why = _short(seen.error.message) if seen.error is not None else f"exited with code {seen.exitcode}"
@@ -224,6 +237,8 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
     label = first.label
     code = first.exitcode if first.exitcode > 0 else 1
     e = first.error
+    output = ("its output is above" if any(r.rank == first.rank for r in records)
+              else "its output is on its node")
     if e is not None and e.usbyte:
         message = with_rank(first.rank, e.message)
         if first.node is not None:
@@ -236,7 +251,20 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
             what = f"was killed by signal {-first.exitcode}"
         return ExitError(f"launch: {script}: {label} {what}, the first rank to fail", code)
     return ExitError(f"launch: {script}: {label} exited with code {first.exitcode}, the first rank "
-                     "to fail; its output is above", code)
+                     f"to fail; {output}", code)
+
+
+def _board(args: Any, nnodes: int) -> Any:
+    """Where this node leaves its failures for the other nodes' launchers and reads theirs
+    (:class:`usbyte_opt.launcher.FailureBoard`, node 0 hosting it at the rendezvous port + 1
+    from now until the run's end): with torchrun's static rendezvous (``--master-addr``,
+    ``--node-rank``) of a fixed number of nodes; ``None`` otherwise."""
+    from ..launcher import FailureBoard
+
+    fixed = str(args.nnodes).isdigit() and int(args.nnodes) == nnodes > 1
+    if not fixed or str(getattr(args, "rdzv_backend", "static")) != "static" or args.rdzv_endpoint:
+        return None
+    return FailureBoard(int(args.node_rank), nnodes, str(args.master_addr), int(args.master_port) + 1)
 
 
 def _short(message: str) -> str:
