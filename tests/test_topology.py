@@ -253,3 +253,17 @@ def test_launch_on_a_loopback_hostname_spanning_nodes_stops_before_torchrun(caps
     assert code == 1 and len(lines) == 1 and lines[0].startswith("error: launch: "), err
     assert "GLOO_SOCKET_IFNAME" in lines[0] and "ip route get 192.0.2.1" in lines[0]
     assert "usbyte-opt:" not in out   # nothing started
+
+
+def test_a_node_told_of_another_nodes_failure_names_it():
+    here = {0: _torchrun_failure(4, 100, _error_file("rank 0: a collective failed", 100.3, peer=True)),
+            1: _torchrun_failure(-signal.SIGTERM, 101)}
+    told: list = []
+
+    def share(mine):   # what the nodes' exchange (FailureBoard.share) returns
+        told.extend(mine)
+        return [*mine, Failure(3, -signal.SIGKILL, 100.0, None, 1)]
+
+    e = _failure(here, "train.py", nnodes=2, nproc=2, share=share)
+    assert str(e) == "launch: train.py: rank 3 (node 1) was killed by SIGKILL, the first rank to fail"
+    assert sorted(f.rank for f in told) == [0, 1] and {f.node for f in told} == {0}

@@ -308,7 +308,7 @@ def first_failure(failures: Sequence[Failure]) -> Failure | None:
     return min(causes, key=lambda f: (f.timestamp, f.rank)) if causes else None
 
 
-#: Key prefix of the failures the nodes' launchers exchange (:func:`share_failures`).
+#: Key prefix of the failures the nodes' launchers exchange (:class:`FailureBoard`).
 FAILURE_KEY = "usbyte-failure"
 
 

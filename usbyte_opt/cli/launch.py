@@ -203,7 +203,7 @@ def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
     (torchrun read the file: :class:`usbyte_opt.launcher.RankError`) or when torchrun saw it
     end: its usbyte-opt error (``rank N: message``, with its exit code) or what ended it. On
     several nodes the rank is named with its node (``GROUP_RANK``); ``share`` (the nodes'
-    exchange, :func:`usbyte_opt.launcher.share_failures`) adds the other nodes' failures, so
+    exchange, :meth:`usbyte_opt.launcher.FailureBoard.share`) adds the other nodes' failures, so
     that every node names the same first one; a node that learns of none where every failure
     of its own was a consequence says that the cause is on another node.
     ``KeyboardInterrupt`` when every rank ended from Ctrl-C."""
