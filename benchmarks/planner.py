@@ -159,6 +159,13 @@ def render(rows, small, meta) -> str:
                  f"lower bound (within 0.001%), so is optimal over every schedule, cuts included, in "
                  f"{at_lb}/{len(small)} cases: the bound's distance to the MILP's optimum there is what "
                  "whole tensors cost, not slack.")
+    L += ["", "## Several nodes", "",
+          "Every setting above is one ring over all ranks. What the planner does on several "
+          "nodes of several GPUs (flat or hierarchical all-reduce per block, `best-flat` beside "
+          "`best`), with GPT-2 retargeted to 2–16 nodes of 8 GPUs at 25 and 100 Gbit/s between "
+          "them and a paragraph on the US-Byte paper's 128-GPU simulation, is in "
+          "[planner_multinode.md](planner_multinode.md) (`python "
+          "benchmarks/planner_multinode.py`)."]
     return "\n".join(L) + "\n"
 
 

@@ -46,6 +46,41 @@ def test_optimize_json_is_pure_json(capsys, profile, tmp_path):
     assert load_schedule(out_path).world_size == 16
 
 
+def test_optimize_on_several_nodes(capsys, profile, tmp_path):
+    """A one-node profile moved to 4 nodes of 8: best-flat beside the flat strategies, best's
+    hierarchical blocks counted; the schedule records them and simulates to its prediction."""
+    out_path = tmp_path / "s.json"
+    nodes = ["--nodes", "4", "--ranks-per-node", "8", "--intra-gbps", "800", "--inter-gbps", "10",
+             "--inter-latency-us", "20"]
+    code, out, err = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), "--json", *nodes)
+    assert code == 0, err
+    doc = json.loads(out)
+    assert (doc["world_size"], doc["nodes"], doc["ranks_per_node"]) == (32, 4, 8)
+    st = doc["strategies"]
+    assert list(st)[-2:] == ["best-flat", "best"]
+    assert st["best"]["iteration_ms"] <= st["best-flat"]["iteration_ms"] + 1e-9
+    assert st["best-flat"]["iteration_ms"] <= st["ddp"]["iteration_ms"] + 1e-9
+    assert st["ddp"]["blocks_hier"] == 0 and st["best"]["blocks_hier"] > 0
+    sched = load_schedule(out_path)
+    assert sched.nodes == 4 and sched.hierarchical
+    code, out, _ = run_cli(capsys, "simulate", str(profile), str(out_path), "--json", *nodes)
+    assert json.loads(out)["iteration_ms"] == pytest.approx(doc["strategies"]["best"]["iteration_ms"])
+    code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), *nodes)
+    assert code == 0 and "hier/blocks" in out and "best-flat" in out
+    code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), "--json",
+                           "--hierarchy", "off", *nodes)
+    assert "best-flat" not in json.loads(out)["strategies"]
+    assert not load_schedule(out_path).hierarchical
+
+
+def test_a_larger_world_on_one_node_warns_once(capsys, profile, tmp_path):
+    code, _, err = run_cli(capsys, "optimize", str(profile), "-o", str(tmp_path / "s.json"),
+                           "--json", "--world-size", "16")
+    assert code == 0
+    warnings = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert len(warnings) == 1 and "--nodes" in warnings[0] and "--inter-gbps" in warnings[0]
+
+
 def test_simulate_and_trace(capsys, profile, tmp_path):
     sched, trace = tmp_path / "s.json", tmp_path / "t.json"
     run_cli(capsys, "optimize", str(profile), "-o", str(sched), "--json")
@@ -196,6 +231,10 @@ def test_optimize_refuses_to_replace_a_shipped_schedule(capsys, tmp_path, monkey
     ["profile", "nope"],
     ["profile", "cnn", "--comm-min-kb", "100", "--comm-max-mb", "0.01"],
     ["optimize", "profiles/resnet50.json", "--bandwidth-gbps", "0"],
+    ["optimize", "profiles/resnet50.json", "--nodes", "4"],
+    ["optimize", "profiles/resnet50.json", "--nodes", "2", "--inter-gbps", "100", "--bandwidth-gbps", "9"],
+    ["optimize", "profiles/resnet50.json", "--hierarchy", "maybe"],
+    ["optimize", "profiles/resnet50.json", "--strategy", "best-flat"],
     ["bench", "cnn", "--strategies", "bogus"],
     ["bench", "cnn", "--bandwidth", "3xyz"],
     ["launch", "--schedule", "schedules/resnet50.json", "--nproc-per-node", "0", "x.py"],

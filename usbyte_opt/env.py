@@ -18,8 +18,11 @@ Every module that reads or sets one of them imports its name from here.
   the line when the run ends.
 
 The ranks' place in the world uses torchrun's own names (``RANK``, ``LOCAL_RANK``,
-``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``); :mod:`usbyte_opt.launcher`
-sets them.
+``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
+:mod:`usbyte_opt.launcher` sets them, and a profile's nodes come from ``GROUP_RANK`` and
+``LOCAL_WORLD_SIZE`` (:mod:`usbyte_opt.profiler.topology`). gloo's own
+``GLOO_SOCKET_IFNAME`` is read by the pre-flight of a world spanning nodes
+(:mod:`usbyte_opt.preflight`).
 """
 
 from __future__ import annotations

@@ -100,5 +100,21 @@ def first_line(exc: BaseException, default: str | None = None) -> str:
     return type(exc).__name__ if default is None else default
 
 
+def with_rank(rank: int | str, message: str) -> str:
+    """``message`` said by rank ``rank``: ``rank N: message``, unless it already begins so
+    (errors raised by collectives name their rank themselves). The one place a message gets
+    its rank prefix.
+
+    Example::
+
+        >>> with_rank(1, "no such dataset")
+        'rank 1: no such dataset'
+        >>> with_rank(0, "rank 0: start-up check failed")
+        'rank 0: start-up check failed'
+    """
+    prefix = f"rank {rank}:"
+    return message if message.startswith(prefix) else f"{prefix} {message}"
+
+
 __all__ = ["DistributedError", "ExitError", "FormatError", "MismatchError", "PeerFailure",
-           "UsageError", "UsbyteError", "first_line"]
+           "UsageError", "UsbyteError", "first_line", "with_rank"]

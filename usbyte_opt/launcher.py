@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from .env import ERROR_FILE_ENV, LAUNCHED_ENV, SUMMARY_FILE_ENV
-from .errors import DistributedError, ExitError, PeerFailure, UsageError, UsbyteError, first_line
+from .errors import DistributedError, ExitError, PeerFailure, UsageError, UsbyteError, first_line, with_rank
 
 #: The address ranks on this host meet at.
 LOOPBACK = "127.0.0.1"
@@ -144,7 +144,9 @@ class RankError:
     usbyte: bool = False
     """A usbyte-opt error, whose message is the whole story; else an exception of the rank's
     own code, whose traceback is on the rank's stderr."""
-    timestamp: int = 0
+    timestamp: float = 0
+    """When it failed (seconds since the epoch): the file's ``extraInfo.time`` where this module
+    wrote it (sub-second), else torch elastic's whole-second ``timestamp``."""
 
     @classmethod
     def of(cls, data: Any) -> RankError | None:
@@ -157,9 +159,14 @@ class RankError:
         info = msg.get("extraInfo")
         extra: Mapping[str, Any] = info if isinstance(info, Mapping) else {}
         code = extra.get("exit_code", 1)
+        when = extra.get("time")
+        if not isinstance(when, (int, float)) or isinstance(when, bool):
+            try:
+                when = int(extra.get("timestamp", 0) or 0)
+            except (TypeError, ValueError):
+                when = 0
         return cls(msg["message"], code if isinstance(code, int) and code > 0 else 1,
-                   extra.get("peer") is True, extra.get("usbyte") is True,
-                   int(extra.get("timestamp", 0) or 0))
+                   extra.get("peer") is True, extra.get("usbyte") is True, when)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> RankError | None:
@@ -201,6 +208,7 @@ def write_rank_error(exc: BaseException, path: str | os.PathLike | None = None) 
     e = describe(exc)
     data = {"message": {"message": e.message, "extraInfo": {
         "py_callstack": "".join(traceback.format_exception(exc)), "timestamp": str(int(time.time())),
+        "time": time.time(),
         "exit_code": e.exit_code, "peer": e.peer, "usbyte": e.usbyte}}}
     try:
         Path(target).write_text(json.dumps(data))
@@ -243,6 +251,154 @@ def _exits_quietly(e: BaseException) -> bool:
     """A command-line exit (typer's ``Exit``, a usage error), not an error of the rank."""
     return type(e).__name__ in ("Exit", "Abort") and type(e).__module__.split(".")[0] in ("click",
                                                                                           "typer")
+
+
+def _collective_text(message: str) -> bool:
+    """Whether a failed rank's one line is a collective that failed because another rank
+    stopped (the text of :func:`usbyte_opt.group.collective_failure`, read from an error
+    file)."""
+    return ("gloo" in message or "NCCL" in message) and any(
+        s in message for s in ("Connection", "connection", "Timed out", "timed out", "closed", "abort"))
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One failed rank as the process that started it saw it: its global rank, exit code
+    (negative: the signal that ended it), when it failed, the error it left (if any) and its
+    node (``GROUP_RANK``; ``None`` when unknown)."""
+
+    rank: int
+    exitcode: int
+    timestamp: float
+    error: RankError | None = None
+    node: int | None = None
+
+    @property
+    def peer(self) -> bool:
+        """It failed because another rank stopped (its collective failed): not a cause."""
+        return self.error is not None and (self.error.peer or _collective_text(self.error.message))
+
+    @property
+    def stopped(self) -> bool:
+        """It was stopped (SIGTERM) by its launcher after another rank failed: not a cause."""
+        return self.exitcode == -signal.SIGTERM
+
+    @property
+    def label(self) -> str:
+        """``rank R``, with ``(node K)`` when the node is known."""
+        return f"rank {self.rank}" + (f" (node {self.node})" if self.node is not None else "")
+
+
+def first_failure(failures: Sequence[Failure]) -> Failure | None:
+    """The failure that caused the others: the earliest (then the lowest rank) of those that
+    failed on their own, neither because a peer stopped (:attr:`Failure.peer`) nor stopped
+    by the launcher (:attr:`Failure.stopped`); ``None`` when every failure here is such a
+    consequence (on several nodes: the cause is on another node).
+
+    Example::
+
+        >>> peer = RankError("rank 1: a collective failed", peer=True, usbyte=True)
+        >>> killed, hurt = Failure(3, -9, 100.2, None, 1), Failure(1, 4, 100.1, peer, 0)
+        >>> first_failure([hurt, killed]).label
+        'rank 3 (node 1)'
+        >>> first_failure([hurt]) is None
+        True
+    """
+    causes = [f for f in failures if not f.peer and not f.stopped]
+    return min(causes, key=lambda f: (f.timestamp, f.rank)) if causes else None
+
+
+#: Key prefix of the failures the nodes' launchers exchange (:class:`FailureBoard`).
+FAILURE_KEY = "usbyte-failure"
+
+
+def _failure_record(f: Failure) -> dict[str, Any]:
+    e = f.error
+    return {"rank": f.rank, "exitcode": f.exitcode, "time": f.timestamp, "node": f.node,
+            "error": None if e is None else {"message": e.message, "exit_code": e.exit_code,
+                                             "peer": e.peer, "usbyte": e.usbyte,
+                                             "timestamp": e.timestamp}}
+
+
+def _failure_of(d: Mapping[str, Any]) -> Failure:
+    e = d.get("error")
+    return Failure(int(d["rank"]), int(d["exitcode"]), float(d["time"]),
+                   None if not e else RankError(str(e["message"]), int(e["exit_code"]),
+                                                bool(e["peer"]), bool(e["usbyte"]),
+                                                float(e["timestamp"])),
+                   None if d.get("node") is None else int(d["node"]))
+
+
+class FailureBoard:
+    """Where the launchers of a run's nodes leave their failures for one another, so that each
+    names the same first one (:func:`first_failure`): a small TCP store at ``port`` (the
+    rendezvous port + 1 in ``usbyte-opt launch``) that node 0's launcher hosts from before
+    torchrun starts until the others have read it (or :meth:`close`). Best effort: where the
+    store cannot be hosted or reached in ``wait_s`` seconds, a node keeps its own view.
+    Failure times are each node's wall clock.
+
+    Example (two nodes' launchers, here in one process)::
+
+        >>> port = free_port()
+        >>> host, other = FailureBoard(0, 2, LOOPBACK, port), FailureBoard(1, 2, LOOPBACK, port)
+        >>> import threading
+        >>> killed = Failure(3, -9, 100.0, None, 1)
+        >>> t = threading.Thread(target=other.share, args=([killed],)); t.start()
+        >>> [f.label for f in host.share([Failure(0, 1, 100.5, RankError("rank 0: x", peer=True), 0)])]
+        ['rank 0 (node 0)', 'rank 3 (node 1)']
+        >>> t.join(); host.close()
+    """
+
+    def __init__(self, node: int, nodes: int, host: str, port: int, wait_s: float = 5.0):
+        self.node, self.nodes, self.host, self.port, self.wait_s = node, nodes, host, port, wait_s
+        self.store: Any = None
+        if node == 0:
+            self.store = self._open(True)
+
+    def _open(self, master: bool) -> Any:
+        from datetime import timedelta
+
+        import torch.distributed as dist
+
+        try:
+            return dist.TCPStore(self.host, self.port, None, master, timedelta(seconds=self.wait_s),
+                                 wait_for_workers=False)
+        except Exception:  # noqa: BLE001 - port taken, host unreachable: no exchange
+            return None
+
+    def share(self, failures: Sequence[Failure]) -> list[Failure]:
+        """This node's ``failures`` and those the other nodes left (waiting up to ``wait_s``
+        for every node's); node 0 then waits (``wait_s`` more at most) until every node that
+        wrote has read."""
+        import json
+
+        store = self.store if self.node == 0 else self._open(False)
+        if store is None:
+            return list(failures)
+        key = FAILURE_KEY
+        keys = [f"{key}/{k}" for k in range(self.nodes)]
+        out: list[Failure] = []
+        try:
+            store.set(f"{key}/{self.node}", json.dumps([_failure_record(f) for f in failures]))
+            deadline = time.monotonic() + self.wait_s
+            while time.monotonic() < deadline and not store.check(keys):
+                time.sleep(0.05)
+            for k in keys:
+                if store.check([k]):
+                    out += [_failure_of(d) for d in json.loads(store.get(k))]
+            store.set(f"{key}/read/{self.node}", "1")
+            if self.node == 0:
+                wrote = [f"{key}/read/{k}" for k in range(self.nodes) if store.check([f"{key}/{k}"])]
+                until = time.monotonic() + self.wait_s
+                while time.monotonic() < until and not store.check(wrote):
+                    time.sleep(0.05)
+        except Exception:  # noqa: BLE001 - the host went away: what was read
+            pass
+        return out or list(failures)
+
+    def close(self) -> None:
+        """Stop hosting (node 0) or drop the connection."""
+        self.store = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -408,7 +564,7 @@ def run_command(nproc: int, argv: Sequence[str]) -> tuple[int, str]:
         return code, ""  # rank 0 failed on its own and has printed its error
     error = res.errors.get(first)
     shown = error.message if error is not None else f"exited with code {res.codes[first]}"
-    return code, f"rank {first}: {shown}"
+    return code, with_rank(first, shown)
 
 
 # --------------------------------------------------------------------------------------------
@@ -626,7 +782,8 @@ def run_summary() -> Iterator[list[str]]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-__all__ = ["Exit", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "free_port",
+__all__ = ["Exit", "Failure", "LAB_PORT", "LOOPBACK", "RankError", "RankResult", "describe", "first_failure",
+           "FailureBoard", "free_port",
            "rank_env", "record_rank", "run_command", "run_local", "run_ranks", "run_summary", "run_torchrun",
            "stop",
            "threads_per_rank", "values", "write_rank_error"]

@@ -6,12 +6,14 @@ import os
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
+from .. import console
 from ..errors import UsageError, UsbyteError
 from ..formats import CommSpec, Profile, dump_profile, load_profile, write_json
+from ..planning.cost import retarget_warning
 from ..planning.planner import retargeted
 from ..planning.simulate import Timeline, chrome_trace
 
@@ -34,6 +36,43 @@ BandwidthGbps = Annotated[Optional[float], typer.Option(
     "--bandwidth-gbps", callback=_positive, help="Retarget to this per-link bandwidth, Gbit/s.")]
 LatencyUs = Annotated[Optional[float], typer.Option(
     "--latency-us", min=0.0, help="Retarget to this latency per ring step, µs.")]
+Nodes = Annotated[Optional[int], typer.Option(
+    "--nodes", min=1, help="Retarget to this many nodes (with --ranks-per-node, or the "
+                           "profile's; a one-node profile needs --inter-gbps). Several nodes of "
+                           "several ranks plan hierarchical all-reduce where it is cheaper.")]
+RanksPerNode = Annotated[Optional[int], typer.Option(
+    "--ranks-per-node", min=1, help="Ranks on each node when retargeting by nodes (default: "
+                                    "the profile's, or --world-size / --nodes).")]
+IntraGbps = Annotated[Optional[float], typer.Option(
+    "--intra-gbps", callback=_positive, help="Bus bandwidth inside a node, Gbit/s (nccl-tests' "
+                                             "busbw; default: the profile's).")]
+InterGbps = Annotated[Optional[float], typer.Option(
+    "--inter-gbps", callback=_positive, help="Bus bandwidth of each node's network link, Gbit/s "
+                                             "(nccl-tests' busbw; default: the profile's inter "
+                                             "line).")]
+IntraLatencyUs = Annotated[Optional[float], typer.Option(
+    "--intra-latency-us", min=0.0, help="Latency per ring step inside a node, µs.")]
+InterLatencyUs = Annotated[Optional[float], typer.Option(
+    "--inter-latency-us", min=0.0, help="Latency per ring step between nodes, µs (default: the "
+                                        "profile's inter line, else the intra latency).")]
+
+
+def levels(nodes: Optional[int] = None, ranks_per_node: Optional[int] = None,
+           intra_gbps: Optional[float] = None, inter_gbps: Optional[float] = None,
+           intra_latency_us: Optional[float] = None,
+           inter_latency_us: Optional[float] = None) -> dict[str, Any]:
+    """The given ones of the retarget-by-nodes options, as keywords of
+    :func:`usbyte_opt.planning.cost.retarget`.
+
+    Example::
+
+        >>> levels(nodes=4, inter_gbps=100.0)
+        {'nodes': 4, 'inter_gbps': 100.0}
+    """
+    given = {"nodes": nodes, "ranks_per_node": ranks_per_node, "intra_gbps": intra_gbps,
+             "inter_gbps": inter_gbps, "intra_latency_us": intra_latency_us,
+             "inter_latency_us": inter_latency_us}
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _probe(folder: Path, make_dir: bool) -> None:
@@ -160,14 +199,25 @@ Wide = Annotated[bool, typer.Option(
 
 
 def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],
-                    latency_us: Optional[float]) -> tuple[Profile, Profile]:
+                    latency_us: Optional[float],
+                    by_nodes: Optional[dict[str, Any]] = None) -> tuple[Profile, Profile]:
     """``(original, retargeted)`` profile from a file; the retargeted one is checked against
-    the format's bounds like a file (``--bandwidth-gbps 1e308`` is a clean error)."""
+    the format's bounds like a file (``--bandwidth-gbps 1e308`` is a clean error).
+    ``by_nodes``: the retarget-by-nodes options given (:func:`levels`). A profile of one node
+    moved to more ranks without ``--nodes`` prints one warning line that says what the ring
+    assumes (:func:`usbyte_opt.planning.cost.retarget_warning`)."""
+    by_nodes = by_nodes or {}
     original = load_profile(path)
-    moved = retargeted(original, world_size, bandwidth_gbps, latency_us)
+    moved = retargeted(original, world_size, bandwidth_gbps, latency_us, **by_nodes)
+    warning = retarget_warning(original.comm, world_size, by_nodes.get("nodes"),
+                               by_nodes.get("ranks_per_node"))
+    if warning is not None:
+        console.warn(warning)
     flags = "/".join(f for f, v in (("--world-size", world_size),
                                      ("--bandwidth-gbps", bandwidth_gbps),
-                                     ("--latency-us", latency_us)) if v is not None)
+                                     ("--latency-us", latency_us),
+                                     *(("--" + k.replace("_", "-"), v) for k, v in by_nodes.items()))
+                     if v is not None)
     if flags:
         dump_profile(moved, f"{path} retargeted by {flags}")
     return original, moved

@@ -16,7 +16,9 @@ its exit code; Ctrl-C stops every rank and prints ``error: interrupted`` (exit c
 from __future__ import annotations
 
 import os
+import re
 import signal
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +56,10 @@ Examples:
       examples/train.py --model cnn
   usbyte-opt launch --schedule auto --auto-dir runs/auto \\
       --nproc-per-node 8 train.py
+  # on each of 2 nodes, K its index (0 on HOST), GLOO_SOCKET_IFNAME on gloo:
+  usbyte-opt launch --schedule schedules/mine.json --nnodes 2 \\
+      --nproc-per-node 8 --node-rank K --master-addr HOST \\
+      --master-port 29500 train.py
 """
 
 
@@ -96,6 +102,36 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
     return int(lo) * int(nproc)
 
 
+def _rendezvous_host(args: Any) -> str | None:
+    """The host every node meets at: ``--rdzv-endpoint``'s, else ``--master-addr``."""
+    endpoint = str(getattr(args, "rdzv_endpoint", "") or "")
+    if endpoint:
+        host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 or "]" in endpoint else endpoint
+        return host.strip("[]") or None
+    return getattr(args, "master_addr", None)
+
+
+def _preflight(args: Any) -> int:
+    """A world spanning nodes whose ranks here the other nodes could not reach over gloo
+    fails now, before torchrun's rendezvous, on every node
+    (:func:`usbyte_opt.preflight.check_gloo`): on a host without CUDA (the script's ranks use
+    gloo), in one line; on a CUDA host (NCCL, gloo only where the script asks for it) the
+    same line is a warning. Returns the most nodes ``--nnodes`` allows."""
+    import torch
+
+    from ..errors import UsbyteError
+    from ..preflight import check_gloo
+
+    nnodes = max((int(n) for n in str(args.nnodes).split(":") if n.isdigit()), default=1)
+    try:
+        check_gloo("launch", nnodes=nnodes, master=_rendezvous_host(args))
+    except UsbyteError as e:
+        if not torch.cuda.is_available():
+            raise
+        console.warn(f"{e} (on NCCL this matters to the script's gloo groups only)")
+    return nnodes
+
+
 def launch(ctx: typer.Context) -> None:
     """Run SCRIPT under torchrun with USBYTE_SCHEDULE set (after validating the schedule)."""
     argv = list(ctx.args)
@@ -121,6 +157,7 @@ def launch(ctx: typer.Context) -> None:
         console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
                      f"{ws}: the block order stays valid, its timing was predicted for the other "
                      "size")
+    nnodes = _preflight(args)
     wrapped = not (args.no_python or args.run_path)
     if wrapped and not args.module and not Path(args.training_script).is_file():
         raise UsageError(f"launch: {args.training_script}: expected an existing script file")
@@ -142,39 +179,103 @@ def launch(ctx: typer.Context) -> None:
     console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
     from ..launcher import run_summary, run_torchrun
 
-    with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
-        failures = run_torchrun(args, quiet=not debug)
-    if said:
-        console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
-    if failures is not None:
-        raise _failure(failures, script) from None
+    board = _board(args, nnodes)   # before torchrun: node 0 hosts it for the whole run
+    try:
+        with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
+            failures = run_torchrun(args, quiet=not debug)
+        if said:
+            console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
+        if failures is not None:
+            nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
+            raise _failure(failures, script, nnodes, nproc,
+                           board.share if board is not None else None) from None
+    finally:
+        if board is not None:
+            board.close()
 
 
-def _failure(failures: dict[int, Any], script: str) -> BaseException:
-    """The one error a failed run reports: the first usbyte-opt error a rank left in its error
-    file (``rank N: message``, with its exit code; torchrun read the file:
-    :class:`usbyte_opt.launcher.RankError`), else the rank that exited first on its own (the
-    others were stopped by torchrun after it); ``KeyboardInterrupt`` when every rank ended
-    from Ctrl-C."""
-    from ..launcher import RankError
+def _failure(failures: dict[int, Any], script: str, nnodes: int = 1,
+             nproc: int | None = None,
+             share: Callable[[list[Any]], list[Any]] | None = None) -> BaseException:
+    """The one error a failed run reports: the rank that failed first on its own
+    (:func:`usbyte_opt.launcher.first_failure`: not one whose collective failed because
+    another rank stopped, nor one torchrun stopped after it), by its error file's time
+    (torchrun read the file: :class:`usbyte_opt.launcher.RankError`) or when torchrun saw it
+    end: its usbyte-opt error (``rank N: message``, with its exit code) or what ended it. On
+    several nodes the rank is named with its node (``GROUP_RANK``); ``share`` (the nodes'
+    exchange, :meth:`usbyte_opt.launcher.FailureBoard.share`) adds the other nodes' failures, so
+    that every node names the same first one; a node that learns of none where every failure
+    of its own was a consequence says that the cause is on another node.
+    ``KeyboardInterrupt`` when every rank ended from Ctrl-C."""
+    from ..errors import with_rank
+    from ..launcher import Failure, RankError, first_failure
 
     codes = {f.exitcode for f in failures.values()}
-    if failures and codes <= {130, -signal.SIGINT, -signal.SIGTERM} and codes & {130, -signal.SIGINT}:
+    if failures and codes <= {130, -signal.SIGTERM, -signal.SIGINT} and codes & {130, -signal.SIGINT}:
         return KeyboardInterrupt()
-    left = []
+    if not failures:
+        return ExitError(f"launch: {script}: a worker failed; its output is above", 1)
+    several = nnodes > 1 and nproc is not None
+    records = []
     for rank, f in failures.items():
         e = RankError.of(getattr(f, "error_file_data", None))
-        if e is not None and e.usbyte:
-            left.append((f.timestamp, rank, e.message, e.exit_code))
-    if left:
-        _, _, message, code = min(left)
-        return ExitError(message, code)
-    pick: tuple[Any, Any] = min(failures.items(), key=lambda kv: (
-        kv[1].exitcode == -signal.SIGTERM, kv[1].timestamp, kv[0])) if failures else (None, None)
-    rank, failure = pick
-    where = f"rank {rank} exited with code {failure.exitcode}" if failure else "a worker failed"
-    return ExitError(f"launch: {script}: {where}; its output is above",
-                     failure.exitcode if failure and failure.exitcode > 0 else 1)
+        when = e.timestamp if e is not None and e.timestamp else float(f.timestamp)
+        records.append(Failure(rank, f.exitcode, when, e, rank // nproc if several and nproc else None))
+    everywhere = records
+    if several and share is not None:
+        everywhere = share(records) or records
+    first = first_failure(everywhere)
+    if first is None:
+        seen = min(records, key=lambda r: (r.timestamp, r.rank))
+        why = _short(seen.error.message) if seen.error is not None else f"exited with code {seen.exitcode}"
+        where = f"node {seen.node}" if seen.node is not None else "this node"
+        then = ("the first failure is on another node: see its output" if several else
+                "no rank says why (--debug shows the tracebacks)")
+        return ExitError(f"launch: {script}: no rank on {where} failed on its own "
+                         f"({with_rank(seen.rank, why)}); {then}",
+                         seen.exitcode if seen.exitcode > 0 else 1)
+    label = first.label
+    code = first.exitcode if first.exitcode > 0 else 1
+    e = first.error
+    output = ("its output is above" if any(r.rank == first.rank for r in records)
+              else "its output is on its node")
+    if e is not None and e.usbyte:
+        message = with_rank(first.rank, e.message)
+        if first.node is not None:
+            message = f"{label}:{message[len(f'rank {first.rank}:'):]}"
+        return ExitError(message, e.exit_code)
+    if first.exitcode < 0:
+        try:
+            what = f"was killed by {signal.Signals(-first.exitcode).name}"
+        except ValueError:
+            what = f"was killed by signal {-first.exitcode}"
+        return ExitError(f"launch: {script}: {label} {what}, the first rank to fail", code)
+    return ExitError(f"launch: {script}: {label} exited with code {first.exitcode}, the first rank "
+                     f"to fail; {output}", code)
+
+
+def _board(args: Any, nnodes: int) -> Any:
+    """Where this node leaves its failures for the other nodes' launchers and reads theirs
+    (:class:`usbyte_opt.launcher.FailureBoard`, node 0 hosting it at the rendezvous port + 1
+    from now until the run's end): with torchrun's static rendezvous (``--master-addr``,
+    ``--node-rank``) of a fixed number of nodes; ``None`` otherwise."""
+    from ..launcher import FailureBoard
+
+    fixed = str(args.nnodes).isdigit() and int(args.nnodes) == nnodes > 1
+    if not fixed or str(getattr(args, "rdzv_backend", "static")) != "static" or args.rdzv_endpoint:
+        return None
+    return FailureBoard(int(args.node_rank), nnodes, str(args.master_addr), int(args.master_port) + 1)
+
+
+def _short(message: str) -> str:
+    """A collective library's error without its source location and advice.
+
+    Example::
+
+        >>> _short("RuntimeError: [/src/gloo/pair.cc:537] Read error: Connection reset. This is typically ...")
+        'RuntimeError: Read error: Connection reset'
+    """
+    return re.sub(r"\[[^\]]*\.(cc|cpp):\d+\]\s*", "", message).split(". This is")[0]
 
 
 def register(app: typer.Typer) -> None:

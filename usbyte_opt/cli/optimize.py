@@ -14,9 +14,9 @@ import typer
 
 from .. import console
 from ..console import plural
-from ..errors import UsbyteError
+from ..errors import UsageError, UsbyteError
 from ..formats import Mode, Schedule, save_schedule
-from ..planning.planner import Progress, compare, gc_paused
+from ..planning.planner import BEST_FLAT, Progress, compare, gc_paused
 from ..planning.simulate import simulate
 from ..planning.strategies import load_builtin
 from . import common
@@ -31,12 +31,22 @@ def optimize(
              "schedule the repository ships is not replaced without --force.")] = None,
     strategy: Annotated[str, typer.Option(
         "--strategy", "-s", help="Strategy whose schedule is written: wfbp, ddp, ddp-tuned, "
-                                 "mgwfbp, bytescheduler, usbyte or best. ddp-tuned also prints "
-                                 "the bucket_cap_mb_list that gives stock PyTorch DDP its "
-                                 "buckets.")] = "best",
+                                 "mgwfbp, bytescheduler, usbyte or best (on several nodes also "
+                                 "best-flat). ddp-tuned also prints the bucket_cap_mb_list that "
+                                 "gives stock PyTorch DDP its buckets.")] = "best",
     world_size: common.WorldSize = None,
     bandwidth_gbps: common.BandwidthGbps = None,
     latency_us: common.LatencyUs = None,
+    nodes: common.Nodes = None,
+    ranks_per_node: common.RanksPerNode = None,
+    intra_gbps: common.IntraGbps = None,
+    inter_gbps: common.InterGbps = None,
+    intra_latency_us: common.IntraLatencyUs = None,
+    inter_latency_us: common.InterLatencyUs = None,
+    hierarchy: Annotated[str, typer.Option(
+        "--hierarchy", help="On several nodes: on (best all-reduces each block flat or "
+                            "hierarchically, whichever is cheaper; best-flat is shown beside it) "
+                            "or off (every block flat, as DDP over NCCL).")] = "on",
     bucket_cap_mb: Annotated[float, typer.Option(
         "--bucket-cap-mb", min=0.001, help="Bucket size of the ddp strategy, MiB (PyTorch's "
                                            "default 25).")] = 25.0,
@@ -78,7 +88,16 @@ def optimize(
     on stderr, one line per strategy. With --shard it plans sharded mode instead
     (docs/planner.md, "Sharded mode") against that mode's own lower bound, and shows
     unsharded DDP's time and memory beside it.
+
+    Several nodes (a profile measured on them, or --nodes with --inter-gbps): every strategy
+    but best runs flat rings, best-flat is best restricted to them, and best all-reduces each
+    block hierarchically where that is cheaper (the "hier/blocks" column; --hierarchy off: flat
+    only). docs/planner.md, "Several nodes".
     """
+    if hierarchy not in ("on", "off"):
+        raise typer.BadParameter(f"expected on or off, got {hierarchy!r}", param_hint="--hierarchy")
+    by_nodes = common.levels(nodes, ranks_per_node, intra_gbps, inter_gbps, intra_latency_us,
+                             inter_latency_us)
     if output is not None:
         common.refuse_shipped(output, "--output", "schedule", force)
     # Reading, planning and writing allocate millions of short-lived objects and no cycles
@@ -86,25 +105,29 @@ def optimize(
     with gc_paused():
         if shard:
             _optimize_sharded(profile, output, strategy, world_size, bandwidth_gbps, latency_us,
-                              optimizer, trace, as_json, force)
+                              optimizer, trace, as_json, force, by_nodes)
         else:
             _optimize(profile, output, strategy, world_size, bandwidth_gbps, latency_us,
-                      bucket_cap_mb, time_budget, mode, optimizer, trace, as_json, wide, force)
+                      bucket_cap_mb, time_budget, mode, optimizer, trace, as_json, wide, force,
+                      by_nodes, hierarchy == "on")
 
 
 def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int | None,
               bandwidth_gbps: float | None, latency_us: float | None, bucket_cap_mb: float,
               time_budget: float, mode: str | None, optimizer: str | None, trace: Path | None,
-              as_json: bool, wide: bool, force: bool) -> None:
+              as_json: bool, wide: bool, force: bool, by_nodes: dict[str, Any] | None = None,
+              hierarchy: bool = True) -> None:
     """``optimize`` without ``--shard``."""
     if optimizer is not None:
         raise typer.BadParameter("only with --shard (the memory column)", param_hint="--optimizer")
     registry = load_builtin()
-    if strategy not in registry:
-        raise typer.BadParameter(f"expected one of {', '.join(registry)}", param_hint="--strategy")
+    if strategy not in registry and strategy != BEST_FLAT:
+        raise typer.BadParameter(f"expected one of {', '.join(registry)} (or {BEST_FLAT} on "
+                                 "several nodes)", param_hint="--strategy")
     if mode is not None and mode not in (Mode.FENCE, Mode.OVERLAP):
         raise typer.BadParameter(f"expected fence or overlap, got {mode!r}", param_hint="--mode")
-    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us,
+                                            by_nodes)
     out = _output(output, original, force)
     with progress_display(enabled=not as_json) as say:
         best_opts: dict[str, object] = {"time_budget_s": time_budget}
@@ -113,9 +136,14 @@ def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int
         # workers=2: usbyte planned in a second process beside the others (large profiles)
         report = compare(prof, options={"ddp": {"bucket_cap_mb": bucket_cap_mb},
                                         "best": best_opts},
-                         progress=say, workers=2)
+                         progress=say, workers=2, hierarchy=hierarchy)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
+    if strategy not in report.results:
+        raise UsageError(f"--strategy {strategy}: planned only on several nodes of several ranks "
+                         "with --hierarchy on (this profile: "
+                         f"{plural(prof.comm.nodes, 'node')} of {prof.comm.ranks_per_node}); "
+                         "expected best")
     written = _write(report, strategy, original, out, trace)
     if as_json:
         console.emit_json(_document(report, written, prof, original.name))
@@ -125,7 +153,8 @@ def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int
 
 def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_size: int | None,
                       bandwidth_gbps: float | None, latency_us: float | None,
-                      optimizer: str | None, trace: Path | None, as_json: bool, force: bool) -> None:
+                      optimizer: str | None, trace: Path | None, as_json: bool, force: bool,
+                      by_nodes: dict[str, Any] | None = None) -> None:
     """``optimize --shard``."""
     from ..planning.sharded import STATE_SLOTS
     from ..planning.strategies import load_sharded
@@ -138,7 +167,8 @@ def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_s
     if optimizer is not None and optimizer not in STATE_SLOTS:
         raise typer.BadParameter(f"expected one of {', '.join(STATE_SLOTS)}, got {optimizer!r}",
                                  param_hint="--optimizer")
-    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us,
+                                            by_nodes)
     out = _output(output, original, force)
     with progress_display(enabled=not as_json) as say:
         report = compare(prof, shard=True, progress=say, optimizer=optimizer)
@@ -240,9 +270,12 @@ def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
         "cpu_ms_per_block": prof.comm.cpu_ms_per_block,
         "cpu_ms_per_mb": prof.comm.cpu_ms_per_mb,
         "compute_ms": report.compute_ms,
+        **({"nodes": prof.comm.nodes, "ranks_per_node": prof.comm.ranks_per_node}
+           if prof.comm.nodes > 1 else {}),
         "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
                            "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
                            "blocks": r.blocks, "solve_s": r.solve_s,
+                           **({"blocks_hier": report.hier_blocks(n)} if report.hierarchical else {}),
                            "state_bytes_per_rank": r.state_bytes,
                            **({"all_gathers": r.gathers} if r.plan.gathers is not None else {})}
                        for n, r in report.results.items()},
@@ -266,25 +299,33 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
     rows = []
     for n, r in res.items():
         mark = " *" if n == w.strategy else ""
-        row = [n + mark, r.mode, f"{r.iteration_ms:.2f}", f"{ddp / r.iteration_ms:.3f}x", r.blocks,
+        blocks = f"{report.hier_blocks(n)}/{r.blocks}" if report.hierarchical else r.blocks
+        row = [n + mark, r.mode, f"{r.iteration_ms:.2f}", f"{ddp / r.iteration_ms:.3f}x", blocks,
                f"{r.solve_s:.3f}"]
         if wide:
             row[4:4] = [f"{r.overlap_ms:.2f}", f"{r.fence_ms:.2f}", f"{wfbp / r.iteration_ms:.3f}x",
                         f"{r.iteration_ms - report.compute_ms:.2f}"]
         rows.append(row)
-    columns = ["strategy", "mode", "predicted ms", "vs ddp", "blocks", "solve s"]
+    columns = ["strategy", "mode", "predicted ms", "vs ddp",
+               "hier/blocks" if report.hierarchical else "blocks", "solve s"]
     if wide:
         columns[4:4] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
     c = prof.comm
     console.table(
         f"{name}: {plural(len(prof.tensors), 'tensor')}, compute {report.compute_ms:.2f} ms "
-        f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {plural(c.world_size, 'rank')}, "
-        f"alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s" + common.cpu_cost_note(c),
+        f"(F {prof.forward_ms:.2f} + B {prof.backward_ms:.2f}), {plural(c.world_size, 'rank')}"
+        + (f" ({c.nodes} nodes x {c.ranks_per_node})" if c.nodes > 1 else "")
+        + f", {'flat ' if c.nodes > 1 else ''}alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+        + _levels_note(c) + common.cpu_cost_note(c),
         columns,
         rows,
         justify_right_from=2,
         caption=f"lower bound {report.lower_bound_ms:.2f} ms; {w.strategy} ({w.schedule.mode} mode) "
-                f"is {100 * w.schedule.predicted['gap']:.2f}% above it",
+                f"is {100 * w.schedule.predicted['gap']:.2f}% above it"
+                + ("; hier/blocks: blocks all-reduced hierarchically (inside each node, across "
+                   "the nodes, inside again) of all; every strategy but best runs flat rings"
+                   if report.hierarchical else
+                   "; every block flat (--hierarchy off)" if c.hierarchical else ""),
     )
     if w.caps is not None:
         console.paragraph(f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "
@@ -298,6 +339,22 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
         console.warn(f"{w.strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
                      "best is never slower than ddp (--strategy best)")
     console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
+
+
+def _levels_note(c: Any) -> str:
+    """``", intra ..., inter ..."`` of a comm of several nodes with both level lines, else ``""``.
+
+    Example::
+
+        >>> from usbyte_opt.formats import CollectiveCost, CommSpec
+        >>> _levels_note(CommSpec("nccl", 16, 0.3, 13.3, nodes=2, intra=CollectiveCost(0.014, 85.0),
+        ...                       inter=CollectiveCost(0.02, 25.0)))
+        '; intra 0.014 ms + 85.000 GB/s, inter 0.020 ms + 25.000 GB/s'
+    """
+    if c.intra is None or c.inter is None:
+        return ""
+    return (f"; intra {c.intra.alpha_ms:.3f} ms + {c.intra.algbw_gbs:.3f} GB/s, inter "
+            f"{c.inter.alpha_ms:.3f} ms + {c.inter.algbw_gbs:.3f} GB/s")
 
 
 def short_caps(caps: list[float]) -> str:

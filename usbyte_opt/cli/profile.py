@@ -89,7 +89,14 @@ def profile(
                                     "none).")] = 20.0,
     force: common.Force = False,
 ) -> None:
-    """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve."""
+    """Profile MODEL: per-tensor ready/need/update times and the all-reduce cost curve.
+
+    On several nodes, run it under torchrun on each node, K the node's index (0 on HOST); on
+    gloo set GLOO_SOCKET_IFNAME to the interface that reaches the other nodes:
+
+    `torchrun --nnodes 2 --nproc-per-node 8 --node-rank K --master-addr HOST
+    --master-port 29500 -m usbyte_opt profile MODEL`
+    """
     from ..models import model_name
 
     path = output or Path("profiles") / f"{name or model_name(model)}.json"
@@ -102,6 +109,8 @@ def profile(
     if comm_min_kb <= 0 or comm_max_mb * 1024 < comm_min_kb:
         raise UsageError(f"--comm-min-kb/--comm-max-mb: expected 0 < min <= max, got {comm_min_kb} KiB "
                           f"and {comm_max_mb} MiB")
+    if "RANK" in os.environ:  # a rank of torchrun's: before the rendezvous, on every node
+        _preflight(device.value if device else None)
     from ..collectives.sweep import default_sizes
     from ..profiler.options import ProfileOptions
 
@@ -113,6 +122,17 @@ def profile(
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
         shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
+
+
+def _preflight(device: str | None) -> None:
+    """On gloo (the CPU path), a world spanning nodes whose ranks here the others could not
+    reach fails now, in one line (:func:`usbyte_opt.preflight.check_gloo`), not in
+    ``init_process_group`` after its timeout."""
+    from ..device import resolve_device
+    from ..preflight import check_gloo
+
+    if resolve_device(device).type != "cuda":
+        check_gloo("profile")
 
 
 def _relaunch(model: str, nproc: int) -> None:
@@ -205,12 +225,16 @@ def _summary(prof: Any, path: Path) -> None:
         ["forward / backward", f"{prof.forward_ms:.2f} / {prof.backward_ms:.2f} ms"],
         ["optimizer step", f"{sum(t.update_ms for t in prof.tensors):.2f} ms ({prof.meta['optimizer']}, "
                            f"from {prof.meta.get('optimizer_from', '--optimizer')})"],
-        ["world", f"{plural(prof.meta['world_size'], 'rank')} on {plural(prof.meta['hosts'], 'host')}, "
-                  f"{prof.meta['device']}, batch {prof.meta['batch_size']}"],
+        ["world", f"{plural(prof.meta['world_size'], 'rank')}"
+                  + (f" on {plural(c.nodes, 'node')} of {c.ranks_per_node}" if c.nodes > 1 else "")
+                  + f" ({plural(prof.meta['hosts'], 'host')}), {prof.meta['device']}, "
+                    f"batch {prof.meta['batch_size']}"],
         ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                        + (f" ({len(c.samples)} sizes)" if c.samples else "")],
         *([name, f"alpha {x.alpha_ms:.3f} ms, algbw {x.algbw_gbs:.3f} GB/s"]
-          for name, x in (("reduce-scatter", c.reduce_scatter), ("all-gather", c.all_gather))
+          for name, x in ((f"intra-node ({c.ranks_per_node} ranks)", c.intra),
+                          (f"inter-node ({c.nodes} ranks)", c.inter),
+                          ("reduce-scatter", c.reduce_scatter), ("all-gather", c.all_gather))
           if x is not None),
     ], justify_right_from=2)
 

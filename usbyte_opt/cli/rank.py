@@ -33,7 +33,7 @@ def _run(target: str, module: bool, rank: str) -> None:
     """Run the script (or module); a usbyte-opt error comes out as :class:`ExitError`
     ``rank N: <message>`` with the error's exit code, which :func:`main`'s error handler
     records."""
-    from ..errors import ExitError, UsbyteError
+    from ..errors import ExitError, UsbyteError, with_rank
 
     try:
         if module:
@@ -43,7 +43,7 @@ def _run(target: str, module: bool, rank: str) -> None:
     except UsbyteError as e:
         if os.environ.get(DEBUG_ENV):
             raise
-        raise ExitError(f"rank {rank}: {e}", e.exit_code) from e
+        raise ExitError(with_rank(rank, str(e)), e.exit_code) from e
 
 
 def main(argv: list[str] | None = None) -> int:

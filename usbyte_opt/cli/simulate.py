@@ -30,6 +30,12 @@ def simulate(
     world_size: common.WorldSize = None,
     bandwidth_gbps: common.BandwidthGbps = None,
     latency_us: common.LatencyUs = None,
+    nodes: common.Nodes = None,
+    ranks_per_node: common.RanksPerNode = None,
+    intra_gbps: common.IntraGbps = None,
+    inter_gbps: common.InterGbps = None,
+    intra_latency_us: common.IntraLatencyUs = None,
+    inter_latency_us: common.InterLatencyUs = None,
     trace: common.Trace = None,
     as_json: common.Json = False,
     wide: common.Wide = False,
@@ -38,15 +44,20 @@ def simulate(
 
     The prediction is the planner's (docs/planner.md), in the schedule's mode unless --mode
     says otherwise, with the profile's compute-cost fields when it has them. --world-size,
-    --bandwidth-gbps and --latency-us move the profile to another cluster (ring all-reduce);
-    --trace writes the predicted timeline for Perfetto; --wide adds the other mode's
+    --bandwidth-gbps and --latency-us move the profile to another cluster (ring all-reduce),
+    --nodes and the --intra-/--inter- options to several nodes (docs/planner.md, "Several
+    nodes"; a schedule's hierarchical blocks cost the hierarchical form, the others a flat
+    ring); --trace writes the predicted timeline for Perfetto; --wide adds the other mode's
     prediction and what communication cost the compute.
     """
     modelled = [str(m) for m in MODES]
     if mode is not None and mode not in modelled:
         raise typer.BadParameter(f"expected one of {', '.join(modelled)}, got {mode!r}",
                                  param_hint="--mode")
-    original, prof = common.load_retargeted(profile, world_size, bandwidth_gbps, latency_us)
+    original, prof = common.load_retargeted(
+        profile, world_size, bandwidth_gbps, latency_us,
+        common.levels(nodes, ranks_per_node, intra_gbps, inter_gbps, intra_latency_us,
+                      inter_latency_us))
     sched = load_schedule(schedule)
     problem = Problem.from_profile(prof)
     tl = run_simulation(problem, sched, mode=mode, source=str(schedule))
@@ -92,7 +103,9 @@ def simulate(
                          + (f"{plural(len(tl.blocks), 'reduce-scatter')} and {plural(len(tl.gathers), 'all-gather')}"
                             if sharded else plural(len(tl.blocks), "block"))],
         ["lower bound", f"{lb:.3f} ms (gap {100 * (tl.iteration_ms - lb) / lb:.2f}%)"],
-        ["cluster", f"{plural(c.world_size, 'rank')}, alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
+        ["cluster", f"{plural(c.world_size, 'rank')}"
+                    + (f" ({c.nodes} nodes x {c.ranks_per_node}), flat" if c.nodes > 1 else "")
+                    + f", alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
                     + common.cpu_cost_note(c)],
     ]
     if "iteration_ms" in sched.predicted:

@@ -62,6 +62,48 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
     """
     from torch.distributed import distributed_c10d as c10d
 
+    name = "default" if group is None else c10d._get_process_group_name(group)
+    return _gloo_group(f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}", dist.get_rank(group),
+                       dist.get_world_size(group), timeout, threads)
+
+
+def serial_subgroups(group: dist.ProcessGroup | None, members: Sequence[Sequence[int]],
+                     timeout: timedelta | None = None, tag: str = "sub"
+                     ) -> list[dist.ProcessGroup | None]:
+    """One-thread gloo groups (as :func:`serial_group`'s) over subsets of the ranks of
+    ``group``: per entry of ``members`` (ranks of ``group``), the group when this rank is one
+    of them (its rank there: its place in the entry), else ``None``.
+
+    A collective call: every rank of ``group`` calls it with the same ``members``, in the same
+    order relative to :func:`serial_group`. The groups are built in list order, each by its
+    members only; list them in rounds of disjoint subsets that cover every rank (the
+    runtime's hierarchical groups: every node's, then every cross-node set, ...) so that
+    every rank reaches each of its groups once the round before is built.
+
+    Example (one rank)::
+
+        >>> import os, tempfile, torch, torch.distributed as dist
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> [pg.size() for pg in serial_subgroups(None, [[0], [0]])]
+        [1, 1]
+        >>> dist.destroy_process_group()
+    """
+    from torch.distributed import distributed_c10d as c10d
+
+    rank = dist.get_rank(group)
+    name = "default" if group is None else c10d._get_process_group_name(group)
+    base = f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}"
+    return [_gloo_group(f"{base}/{i}", list(ranks).index(rank), len(ranks), timeout, 1)
+            if rank in ranks else None for i, ranks in enumerate(members)]
+
+
+def _gloo_group(prefix: str, rank: int, size: int, timeout: timedelta | None,
+                threads: int) -> dist.ProcessGroup:
+    """A gloo process group of ``size`` ranks with ``threads`` worker threads, rendezvousing
+    under ``prefix`` in the default group's store, listening where :func:`gloo_address` says."""
+    from torch.distributed import distributed_c10d as c10d
+
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # not in torch's stubs
     opts._threads = threads
     kind, names = gloo_address(os.environ, _host_address(), _store_host(), _route_to)
@@ -70,11 +112,9 @@ def serial_group(group: dist.ProcessGroup | None, timeout: timedelta | None = No
                      [create(hostname=a) for a in names] if kind == "hostname" else
                      [dist.ProcessGroupGloo.create_default_device()])
     opts._timeout = timeout if timeout is not None else c10d.default_pg_timeout
-    name = "default" if group is None else c10d._get_process_group_name(group)
-    store = dist.PrefixStore(f"usbyte-{tag}/{name}/{next(_SERIAL_IDS)}", c10d._get_default_store())
+    store = dist.PrefixStore(prefix, c10d._get_default_store())
     # The stubs type it as a Backend only; it is a process group to every collective call.
-    return dist.ProcessGroupGloo(store, dist.get_rank(group), dist.get_world_size(group),  # type: ignore[return-value]
-                                 opts)
+    return dist.ProcessGroupGloo(store, rank, size, opts)  # type: ignore[return-value]
 
 
 def _loopback(addr: str | None) -> bool:

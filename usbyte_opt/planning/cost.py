@@ -21,6 +21,10 @@ all-gather in the next forward. On the same ring each is half an all-reduce:
 with ``b`` the whole (unsharded) block's bytes, so ``alpha = (n - 1) * hop_ms`` and
 ``algbw = busbw * n / (n - 1)``. A profile that measured them (``comm.reduce_scatter``,
 ``comm.all_gather``) has its own lines, which :func:`retarget` moves with the same formula.
+
+Several nodes of several ranks (a profile with ``comm.intra`` and ``comm.inter``, or one moved
+there by :func:`retarget_nodes`) get :class:`HierCost`: each block all-reduced flat or
+hierarchically, whichever is cheaper (docs/planner.md, "Several nodes").
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import UsbyteError
+from ..errors import UsageError, UsbyteError
 from ..formats import CollectiveCost, CommSpec
 
 
@@ -159,10 +163,191 @@ class LinearCost:
         return cls(comm.alpha_ms, comm.algbw_gbs, line(comm.reduce_scatter), line(comm.all_gather))
 
 
-def cost_model(comm: CommSpec) -> CostModel:
-    """The cost model of a profile's ``comm``: :class:`LinearCost` (its ``alpha_ms`` and
-    ``algbw_gbs``; reduce-scatter and all-gather from ``comm.reduce_scatter`` and
-    ``comm.all_gather`` when the profile measured them, else half an all-reduce each).
+def ring_line(n: int, hop_ms: float, busbw_gbs: float) -> tuple[float, float]:
+    """``(alpha_ms, algbw_gbs)`` of a ring all-reduce over ``n`` ranks with ``hop_ms`` per
+    ring step and ``busbw_gbs`` of bus bandwidth (nccl-tests' convention, ``busbw = algbw *
+    2 (n - 1) / n``): ``alpha = 2 (n - 1) hop``, ``algbw = busbw n / (2 (n - 1))``.
+
+    Example::
+
+        >>> ring_line(8, 0.001, 150.0)          # 14 steps of 1 µs; 150 * 8 / 14 GB/s
+        (0.014, 85.71428571428571)
+    """
+    steps = 2 * (max(n, 2) - 1)
+    return steps * hop_ms, busbw_gbs * max(n, 2) / steps
+
+
+@dataclass(frozen=True, slots=True)
+class HierCost:
+    """The :class:`CostModel` of ``nodes`` nodes of ``ranks_per_node`` ranks each, where a
+    block is all-reduced either **flat** (one ring over all ``n = nodes * ranks_per_node``
+    ranks: the line ``flat``) or **hierarchically**: reduce-scatter inside each node, one
+    all-reduce of ``b / G`` per rank across the nodes (the ``G`` of a node at once, sharing
+    the node's link), all-gather inside. By the bus-bandwidth convention of nccl-tests the
+    two halves inside a node cost one intra-node all-reduce and the ``G`` concurrent pieces
+    one inter-node all-reduce of the whole block, so
+
+        hier(b) = intra(b) + inter(b) = (alpha_i + alpha_e) + b / algbw_i + b / algbw_e
+
+    with ``intra`` the all-reduce line on the ranks of one node and ``inter`` the one on one
+    rank per node (docs/planner.md, "Several nodes"). The planner picks, per block, the
+    cheaper form: :meth:`allreduce_ms` is ``min(flat, hier)`` (``hierarchy=False``: flat
+    only), :meth:`is_hier` says which. The minimum of two lines is not a line
+    (:attr:`is_linear` false unless one form is cheaper at every size); :meth:`linear_bound`
+    is ``(min alpha, min beta)``, at or below both lines, and the lowest line that is.
+
+    Sharded mode reduce-scatters and all-gathers flat (half the flat all-reduce each, or the
+    profile's measured lines); :meth:`hier_reduce_scatter_ms` and
+    :meth:`hier_all_gather_ms` cost the hierarchical forms (half of each level) for
+    comparison.
+
+    Example (2 nodes of 4 ranks; lines in ``(alpha_ms, algbw_gbs)``)::
+
+        >>> c = HierCost(flat=(0.7, 2.0), intra=(0.06, 100.0), inter=(0.2, 5.0), nodes=2,
+        ...              ranks_per_node=4)
+        >>> round(c.flat_ms(10e6), 6), round(c.hier_ms(10e6), 6)   # 0.7 + 5; 0.26 + 0.1 + 2
+        (5.7, 2.36)
+        >>> round(c.allreduce_ms(10e6), 6), c.is_hier(10e6), c.is_hier(1_000)
+        (2.36, True, True)
+        >>> c.crossover_bytes(), c.is_linear   # hier has the lower alpha and beta: always
+        (inf, True)
+        >>> d = HierCost(flat=(0.1, 2.0), intra=(0.06, 100.0), inter=(0.2, 5.0), nodes=2,
+        ...              ranks_per_node=4)
+        >>> round(d.crossover_bytes())       # 0.16 ms / 0.29e-6 ms per byte
+        551724
+        >>> d.is_hier(500_000), d.is_hier(600_000)
+        (False, True)
+        >>> e = HierCost(flat=(0.7, 5.0), intra=(0.06, 10.0), inter=(0.2, 5.0), nodes=2,
+        ...              ranks_per_node=4)    # a slow ring inside: hierarchical below
+        >>> round(e.crossover_bytes()), e.is_hier(1_000_000), e.is_hier(5_000_000)
+        (4400000, True, False)
+        >>> [round(x, 12) for x in d.linear_bound()], d.is_linear    # (min alpha, min beta)
+        ([0.1, 2.1e-07], False)
+        >>> round(d.flat_only().allreduce_ms(10e6), 6)   # the flat ring alone: 0.1 + 5 ms
+        5.1
+        >>> round(d.reduce_scatter_ms(10e6), 6), round(d.hier_reduce_scatter_ms(10e6), 6)
+        (2.55, 1.18)
+    """
+
+    flat: tuple[float, float]
+    """``(alpha_ms, algbw_gbs)`` of the flat all-reduce (one ring over every rank)."""
+    intra: tuple[float, float]
+    """``(alpha_ms, algbw_gbs)`` of the all-reduce on the ranks of one node."""
+    inter: tuple[float, float]
+    """``(alpha_ms, algbw_gbs)`` of the all-reduce on one rank per node (the node's link)."""
+    nodes: int = 2
+    ranks_per_node: int = 2
+    hierarchy: bool = True
+    """Whether a block may be hierarchical (``False``: every block flat)."""
+    reduce_scatter: tuple[float, float] | None = None
+    """Measured flat reduce-scatter line; ``None``: half the flat all-reduce."""
+    all_gather: tuple[float, float] | None = None
+    """Measured flat all-gather line; ``None``: half the flat all-reduce."""
+
+    @property
+    def hier_alpha_ms(self) -> float:
+        return self.intra[0] + self.inter[0]
+
+    @property
+    def hier_beta_ms_per_byte(self) -> float:
+        return 1.0 / (self.intra[1] * 1e6) + 1.0 / (self.inter[1] * 1e6)
+
+    @property
+    def flat_beta_ms_per_byte(self) -> float:
+        return 1.0 / (self.flat[1] * 1e6)
+
+    def flat_ms(self, nbytes: float) -> float:
+        """Milliseconds of a flat all-reduce of ``nbytes``."""
+        return self.flat[0] + nbytes / (self.flat[1] * 1e6)
+
+    def hier_ms(self, nbytes: float) -> float:
+        """Milliseconds of a hierarchical all-reduce of ``nbytes``."""
+        return self.hier_alpha_ms + nbytes * self.hier_beta_ms_per_byte
+
+    def is_hier(self, nbytes: float) -> bool:
+        """Whether a block of ``nbytes`` is all-reduced hierarchically: allowed, and strictly
+        cheaper than flat (a tie stays flat)."""
+        return self.hierarchy and self.hier_ms(nbytes) < self.flat_ms(nbytes)
+
+    def crossover_bytes(self) -> float:
+        """The block size at which flat and hierarchical cost the same (``inf``: none above
+        zero, one form is the cheaper at every size). Hierarchical is the cheaper above it when
+        its beta is the smaller (a slow link between nodes), below it when its alpha is the
+        smaller and its beta the larger (a slow ring inside each node): :meth:`is_hier`."""
+        da = self.hier_alpha_ms - self.flat[0]
+        db = self.flat_beta_ms_per_byte - self.hier_beta_ms_per_byte
+        if db == 0 or not da / db > 0:
+            return math.inf
+        return da / db
+
+    def _dominated(self) -> bool:
+        """Whether one line is at or below the other at every size (the minimum is a line)."""
+        fa, fb = self.flat[0], self.flat_beta_ms_per_byte
+        ha, hb = self.hier_alpha_ms, self.hier_beta_ms_per_byte
+        return (fa <= ha and fb <= hb) or (ha <= fa and hb <= fb)
+
+    @property
+    def is_linear(self) -> bool:
+        return not self.hierarchy or self._dominated()
+
+    def allreduce_ms(self, nbytes: float) -> float:
+        f = self.flat_ms(nbytes)
+        return min(f, self.hier_ms(nbytes)) if self.hierarchy else f
+
+    def allreduce_ms_array(self, nbytes: np.ndarray) -> np.ndarray:
+        f = self.flat[0] + nbytes * self.flat_beta_ms_per_byte
+        if not self.hierarchy:
+            return f
+        return np.minimum(f, self.hier_alpha_ms + nbytes * self.hier_beta_ms_per_byte)
+
+    def linear_bound(self) -> tuple[float, float]:
+        if not self.hierarchy:
+            return self.flat[0], self.flat_beta_ms_per_byte
+        return (min(self.flat[0], self.hier_alpha_ms),
+                min(self.flat_beta_ms_per_byte, self.hier_beta_ms_per_byte))
+
+    def flat_only(self) -> LinearCost:
+        """The model of flat rings only (what DDP over NCCL and every known strategy run)."""
+        return LinearCost(self.flat[0], self.flat[1], self.reduce_scatter, self.all_gather)
+
+    def reduce_scatter_ms(self, nbytes: float) -> float:
+        return self.flat_only().reduce_scatter_ms(nbytes)
+
+    def all_gather_ms(self, nbytes: float) -> float:
+        return self.flat_only().all_gather_ms(nbytes)
+
+    def shard_bounds(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        return self.flat_only().shard_bounds()
+
+    def hier_reduce_scatter_ms(self, nbytes: float) -> float:
+        """A hierarchical reduce-scatter of a block of ``nbytes``: reduce-scatter inside the
+        node, then across nodes, half of each level's all-reduce."""
+        return 0.5 * self.hier_ms(nbytes)
+
+    def hier_all_gather_ms(self, nbytes: float) -> float:
+        """A hierarchical all-gather into a block of ``nbytes`` (half of each level)."""
+        return 0.5 * self.hier_ms(nbytes)
+
+    @classmethod
+    def from_comm(cls, comm: CommSpec, hierarchy: bool = True) -> HierCost:
+        """The model of a ``comm`` with both level lines (``comm.intra``, ``comm.inter``)."""
+        if comm.intra is None or comm.inter is None:
+            raise ValueError("HierCost.from_comm: expected a comm with intra and inter lines")
+
+        def line(c: CollectiveCost | None) -> tuple[float, float] | None:
+            return None if c is None else (c.alpha_ms, c.algbw_gbs)
+        return cls((comm.alpha_ms, comm.algbw_gbs), (comm.intra.alpha_ms, comm.intra.algbw_gbs),
+                   (comm.inter.alpha_ms, comm.inter.algbw_gbs), comm.nodes, comm.ranks_per_node,
+                   hierarchy, line(comm.reduce_scatter), line(comm.all_gather))
+
+
+def cost_model(comm: CommSpec, hierarchy: bool = True) -> CostModel:
+    """The cost model of a profile's ``comm``: :class:`HierCost` when it spans several nodes
+    of several ranks and carries both level lines (``comm.intra``, ``comm.inter``; with
+    ``hierarchy=False`` it charges flat rings only), else :class:`LinearCost` (its
+    ``alpha_ms`` and ``algbw_gbs``; reduce-scatter and all-gather from
+    ``comm.reduce_scatter`` and ``comm.all_gather`` when the profile measured them, else half
+    an all-reduce each): every profile of one node plans exactly as before.
 
     Example::
 
@@ -173,7 +358,13 @@ def cost_model(comm: CommSpec) -> CostModel:
         >>> new = cost_model(CommSpec("gloo", 2, 1.0, 0.5, reduce_scatter=CollectiveCost(0.4, 1.0)))
         >>> new.allreduce_ms(1e6), new.reduce_scatter_ms(1e6), new.all_gather_ms(1e6)
         (3.0, 1.4, 1.5)
+        >>> two = CommSpec("nccl", 8, 0.7, 2.0, nodes=2, intra=CollectiveCost(0.06, 100.0),
+        ...                inter=CollectiveCost(0.2, 5.0))
+        >>> type(cost_model(two)).__name__, round(cost_model(two).allreduce_ms(10e6), 6)
+        ('HierCost', 2.36)
     """
+    if comm.hierarchical and comm.intra is not None and comm.inter is not None:
+        return HierCost.from_comm(comm, hierarchy)
     return LinearCost.from_comm(comm)
 
 
@@ -281,12 +472,18 @@ def ring_shard_parameters(cost: CollectiveCost, world_size: int) -> tuple[float,
 
 
 def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: float | None = None,
-             latency_us: float | None = None) -> CommSpec:
+             latency_us: float | None = None, *, nodes: int | None = None,
+             ranks_per_node: int | None = None, intra_gbps: float | None = None,
+             inter_gbps: float | None = None, intra_latency_us: float | None = None,
+             inter_latency_us: float | None = None) -> CommSpec:
     """Move ``comm`` to another world size, link bandwidth (Gbit/s) or hop latency (µs).
 
     Ring all-reduce, see the module docstring; a measured reduce-scatter or all-gather line
     moves with its own ring formula (its own hop latency and bus bandwidth, unless given),
     and stays absent when absent. With nothing given, ``comm`` is returned as is.
+
+    ``nodes``, ``ranks_per_node`` and the per-level options, or a profile measured on
+    several nodes, move it by nodes instead (:func:`retarget_nodes`).
 
     Example::
 
@@ -301,6 +498,14 @@ def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: floa
         >>> round(rs.alpha_ms, 3), round(rs.algbw_gbs, 4), retarget(s, world_size=8).all_gather
         (7.0, 1.1429, None)
     """
+    levels = (nodes, ranks_per_node, intra_gbps, inter_gbps, intra_latency_us, inter_latency_us)
+    if any(v is not None for v in levels) or comm.nodes > 1:
+        if bandwidth_gbps is not None or latency_us is not None:
+            flag = "--bandwidth-gbps" if bandwidth_gbps is not None else "--latency-us"
+            raise UsageError(f"{flag}: one ring's links; with several nodes give each level's "
+                             "instead (--intra-gbps/--inter-gbps, --intra-latency-us/"
+                             "--inter-latency-us)")
+        return retarget_nodes(comm, world_size, *levels)
     if world_size is None and bandwidth_gbps is None and latency_us is None:
         return comm
     n = world_size if world_size is not None else max(comm.world_size, 2)
@@ -330,3 +535,144 @@ def retarget(comm: CommSpec, world_size: int | None = None, bandwidth_gbps: floa
     # The training thread's share of a collective is the host's, not the link's: kept.
     return CommSpec(backend, n, hop * steps, busbw * n / steps, (), comm.cpu_ms_per_block,
                     comm.cpu_ms_per_mb, shard(comm.reduce_scatter), shard(comm.all_gather))
+
+
+def level_parameters(cost: CollectiveCost, n: int) -> tuple[float, float]:
+    """``(hop_ms, busbw_gbs)`` of a ring all-reduce line measured on ``n`` ranks."""
+    n = max(n, 2)
+    steps = 2 * (n - 1)
+    return cost.alpha_ms / steps, cost.algbw_gbs * steps / n
+
+
+def retarget_nodes(comm: CommSpec, world_size: int | None = None, nodes: int | None = None,
+                   ranks_per_node: int | None = None, intra_gbps: float | None = None,
+                   inter_gbps: float | None = None, intra_latency_us: float | None = None,
+                   inter_latency_us: float | None = None) -> CommSpec:
+    """Move ``comm`` to ``nodes`` nodes of ``ranks_per_node`` ranks (docs/planner.md,
+    "Several nodes"). Bandwidths are bus bandwidths in Gbit/s (nccl-tests' convention; inter:
+    the node's link), latencies per ring step in µs.
+
+    Unset values come from the profile: the number of ranks per node from its own (a profile
+    of one node: its world size, or ``world_size / nodes``), the nodes from ``world_size / G``
+    or its own; each level's hop latency and bus bandwidth from its ``intra`` and ``inter``
+    lines, and for a profile of one node the intra level from its whole-group line (measured
+    inside that node). A profile of one node has no link between nodes to read: moving it to
+    several needs ``inter_gbps`` (:class:`~usbyte_opt.errors.UsageError` otherwise); its
+    inter latency defaults to the intra one. The flat line is the ring over all ranks on the
+    slower level (``2 (n - 1)`` steps of the larger hop, the smaller bus bandwidth), the
+    level lines each level's ring; a profile moved to its own shape keeps its measured
+    lines. Reduce-scatter and all-gather are then half a flat all-reduce each.
+
+    Example (one node of 8, retargeted to 4 nodes of 8 with 100 Gbit/s between them)::
+
+        >>> one = CommSpec("nccl", 8, alpha_ms=0.014, algbw_gbs=85.0)
+        >>> r = retarget_nodes(one, nodes=4, inter_gbps=100, inter_latency_us=5)
+        >>> r.world_size, r.nodes, r.ranks_per_node, r.backend
+        (32, 4, 8, 'analytic')
+        >>> round(r.inter.alpha_ms, 6), round(r.inter.algbw_gbs, 6)  # 6 hops of 5 µs; 12.5*4/6
+        (0.03, 8.333333)
+        >>> round(r.intra.alpha_ms, 6), round(r.intra.algbw_gbs, 6)  # the node as measured
+        (0.014, 85.0)
+        >>> round(r.alpha_ms, 6), round(r.algbw_gbs, 4)   # 62 hops of 5 µs; 12.5 * 32 / 62
+        (0.31, 6.4516)
+        >>> retarget_nodes(one, nodes=4)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsageError: --nodes 4: the profile was measured on one node ...
+    """
+    N0, G0 = max(comm.nodes, 1), comm.ranks_per_node
+    for flag, v in (("--intra-gbps", intra_gbps), ("--inter-gbps", inter_gbps)):
+        if v is not None and not v > 0:
+            raise UsageError(f"{flag}: expected a number > 0, got {v}")
+    for flag, v in (("--intra-latency-us", intra_latency_us),
+                    ("--inter-latency-us", inter_latency_us)):
+        if v is not None and not v >= 0:
+            raise UsageError(f"{flag}: expected a number >= 0, got {v}")
+    for flag, v in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
+        if v is not None and v < 1:
+            raise UsageError(f"{flag}: expected a whole number >= 1, got {v}")
+    if ranks_per_node is not None:
+        G = ranks_per_node
+    elif nodes is not None and world_size is not None:
+        if world_size % nodes:
+            raise UsageError(f"--world-size {world_size}: expected a multiple of --nodes {nodes}")
+        G = world_size // nodes
+    else:
+        G = G0
+    if nodes is not None:
+        N = nodes
+    elif world_size is not None:
+        if world_size % G:
+            raise UsageError(f"--world-size {world_size}: expected a multiple of the ranks per "
+                             f"node ({G}; --ranks-per-node)")
+        N = world_size // G
+    else:
+        N = N0
+    n = N * G
+    if world_size is not None and world_size != n:
+        raise UsageError(f"--world-size {world_size}: expected --nodes x --ranks-per-node "
+                         f"({N} x {G} = {n})")
+    if n < 2:
+        raise UsbyteError(f"world size {n}: a single rank has no all-reduce to schedule "
+                          "(expected --world-size >= 2)")
+    given = (intra_gbps, inter_gbps, intra_latency_us, inter_latency_us)
+    if N == N0 and G == G0 and all(v is None for v in given):
+        return comm
+    # the intra level: the profile's intra line, else (one node, or one rank per node) its
+    # whole-group line
+    if comm.intra is not None:
+        hop_i, bw_i = level_parameters(comm.intra, G0)
+    else:
+        hop_i, bw_i = ring_parameters(comm)
+    if comm.inter is not None:
+        hop_e, bw_e = level_parameters(comm.inter, N0)
+    elif N0 > 1:                      # one rank per node: the whole group is the inter level
+        hop_e, bw_e = ring_parameters(comm)
+    else:
+        if N > 1 and inter_gbps is None:
+            raise UsageError(f"--nodes {N}: the profile was measured on one node and has no "
+                             "link between nodes to read; add --inter-gbps X (each node's "
+                             "network bus bandwidth, Gbit/s) and --inter-latency-us Y")
+        hop_e, bw_e = hop_i, bw_i
+    if intra_gbps is not None:
+        bw_i = intra_gbps / 8.0
+    if intra_latency_us is not None:
+        hop_i = intra_latency_us / 1000.0
+    if inter_gbps is not None:
+        bw_e = inter_gbps / 8.0
+    if inter_latency_us is not None:
+        hop_e = inter_latency_us / 1000.0
+    elif N0 == 1 and comm.inter is None and intra_latency_us is not None:
+        hop_e = hop_i
+    intra = inter = None
+    if N == 1:
+        flat = ring_line(n, hop_i, bw_i)
+    elif G == 1:
+        flat = ring_line(n, hop_e, bw_e)
+    else:
+        flat = ring_line(n, max(hop_i, hop_e), min(bw_i, bw_e))
+        intra = CollectiveCost(*ring_line(G, hop_i, bw_i))
+        inter = CollectiveCost(*ring_line(N, hop_e, bw_e))
+    return CommSpec("analytic", n, flat[0], flat[1], (), comm.cpu_ms_per_block,
+                    comm.cpu_ms_per_mb, None, None, N, intra, inter)
+
+
+def retarget_warning(comm: CommSpec, world_size: int | None, nodes: int | None,
+                     ranks_per_node: int | None = None) -> str | None:
+    """The one line to print when a profile of one node is moved to a larger world size
+    without saying the nodes (the ring then assumes every link as fast as the measured one),
+    else ``None``.
+
+    Example::
+
+        >>> print(retarget_warning(CommSpec("nccl", 8, 0.014, 85.0), 64, None))  # doctest: +ELLIPSIS
+        --world-size 64 on a profile measured on one node of 8 ranks: assuming all 64 ranks ...
+        >>> retarget_warning(CommSpec("nccl", 8, 0.014, 85.0), 64, 8) is None
+        True
+    """
+    if (comm.nodes > 1 or world_size is None or world_size <= comm.world_size
+            or nodes is not None or ranks_per_node is not None):
+        return None
+    return (f"--world-size {world_size} on a profile measured on one node of {comm.world_size} "
+            f"ranks: assuming all {world_size} ranks on links as fast as the measured ones (one "
+            "node); for several nodes give --nodes N and --inter-gbps X")

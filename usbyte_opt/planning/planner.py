@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 import pickle
@@ -36,7 +37,7 @@ from typing import Any
 from ..errors import UsbyteError
 from ..formats import Block, Mode, Profile, Schedule
 from .bounds import lower_bound
-from .cost import retarget
+from .cost import HierCost, retarget
 from .fastsim import scorer_for
 from .problem import Problem, UpdateRule
 from .sharded import state_bytes, state_slots
@@ -65,6 +66,10 @@ class StrategyResult:
     state_bytes: int = 0
     """Optimizer-state bytes on the rank holding the most (:func:`usbyte_opt.planning.sharded.state_bytes`):
     every gradient's worth unsharded, about ``1 / world_size`` of it sharded."""
+    hier: bool = False
+    """Planned under the hierarchical model (:class:`~usbyte_opt.planning.cost.HierCost`):
+    each of its blocks all-reduced hierarchically where that is cheaper; ``False``: every
+    block flat."""
 
     @property
     def blocks(self) -> int:
@@ -98,6 +103,22 @@ class Report:
     def compute_ms(self) -> float:
         return self.problem.B + self.problem.F
 
+    @property
+    def hierarchical(self) -> bool:
+        """Whether blocks may be hierarchical here (several nodes of several ranks, hierarchy
+        on): then the known strategies and ``best-flat`` are flat, ``best`` is not."""
+        c = self.problem.cost
+        return isinstance(c, HierCost) and c.hierarchy
+
+    def hier_blocks(self, name: str) -> int:
+        """How many blocks of strategy ``name`` are hierarchical (before alignment)."""
+        r = self.results[name]
+        c = self.problem.cost
+        if not (r.hier and isinstance(c, HierCost)):
+            return 0
+        lay = r.plan.layout
+        return sum(c.is_hier((k.end - k.start) * lay.itemsize[k.buffer]) for k in r.plan.blocks)
+
     def baselines(self) -> dict[str, float]:
         """Every strategy's predicted ms, each in its plan's mode."""
         return {n: r.iteration_ms for n, r in self.results.items()}
@@ -124,6 +145,8 @@ class Report:
                                       "iteration_ms": self.reference.iteration_ms,
                                       "state_bytes_per_rank": self.reference.state_bytes}
         comm = self.problem.profile.comm
+        cost = self.problem.cost
+        hier = cost.is_hier if r.hier and isinstance(cost, HierCost) else None
         # Wall-clock figures stay out: the file depends on the profile alone, so planning it
         # again writes the same bytes.
         info = {k: v for k, v in r.plan.info.items()
@@ -133,9 +156,16 @@ class Report:
         if self.problem.charges_cpu:
             extra["comm"].update(cpu_ms_per_block=comm.cpu_ms_per_block,
                                  cpu_ms_per_mb=comm.cpu_ms_per_mb)
-        return self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
-                                     mode=r.mode, profile_digest=profile_digest,
-                                     gathers=r.plan.gathers)
+        if self.hierarchical:
+            extra["comm"].update(nodes=comm.nodes, ranks_per_node=comm.ranks_per_node)
+        sched = self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
+                                      mode=r.mode, profile_digest=profile_digest,
+                                      gathers=r.plan.gathers, hier=hier)
+        if self.hierarchical:
+            n_hier = sum(k.hier for k in sched.blocks)
+            sched = dataclasses.replace(sched, predicted={
+                **sched.predicted, "blocks_hier": n_hier, "blocks_flat": len(sched.blocks) - n_hier})
+        return sched
 
 
 @contextmanager
@@ -167,16 +197,19 @@ def gc_paused() -> Iterator[None]:
 
 
 def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: float | None = None,
-               latency_us: float | None = None) -> Profile:
-    """``profile`` with its comm moved to another cluster (see :func:`usbyte_opt.planning.cost.retarget`)."""
-    return profile.with_comm(retarget(profile.comm, world_size, bandwidth_gbps, latency_us))
+               latency_us: float | None = None, **levels: Any) -> Profile:
+    """``profile`` with its comm moved to another cluster (see
+    :func:`usbyte_opt.planning.cost.retarget`; ``levels``: its keyword-only options, nodes and
+    per-level bandwidths and latencies)."""
+    return profile.with_comm(retarget(profile.comm, world_size, bandwidth_gbps, latency_us,
+                                      **levels))
 
 
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
             update_rule: UpdateRule = UpdateRule.AVAIL, shard: bool = False,
-            optimizer: str | None = None, workers: int = 1) -> Report:
+            optimizer: str | None = None, workers: int = 1, hierarchy: bool = True) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
@@ -202,10 +235,18 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     on a profile of at least :data:`FORK_TENSORS` tensors, on a Linux machine of two cores or
     more: the same plans, sooner (what ``usbyte-opt optimize`` does).
     Where the child fails, this process plans them after all.
+
+    Several nodes (a profile whose comm has nodes and both level lines,
+    :class:`~usbyte_opt.planning.cost.HierCost`): the known strategies are planned and scored
+    with flat rings only (what they run; DDP over NCCL is flat), ``best-flat`` is ``best``
+    restricted to flat blocks, seeded with them, and ``best`` plans under the cheaper of flat
+    and hierarchical per block, seeded with all of them, so ``best <= best-flat <=`` every
+    other; the two share ``best``'s time budget. The lower bound, under the cheaper form, holds
+    for both. ``hierarchy=False`` (and sharded mode) plans flat rings only, as on one node.
     """
     with gc_paused():
         return _compare(profile, strategies, options, progress, update_rule, shard, optimizer,
-                        workers)
+                        workers, hierarchy)
 
 
 #: ``compare(workers=2)`` forks only for profiles of at least this many tensors (below, the
@@ -213,12 +254,16 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
 FORK_TENSORS = 2000
 #: The strategies a forked child plans (``compare(workers=2)``), in this order.
 FORKED = ("bytescheduler", "usbyte")
+#: On several nodes: ``best`` restricted to flat blocks, reported beside the others.
+BEST_FLAT = "best-flat"
+#: ``best``'s default local-search budget (its ``time_budget_s``), seconds.
+BEST_BUDGET_S = 0.6
 
 
 def _compare(profile: Profile, strategies: Sequence[str] | None,
              options: Mapping[str, Mapping[str, Any]] | None, progress: Progress | None,
              update_rule: UpdateRule, shard: bool, optimizer: str | None,
-             workers: int = 1) -> Report:
+             workers: int = 1, hierarchy: bool = True) -> Report:
     """:func:`compare` itself (which runs it with the garbage collector paused,
     :func:`gc_paused`)."""
     from .sharded import sharded_lower_bound
@@ -231,13 +276,18 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
                               + (" (sharded mode)" if shard else ""))
     say = progress or (lambda event, name, seconds: None)
     problem = Problem.from_profile(profile, update_rule=update_rule)
+    if isinstance(problem.cost, HierCost) and (shard or not hierarchy):
+        problem = problem.with_cost(problem.cost.flat_only())
+    # several nodes: every strategy but best is planned and scored on flat rings
+    hier = isinstance(problem.cost, HierCost)
+    flat = problem.with_cost(problem.cost.flat_only()) if isinstance(problem.cost, HierCost) else problem
     slots = state_slots(problem, optimizer)
     child = None
     forked = [n for n in FORKED if n in names]
     if (workers > 1 and not shard and forked and problem.n >= FORK_TENSORS
             and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1):
         child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
-                        problem)
+                        flat)
     try:
         say("start", "lower bound", 0.0)
         t0 = time.perf_counter()
@@ -250,12 +300,17 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
         options = options or {}
         best = "best-sharded" if shard else "best"
         ordered = [n for n in names if n != best] + ([best] if best in names else [])
+        if hier and best in names:
+            ordered.insert(-1, BEST_FLAT)
+            names = names[:names.index(best)] + [BEST_FLAT] + names[names.index(best):]
         first_forked = next((n for n in ordered if n in forked), None)
         for n in ordered:
-            kw = dict(options.get(n, {}))
-            if n == best:
+            kw = dict(options.get(best if n == BEST_FLAT else n, {}))
+            if n in (best, BEST_FLAT):
                 kw.setdefault("seeds", [r.plan for r in report.results.values()])
                 kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+                if hier:       # best-flat and best share the budget of one
+                    kw["time_budget_s"] = 0.5 * float(kw.get("time_budget_s", BEST_BUDGET_S))
             if child is not None and n == first_forked and best in names:
                 # before waiting for the child (in the default order, the strategies it plans come
                 # last before best), the candidates of best that its seeds do not change
@@ -264,18 +319,29 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
                 prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
             say("start", n, 0.0)
             t0 = time.perf_counter()
+            on = problem if n == best else flat
             try:
                 if child is not None and n in forked:
                     plan, solve = child.result(n)
                 else:
-                    plan = registry[n].plan(problem, **kw)
+                    plan = registry[best if n == BEST_FLAT else n].plan(on, **kw)
                     solve = time.perf_counter() - t0
             except NotApplicable as e:
                 report.skipped[n] = str(e)
                 say("done", n, time.perf_counter() - t0)
                 continue
+            if n == BEST_FLAT:
+                plan.info["strategy"] = n
             plan.info.setdefault("strategy", n)
-            report.results[n] = _result(n, plan, problem, slots, solve)
+            result = _result(n, plan, on, slots, solve)
+            result.hier = hier and n == best
+            if result.hier and BEST_FLAT in report.results:
+                # best under the cheaper form is never slower than best-flat (its seed): kept so
+                # where the compute-cost charge would make it so
+                bf = report.results[BEST_FLAT]
+                if result.iteration_ms > bf.iteration_ms:
+                    result = dataclasses.replace(bf, name=n, solve_s=solve)
+            report.results[n] = result
             say("done", n, solve)
     finally:
         if child is not None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 from bisect import bisect_left, bisect_right
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
@@ -96,7 +96,7 @@ def align_cuts(layout: Layout, blocks: Sequence[Block], align_bytes: int) -> tup
         >>> lay = Layout((Buffer("float32", ("a", "b")),), [[0, 1]], [[0, 10]], [30], [4],
         ...              [(0, 0, 10), (0, 10, 30)])
         >>> align_cuts(lay, [Block(0, 0, 13), Block(0, 13, 30)], 16)   # 3 into b -> 4
-        (Block(buffer=0, start=0, end=14), Block(buffer=0, start=14, end=30))
+        (Block(buffer=0, start=0, end=14, hier=False), Block(buffer=0, start=14, end=30, hier=False))
     """
     def snap(b: int, o: int) -> int:
         st = layout.starts[b]
@@ -175,6 +175,11 @@ class Problem:
             total_bytes=sum(n * b for n, b in zip(numel, itemsize)),
             update_rule=UpdateRule(update_rule),
         )
+
+    def with_cost(self, cost: CostModel) -> Problem:
+        """This problem under another cost model (same arrays, a fresh cache): e.g. the flat
+        rings only of a hierarchical model (:meth:`usbyte_opt.planning.cost.HierCost.flat_only`)."""
+        return dataclasses.replace(self, cost=cost, cache={})
 
     def with_update_rule(self, rule: UpdateRule) -> Problem:
         """This problem under another :class:`UpdateRule` (same arrays, a fresh cache)."""
@@ -270,7 +275,8 @@ class Problem:
                  predicted: Mapping[str, Any] | None = None, extra: Mapping[str, Any] | None = None,
                  check: bool = True, mode: Mode = Mode.OVERLAP,
                  profile_digest: str | None = None, align_bytes: int | None = None,
-                 gathers: Sequence[Sequence[int]] | None = None) -> Schedule:
+                 gathers: Sequence[Sequence[int]] | None = None,
+                 hier: Callable[[int], bool] | None = None) -> Schedule:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
         ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
@@ -285,6 +291,11 @@ class Problem:
 
         ``gathers`` (sharded mode): the all-gathers, as block indices (a block that alignment
         leaves empty drops out of its all-gather).
+
+        ``hier``: given a block's bytes (after alignment), whether it is all-reduced
+        hierarchically (:attr:`Block.hier`); the schedule then records the profile's nodes
+        (:attr:`Schedule.nodes`).
+        Without it every block is flat and the schedule is as before.
         """
         as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         if align_bytes is None:
@@ -300,6 +311,12 @@ class Problem:
                                          for g in gathers) if g2]
             as_blocks = align_cuts(layout, as_blocks, align_bytes)
         prof = self.profile
+        nodes = 1
+        if hier is not None:
+            as_blocks = tuple(Block(k.buffer, k.start, k.end,
+                                    hier((k.end - k.start) * layout.itemsize[k.buffer]))
+                              for k in as_blocks)
+            nodes = prof.comm.nodes
         sched = Schedule(
             strategy=strategy,
             profile_name=prof.name,
@@ -314,6 +331,7 @@ class Problem:
             mode=mode,
             shapes={t.name: t.shape for t in prof.tensors},
             gathers=None if gathers is None else tuple(tuple(g) for g in gathers),
+            nodes=nodes,
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")

@@ -280,8 +280,16 @@ def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[Forwar
 def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | None = None,
              check: bool = True, source: str = "<schedule>") -> Timeline:
     """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted), in
-    ``mode`` (default: the schedule's own, the one the runtime runs it in)."""
+    ``mode`` (default: the schedule's own, the one the runtime runs it in).
+
+    On several nodes (:class:`~usbyte_opt.planning.cost.HierCost`) a schedule without
+    hierarchical blocks runs flat rings only; one with them is costed block by block at the
+    cheaper form, which is what the planner marks hierarchical."""
+    from .cost import HierCost
+
     problem = profile if isinstance(profile, Problem) else Problem.from_profile(profile)
+    if isinstance(problem.cost, HierCost) and not schedule.hierarchical:
+        problem = problem.with_cost(problem.cost.flat_only())
     if check:
         check_against(schedule, problem.profile, source)
     layout = problem.layout(schedule.buffers)

@@ -17,8 +17,10 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import math
+import os
 import platform
 import socket
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +31,11 @@ import torch.distributed as dist
 
 from .. import __version__
 from ..collectives.agree import agree
-from ..collectives.issuers import backend_for, block_issuers
-from ..collectives.sweep import analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
+from ..collectives.issuers import _SERIAL_IDS, backend_for, block_issuers, wants_serial
+from ..collectives.sweep import Sweep, analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
 from ..errors import UsageError, UsbyteError
-from ..formats import COMM_BACKENDS, DTYPE_SIZES, CommSpec, Profile, TensorSpec
+from ..formats import COMM_BACKENDS, DTYPE_SIZES, CollectiveCost, CommSpec, Profile, TensorSpec
 from ..formats.probe_record import CpuProbeRecord
 from ..group import barrier
 from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name, resolve
@@ -41,6 +43,7 @@ from ..planning.cost import fit_samples
 from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
 from .timing import IterationTimer, Progress, Summary, Timings, summarize
+from .topology import Place, Topology, place_from_env, topology
 
 
 class ProfileWarning(UserWarning):
@@ -59,6 +62,8 @@ class RankMedians:
     medians: Summary
     host: str
     created: str
+    place: Place = Place()
+    """Its node and the ranks on that node, as torchrun told it (:mod:`.topology`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +71,8 @@ class Aggregate:
     """Every rank's medians and, for every number, the maximum over ranks."""
 
     every: list[RankMedians]
+    topology: Topology
+    """The nodes of the world (from every rank's :class:`~.topology.Place`)."""
     forward_ms: float
     backward_ms: float
     ready_ms: list[float]
@@ -195,9 +202,14 @@ def _build(model: str | Factory, batch_size: int | None, dev: torch.device, worl
 
 
 def _aggregate(s: Summary, world: int, group: Any) -> Aggregate:
-    """Every rank's medians to every rank; the slowest rank sets each number."""
+    """Every rank's medians and place to every rank; the slowest rank sets each number. A
+    world that is not nodes of equal size numbered node by node raises on every rank alike
+    (:func:`~.topology.topology`)."""
+    # torchrun's place of this rank; on a group other than the world the numbering is not
+    # torchrun's, so the world of that group is one node.
+    place = place_from_env(os.environ) if group in (None, dist.group.WORLD) else Place()
     mine = RankMedians(s, socket.gethostname(),
-                       _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                       _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"), place)
     if world > 1:
         gathered: list[Any] = [None] * world
         dist.all_gather_object(gathered, mine, group=group)
@@ -205,7 +217,8 @@ def _aggregate(s: Summary, world: int, group: Any) -> Aggregate:
     else:
         every = [mine]
     ms = [r.medians for r in every]
-    return Aggregate(every, max(m.forward_ms for m in ms), max(m.backward_ms for m in ms),
+    return Aggregate(every, topology([r.place for r in every]),
+                     max(m.forward_ms for m in ms), max(m.backward_ms for m in ms),
                      [max(v) for v in zip(*(m.ready_ms for m in ms))],
                      [max(v) for v in zip(*(m.need_ms for m in ms))],
                      [max(v) for v in zip(*(m.update_ms for m in ms))])
@@ -247,6 +260,13 @@ def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: t
         out.comm = dataclasses.replace(comm, cpu_ms_per_block=out.probe.cpu_ms_per_block,
                                        cpu_ms_per_mb=out.probe.cpu_ms_per_mb)
     del issue
+    topo = agg.topology
+    if topo.nodes > 1:
+        out.comm = dataclasses.replace(out.comm, nodes=topo.nodes)
+    if topo.hierarchical:
+        intra, inter, record["intra"], record["inter"] = _measure_levels(opts, dev, backend, topo,
+                                                                        progress)
+        out.comm = dataclasses.replace(out.comm, intra=intra, inter=inter)
     worst = record["fit"]["max_rel_error"]
     changed = _fit_changes_verdict(timings, agg, out.comm, record["spread"]) if worst > 0.5 else ""
     if changed:
@@ -254,6 +274,93 @@ def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: t
                          f"within the fit's spread the plan changes ({changed}): a shared machine or "
                          "a noisy network; rerun with more --comm-repeats, or see meta.comm_sweep")
     return out
+
+
+def level_repeats(comm_repeats: int) -> int:
+    """Timed samples per size of the intra- and inter-node sweeps: half the main sweep's
+    (rounded up), as they run after it and only feed two extra lines.
+
+    Example::
+
+        >>> level_repeats(5), level_repeats(1)
+        (3, 1)
+    """
+    return max(1, (comm_repeats + 1) // 2)
+
+
+def _measure_levels(opts: ProfileOptions, dev: torch.device, backend: str, topo: Topology,
+                    progress: Progress | None
+                    ) -> tuple[CollectiveCost, CollectiveCost, dict[str, Any], dict[str, Any]]:
+    """All-reduce on each level of a world of several nodes of several ranks, on the
+    runtime's channel of each level: inside every node at once (each node's ranks), then
+    across the nodes (local rank 0 of each, the other ranks idle at a barrier), the main
+    sweep's sizes with :func:`level_repeats` samples each and extra rounds capped at a quarter
+    of ``stable_s``. The intra line is fitted to the slowest node's median at each size (every
+    node's medians are kept in the record). Returns the intra and inter lines and their
+    ``meta.comm_sweep`` records; the same on every rank. Collective calls of the world: every
+    rank creates every subgroup, in the same order."""
+    N, G = topo.nodes, topo.ranks_per_node
+    rank = dist.get_rank()
+    node = rank // G
+    sizes = {"all-reduce": opts.sweep_sizes()}
+    reps = level_repeats(opts.comm_repeats)
+    cap = opts.stable_s / 4
+
+    def phase(name: str) -> Progress | None:
+        if progress is None:
+            return None
+        return lambda _, done, total: progress(name, done, total)
+
+    t0 = time.perf_counter()
+    intra_groups = [dist.new_group(list(range(k * G, (k + 1) * G))) for k in range(N)]
+    inter_group = dist.new_group([k * G for k in range(N)])
+    mine = intra_groups[node]
+    issuers, channel = block_issuers(mine, dev, ("all-reduce",))
+    sw = sweep_collectives(sizes, reps, 1, dev, mine, phase("intra-node"),
+                           barrier=lambda: barrier(mine, dev, backend), issues=issuers,
+                           max_seconds=cap)["all-reduce"]
+    del issuers
+    sw.channel = channel
+    # Every node's medians (the sweep took the minimum over its node's ranks, so the node's
+    # ranks agree); the line is fitted to the slowest node at each size.
+    nodes: list[Any] = [None] * (N * G)
+    dist.all_gather_object(nodes, (sw.raw_ms, sw.medians_ms))
+    per_node = [nodes[k * G] for k in range(N)]
+    slowest = [max(range(N), key=lambda k: per_node[k][1][i]) for i in range(len(sw.sizes))]
+    intra_sw = Sweep(list(sw.sizes), [per_node[k][0][i] for i, k in enumerate(slowest)],
+                     [per_node[k][1][i] for i, k in enumerate(slowest)], list(sw.chains),
+                     channel)
+    intra, intra_rec = fit_collective(intra_sw)
+    intra_rec = {"group": f"the {G} ranks of each node, all {N} nodes at once",
+                 "fit_from": "the slowest node's median at each size",
+                 "slowest_node": slowest,
+                 "node_medians_ms": [[_r(m) for m in meds] for _, meds in per_node],
+                 "repeats": reps, "seconds": _r(time.perf_counter() - t0), **intra_rec}
+    t0 = time.perf_counter()
+    # Across the nodes: local rank 0 of each; the others wait at the world's barrier.
+    swept: Any = None
+    if rank % G == 0:
+        issuers, channel = block_issuers(inter_group, dev, ("all-reduce",))
+        swept = sweep_collectives(sizes, reps, 1, dev, inter_group, phase("inter-node"),
+                                  barrier=lambda: barrier(inter_group, dev, backend),
+                                  issues=issuers, max_seconds=cap)["all-reduce"]
+        swept.channel = channel
+        del issuers
+    elif wants_serial(None, dev):
+        # The ranks that sat out made no serial group: keep every rank's count of them in
+        # step, so that a later one (the runtime's, in the same process) meets its peers.
+        next(_SERIAL_IDS)
+    barrier(None, dev, backend)
+    box = [swept]
+    dist.broadcast_object_list(box, src=0)
+    inter_sw: Sweep = box[0]
+    inter, inter_rec = fit_collective(inter_sw)
+    inter_rec = {"group": f"local rank 0 of each of the {N} nodes, the other ranks idle",
+                 "repeats": reps, "seconds": _r(time.perf_counter() - t0), **inter_rec}
+    for g in (*intra_groups, inter_group):
+        if g is not None and g != dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(g)
+    return intra, inter, intra_rec, inter_rec
 
 
 def _analytic(opts: ProfileOptions) -> Measured:
@@ -296,6 +403,10 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "torch": torch.__version__,
         "world_size": world,
         "hosts": len({r.host for r in every}),
+        "nodes": agg.topology.nodes,
+        "ranks_per_node": agg.topology.ranks_per_node,
+        "topology": "GROUP_RANK and LOCAL_WORLD_SIZE of every rank (torchrun's)"
+                    if every[0].place.local_world else "one node (no torchrun variables)",
         "batch_size": batch,
         "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
         "optimizer": opt_name,

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..collectives.agree import wait
 from ..env import SCHEDULE_ENV
 from ..errors import MismatchError, UsbyteError
-from ..formats import Schedule, fingerprint, load_schedule
+from ..formats import Mode, Schedule, fingerprint, load_schedule
 from ..models.registry import MODEL_NAME_ATTR
 from .default_plan import default_schedule
 
@@ -281,6 +281,76 @@ def check_world_size(schedule: Schedule, world_size: int, rank: int) -> None:
                       f"{world_size}: the block order stays valid but its timing was predicted "
                       "for the other size; re-plan with `usbyte-opt optimize` for best results",
                       UsbyteWarning, stacklevel=3)
+
+
+def check_hierarchy(schedule: Schedule, world_size: int, source: str,
+                    env: Mapping[str, str] | None = None, rank: int | None = None,
+                    whole_world: bool = True) -> None:
+    """Raise :class:`~usbyte_opt.errors.MismatchError` unless the hierarchical blocks of
+    ``schedule`` (:attr:`~usbyte_opt.formats.Block.hier`) can run on ``world_size`` ranks
+    here: not in sharded mode, ``nodes`` a divisor of the world size with several ranks on
+    each node, and, when the ranks run the whole world (``whole_world``) and torchrun's
+    ``LOCAL_WORLD_SIZE`` / ``GROUP_RANK`` / ``LOCAL_RANK`` are set (``env``, default
+    ``os.environ``), nodes of ``LOCAL_WORLD_SIZE`` ranks with this rank (default: its global
+    rank) on node ``GROUP_RANK``. A schedule without hierarchical blocks passes. Run among
+    the start-up checks, so every rank raises (:func:`~usbyte_opt.collectives.agree.agree`).
+
+    Example::
+
+        >>> from usbyte_opt.formats import Block, Buffer, Schedule
+        >>> s = Schedule("s", "p", "0" * 16, "f" * 16, 4, (Buffer("float32", ("a",)),),
+        ...              (Block(0, 0, 4, hier=True),), nodes=2)
+        >>> check_hierarchy(s, 4, "s.json", {"LOCAL_WORLD_SIZE": "2", "GROUP_RANK": "1"}, rank=3)
+        >>> check_hierarchy(s, 4, "s.json", {"LOCAL_WORLD_SIZE": "4"}, rank=3)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.MismatchError: s.json: nodes: expected 1 to match this launch ... got 2 ...
+    """
+    if not schedule.hierarchical:
+        return
+    nodes = schedule.nodes
+    if schedule.mode == Mode.SHARDED:
+        i = next(i for i, b in enumerate(schedule.blocks) if b.hier)
+        raise MismatchError(f"{source}: blocks[{i}].hier: expected false in sharded mode (its "
+                            "blocks are reduce-scattered over the whole group), got True")
+    if nodes < 2 or world_size % nodes or world_size // nodes < 2:
+        raise MismatchError(f"{source}: nodes: expected a divisor of the world size "
+                            f"({world_size}) that leaves several ranks on each node, for its "
+                            f"hierarchical blocks, got {nodes}")
+    g = world_size // nodes
+    if not whole_world:
+        return
+    env = os.environ if env is None else env
+    if rank is None:
+        rank = dist.get_rank()
+    fix = f"plan for this launch, or launch {nodes} nodes of {g} ranks"
+
+    def read(name: str) -> int | None:
+        try:
+            return int(env[name]) if env.get(name) else None
+        except ValueError:
+            return None
+
+    lws, group_rank, local_rank = read("LOCAL_WORLD_SIZE"), read("GROUP_RANK"), read("LOCAL_RANK")
+    if lws is not None and lws != g:
+        want = f"{world_size // lws}" if lws > 0 and world_size % lws == 0 else "a divisor"
+        raise MismatchError(f"{source}: nodes: expected {want} to match this launch (world size "
+                            f"{world_size}, LOCAL_WORLD_SIZE {lws} ranks per node), got {nodes} "
+                            f"({g} ranks per node); {fix}")
+    if group_rank is not None and group_rank != rank // g:
+        raise MismatchError(f"{source}: nodes: expected rank {rank} on node {rank // g} (node k "
+                            f"holds ranks k*{g} .. k*{g}+{g - 1}), but GROUP_RANK is "
+                            f"{group_rank}; launch the ranks numbered as torchrun numbers them")
+    if local_rank is not None and lws is not None and local_rank != rank % g:
+        raise MismatchError(f"{source}: nodes: expected rank {rank} to be local rank "
+                            f"{rank % g} of its node, but LOCAL_RANK is {local_rank}; launch "
+                            "the ranks numbered as torchrun numbers them")
+
+
+def whole_world(group: dist.ProcessGroup | None) -> bool:
+    """Whether ``group`` (``None``: the default group) holds every rank of the job, so that
+    torchrun's per-node variables describe its ranks (:func:`check_hierarchy`)."""
+    return group is None or dist.get_world_size(group) == dist.get_world_size()
 
 
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,

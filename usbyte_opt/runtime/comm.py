@@ -35,6 +35,7 @@ import torch.distributed as dist
 from ..collectives.agree import wait as _wait
 from ..collectives.issuers import serial_group, sum_issuer, wants_serial
 from ..errors import DistributedError, UsbyteError
+from .hier import HierChannel
 
 #: Seconds between two looks at :attr:`Channel.cause` while a host wait is blocked.
 CAUSE_POLL_S = 0.5
@@ -60,7 +61,7 @@ class Channel:
     """
 
     __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "host_timeout",
-                 "serial", "control", "_issue", "cause")
+                 "serial", "control", "_issue", "cause", "hier")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout: timedelta | None, serial: bool | None = None):
@@ -87,6 +88,33 @@ class Channel:
         #: callable returning a one-line cause or None, consulted when a wait fails): set by
         #: sharded mode's collective state dicts (:class:`~.sharded.CallBook`).
         self.cause: Callable[[], str | None] | None = None
+        #: The groups of hierarchical blocks (:meth:`hier_channel`), or None: made only for a
+        #: schedule that has such blocks.
+        self.hier: HierChannel | None = None
+
+    def hier_channel(self, nodes: int) -> HierChannel:
+        """The groups of hierarchical blocks on ``nodes`` nodes, made at the first call (a
+        collective call: every rank makes them at the same install) and kept for the
+        channel's life (a later schedule with the same ``nodes`` reuses them)."""
+        if self.hier is None or self.hier.nodes != nodes:
+            if self.hier is not None:
+                self.hier.close()
+            self.hier = HierChannel(self.group, nodes, self.device, self.host_timeout)
+        return self.hier
+
+    def hier_all_reduce_block(self, view: torch.Tensor,
+                              streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
+        """:meth:`all_reduce_block` of a hierarchical block (:mod:`.hier`), on the groups of
+        :meth:`hier_channel`."""
+        if self.hier is None:
+            raise UsbyteError("all-reduce on a closed DistributedOptimizer: create a new one to "
+                              "train on")
+        if streams:
+            cur = torch.cuda.current_stream(self.device)
+            for s in streams:
+                if s != cur:
+                    cur.wait_stream(s)
+        return self.hier.all_reduce(view)  # type: ignore[no-any-return]
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
         """Sum ``view`` over the ranks, asynchronously (its gradients are already scaled by
@@ -128,6 +156,9 @@ class Channel:
         self._issue = _closed
         self.serial = None
         self.control = None
+        if self.hier is not None:
+            self.hier.close()
+            self.hier = None
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""

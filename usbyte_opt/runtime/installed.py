@@ -20,6 +20,7 @@ import torch
 from ..formats import Mode, Schedule
 from .backward import StepComm
 from .buffers import FlatGrads
+from .checks import check_hierarchy, whole_world
 from .comm import Channel
 from .forward import ForwardGates, _Hook
 from .guard import Guard
@@ -124,6 +125,22 @@ class Installed:
         self.grads.detach()
 
 
+def hier_issuer(schedule: Schedule, grads: FlatGrads, chan: Channel,
+                source: str) -> Callable[[int, tuple], Any]:
+    """Issues block ``k`` of a schedule with hierarchical blocks (:mod:`.hier`): those
+    hierarchically on the groups of :meth:`~.comm.Channel.hier_channel` (made here, on every
+    rank alike), the others as flat blocks."""
+    chan.hier_channel(schedule.nodes)
+    hier = [b.hier for b in schedule.blocks]
+    views = grads.block_views
+
+    def issue(k: int, streams: tuple) -> Any:
+        if hier[k]:
+            return chan.hier_all_reduce_block(views[k], streams)
+        return chan.all_reduce_block(views[k], streams)
+    return issue
+
+
 def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Options, *,
             optimizer: torch.optim.Optimizer, params: dict[str, torch.nn.Parameter],
             chan: Channel, wrapper_check: Callable[..., None], settle: Callable[..., None],
@@ -144,6 +161,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
             ``no_sync()`` in force and what its first iteration learned carry over, and its
             trace is closed.
     """
+    if schedule.hierarchical:  # refused on every rank alike (sharded mode, nodes)
+        check_hierarchy(schedule, chan.world_size, source, whole_world=whole_world(chan.group))
     device = chan.device
     zero2 = schedule.mode == Mode.SHARDED and options.zero_stage == 2
     grads = FlatGrads(schedule, params, device, options.align_bytes, stored=not zero2)
@@ -183,6 +202,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         sharded.reap = comm.reap
         if zero2:
             comm.put = sharded.put
+    elif schedule.hierarchical:
+        comm.issue_block = hier_issuer(schedule, grads, chan, source)
     comm.trace = trace
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers

@@ -57,11 +57,13 @@ from . import amp
 from .backward import Phase
 from .checks import (
     broadcast_from_rank0,
+    check_hierarchy,
     check_model,
     check_not_wrapped,
     check_world_size,
     require_initialized,
     resolve_schedule,
+    whole_world,
     wrapped_now,
 )
 from .comm import Channel
@@ -304,6 +306,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             sched, source = resolve_schedule(schedule, model, ws, warn=rank == 0)
             check_not_wrapped(model)
             check_model(sched, model_tensors(model), source)
+            check_hierarchy(sched, ws, source, whole_world=whole_world(process_group))
             self._check_optimizer()
             if sched.mode == Mode.SHARDED:
                 check_sharded(optimizer, sched, wait_in_backward=wait_in_backward)
