@@ -210,6 +210,11 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
         comm = dataclasses.replace(base.comm, cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
                                    cpu_ms_per_block=profile.comm.cpu_ms_per_block)
     rp = Problem.from_profile(base.with_comm(comm))
+    from ..planning.cost import HierCost
+
+    # On several nodes a schedule without hierarchical blocks runs flat rings only (as
+    # planning.simulate.simulate costs it); one with them, block by block at the cheaper form.
+    flat = rp.with_cost(rp.cost.flat_only()) if isinstance(rp.cost, HierCost) else rp
     for s, pred in planned.predicted.items():
         if s == REFERENCE:
             pred.refined_ms = (planned.compute_ms + planned.update_ms) * compute_scale
@@ -221,11 +226,13 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
             pred.refined_ms = simulate(rp, planned.schedules[s], check=False).iteration_ms
         elif pred.mode == Mode.FENCE:  # the whole step already runs on the training thread
             sched = planned.schedules[s]
-            pred.refined_ms = simulate_blocks(rp, rp.layout(sched.buffers), sched.blocks,
+            on = rp if sched.hierarchical else flat
+            pred.refined_ms = simulate_blocks(on, on.layout(sched.buffers), sched.blocks,
                                               Mode.FENCE).iteration_ms
         else:
             sched = planned.schedules[s]
-            pred.refined_ms = refined_overlap(rp, rp.layout(sched.buffers), sched.blocks)
+            on = rp if sched.hierarchical else flat
+            pred.refined_ms = refined_overlap(on, on.layout(sched.buffers), sched.blocks)
 
 
 def pin_cores(local_rank: int, local_world: int) -> list[int] | None:
