@@ -35,6 +35,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import labruns  # noqa: E402  (beside this script)
+from labruns import by_strategy as _by  # noqa: E402
+from labruns import value_range as _rng
+
 from usbyte_opt.bench import BenchConfig, run_bench  # noqa: E402
 from usbyte_opt.formats import write_json  # noqa: E402
 from usbyte_opt.profiler.options import ProfileOptions  # noqa: E402
@@ -57,25 +61,8 @@ def run_case(model: str, iterations: int, rounds: int, out: Path) -> dict:
     keep = ("model", "name", "world_size", "network", "batch_size", "torch", "forward_ms",
             "backward_ms", "comm", "gradient_bytes", "lower_bound_ms", "sharded_lower_bound_ms",
             "compute_scale", "iterations", "rounds", "correct", "wall_s", "loaded_comm")
-    slim = {k: res[k] for k in keep if k in res}
-    slim["runs"] = [{k: v for k, v in r.items() if k not in ("schedule", "trace")}
-                    for r in res["runs"]]
-    slim["load_before"] = [round(x, 2) for x in load0]
-    slim["load_after"] = [round(x, 2) for x in os.getloadavg()]
-    slim["started"] = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(t0))
+    slim = labruns.slim(res, keep, load0, t0)
     return slim
-
-
-def _rng(values: list[float], fmt: str) -> str:
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return "—"
-    lo, hi = format(min(vals), fmt), format(max(vals), fmt)
-    return lo if lo == hi else f"{lo}–{hi}"
-
-
-def _by(run: dict) -> dict[str, dict]:
-    return {r["strategy"]: r for r in run["runs"]}
 
 
 def markdown(results: dict[str, list[dict]], argv: str) -> str:
