@@ -63,8 +63,13 @@ def test_optimize_on_several_nodes(capsys, profile, tmp_path):
     assert st["ddp"]["blocks_hier"] == 0 and st["best"]["blocks_hier"] > 0
     sched = load_schedule(out_path)
     assert sched.nodes == 4 and sched.hierarchical
-    code, out, _ = run_cli(capsys, "simulate", str(profile), str(out_path), "--json", *nodes)
+    code, out, err = run_cli(capsys, "simulate", str(profile), str(out_path), "--json", *nodes)
     assert json.loads(out)["iteration_ms"] == pytest.approx(doc["strategies"]["best"]["iteration_ms"])
+    assert "warning" not in err
+    # on the one-node profile it was retargeted from: said, once
+    code, out, err = run_cli(capsys, "simulate", str(profile), str(out_path), "--json")
+    warned = [ln for ln in err.splitlines() if ln.startswith("warning:")]
+    assert code == 0 and len(warned) == 1 and "costed as flat" in warned[0], err
     code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), *nodes)
     assert code == 0 and "hier/blocks" in out and "best-flat" in out
     code, out, _ = run_cli(capsys, "optimize", str(profile), "-o", str(out_path), "--json",

@@ -69,6 +69,14 @@ def simulate(
     if sched.profile_name != original.name:
         console.warn(f"{schedule}: made for profile {sched.profile_name!r}, simulated on "
                      f"{original.name!r} (same tensors)")
+    if sched.hierarchical and (prof.comm.nodes, prof.comm.world_size) != (sched.nodes, sched.world_size):
+        hier = sum(k.hier for k in sched.blocks)
+        console.warn(f"{schedule}: {hier} hierarchical blocks planned for {sched.nodes} nodes of "
+                     f"{sched.ranks_per_node} ranks, simulated on {prof.comm.nodes} node(s) of "
+                     f"{prof.comm.ranks_per_node}"
+                     + ("" if prof.comm.hierarchical else ", which has no hierarchy: they are "
+                        "costed as flat all-reduces")
+                     + "; give --nodes, --ranks-per-node and --inter-gbps for its cluster")
     if trace is not None:
         common.write_trace(trace, tl, f"{original.name} / {sched.strategy} ({tl.mode}, predicted)")
     waits = sorted(tl.forward, key=lambda g: -g.wait_ms)[:5]
