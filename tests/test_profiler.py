@@ -234,8 +234,9 @@ def test_two_ranks_sweep_reduce_scatter_and_all_gather_beside_all_reduce(two_ran
         # vary several-fold run to run).
         ratio = {b: (cost.alpha_ms + b / (cost.algbw_gbs * 1e6)) / ms for b, ms in cost.samples}
         assert 1 / 3 <= statistics.median(ratio.values()) <= 3.0, (key, ratio)
-        # (Reduce-scatter, an all-to-all and an add on 2 gloo ranks, varies most on loopback.)
-        lim = 4.0 if key == "reduce_scatter" else 3.0
+        # (Reduce-scatter, an all-to-all and an add on 2 gloo ranks, varies most on loopback;
+        # with the suite's other processes on the same two cores a size can be 3-4x off.)
+        lim = 6.0 if key == "reduce_scatter" else 5.0
         assert all(1 / lim <= x <= lim for b, x in ratio.items() if b >= 1 << 20), (key, ratio)
         rec = prof.meta["comm_sweep"][key]
         assert rec["collective"] == key.replace("_", "-") and "runtime channel" in rec["channel"]
