@@ -125,8 +125,7 @@ class Installed:
         self.grads.detach()
 
 
-def hier_issuer(schedule: Schedule, grads: FlatGrads, chan: Channel,
-                source: str) -> Callable[[int, tuple], Any]:
+def hier_issuer(schedule: Schedule, grads: FlatGrads, chan: Channel) -> Callable[[int, tuple], Any]:
     """Issues block ``k`` of a schedule with hierarchical blocks (:mod:`.hier`): those
     hierarchically on the groups of :meth:`~.comm.Channel.hier_channel` (made here, on every
     rank alike), the others as flat blocks."""
@@ -203,7 +202,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         if zero2:
             comm.put = sharded.put
     elif schedule.hierarchical:
-        comm.issue_block = hier_issuer(schedule, grads, chan, source)
+        comm.issue_block = hier_issuer(schedule, grads, chan)
     comm.trace = trace
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers
