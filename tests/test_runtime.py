@@ -168,9 +168,10 @@ def test_matches_plain_optimizer(pg, pieces):
         assert torch.equal(a, b)
 
 
-def test_grads_are_views_until_step_then_none(pg):
+def test_grads_are_views_until_zero_grad(pg):
     """The gradient access contract: after backward p.grad is the tensor's view of the flat
-    buffer (channels_last strides kept), after step() it is None until the next backward."""
+    buffer (channels_last strides kept); after step() it still is, holding the averaged
+    gradient, as under DDP, until zero_grad(); the next backward accumulates into it."""
     m = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Flatten(), nn.Linear(4 * 4 * 4, 2))
     m[0].to(memory_format=torch.channels_last)
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
@@ -183,8 +184,9 @@ def test_grads_are_views_until_step_then_none(pg):
         assert all(p.grad.stride() == p.stride() for p in m.parameters())
         assert not m[0].weight.grad.is_contiguous()
         opt.step()
-        assert all(p.grad is None for p in m.parameters())
+        assert all(p.grad is not None and lo <= p.grad.data_ptr() < hi for p in m.parameters())
         opt.zero_grad()
+        assert all(p.grad is None for p in m.parameters())
     opt.synchronize()
 
 

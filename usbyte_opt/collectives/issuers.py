@@ -229,11 +229,16 @@ def sum_issuer(group: dist.ProcessGroup | None,
                serial: dist.ProcessGroup | None = None) -> Callable[[torch.Tensor], dist.Work]:
     """A function that starts one asynchronous sum all-reduce of a tensor and returns its
     work: on ``serial`` (a :func:`serial_group`) when given, else on ``group``."""
-    if serial is not None:
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub says ReduceOp; it takes RedOpType
-        return lambda x: serial.allreduce([x], opts)
-    return lambda x: dist.all_reduce(x, group=group, async_op=True)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.SUM  # type: ignore[assignment]  # the stub says ReduceOp; it takes RedOpType
+    if hasattr(opts, "asyncOp"):
+        opts.asyncOp = True
+    # Straight to the process group, as ``dist.all_reduce(x, group, async_op=True)`` ends up
+    # doing for a dense real tensor outside a coalescing context: without its wrapper's
+    # checks and logging, a few microseconds per block.
+    pg = serial if serial is not None else (
+        group if group is not None else dist.distributed_c10d._get_default_group())
+    return lambda x: pg.allreduce([x], opts)
 
 
 def reduce_scatter_issuer(group: dist.ProcessGroup | None, serial: dist.ProcessGroup | None = None

@@ -3,11 +3,16 @@
 :class:`StepComm` is the per-step state of a :class:`~usbyte_opt.runtime.DistributedOptimizer`
 (docs/design.md §5.3):
 
-* each tensor's post-accumulate-grad hook (:meth:`StepComm.hook`) puts the gradient in the
-  tensor's view, scaled by ``1 / world_size`` in the step's last backward pass, and marks the
-  tensor ready; a block is issued once all its tensors are ready *and* every block before it
-  in the schedule's order has been issued, so every rank issues the same collectives in the
-  same order;
+* each tensor's post-accumulate-grad hook (:meth:`StepComm.hook`) marks the tensor ready in
+  the step's last backward pass. ``p.grad`` is the tensor's view of the flat buffer from one
+  step to the next, so autograd accumulates into it in place; a gradient that arrives
+  elsewhere (``p.grad`` was ``None`` or another tensor) is copied into the view, which becomes
+  ``p.grad``. A block is issued once all its tensors are ready *and* every block before it in
+  the schedule's order has been issued, so every rank issues the same collectives in the same
+  order; it is scaled by ``1 / world_size`` right before (one kernel per block, the values
+  DDP's ``mul_out(bucket_view, grad, 1 / world_size)`` gives). The hook's common case (last
+  pass, stored buffers, nothing to learn or check) is a few list updates: the runtime's host
+  cost per tensor is a kernel's, not a protocol's;
 * the first gradient of each backward pass queues an autograd final callback
   (:meth:`StepComm.end_pass`, as DDP's reducer does); at the end of the step's last pass it
   issues what is left (:meth:`StepComm.finish`): a tensor this rank gave no gradient
@@ -20,7 +25,9 @@
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -68,6 +75,48 @@ IDLE, ACCUMULATING, LAST_PASS = Phase.IDLE, Phase.ACCUMULATING, Phase.LAST_PASS
 ISSUED, WAITED = Phase.ISSUED, Phase.WAITED
 
 
+def _current_stream(index: int | None) -> Any:
+    """The current CUDA stream of device ``index`` as ``(stream id, device index, device
+    type)``: what ``torch.cuda.current_stream`` builds its ``Stream`` from, without building
+    it (the hooks note it per tensor; a ``Stream`` is made only for a block whose gradients
+    were finished on another stream)."""
+    return torch._C._cuda_getCurrentStream(index)
+
+
+_GRAD_OF = operator.attrgetter("grad")
+
+
+class Include:
+    """The update rule of one step (:meth:`StepComm.include_rule`): ``include(t)`` says
+    whether tensor ``t`` is stepped; :meth:`select` filters a list of tensors at once.
+
+    Args:
+        keep: per tensor, whether it may be stepped at all.
+        sure: per tensor, kept and decided without the usage map (it has a gradient here).
+        used: for a kept tensor that is not sure, whether some rank used it (reads the usage
+            map), or None when there is no such tensor.
+    """
+
+    __slots__ = ("keep", "sure", "used")
+
+    def __init__(self, keep: list[bool], sure: list[bool], used: Callable[[int], bool] | None):
+        self.keep, self.sure, self.used = keep, sure, used
+
+    def __call__(self, t: int) -> bool:
+        if not self.keep[t]:
+            return False
+        if self.sure[t] or self.used is None:
+            return True
+        return self.used(t)
+
+    def select(self, ts: Sequence[int]) -> list[int]:
+        """The tensors of ``ts`` that are stepped, in order."""
+        if self.used is None:
+            keep = self.keep
+            return [t for t in ts if keep[t]]
+        return [t for t in ts if self(t)]
+
+
 class StepComm:
     """The communication state of the step in progress.
 
@@ -82,21 +131,32 @@ class StepComm:
             contract).
         flush: applies the previous step's pending updates; returns the tensors it applied
             without the forward having reached them (the stale-use check).
-        note_gradient: called with each tensor that gets a gradient (the forward gates learn
-            from it which tensors are used outside their modules).
     """
 
     def __init__(self, schedule: Schedule, grads: FlatGrads, chan: Channel, passes: int,
                  find_unused: bool, flush: Callable[[], list[int]],
-                 note_gradient: Callable[[int], None], wait_in_backward: bool = False):
+                 wait_in_backward: bool = False):
         self.schedule, self.grads, self.chan, self.k = schedule, grads, chan, passes
         self.find_unused = find_unused
         self.wait_in_backward = wait_in_backward
-        self._flush, self._note = flush, note_gradient
+        self._flush = flush
         n, m = grads.n, len(schedule.blocks)
         self.n, self.m = n, m
         ws = chan.world_size
         self.scale: float | None = 1.0 / ws if ws > 1 else None
+        #: Scale each block once before it is issued (``None``: not here). Sharded mode scales
+        #: per tensor instead, as it puts each gradient in place (:attr:`put_scale`).
+        self.block_scale: float | None = self.scale
+        self.put_scale: float | None = None
+        self.cuda = chan.cuda
+        self._dev_index: int | None = None
+        if chan.cuda:
+            idx = chan.device.index
+            self._dev_index = torch.cuda.current_device() if idx is None else idx
+        #: Tensors made final this step (:attr:`final` set).
+        self.nfinal = 0
+        #: The hooks' common case applies (:meth:`refresh`).
+        self.fast = False
         self.rem0 = [len(ts) for ts in grads.block_tensors]
         self.count = [0] * n            # gradients received this step
         self.final = [False] * n        # gradient final and scaled (ready)
@@ -105,6 +165,8 @@ class StepComm:
         self.rem = self.rem0.copy()     # tensors of each block not ready yet
         self.next = 0                   # next block to issue
         self.works: list[dist.Work | None] = [None] * m
+        #: CUDA: the stream each tensor's gradient was finished on, as
+        #: ``torch._C._cuda_getCurrentStream`` gives it (stream id, device index, type).
         self.streams: list[Any] = [None] * n
         self.passes = 0                 # backward passes of this step so far
         #: Backward passes run now accumulate locally (``DistributedOptimizer.no_sync()``).
@@ -120,7 +182,8 @@ class StepComm:
         self.usage: torch.Tensor | None = None
         self.usage_work: dist.Work | None = None
         self.global_used: list[int] | None = None
-        #: ``zero_grad(set_to_none=False)`` since the last step (overlap mode): a zero gradient.
+        #: ``zero_grad(set_to_none=False)`` since the last step (sharded mode, where ``p.grad``
+        #: is ``None`` after ``step()``): a zero gradient.
         self.zero_intent = [False] * n
         #: Tensors updated when this backward began, unseen by the forward (stale-use check).
         self.flushed: list[int] = []
@@ -128,8 +191,7 @@ class StepComm:
         self.trace: Any = None
         #: Issue nothing before the end of backward (the tuner's compute-only measurement).
         self.defer = False
-        #: The tuner's measurement of this iteration, or None.
-        self.probe: Any = None
+        self._probe: Any = None
         #: Issues block ``k`` instead of its all-reduce (sharded mode's reduce-scatter), or None.
         self.issue_block: Callable[[int, tuple], dist.Work] | None = None
         #: The blocks' collective, in errors.
@@ -148,50 +210,114 @@ class StepComm:
         self.keep_grad_guard = False
         #: Tensors whose ``p.grad`` was set to the view by :meth:`expose_used` this step.
         self.exposed = [False] * n
+        self.refresh()
+
+    @property
+    def probe(self) -> Any:
+        """The tuner's measurement of this iteration, or None."""
+        return self._probe
+
+    @probe.setter
+    def probe(self, probe: Any) -> None:
+        self._probe = probe
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Whether the hooks' common case applies: flat buffers stored, gradients put by
+        :meth:`FlatGrads.take` and scaled per block, no probe, no stale-use check pending.
+        Call after changing :attr:`put`, :attr:`block_scale` or :attr:`issue_block`."""
+        self.fast = (self.grads.stored and self.put == self.grads.take and self._probe is None
+                     and not self.flushed and self.put_scale is None)
 
     # -- backward ----------------------------------------------------------------------------
 
     def hook(self, t: int) -> Callable[[torch.Tensor], None]:
         """The post-accumulate-grad hook of tensor ``t``."""
-        count, final, flushed = self.count, self.final, self.flushed_flag
+        final, count, rem = self.final, self.count, self.rem
         g = self.grads
-        view, name, scale = g.views[t], g.names[t], self.scale
-        cuda, device, stored = self.chan.cuda, self.chan.device, g.stored
+        view, name = g.views[t], g.names[t]
+        blocks = g.tensor_blocks[t]
+        k0 = blocks[0] if len(blocks) == 1 else -1
+        cur = _current_stream if self.cuda else None
+        dev = self._dev_index
 
         def hook(p: torch.Tensor) -> None:
-            if not self.in_pass:
-                self.begin_pass()
-            if self.phase is ISSUED or self.phase is WAITED:
-                self.late_gradient(name)
-            if flushed[t]:
-                raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
-                                  "update was applied (it was used outside the forward of the "
-                                  "modules that own it); call opt.synchronize() before such a "
-                                  "forward")
-            last = self.phase is LAST_PASS
-            if last and final[t]:
-                self.twice(name)
-            count[t] += 1
-            grad = p.grad
-            if grad is not view:
-                # Without stored buffers (ZeRO-2) a pass that only accumulates leaves the
-                # gradient in p.grad, where autograd accumulates it.
-                if stored or last:
-                    self.put(t, grad, scale if last else None)
-            elif last and scale is not None and stored:
-                with torch.no_grad():
-                    view.mul_(scale)
-            self._note(t)
-            if self.probe is not None:
-                self.probe.ready(t)
-            if cuda:
-                self.streams[t] = torch.cuda.current_stream(device)
-            if last:
+            if self.fast and self.phase is LAST_PASS and self.in_pass:
+                # The common case: the step's last pass, into stored buffers.
+                if final[t]:
+                    self.twice(name)
+                count[t] += 1
                 final[t] = True
-                self.local[t] = True
-                self.placed[t] = True
-                self.mark_ready(t)
+                self.nfinal += 1
+                grad = p.grad
+                if grad is not view:
+                    self.place(p, view, grad)
+                if cur is not None:
+                    self.streams[t] = cur(dev)
+                if k0 < 0:
+                    self.mark_ready(t)
+                    return
+                left = rem[k0] - 1
+                rem[k0] = left
+                if left == 0 and k0 == self.next and not self.defer:
+                    self.advance()
+                return
+            self.slow_hook(t, p)
         return hook
+
+    def place(self, p: torch.Tensor, view: torch.Tensor, grad: torch.Tensor | None) -> None:
+        """A gradient that autograd did not accumulate into the view (``p.grad`` was ``None``
+        or another tensor): copied into it, and the view becomes ``p.grad``. On CUDA the
+        gradient is marked as used by the current stream, so that its memory is not handed
+        out before the copy has read it."""
+        if grad is None:
+            view.zero_()
+        elif grad.requires_grad:   # a backward with create_graph=True
+            with torch.no_grad():
+                view.copy_(grad)
+        else:
+            view.copy_(grad)
+        if grad is not None and self.cuda and grad.is_cuda:
+            grad.record_stream(torch.cuda.current_stream(grad.device))
+        p.grad = view
+
+    def slow_hook(self, t: int, p: torch.Tensor) -> None:
+        """The hook of tensor ``t`` outside its common case: the first gradient of a pass, a
+        pass that only accumulates, sharded mode, the tuner's probe, the stale-use check."""
+        g = self.grads
+        view, name = g.views[t], g.names[t]
+        if not self.in_pass:
+            self.begin_pass()
+        if self.phase is ISSUED or self.phase is WAITED:
+            self.late_gradient(name)
+        if self.flushed_flag[t]:
+            raise UsbyteError(f"parameter {name!r} was used in forward before its pending "
+                              "update was applied (it was used outside the forward of the "
+                              "modules that own it); call opt.synchronize() before such a "
+                              "forward")
+        last = self.phase is LAST_PASS
+        if last and self.final[t]:
+            self.twice(name)
+        self.count[t] += 1
+        grad = p.grad
+        if grad is not view:
+            # Without stored buffers (ZeRO-2) a pass that only accumulates leaves the
+            # gradient in p.grad, where autograd accumulates it.
+            if g.stored or last:
+                self.put(t, grad, self.put_scale if last else None)
+        elif last and self.put_scale is not None and g.stored:
+            with torch.no_grad():
+                view.mul_(self.put_scale)
+        if self._probe is not None:
+            self._probe.ready(t)
+        if self.cuda:
+            self.streams[t] = _current_stream(self._dev_index)
+        if last:
+            self.final[t] = True
+            self.nfinal += 1
+            self.local[t] = True
+            self.placed[t] = True
+            self.mark_ready(t)
 
     def twice(self, name: str) -> None:
         """A second gradient of one tensor in one backward pass: reentrant activation
@@ -274,14 +400,18 @@ class StepComm:
         for t in self._flush():
             self.flushed_flag[t] = True
             self.flushed.append(t)
+        if self.flushed:
+            self.refresh()
 
     def clear_flushed(self) -> None:
         """A new forward starts: tensors updated late are current again (and a backward that
         raised before its end left nothing behind)."""
         self.outer = False
-        for t in self.flushed:
-            self.flushed_flag[t] = False
-        self.flushed.clear()
+        if self.flushed:
+            for t in self.flushed:
+                self.flushed_flag[t] = False
+            self.flushed.clear()
+            self.refresh()
 
     def end_pass(self) -> None:
         """Autograd final callback: at the end of the step's last pass, issue the rest."""
@@ -299,9 +429,12 @@ class StepComm:
         rem = self.rem
         for k in self.grads.tensor_blocks[t]:
             rem[k] -= 1
-        if self.defer:
-            return
-        nxt, m = self.next, self.m
+        if not self.defer:
+            self.advance()
+
+    def advance(self) -> None:
+        """Issue the blocks, in order from the next one, whose tensors are all ready."""
+        nxt, m, rem = self.next, self.m, self.rem
         while nxt < m and rem[nxt] == 0:
             self.issue(nxt)
             nxt += 1
@@ -310,16 +443,27 @@ class StepComm:
     def issue(self, k: int) -> None:
         if self.reaping:
             self.reap()
-        streams: tuple = ()
-        if self.chan.cuda:
-            streams = tuple({s for s in (self.streams[t] for t in self.grads.block_tensors[k])
-                             if s is not None})
+        view = self.grads.block_views[k]
+        if self.cuda:
+            self.after_streams(k)
+        if self.block_scale is not None:
+            view.mul_(self.block_scale)
         if self.issue_block is not None:
-            self.works[k] = self.issue_block(k, streams)
+            self.works[k] = self.issue_block(k, ())
         else:
-            self.works[k] = self.chan.all_reduce_block(self.grads.block_views[k], streams)
+            self.works[k] = self.chan.all_reduce_block(view)
         if self.trace is not None:
             self.trace.issue(k, self.works[k])
+
+    def after_streams(self, k: int) -> None:
+        """CUDA: make the current stream wait for the streams block ``k``'s gradients were
+        finished on, where they differ from it."""
+        cur = _current_stream(self._dev_index)
+        others = {s for s in (self.streams[t] for t in self.grads.block_tensors[k])
+                  if s is not None and s != cur}
+        if others:
+            self.chan.after([torch.cuda.Stream(stream_id=s[0], device_index=s[1],
+                                               device_type=s[2]) for s in others])
 
     def reap(self) -> None:
         """Wait for (at no cost) and drop the works of the blocks, in issue order, whose
@@ -343,9 +487,34 @@ class StepComm:
             return
         if self.phase is IDLE:
             self.begin_step()
-        g, scale, count, local = self.grads, self.scale, self.count, self.local
-        final, placed, zero_intent = self.final, self.placed, self.zero_intent
-        cur = torch.cuda.current_stream(self.chan.device) if self.chan.cuda else None
+        count, local, placed, final = self.count, self.local, self.placed, self.final
+        # The hooks of the last pass made their tensors final: those have a gradient here,
+        # in the view.
+        local[:] = final
+        placed[:] = final
+        if self.nfinal < self.n:
+            self._finish_rest()
+        while self.next < self.m:
+            self.issue(self.next)
+            self.next += 1
+        # After the blocks, on the control group: ranks may differ in how many blocks went out
+        # during backward (a tensor one rank did not use), never in what is issued here.
+        if self.find_unused and self.chan.control is not None:
+            self.usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
+            self.usage_work = self.chan.control_all_reduce(self.usage)
+        else:
+            self.usage = self.usage_work = None
+        self.global_used = None
+        self._enter(ISSUED)
+        if not self.find_unused and self.passes and 0 in count:
+            self.check_all_used()
+
+    def _finish_rest(self) -> None:
+        """The tensors no hook of the last pass made final: a gradient accumulated in earlier
+        passes, kept from the last step, assigned by the user, or none (zeros)."""
+        g, count, local, placed, final = self.grads, self.count, self.local, self.placed, self.final
+        scale, zero_intent = self.put_scale, self.zero_intent
+        cur = _current_stream(self._dev_index) if self.cuda else None
         with torch.no_grad():
             for t in range(self.n):
                 if final[t]:
@@ -353,14 +522,15 @@ class StepComm:
                 grad = g.params[t].grad
                 view = g.views[t]
                 if grad is None:
-                    # No gradient (a zero one after zero_grad(set_to_none=False)), or one
-                    # the user dropped during accumulation. (ZeRO-2: storage starts zeroed.)
+                    # No gradient (a zero one after zero_grad(set_to_none=False) in sharded
+                    # mode), or one the user dropped during accumulation. (ZeRO-2: storage
+                    # starts zeroed.)
                     if g.stored:
                         view.zero_()
                     local[t] = count[t] == 0 and zero_intent[t]
                 elif grad is view:
-                    # Accumulated in earlier passes, or a gradient kept from the last step
-                    # (fence mode): contributed as it is, as DDP does.
+                    # Accumulated in earlier passes, or a gradient kept from the last step:
+                    # contributed as it is, as DDP does.
                     if scale is not None and g.stored:
                         view.mul_(scale)
                     local[t] = placed[t] = True
@@ -370,18 +540,7 @@ class StepComm:
                 final[t] = True
                 if cur is not None:
                     self.streams[t] = cur
-        while self.next < self.m:
-            self.issue(self.next)
-            self.next += 1
-        # After the blocks, on the control group: ranks may differ in how many blocks went out
-        # during backward (a tensor one rank did not use), never in what is issued here.
-        if self.find_unused:
-            self.usage = torch.tensor([1 if c else 0 for c in count], dtype=torch.int32)
-            self.usage_work = self.chan.control_all_reduce(self.usage)
-            self.global_used = None
-        self._enter(ISSUED)
-        if not self.find_unused and self.passes:
-            self.check_all_used()
+        self.nfinal = self.n
 
     def check_all_used(self) -> None:
         """``find_unused_parameters=False``: every tensor must have had a gradient this step,
@@ -449,7 +608,7 @@ class StepComm:
     def usage_map(self) -> list[int]:
         """The step's usage map: how many ranks gave each tensor a gradient (waits for it)."""
         if self.global_used is None:
-            if self.usage is None:
+            if self.usage is None:   # one rank: its own
                 self.global_used = [1 if c else 0 for c in self.count]
             else:
                 if self.usage_work is not None:
@@ -457,31 +616,32 @@ class StepComm:
                 self.global_used = self.usage.tolist()
         return self.global_used
 
-    def include_rule(self, in_opt: Sequence[bool]) -> Callable[[int], bool]:
+    def include_rule(self, in_opt: Sequence[bool]) -> Include:
         """Whether tensor ``t`` is stepped for the step ending now: it is in the optimizer
         (``in_opt``), and it has a gradient here (the user did not drop it after backward), or
         some rank gave it one (the usage map, read only when asked about a tensor this rank
         did not use). ``zero_grad()`` between backward and ``step()`` discards every gradient
         (``set_to_none=True``) or zeroes them."""
+        n = self.n
         if self.discard:
-            return lambda t: False
+            return Include([False] * n, [False] * n, None)
         keep = list(in_opt)
         local = self.local.copy()
-        params, placed = self.grads.params, self.placed
-        exposed = self.exposed
-        for t in range(self.n):  # the user dropped p.grad after backward: DDP would skip it
-            if (placed[t] or exposed[t]) and params[t].grad is None:
-                local[t] = keep[t] = False
+        params, placed, exposed = self.grads.params, self.placed, self.exposed
+        now = list(map(_GRAD_OF, params))
+        if any(map(operator.is_, now, repeat(None))):
+            for t in range(n):  # the user dropped p.grad after backward: DDP would skip it
+                if (placed[t] or exposed[t]) and now[t] is None:
+                    local[t] = keep[t] = False
         if not self.find_unused:
-            return lambda t: keep[t]
+            return Include(keep, keep, None)
+        sure = list(map(operator.and_, keep, local))
+        if sure == keep:
+            return Include(keep, sure, None)
         usage_work, usage, chan = self.usage_work, self.usage, self.chan
         holder: list[list[int]] = []
 
-        def include(t: int) -> bool:
-            if not keep[t]:
-                return False
-            if local[t]:
-                return True
+        def used(t: int) -> bool:
             if not holder:
                 if usage is None:
                     return False
@@ -489,7 +649,7 @@ class StepComm:
                     chan.wait_host(usage_work, "all-reduce of the parameter usage map")
                 holder.append(usage.tolist())
             return holder[0][t] > 0
-        return include
+        return Include(keep, sure, used)
 
     def reset(self, clear_zero_intent: bool) -> None:
         """The step ended (``step()``): start the next one."""
@@ -499,6 +659,7 @@ class StepComm:
         self.local[:] = [False] * n
         self.placed[:] = [False] * n
         self.exposed[:] = [False] * n
+        self.nfinal = 0
         self.rem[:] = self.rem0
         if self.guard is not None:
             self.guard.disarm_grads()

@@ -109,17 +109,17 @@ class Channel:
         if self.hier is None:
             raise UsbyteError("all-reduce on a closed DistributedOptimizer: create a new one to "
                               "train on")
-        self._after(streams)
+        self.after(streams)
         return self.hier.all_reduce(view)  # type: ignore[no-any-return]
 
     def all_reduce_block(self, view: torch.Tensor, streams: Sequence[torch.cuda.Stream] = ()) -> dist.Work:
         """Sum ``view`` over the ranks, asynchronously (its gradients are already scaled by
         ``1 / world_size``). ``streams``: CUDA streams the block's gradients were finished on,
         which the current stream waits for first."""
-        self._after(streams)
+        self.after(streams)
         return self._issue(view)
 
-    def _after(self, streams: Sequence[torch.cuda.Stream]) -> None:
+    def after(self, streams: Sequence[torch.cuda.Stream]) -> None:
         """Make the current stream wait for ``streams`` (those a block's gradients were
         finished on), where they differ from it."""
         if streams:

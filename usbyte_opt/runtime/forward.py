@@ -1,24 +1,24 @@
 """The runtime's forward hooks: update gates, module buffers, ``torch.compile``.
 
-* **Gates.** A forward pre-hook on each module that owns trainable tensors runs the pending
-  updates of those tensors first (:mod:`.updates`). Parameters used before, or outside,
-  their module's forward (a parent calling ``F.linear(x, self.child.weight)`` before, or
-  instead of, ``self.child(...)``) are learned in the first iteration: its training forward
-  runs under a :class:`~torch.overrides.TorchFunctionMode` that sees every torch call (as the
-  profiler's discovery pass does, :mod:`usbyte_opt.profiler.timing`), and a tensor whose first
-  use (metadata reads such as ``.shape`` aside) comes before any pre-hook of its owning
-  modules, or that gets a gradient without one having run, is gated from then on in the root
-  module's pre-hook, before the forward starts. Forwards without grad, or in eval mode,
-  apply every pending update first (inference code paths such as
-  ``nn.TransformerEncoderLayer``'s fast path read weights without running the owning modules).
+* **Gates.** A tensor's pending update runs right before its first use in the next forward:
+  the guard (:mod:`.guard`) arms every tensor with a pending update at ``step()``, and the
+  first torch call that reads one (a module's ``F.linear(x, self.weight)``, a parent reading
+  a child's weight before calling the child, ``p.data``) runs its update, with every other
+  pending update whose blocks have finished, before it proceeds. No hook per module: the
+  forward pays nothing per module, and a few settling calls per step (one per update group
+  on CUDA; on CPU one per tensor whose blocks were still in flight). Forwards without grad,
+  or in eval mode, apply every pending update first, in the root module's pre-hook
+  (inference code paths such as ``nn.TransformerEncoderLayer``'s fast path check for
+  overridden tensors and would leave it). While the tuner measures an iteration
+  (``probe``), a pre-hook on each module that owns trainable tensors notes when the forward
+  first needs them.
 * **Buffers** (BatchNorm statistics), as DDP's ``broadcast_buffers=True``: after every
   training forward with grad enabled, rank 0's buffers are broadcast (async, ordered before
-  that iteration's gradient blocks) and installed at the start of the next forward or at
-  ``synchronize()``.
-* **torch.compile.** Inside a compiled forward the module pre-hooks do nothing; the root
-  pre-hook runs eagerly before the compiled graph (a graph break at its very start) and applies
-  every pending update there. Communication still overlaps backward; updates do not overlap a
-  compiled forward.
+  that iteration's gradient blocks), grouped by dtype and device, through the channel's
+  device, and installed at the start of the next forward or at ``synchronize()``.
+* **torch.compile.** The root pre-hook runs eagerly before the compiled graph (a graph break
+  at its very start) and applies every pending update there. Communication still overlaps
+  backward; updates do not overlap a compiled forward.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..first_use import FirstUse
 from .comm import Channel
 from .updates import Updates
 
@@ -44,6 +43,7 @@ class ForwardGates:
         chan: the channel (buffer broadcasts).
         buffers: the module buffers to broadcast from rank 0 (empty: none).
         clear_flushed: called at the start of each forward (the stale-use check).
+        output_grad: the gradient hook put on the outputs of each training forward.
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -54,13 +54,9 @@ class ForwardGates:
         self.clear_flushed = clear_flushed
         self.output_grad = output_grad
         self.buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
-        self.probe: Any = None          # the tuner's measurement of this iteration, or None
-        self.learning = True            # first iteration: which tensors bypass their modules
-        self.seen = [False] * len(params)
-        self.root_extra: list[int] = []
+        self._probe: Any = None
+        self._probe_handles: list[Any] = []
         index = {id(p): t for t, p in enumerate(params)}
-        self.index = index
-        self.watch: FirstUse | None = None   # active during a learning forward
         #: Root forwards running now: a root forward called inside another (a step function
         #: that calls ``self(x)``) is part of the outer one, and the root hooks act once.
         self.depth = 0
@@ -71,66 +67,59 @@ class ForwardGates:
             if ts:
                 self.owned[id(mod)] = (mod, ts)
         self.root_owned = self.owned.pop(id(model), (model, []))[1]
-        self.root_owned_set = set(self.root_owned)
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles."""
-        handles = [mod.register_forward_pre_hook(_Hook(self.module_hook(ts)))
-                   for mod, ts in self.owned.values()]
-        handles.append(self.model.register_forward_pre_hook(_Hook(self.root_pre_hook),
-                                                            prepend=True))
-        handles.append(self.model.register_forward_hook(_Hook(self.root_post_hook)))
-        # Ends the learning forward's watch, also when the forward raises.
-        handles.append(self.model.register_forward_hook(_Hook(self._end_watch), always_call=True))
+        handles = [self.model.register_forward_pre_hook(_Hook(self.root_pre_hook),
+                                                        prepend=True),
+                   self.model.register_forward_hook(_Hook(self.root_post_hook)),
+                   # Ends a root forward, also one that raises.
+                   self.model.register_forward_hook(_Hook(self._end_forward),
+                                                    always_call=True),
+                   _Removes(self)]
         return handles
 
-    def _early(self, t: int) -> None:
-        """Tensor ``t`` is used, in the learning forward, before any of its owners' pre-hooks
-        ran: gate it at the root from then on."""
-        if not self.seen[t]:
-            self.seen[t] = True
-            if t not in self.root_owned_set:
-                self.root_extra.append(t)
+    @property
+    def probe(self) -> Any:
+        """The tuner's measurement of this iteration, or None. While one is set, each module
+        that owns trainable tensors has a pre-hook noting when the forward first needs
+        them."""
+        return self._probe
 
-    def _begin_watch(self) -> None:
-        if self.watch is None:
-            seen = self.seen
-            self.watch = FirstUse(self.index, lambda t: None if seen[t] else self._early(t))
-            self.watch.__enter__()
+    @probe.setter
+    def probe(self, probe: Any) -> None:
+        self._probe = probe
+        if probe is not None and not self._probe_handles:
+            self._probe_handles = [mod.register_forward_pre_hook(_Hook(self.module_hook(ts)))
+                                   for mod, ts in self.owned.values()]
+        elif probe is None:
+            self.remove_probe_hooks()
 
-    def _end_watch(self, *args: Any) -> None:
+    def remove_probe_hooks(self) -> None:
+        for h in self._probe_handles:
+            h.remove()
+        self._probe_handles = []
+
+    def _end_forward(self, *args: Any) -> None:
         """Runs last after every root forward, also one that raised: the nesting depth goes
-        back, and the outermost forward ends the learning forward's watch."""
+        back."""
         if self.depth > 0:
             self.depth -= 1
-            if self.depth > 0:
-                return
-        if self.watch is not None:   # (only reads when there is none: compiled forwards)
-            w, self.watch = self.watch, None
-            w.__exit__(None, None, None)
-
-    def note_gradient(self, t: int) -> None:
-        """Tensor ``t`` got a gradient: in the first iteration, one whose module's pre-hook
-        did not run is gated at the root from then on."""
-        if self.learning and not self.seen[t] and t not in self.root_owned_set:
-            self.seen[t] = True
-            self.root_extra.append(t)
 
     def module_hook(self, ts: list[int]) -> Callable[..., None]:
+        """The pre-hook of a module owning the tensors ``ts`` while a probe is set: notes the
+        need, and runs their pending updates (as the guard would at their first use)."""
         upd = self.updates
-        pending = upd.pending
 
         def hook(module: torch.nn.Module, args: Any) -> None:
             if torch.compiler.is_compiling():
                 return None  # a compiled forward: the root hook applied every update
-            if self.probe is not None:
-                self.probe.need(ts)
+            if self._probe is not None:
+                self._probe.need(ts)
             if upd.n_pending:
+                pending = upd.pending
                 if pending is None or any(pending[t] for t in ts):
                     upd.gate(ts)
-            elif self.learning:
-                for t in ts:
-                    self.seen[t] = True
             return None
         return hook
 
@@ -142,24 +131,15 @@ class ForwardGates:
         self.depth += 1
         if self.depth > 1:
             return None  # inside the root's own forward: the outer call did all of this
-        if self.probe is not None and module.training and torch.is_grad_enabled():
-            self.probe.forward_begin()
-            self.probe.need(self.root_owned)
+        training = module.training and torch.is_grad_enabled()
+        if self._probe is not None and training:
+            self._probe.forward_begin()
+            self._probe.need(self.root_owned)
         if self.buf_pending:
             self.wait_buffers()
         self.clear_flushed()
-        if self.updates.n_pending:
-            if not (module.training and torch.is_grad_enabled()):
-                self.updates.flush()
-                return None
-            need = self.root_owned + self.root_extra
-            if need:
-                self.updates.gate(need)
-        elif self.learning:
-            for t in self.root_owned:
-                self.seen[t] = True
-            if module.training and torch.is_grad_enabled():
-                self._begin_watch()
+        if self.updates.n_pending and not training:
+            self.updates.flush()
         return None
 
     def root_post_hook(self, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -167,8 +147,8 @@ class ForwardGates:
             return torch._dynamo.disable(_compiled_post)(self, module, output)
         if self.depth > 1:
             return None  # an inner root forward: buffers go out once, after the outer one
-        if self.probe is not None and module.training and torch.is_grad_enabled():
-            self.probe.forward_end()
+        if self._probe is not None and module.training and torch.is_grad_enabled():
+            self._probe.forward_end()
         self.broadcast_buffers(module)
         self.hook_outputs(module, output)
         return None
@@ -183,13 +163,19 @@ class ForwardGates:
                 t.register_hook(self.output_grad)
 
     def broadcast_buffers(self, module: torch.nn.Module) -> None:
+        """Broadcast rank 0's buffers after a training forward, one collective per dtype and
+        device, each through the channel's device (a CPU buffer of a CUDA model goes to NCCL
+        as a CUDA tensor and is copied back when installed)."""
         if self.buffers and module.training and torch.is_grad_enabled():
             self.wait_buffers()
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+            groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
             for b in self.buffers:
-                by_dtype.setdefault(b.dtype, []).append(b)
-            for bufs in by_dtype.values():
+                groups.setdefault((b.dtype, b.device), []).append(b)
+            dev = self.chan.device
+            for bufs in groups.values():
                 flat = torch.cat([b.detach().reshape(-1) for b in bufs])
+                if flat.device != dev:
+                    flat = flat.to(dev)
                 self.buf_pending.append((self.chan.broadcast(flat), bufs, flat))
 
     def wait_buffers(self) -> None:
@@ -202,6 +188,18 @@ class ForwardGates:
                     for b in bufs:
                         b.copy_(flat[off: off + b.numel()].view_as(b))
                         off += b.numel()
+
+
+class _Removes:
+    """A handle that removes the probe's module hooks with the others."""
+
+    __slots__ = ("gates",)
+
+    def __init__(self, gates: ForwardGates):
+        self.gates = gates
+
+    def remove(self) -> None:
+        self.gates.remove_probe_hooks()
 
 
 def _compiled_pre(gates: ForwardGates) -> None:

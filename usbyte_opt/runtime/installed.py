@@ -108,13 +108,6 @@ class Installed:
         """Blocks of the schedule."""
         return len(self.schedule.blocks)
 
-    def learned(self) -> tuple[set[str], set[str]]:
-        """The names of the tensors seen in their modules' forward, and of those used outside
-        them (learned in this schedule's first iteration), for the next schedule."""
-        gates, names = self.gates, self.grads.names
-        return ({names[t] for t in range(len(names)) if gates.seen[t]},
-                {names[t] for t in gates.root_extra})
-
     def remove(self) -> None:
         """Remove the hooks and give the parameters their own gradients back."""
         if self.guard is not None:
@@ -156,9 +149,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         chan: the channel of the collectives.
         wrapper_check: the model's forward pre-hook that refuses a DDP or FSDP wrapper.
         settle: the model's state-dict pre-hook (applies pending updates).
-        previous: the state this one replaces (removed already): the optimizer calls so far,
-            ``no_sync()`` in force and what its first iteration learned carry over, and its
-            trace is closed.
+        previous: the state this one replaces (removed already): the optimizer calls so far
+            and ``no_sync()`` in force carry over, and its trace is closed.
     """
     if schedule.hierarchical:  # refused on every rank alike (sharded mode, nodes)
         check_hierarchy(schedule, chan.world_size, source, whole_world=whole_world(chan.group))
@@ -184,12 +176,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         """The next backward starts: every pending update must be done first."""
         return updates.flush() if updates.n_pending else []
 
-    def note_gradient(t: int) -> None:
-        if gates.learning:
-            gates.note_gradient(t)
-
     comm = StepComm(schedule, grads, chan, options.passes, options.find_unused,
-                    flush_for_backward, note_gradient, options.wait_in_backward)
+                    flush_for_backward, options.wait_in_backward)
     comm.no_sync = previous is not None and previous.comm.no_sync
     sharded: Sharded | None = None
     if schedule.mode == Mode.SHARDED:
@@ -199,11 +187,14 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         sharded.trace = trace
         comm.reaping = True   # finished reduce-scatters let go of their buffers during backward
         sharded.reap = comm.reap
+        # Each gradient scaled as it is put in place, as the shards' layout wants it.
+        comm.block_scale, comm.put_scale = None, comm.scale
         if zero2:
             comm.put = sharded.put
     elif schedule.hierarchical:
         comm.issue_block = hier_issuer(schedule, grads, chan)
     comm.trace = trace
+    comm.refresh()
     updates: Updates
     if sharded is not None:  # the pending updates are the parameters' all-gathers
         updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace,
@@ -226,11 +217,6 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if sharded is not None:
         comm.keep_grad_guard = True
         guard.refuse_grads = sharded.refuse_grad_access
-    if previous is not None:
-        seen, extra = previous.learned()
-        gates.learning = False
-        gates.seen = [n in seen for n in grads.names]
-        gates.root_extra = [t for t, n in enumerate(grads.names) if n in extra]
     handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
                           for t, p in enumerate(grads.params)]
     if zero2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first

@@ -99,13 +99,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
       it from the step. :meth:`synchronize` does the same wait explicitly;
     * after ``step()`` (overlap mode), the first touch of a parameter's value (an EMA,
       ``state_dict()``, ``deepcopy``, ``p.data.clamp_()``) first runs its pending update.
-      ``p.grad`` is ``None`` until the next backward, the gradients belonging to the pending
-      updates: ``zero_grad()`` in any form or ``p.grad = None`` then cannot alter the update.
-      ``zero_grad(set_to_none=False)`` on this object keeps its meaning for tensors no rank
-      uses in the next step (they are stepped with a zero gradient, as under DDP); on the
-      model or the wrapped optimizer it cannot, since there is no gradient to zero. In fence
-      mode ``p.grad`` keeps the averaged gradient after ``step()``, as under DDP. Sharded mode
-      has a contract of its own (below).
+      ``p.grad`` keeps the averaged gradient until ``zero_grad()``, as under DDP (in overlap
+      and fence mode): a read of it first runs the tensor's update, so nothing done to it can
+      alter the update, and ``p.grad = None`` (``zero_grad()``) leaves the update alone.
+      ``opt.zero_grad()`` keeps the overlap; ``model.zero_grad()`` reads each ``p.grad`` and so
+      runs the updates there. Sharded mode has a contract of its own (below).
 
     What cannot be made equal is refused on every rank in one line: a parameter with no
     gradient under ``find_unused_parameters=False`` (as DDP), a parameter unfrozen or a param
@@ -543,9 +541,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_groups()   # (GradScaler's sentinel group member is gone by now)
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
-        if skip:  # sharded mode: no step, no all-gather; the parameters stay as they are
+        if skip:  # no step (sharded mode: no all-gather); the parameters stay as they are
             comm.wait_blocks()
-            if mode != Mode.FENCE:
+            if st.sharded is not None:
                 st.grads.release()
         elif st.sharded is not None:
             comm.wait_blocks()
@@ -563,13 +561,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 probe.update_end()
             comm.expose_used()
         else:
+            # p.grad keeps the averaged gradient until zero_grad(), as under DDP; the pending
+            # update reads it, and a read of p.grad by user code runs the update first.
             st.updates.start(comm.works, include, st.candidates)
-            st.grads.release()
         stepper.attrs = {}
-        comm.reset(clear_zero_intent=mode != Mode.FENCE)
+        comm.reset(clear_zero_intent=st.sharded is not None)
         if mode != Mode.FENCE and st.guard is not None and st.updates.n_pending:
             pend = st.updates.pending
-            st.guard.arm_params(range(st.n) if pend is None else
+            st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
                                 [t for t in range(st.n) if pend[t]])
         st.gates.learning = False
         if self._tuner is not None:
@@ -581,11 +580,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the gradients, as ``torch.optim.Optimizer.zero_grad`` does.
 
-        Between ``step()`` and the next backward (overlap and sharded mode) there is no
-        gradient to zero (``p.grad`` is ``None``); ``set_to_none=False`` is recorded so that a
-        tensor no rank uses in the next step is stepped with a zero gradient, as under DDP.
-        Between backward and ``step()`` it first waits for this step's all-reduce (in sharded
-        mode, reduce-scatters), then discards the gradients.
+        After ``step()`` ``p.grad`` holds the averaged gradient, as under DDP, and the pending
+        updates (overlap mode) read it: ``set_to_none=True`` drops ``p.grad`` without touching
+        what they read; ``set_to_none=False`` first applies them, then zeroes ``p.grad`` in
+        place (the next backward accumulates into it, as under DDP). Between backward and
+        ``step()`` it first waits for this step's all-reduce (in sharded mode,
+        reduce-scatters), then discards the gradients. In sharded mode ``p.grad`` is ``None``
+        after ``step()``; ``set_to_none=False`` is recorded so that a tensor no rank uses in
+        the next step is stepped with a zero gradient, as under DDP.
         """
         with torch._C.DisableTorchFunctionSubclass():
             self._zero_grad(set_to_none)
@@ -600,8 +602,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if set_to_none:
             for p in g.params:
                 p.grad = None
-            comm.zero_intent[:] = [False] * st.n
+            if st.sharded is not None:
+                comm.zero_intent[:] = [False] * st.n
             return
+        if st.sharded is None and st.updates.n_pending:
+            st.updates.flush()   # the views they read are about to be zeroed
         with torch.no_grad():
             for p in g.params:
                 if p.grad is not None:
@@ -610,7 +615,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        if st.mode != Mode.FENCE and (st.updates.n_pending or comm.phase is Phase.IDLE):
+        if st.sharded is not None and (st.updates.n_pending or comm.phase is Phase.IDLE):
             include = self._last_include
             zi = comm.zero_intent
             for t in range(st.n):

@@ -104,6 +104,12 @@ class SubsetStepper:
         #: Param group of each tensor (-1: the optimizer does not step it), and its position.
         self.group_of = [where.get(id(p), (-1, 0))[0] for p in grads.params]
         self.pos = [where.get(id(p), (-1, 0))[1] for p in grads.params]
+        index = {id(p): t for t, p in enumerate(grads.params)}
+        #: Per group, the runtime index of each of its parameters in its order (-1: not one
+        #: of the runtime's tensors, a frozen one), and how many are the runtime's.
+        self.members = [[index.get(id(p), -1) for p in grp["params"]]
+                        for grp in optimizer.param_groups]
+        self.in_opt = sum(1 for gi in self.group_of if gi >= 0)
         self.hp: list[dict[str, Any]] = []
         #: Attributes set on the wrapped optimizer for each call (a fused optimizer's found_inf).
         self.attrs: dict[str, Any] = {}
@@ -117,25 +123,34 @@ class SubsetStepper:
 
     def step(self, ts: Sequence[int]) -> None:
         """``optimizer.step()`` on exactly the tensors ``ts`` (their views hold the averaged
-        gradient and are final on the current stream)."""
+        gradient and are final on the current stream). Every tensor the optimizer steps: its
+        groups as they are (frozen members have no gradient, and are skipped as in any
+        step); else each group narrowed to the members in ``ts``."""
         if not ts:
             return
-        g, group_of, pos = self.grads, self.group_of, self.pos
-        subsets: dict[int, list[tuple[int, torch.nn.Parameter]]] = {}
-        saved: list[tuple[torch.nn.Parameter, Any]] = []
-        for t in ts:
-            p = g.params[t]
-            subsets.setdefault(group_of[t], []).append((pos[t], p))
-            saved.append((p, p.grad))
-            p.grad = g.views[t]
+        g = self.grads
         groups = self.opt.param_groups
         if len(groups) != len(self.hp):
             raise UsbyteError(GROUPS_CHANGED)
+        params, views = g.params, g.views
+        # For the call, p.grad is the view; a tensor whose p.grad is something else (None
+        # after zero_grad(), a tensor of the user's) gets it back afterwards.
+        swap = [(params[t], views[t]) for t in ts if params[t].grad is not views[t]]
+        saved = [(p, p.grad) for p, _ in swap]
+        for p, v in swap:
+            p.grad = v
         old_params = [grp["params"] for grp in groups]
+        whole = len(ts) == self.in_opt and len(set(ts)) == self.in_opt
         swapped: list[tuple[dict[str, Any], str, Any]] = []
         try:
+            if not whole:
+                chosen = bytearray(g.n)
+                for t in ts:
+                    chosen[t] = 1
+                for gi, grp in enumerate(groups):
+                    grp["params"] = [p for p, t in zip(old_params[gi], self.members[gi])
+                                     if t >= 0 and chosen[t]]
             for gi, grp in enumerate(groups):
-                grp["params"] = [p for _, p in sorted(subsets.get(gi, []), key=lambda x: x[0])]
                 for key, val in self.hp[gi].items():
                     cur = grp.get(key)
                     if cur is not val:
@@ -152,8 +167,9 @@ class SubsetStepper:
                     delattr(self.opt, k)
                 except AttributeError:
                     pass
-            for grp, params in zip(groups, old_params):
-                grp["params"] = params
+            if not whole:
+                for grp, ps in zip(groups, old_params):
+                    grp["params"] = ps
             for grp, key, cur in reversed(swapped):
                 grp[key] = cur
             for p, grad in saved:
@@ -269,7 +285,8 @@ class HostUpdates:
         self.n_pending -= len(ts)
         if self.guard is not None:
             self.guard.disarm(ts)
-        self.stepper.step([t for t in ts if include(t)])
+        select = getattr(include, "select", None)
+        self.stepper.step(select(ts) if select is not None else [t for t in ts if include(t)])
         return ts
 
 
