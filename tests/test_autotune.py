@@ -98,6 +98,61 @@ def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed
     assert "95% CI" in rep["summary"] and rep["vs_ddp_buckets"]["ratio"] > 1.0
 
 
+def wrapper_verify(rank: int, ws: int, skew_ms: float) -> dict:
+    """The DDP loop with its one line changed to ``usbyte_opt.DistributedDataParallel`` and a
+    schedule given: the plan is timed against torch DDP itself (rank 1 sleeps in the plan's
+    windows, so DDP wins), and DDP runs from then on, the runtime's hooks off."""
+    import usbyte_opt
+
+    ref, mod = twins(lambda: SmallCNN(bn=True))
+    ddp = DDP(ref)
+    o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
+    model = usbyte_opt.DistributedDataParallel(mod, schedule=sched_wfbp(mod, ws))
+    opt = OPTIMIZERS["adamw_wd"](mod.parameters())
+    sides = []
+    for step in range(STEPS):
+        x, y = image_batch(rank, step)
+        mse(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        sides.append(model.runs_torch_ddp)
+        if skew_ms and rank == 1 and not model.runs_torch_ddp:
+            time.sleep(skew_ms / 1e3)
+        mse(model(x), y).backward(); opt.step(); opt.zero_grad()
+    rt = model.optimizer
+    assert rt is not None
+    rt.synchronize()
+    return {"diff": max_diff(ref, mod), "switches": [i for i in range(1, len(sides))
+                                                     if sides[i] != sides[i - 1]],
+            "report": rt.report(), "on_ddp": model.runs_torch_ddp,
+            "hooks": len(rt._state.handles), "both": sides[:2 * WINDOW]}
+
+
+def test_wrapper_falls_back_to_torch_ddp_itself(outcomes):
+    vals = check_same_on_every_rank(outcomes("wrapper_skewed"))
+    rep = vals[0]["report"]
+    assert rep["chosen"] == "fallback" and vals[0]["on_ddp"] and vals[0]["hooks"] == 0
+    assert vals[0]["both"] == [False] * WINDOW + [True] * WINDOW   # plan, then DDP's window
+    assert rep["summary"].startswith("running torch DDP: the plan wfbp")
+    assert vals[0]["diff"] == 0.0        # every window, the runtime's and DDP's: DDP's numbers
+
+
+def nothing_planned(rank: int, ws: int) -> dict:
+    import usbyte_opt
+
+    m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    model = usbyte_opt.DistributedDataParallel(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    model(torch.randn(4, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    return {"ddp": model.runs_torch_ddp, "optimizer": model.optimizer,
+            "hooks": sum(len(p._post_accumulate_grad_hooks or {}) for p in m.parameters()),
+            "cls": type(opt).__module__}
+
+
+def test_wrapper_without_a_schedule_is_torch_ddp(outcomes):
+    for r in outcomes("nothing_planned"):
+        assert r.ok, r.trace
+        assert r.value == {"ddp": True, "optimizer": None, "hooks": 0, "cls": "torch.optim.sgd"}
+
+
 def one_rank_replan_needs_a_tuner(rank: int, ws: int) -> str:
     m = torch.nn.Linear(3, 2)
     opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, verify=False)
@@ -178,5 +233,6 @@ def auto_dir(tmp_path_factory) -> Path:
 def outcomes(auto_dir: Path) -> Callable[[str], list[RankResult]]:
     """``outcomes(name)``: one :class:`RankResult` per rank for that scenario."""
     scenarios = {"auto": (train, ("auto", str(auto_dir))), "verify_skewed": (train, ("verify", None, 40.0)),
+                 "wrapper_skewed": (wrapper_verify, (40.0,)), "nothing_planned": (nothing_planned, ()),
                  "env_auto": (env_auto, ()), "drift": (drift, ())}
     return played(run_local(play, 2, args=(scenarios,), timeout_s=600))

@@ -13,7 +13,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import usbyte_opt
 from usbyte_opt.errors import UsbyteError
-from usbyte_opt.runtime import DistributedOptimizer
+from usbyte_opt.runtime import DistributedOptimizer, default_schedule
 
 
 def net() -> nn.Module:
@@ -45,7 +45,7 @@ def test_ddp_surface_and_training_equal_to_ddp(pg):
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     s_ref = torch.optim.lr_scheduler.StepLR(o_ref, 2, 0.5)
     ddp = DDP(ref)
-    model = usbyte_opt.DistributedDataParallel(mod)
+    model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod))
     with torch.no_grad():            # an evaluation before the optimizer exists: plain module
         assert torch.equal(model(batch(99)[0]), ddp(batch(99)[0]))
     o_usb = torch.optim.AdamW(model.parameters(), lr=1e-2)   # created after wrapping
@@ -66,13 +66,14 @@ def test_ddp_surface_and_training_equal_to_ddp(pg):
 
 def test_the_optimizer_is_named_or_found_once(pg):
     mod = net()
-    model = usbyte_opt.DistributedDataParallel(mod)
+    model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod))
     with pytest.raises(UsbyteError, match="no optimizer over the model's parameters"):
         model(batch(0)[0])
     keep = [torch.optim.SGD(mod.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)]
     with pytest.raises(UsbyteError, match="2 optimizers"):
         model(batch(0)[0])
-    named = usbyte_opt.DistributedDataParallel(copy.deepcopy(mod), optimizer=None)
+    named = usbyte_opt.DistributedDataParallel(copy.deepcopy(mod), optimizer=None,
+                                               schedule=default_schedule(mod))
     assert named.optimizer is None
     with pytest.raises(UsbyteError, match="register_comm_hook"):
         model.register_comm_hook(None, None)
@@ -89,7 +90,7 @@ def test_find_unused_parameters_false_is_dds_default_and_refuses_an_unused_one(p
             return self.used(x)
 
     mod = Unused()
-    model = usbyte_opt.DistributedDataParallel(mod)
+    model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod))
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     with pytest.raises(UsbyteError, match="'unused.(weight|bias)' and 1 more got no gradient"):
         model(batch(0)[0]).sum().backward()

@@ -267,7 +267,7 @@ class Tunable(Protocol):
     def synchronize(self) -> None:
         """Finish all communication and updates (the optimizer's ``synchronize()``)."""
 
-    def switch(self, schedule: Schedule, source: str) -> None:
+    def switch(self, schedule: Schedule, source: str, measure: bool = False) -> None:
         """Run ``schedule`` from the next iteration on (every rank at the same step)."""
 
 
@@ -301,6 +301,9 @@ class Tuner:
         self.check_every = check_every
         self.replan_on_drift = replan_on_drift
         self.plan: tuple[Schedule, str] = (opt.schedule, opt.schedule_source)
+        #: What the plan is timed against, in words: DDP's buckets run by the runtime, or
+        #: torch DDP itself (:meth:`~usbyte_opt.runtime.DistributedOptimizer.use_ddp_fallback`).
+        self.against = DDP_BUCKETS
         self.steps = 0
         self.phase = "idle"
         self.phase_step = 0
@@ -400,15 +403,15 @@ class Tuner:
         self.drift_work = None
         self.timer.take()
         if self.auto:
-            self._run("fallback")
+            self._run("fallback", measure=True)   # planning measures the runtime itself
             self._begin("warmup")
         elif self.verify:
             self._begin_verify()
 
-    def _run(self, which: str) -> None:
+    def _run(self, which: str, measure: bool = False) -> None:
         sched, source = (self.fallback, "<DDP's buckets>") if which == "fallback" else self.plan
-        if self.opt.schedule is not sched:
-            self.opt.switch(sched, source)
+        if self.opt.schedule is not sched or measure:
+            self.opt.switch(sched, source, measure)
 
     # -- auto --------------------------------------------------------------------------------
 
@@ -594,7 +597,7 @@ class Tuner:
         plan_ms = _median([p for p, _ in self.rounds])
         fb_ms = _median([f for _, f in self.rounds])
         self.info["measured_ms"] = {"plan": plan_ms, "fallback": fb_ms}
-        self.info["vs_ddp_buckets"] = {**r.to_dict(), "verdict": r.verdict(DDP_BUCKETS, "the plan")}
+        self.info["vs_ddp_buckets"] = {**r.to_dict(), "verdict": r.verdict(self.against, "the plan")}
         self.info["rounds"] = len(self.rounds)
         if self.info["predicted_ms"] is None:
             self.info["predicted_ms"] = self.plan[0].predicted.get("iteration_ms")
@@ -637,27 +640,41 @@ class Tuner:
         m = i.get("measured_ms") or {}
         if self.phase != "settled":
             if self.phase == "verify":
-                return (f"verifying the plan {what} against {DDP_BUCKETS} "
+                return (f"verifying the plan {what} against {self.against} "
                         f"({len(self.rounds)} rounds of windows so far)")
-            return f"running {DDP_BUCKETS} while measuring the run to plan it"
+            return f"running {self.against} while measuring the run to plan it"
         if i.get("note") and self.ws < 2:
             return "one rank: nothing to plan or verify"
         if r is None and i["chosen"] != "fallback":
             how = "as planned in the run" if self.auto else "as given"
-            return f"running the plan {what} {how} (verify=False: not timed against {DDP_BUCKETS})"
+            return f"running the plan {what} {how} (verify=False: not timed against {self.against})"
         if r is None:
-            return f"running {DDP_BUCKETS}" + (f": {note}" if note else "")
+            return f"running {self.against}" + (f": {note}" if note else "") + self._fallback_cost()
         ms = (f"; {m['plan']:.1f} against {m['fallback']:.1f} ms per iteration over "
               f"{r.pairs} rounds" if m else "")
         fig = f"{r.ratio:.2f}x their time ({round(100 * r.confidence)}% CI {r.interval()}{ms})"
         pred = self._predicted_ratio()
         if i["chosen"] == "plan":
-            return (f"kept the plan {what}: {r.ratio:.2f}x {DDP_BUCKETS}' time "
+            return (f"kept the plan {what}: {r.ratio:.2f}x {_possessive(self.against)} time "
                     f"({round(100 * r.confidence)}% CI {r.interval()}{ms}), {pred}")
         if r.lo > 1.0:
-            return f"running {DDP_BUCKETS}: the plan {what} was slower: {fig}, {pred}"
-        return (f"running {DDP_BUCKETS}: the plan {what} was not measurably faster "
-                f"({r.noise()} on this machine): {fig}, {pred}")
+            return (f"running {self.against}: the plan {what} was slower: {fig}, {pred}"
+                    + self._fallback_cost())
+        return (f"running {self.against}: the plan {what} was not measurably faster "
+                f"({r.noise()} on this machine): {fig}, {pred}" + self._fallback_cost())
+
+    def _fallback_cost(self) -> str:
+        """What the fallback is, where it is not torch DDP itself: the runtime on DDP's
+        buckets, and its host cost against DDP where the plan's profile measured it."""
+        if self.against != DDP_BUCKETS:
+            return ""
+        host = (self.plan[0].predicted or {}).get("host") if self.plan else None
+        cost = ""
+        if isinstance(host, dict) and host.get("runtime_over_ddp_ms") is not None:
+            cost = (f", {host['runtime_over_ddp_ms']:.2f} ms per iteration over torch DDP's "
+                    "host time as profiled")
+        return (f" (the runtime on DDP's buckets, not torch DDP itself{cost}; "
+                "usbyte_opt.DistributedDataParallel falls back to torch DDP)")
 
     def line(self, note: str = "") -> str:
         """The one line rank 0 logs when it settles."""
@@ -673,9 +690,9 @@ class Tuner:
         text = self.summary()
         if ended and self.phase == "verify":
             text = (f"the run ended before the plan {self._what()} was verified against "
-                    f"{DDP_BUCKETS} (it ran both in turns)")
+                    f"{self.against} (it ran both in turns)")
         elif ended and self.phase != "settled":
-            text = (f"the run ended on {DDP_BUCKETS} before the plan was made (planning in the "
+            text = (f"the run ended on {self.against} before the plan was made (planning in the "
                     f"run measures its first {WARMUP + CLEAN + OVERLAP} iterations)")
         try:
             tmp = f"{path}.{os.getpid()}.tmp"
@@ -733,6 +750,11 @@ class Tuner:
         out["schedule"] = {"strategy": self.opt.schedule.strategy, "mode": self.opt.schedule.mode,
                            "blocks": len(self.opt.schedule.blocks)}
         return out
+
+
+def _possessive(name: str) -> str:
+    """``DDP's buckets'`` / ``torch DDP's``."""
+    return name + ("'" if name.endswith("s") else "'s")
 
 
 def _side(window: int) -> str:

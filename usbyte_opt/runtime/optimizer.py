@@ -71,7 +71,7 @@ from .default_plan import fallback_schedule, model_tensors, trainable_parameters
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
 from .sharded import check_sharded
-from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS
+from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, inner_step
 
 if TYPE_CHECKING:
     from .autotune import Probe, Tuner
@@ -348,6 +348,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._shape = self._group_shape()
         self._closed = False
         OPEN.add(self)
+        #: torch DDP over the same module, run instead of the runtime on DDP's buckets
+        #: whenever the fallback runs (:meth:`use_ddp_fallback`), and whether it runs now.
+        self._fallback_ddp: torch.nn.Module | None = None
+        self._on_ddp = False
+        self._fallback_sched: Schedule | None = None
         self._tuner: Tuner | None = None
         if sched.mode == Mode.SHARDED:
             verify = False  # a switch to the fallback would have to move the sharded state
@@ -357,6 +362,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # The fallback is built once (auto runs start on it): the tuner compares schedules
             # by identity.
             fallback = sched if auto else fallback_schedule(model, ws)
+            self._fallback_sched = fallback
             self._tuner = Tuner(_Tuned(self), fallback, auto=auto, verify=verify,
                                 auto_dir=auto_dir, check_every=check_every,
                                 replan_on_drift=replan_on_drift)
@@ -367,24 +373,52 @@ class DistributedOptimizer(torch.optim.Optimizer):
                        params=self._params, chan=self._chan, wrapper_check=self._wrapper_check,
                        settle=self._settle_hook, previous=previous)
 
-    def _switch(self, sched: Schedule, source: str) -> None:
+    def _switch(self, sched: Schedule, source: str, measure: bool = False) -> None:
         """Run ``sched`` from the next iteration on: finish everything of the current one,
         then replace the per-schedule state whole. Every rank calls it at the same step (it
-        waits, and issues nothing)."""
+        waits, and issues nothing). With torch DDP as the fallback (:meth:`use_ddp_fallback`)
+        the fallback is DDP itself: the runtime's hooks come off and DDP runs, unless the
+        tuner measures the run (``measure``: planning inside the run needs the runtime)."""
         self.synchronize()
         old = self._state
-        old.remove()
+        if (self._fallback_ddp is not None and sched is self._fallback_sched and not measure):
+            if not self._on_ddp:
+                old.remove()
+                self._on_ddp = True
+            return
+        if self._on_ddp:
+            self._on_ddp = False   # its hooks came off when DDP took over
+        else:
+            old.remove()
         self._state = self._install(sched, source, old)
+
+    def use_ddp_fallback(self, ddp_model: torch.nn.Module) -> None:
+        """Make torch's own ``DistributedDataParallel`` over this optimizer's model the
+        fallback: verification times the plan against it, and where the plan is not
+        measurably faster DDP runs for good (what :class:`usbyte_opt.DistributedDataParallel`
+        does; the forward must then go through ``ddp_model`` while :attr:`on_ddp`). Call on
+        every rank right after construction, before the first step."""
+        self._fallback_ddp = ddp_model
+        if self._tuner is not None:
+            self._tuner.against = "torch DDP"
+
+    @property
+    def on_ddp(self) -> bool:
+        """Whether torch DDP runs now (the fallback of :meth:`use_ddp_fallback`); the
+        runtime's hooks are off meanwhile."""
+        return self._on_ddp
 
     @property
     def schedule(self) -> Schedule:
-        """The schedule running."""
+        """The schedule running (torch DDP running as the fallback: the fallback's)."""
+        if self._on_ddp and self._fallback_sched is not None:
+            return self._fallback_sched
         return self._state.schedule
 
     @property
     def schedule_source(self) -> str:
         """Where the running schedule came from (a file, ``<auto schedule>``, ...)."""
-        return self._state.source
+        return "<torch DDP>" if self._on_ddp else self._state.source
 
     @property
     def mode(self) -> Mode:
@@ -513,6 +547,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._closed:
             raise UsbyteError("step() on a closed DistributedOptimizer: create a new one to "
                               "train on")
+        if self._on_ddp:
+            return self._ddp_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -571,6 +607,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
             st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
                                 [t for t in range(st.n) if pend[t]])
         st.gates.learning = False
+        if self._tuner is not None:
+            self._tuner.after_step()
+        self._steps += 1
+        self._opt._opt_called = True  # type: ignore[attr-defined]  # LR scheduler's check
+        return loss
+
+    def _ddp_step(self, closure: Callable[[], Any] | None) -> Any:
+        """``step()`` while torch DDP runs (the fallback): the wrapped optimizer's own step,
+        as under DDP (GradScaler's verdict honoured as ``GradScaler.step`` would), and the
+        tuner's count."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        found_inf = getattr(self, "found_inf", None)
+        skip = False
+        if found_inf is not None:   # called by GradScaler.step(self)
+            grad_scale = getattr(self, "grad_scale", None)
+            grads = [p.grad for p in self._state.grads.params if p.grad is not None]
+            if grad_scale is not None and grads:
+                inv = grad_scale.double().reciprocal().float()
+                dummy = torch.zeros(1, device=inv.device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv)
+            skip = amp.skip_on_host(found_inf)
+        if not skip:
+            inner_step(self._opt)
+            self._state.stepper.calls += 1
         if self._tuner is not None:
             self._tuner.after_step()
         self._steps += 1

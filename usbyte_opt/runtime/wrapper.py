@@ -11,13 +11,22 @@ and keeps everything else: ``model.module``, ``model.no_sync()``,
 ``optimizer.param_groups``, checkpoints of ``model.module.state_dict()`` on rank 0 only.
 
 The schedule comes from ``schedule=`` or ``$USBYTE_SCHEDULE`` (what ``usbyte-opt launch
---schedule`` sets), else DDP's own buckets. The optimizer is *taken over*: at the first
-forward, the one optimizer over the model's parameters (created before or after wrapping, as
-DDP scripts do both) is found and wrapped in a
+--schedule`` sets). **Without one, torch's own DDP runs**, with the arguments given: there is
+nothing planned to win, so the run costs exactly what DDP costs. With one, the optimizer is
+*taken over*: at the first forward, the one optimizer over the model's parameters (created
+before or after wrapping, as DDP scripts do both) is found and wrapped in a
 :class:`~usbyte_opt.runtime.DistributedOptimizer` (an evaluation under ``torch.no_grad()``
 before that runs the plain module); the user's object keeps working, its
 ``step()``, ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` now the runtime's.
 Pass ``optimizer=`` to name it instead (several optimizers over one model are refused).
+
+**The fallback is DDP itself.** With verification on (the default for a schedule given, and
+for ``"auto"``), the plan is timed in alternating windows against torch's DDP over the same
+module (built beside it, with the arguments given: DDP's own buckets) and kept only when
+measurably faster; otherwise the runtime's hooks come off and DDP runs from then on
+(:meth:`~usbyte_opt.runtime.DistributedOptimizer.use_ddp_fallback`). The user's optimizer
+then steps as under DDP. DDP's gradient buckets cost one more gradient's worth of memory
+while both exist.
 
 DDP's contract holds (:mod:`.guard`): code that reads or changes a gradient between
 ``backward()`` and ``step()`` first waits for the averaged gradients, and code that touches a
@@ -36,6 +45,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..env import SCHEDULE_ENV
 from ..errors import UsbyteError
 from .checks import broadcast_from_rank0, require_initialized
 from .optimizer import DistributedOptimizer, ScheduleArg
@@ -58,7 +68,7 @@ class DistributedDataParallel(torch.nn.Module):
             a trainable parameter gets no gradient in a step; ``True`` exchanges the usage map.
         static_graph: accepted (the runtime needs no hint).
         schedule: a :class:`~usbyte_opt.formats.Schedule`, a schedule file, ``"auto"``; default
-            ``$USBYTE_SCHEDULE``, else DDP's buckets.
+            ``$USBYTE_SCHEDULE``, else none: torch's DDP runs.
         optimizer: the optimizer to take over; default: the one found at the first forward.
         **runtime: any other keyword of :class:`~usbyte_opt.runtime.DistributedOptimizer`
             (``verify``, ``zero_stage``, ``trace``, ``timeout``, ...).
@@ -69,8 +79,9 @@ class DistributedDataParallel(torch.nn.Module):
         >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "s"), 1)
         >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         >>> import usbyte_opt
+        >>> from usbyte_opt.runtime import default_schedule
         >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 1))
-        >>> model = usbyte_opt.DistributedDataParallel(net)      # was: DDP(net)
+        >>> model = usbyte_opt.DistributedDataParallel(net, schedule=default_schedule(net))  # was: DDP(net)
         >>> opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         >>> for _ in range(3):
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
@@ -106,6 +117,18 @@ class DistributedDataParallel(torch.nn.Module):
         self._schedule = schedule
         self._runtime_kwargs = runtime
         self._opt: DistributedOptimizer | None = None
+        self._ddp_kwargs: dict[str, Any] = {
+            "device_ids": device_ids, "output_device": output_device, "dim": dim,
+            "broadcast_buffers": broadcast_buffers, "process_group": process_group,
+            "bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
+            "check_reduction": check_reduction, "gradient_as_bucket_view": gradient_as_bucket_view,
+            "static_graph": static_graph}
+        # torch DDP over the module, outside the module tree (state_dict keys stay DDP's):
+        # what runs when nothing is planned, and the fallback of verification.
+        self.__dict__["_ddp"] = None
+        if schedule is None and not os.environ.get(SCHEDULE_ENV):
+            self.__dict__["_ddp"] = self._torch_ddp()   # nothing planned: DDP itself
+            return
         # DDP's starting point, at construction as DDP: rank 0's parameters and buffers (an
         # evaluation before the optimizer is found already sees them).
         broadcast_from_rank0([p.detach() for p in module.parameters()], process_group, None)
@@ -113,6 +136,19 @@ class DistributedDataParallel(torch.nn.Module):
             broadcast_from_rank0(list(module.buffers()), process_group, None, "buffers")
         if optimizer is not None:
             self._attach(optimizer)
+
+    def _torch_ddp(self) -> torch.nn.Module:
+        """torch's ``DistributedDataParallel`` over the module, with the arguments given."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(self.module, **self._ddp_kwargs)
+
+    @property
+    def runs_torch_ddp(self) -> bool:
+        """Whether torch's DDP runs now: nothing was planned, or the plan was not measurably
+        faster than DDP (or is being timed against it)."""
+        ddp = self.__dict__["_ddp"]
+        return ddp is not None and (self._opt is None or self._opt.on_ddp)
 
     # -- DDP's surface -------------------------------------------------------------------------
 
@@ -137,21 +173,34 @@ class DistributedDataParallel(torch.nn.Module):
 
     @property
     def optimizer(self) -> DistributedOptimizer | None:
-        """The runtime driving the taken-over optimizer (``None`` before the first forward)."""
+        """The runtime driving the taken-over optimizer (``None`` before the first forward,
+        and when nothing is planned: then torch's DDP runs)."""
         return self._opt
 
     def _set_static_graph(self) -> None:
         """DDP's private switch (some trainers call it): nothing to do here."""
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
+        ddp = self.__dict__["_ddp"]
+        if ddp is not None and self._opt is None:
+            return ddp.register_comm_hook(state, hook)   # nothing planned: DDP's own
         raise UsbyteError("register_comm_hook: usbyte-opt's schedule decides the communication; "
                           "use torch's DistributedDataParallel for a communication hook")
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
+        ddp = self.__dict__["_ddp"]
+        if ddp is not None and self._opt is None:
+            return ddp.join(*args, **kwargs)
         raise UsbyteError("join() (uneven inputs) is not supported by usbyte-opt's runtime: give "
                           "every rank the same number of steps")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self.runs_torch_ddp:
+            ddp = self.__dict__["_ddp"]
+            ddp.require_backward_grad_sync = self._sync
+            if ddp.training != self.training:
+                ddp.training = self.training
+            return ddp(*inputs, **kwargs)
         opt = self._opt
         if opt is None and torch.is_grad_enabled():   # the first forward that can train
             self._attach(None)
@@ -185,13 +234,12 @@ class DistributedDataParallel(torch.nn.Module):
         kw.setdefault("broadcast_buffers", self.broadcast_buffers)
         kw.setdefault("find_unused_parameters", self.find_unused_parameters)
         schedule = self._schedule
-        if schedule is None and not os.environ.get("USBYTE_SCHEDULE"):
-            from .default_plan import default_schedule
-
-            schedule = default_schedule(self.module, dist.get_world_size(self.process_group))
         rt = DistributedOptimizer(optimizer, self.module, schedule, self.process_group, **kw)
         take_over(optimizer, rt)
         self._opt = rt
+        if rt._tuner is not None and rt._tuner.phase != "settled":   # verifying or planning
+            rt.use_ddp_fallback(self._torch_ddp())
+            self.__dict__["_ddp"] = rt._fallback_ddp
 
 
 def _optimizers_over(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
