@@ -15,7 +15,6 @@ modules.
     python benchmarks/runtime_overhead.py            # writes benchmarks/runtime_overhead.md
     python benchmarks/runtime_overhead.py --quick    # fewer rounds, prints only
     python benchmarks/runtime_overhead.py --only contract   # wait_in_backward's section only
-    python benchmarks/runtime_overhead.py --only guard      # the guard against no guard
 
 ``wait_in_backward=True`` (DDP's gradient contract, what the trainer integrations use) is
 timed against the default and DDP, three arms side by side, in its own section.
@@ -137,14 +136,7 @@ def side_by_side(rank: int, ws: int, model_name: str, batch_size: int, schedule:
 
 
 #: The arms of a three-arm run: DDP, the runtime as a reference, the runtime varied.
-ARMS = {"contract": ("ddp", "deferred", "wait"), "guard": ("ddp", "unguarded", "deferred")}
-
-
-def unguard(opt: DistributedOptimizer) -> None:
-    """The runtime as it was before DDP's contract was enforced: nothing armed (a loop that
-    touches no gradient after backward and no parameter after step trains the same)."""
-    st = opt._state
-    st.guard = st.comm.guard = st.updates.guard = None  # type: ignore[attr-defined]
+ARMS = {"contract": ("ddp", "deferred", "wait")}
 
 
 def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str, rounds: int,
@@ -152,8 +144,8 @@ def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str
     """Three arms in these processes, in steady-state blocks, order rotated each round: DDP,
     and two forms of the runtime (``kind``): ``contract``, the runtime as it is (communication
     in flight past ``backward()``) and with ``wait_in_backward=True`` (averaged gradients when
-    ``backward()`` returns, as DDP); ``guard``, the runtime with nothing armed (as before DDP's
-    contract was enforced) and as it is."""
+    ``backward()`` returns, as DDP). (The guard is no longer an option to time against: it is
+    what runs each update at its first use in the next forward.)"""
     arms = {}
     for key in ARMS[kind]:
         torch.manual_seed(0)
@@ -166,8 +158,6 @@ def contract(rank: int, ws: int, model_name: str, batch_size: int, schedule: str
                 torch.optim.AdamW(net.parameters(), lr=1e-3), net,
                 schedule=schedule_for(schedule, net, ws), verify=False,
                 wait_in_backward=key == "wait")
-            if key == "unguarded":
-                unguard(opt)
             arms[key] = (net, opt)
     batches = make_batches(inputs, rank, per_round)
     times: dict[str, list[float]] = {k: [] for k in arms}
@@ -214,20 +204,6 @@ SECTIONS = {
               "overlap of the last blocks with the next forward, is small; it grows with the "
               "share of communication that the default overlaps with the forward (a slow "
               "network, many-block plans)."),
-    "guard": dict(
-        begin="<!-- guard: begin -->", end="<!-- guard: end -->",
-        title="## DDP's contract enforced: the runtime against itself without the guard",
-        arms="DDP, the runtime with nothing armed (as it ran before DDP's contract was "
-             "enforced: `unguard()` in this script), and the runtime as it is (every tensor "
-             "armed at the end of backward and, with a pending update, at `step()`; the loop "
-             "touches neither window, so nothing waits early)",
-        cols=("guarded / unguarded", "guarded / DDP", "unguarded / DDP",
-              "ms/iter: DDP, unguarded, guarded"),
-        configs=[("lab-cnn", 16, "default"), ("lab-cnn", 16, "split4-forward"),
-                 ("transformer", 4, "default"), ("transformer", 4, "split4-forward")],
-        after="The guard costs one class assignment per tensor when a window opens and one when "
-              "it closes (about 0.2 us each; the transformer has 52 tensors); the overlap is the "
-              "same."),
 }
 
 
@@ -373,10 +349,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="fewer iterations; print only")
     ap.add_argument("--pairs", type=int, default=60)
     ap.add_argument("--rounds", type=int, default=8)
-    ap.add_argument("--only", choices=["contract", "guard"],
+    ap.add_argument("--only", choices=["contract"],
                     help="run only one section and replace it in the report (contract: "
-                         "wait_in_backward against the default; guard: the runtime against "
-                         "itself without DDP's contract enforced)")
+                         "wait_in_backward against the default)")
     a = ap.parse_args()
     pairs, rounds = (8, 2) if a.quick else (a.pairs, a.rounds)
     per_round = 6
@@ -489,7 +464,6 @@ def main() -> None:
         "",
     ]
     lines += contract_section(rounds, per_round, 1 if a.quick else 3)
-    lines += contract_section(rounds, per_round, 1 if a.quick else 3, "guard")
     OUT.write_text("\n".join(lines))
     print(f"wrote {OUT}")
 

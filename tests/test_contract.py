@@ -169,6 +169,12 @@ def clamp(model, opt, step):
         p.data.clamp_(-0.3, 0.3)
 
 
+def grads_after_step(model, opt, step):
+    """A gradient-logging callback after step(): under DDP p.grad holds the averaged gradient
+    until zero_grad()."""
+    return [None if p.grad is None else float(p.grad.double().sum()) for p in model.parameters()]
+
+
 def foreach_ema(model, opt, step, store={}):  # noqa: B006
     ps = [p for p in model.parameters()]
     if not store:
@@ -186,6 +192,7 @@ class Pattern:
     opt: str = "sgd"
     find_unused: bool = True
     static_graph: bool = False   # DDP needs it for reentrant checkpointing
+    zero_grad: bool = True       # the loop zeroes gradients after each step
     outcome: dict[str, str] = dataclasses.field(default_factory=dict)  # mode -> expected
 
 
@@ -217,6 +224,11 @@ PATTERNS: dict[str, Pattern] = {
     "EMA after step": Pattern(after_step=ema, opt="adam", outcome=EQ),
     "_foreach EMA after step": Pattern(after_step=foreach_ema, opt="adam", outcome=EQ),
     "state_dict() after step": Pattern(after_step=snapshot, outcome=EQ),
+    "p.grad logged after step()": Pattern(after_step=grads_after_step, opt="adam",
+                                         outcome={"overlap": "equal", "fence": "equal"}),
+    "no zero_grad(): gradients accumulate across steps":
+        Pattern(after_step=grads_after_step, zero_grad=False,
+                outcome={"overlap": "equal", "fence": "equal"}),
     "deepcopy after step": Pattern(after_step=deep_copy, outcome=EQ),
     "p.data.clamp_() after step": Pattern(after_step=clamp, opt="adam", outcome=EQ),
     "find_unused_parameters=False, a parameter no rank uses":
@@ -266,7 +278,8 @@ def run_pattern(name: str, mode: str, rank: int, ws: int) -> dict:
             opt.step()
             if pat.after_step is not None:
                 logs[side].append(pat.after_step(net, opt, step))
-            opt.zero_grad()
+            if pat.zero_grad:
+                opt.zero_grad()
     o_usb.synchronize()
     diff = max((a.detach() - b.detach()).abs().max().item()
                for a, b in zip(ref.parameters(), mod.parameters()))
