@@ -4,9 +4,14 @@ or sharded), or no communication at all.
 Runs inside an initialised process group, on every rank. Each :class:`Trainee` owns a fresh
 copy of the model (seeded with :data:`SEED` before the factory runs, so every trainee starts
 from the same weights even when the factory does not seed itself), its
-own optimizer and the same sequence of rank-dependent batches, so after the same number of
-steps every trainee must hold the same parameters (the runtime's guarantee; DDP is the
-reference; FSDP2 reduce-scatters, so it may differ in the last bits beyond 2 ranks).
+own optimizer, the same sequence of rank-dependent batches and its own random-number state
+(:meth:`Trainee.own_rng`: the CPU generator's and, on CUDA, its device's, seeded with the
+weights and swapped in around every iteration it runs), so that dropout draws the same masks
+in every trainee however their iterations interleave. After the same number of steps every
+trainee must hold the same parameters (the runtime's guarantee; DDP is the reference; FSDP2
+reduce-scatters, so it may differ in the last bits beyond 2 ranks). With
+:data:`DETERMINISTIC_ENV` set, the trainees run deterministic kernels
+(:func:`deterministic_kernels`), so that the comparison can be exact on CUDA too.
 
 Each trainee also reports its optimizer state on this rank (:meth:`Trainee.state_bytes`): the
 whole model's under DDP, about ``1 / world_size`` of it under FSDP2 and the runtime's sharded
@@ -27,8 +32,10 @@ pair, and rounds are added while a strategy's time against DDP's is not distingu
 from __future__ import annotations
 
 import math
+import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, cast
 
 import torch
@@ -44,6 +51,54 @@ from ..verdict import Budget
 BATCHES = 4
 #: The seed set before each trainee's model is built.
 SEED = 0
+#: Set (non-empty, not ``0``) in the ranks' environment: the trainees run deterministic kernels
+#: (:func:`deterministic_kernels`). On CUDA, set ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` there too,
+#: before the process starts (cuBLAS reads it when CUDA initialises).
+DETERMINISTIC_ENV = "USBYTE_BENCH_DETERMINISTIC"
+
+
+def deterministic_kernels() -> None:
+    """Deterministic kernels in this process from now on: cuDNN deterministic, its benchmark
+    off, TF32 off for matmul and cuDNN, ``torch.use_deterministic_algorithms(True,
+    warn_only=True)`` (an op without a deterministic implementation warns rather than stops
+    the run; the bench reports the difference it makes). cuBLAS also needs
+    ``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in the environment before CUDA initialises, which
+    this function cannot do for its own process; it sets it for the processes it starts."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def backend_device(backend: str, cuda_index: int | None = None) -> torch.device:
+    """The device a collective's tensors must be on for a group of ``backend`` (what
+    ``dist.get_backend`` says): CPU when the backend takes CPU tensors (gloo, MPI, UCC, or a
+    per-device backend string with a ``cpu:`` entry), else the CUDA device ``cuda_index``
+    (default: the current one), since NCCL takes CUDA tensors only.
+
+    Example::
+
+        >>> backend_device("gloo"), backend_device("cpu:gloo,cuda:nccl")
+        (device(type='cpu'), device(type='cpu'))
+        >>> backend_device("nccl", 0), backend_device("cuda:nccl", 1)
+        (device(type='cuda', index=0), device(type='cuda', index=1))
+    """
+    b = backend.lower()
+    if ":" in b:
+        cpu = any(item.split(":", 1)[0].strip() == "cpu" for item in b.split(","))
+    else:
+        cpu = b != "nccl"
+    if cpu:
+        return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device() if cuda_index is None else cuda_index)
+
+
+def group_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """The device for the tensors of a collective on ``group`` (``None``: the default group):
+    the current CUDA device on NCCL, the CPU on gloo (:func:`backend_device`)."""
+    return backend_device(str(dist.get_backend(group)))
 
 
 def fsdp2_missing() -> str | None:
@@ -176,10 +231,19 @@ class Trainee:
                  rank: int = 0, verify: bool = False, trace: str | None = None,
                  zero_stage: int = 1):
         self.name, self.kind = name, kind
+        if os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0"):
+            deterministic_kernels()
         # Every trainee from the same weights, whether or not the factory seeds itself.
         torch.manual_seed(SEED)
         model, inputs, self.loss_fn = build(spec, batch_size, device)
         self.batches = make_batches(inputs, rank, BATCHES)
+        # Its own random-number state from here (own_rng): every trainee draws the same
+        # dropout masks, whatever runs between its iterations (its wrapper's construction,
+        # the other trainees' iterations).
+        self._cuda = device if device.type == "cuda" else None
+        self._rng_cpu = torch.get_rng_state()
+        self._rng_cuda = torch.cuda.get_rng_state(device) if self._cuda is not None else None
+        self._rng_held = False
         self.plain = model
         params = [p for p in model.parameters() if p.requires_grad]
         self.model: torch.nn.Module
@@ -226,7 +290,39 @@ class Trainee:
         self.link_bytes = 0
         self.link_iterations = 0
 
+    @contextmanager
+    def own_rng(self) -> Iterator[None]:
+        """This trainee's random-number state in force inside (the CPU generator's and, on
+        CUDA, its device's): restored on entry, saved on exit. Nested uses swap nothing.
+
+        Each trainee keeps the state it had once its model was built (:data:`SEED`), so that
+        every trainee draws the same sequence of dropout masks however their iterations
+        interleave, and trains to the same parameters as the others."""
+        if self._rng_held:
+            yield
+            return
+        torch.set_rng_state(self._rng_cpu)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state(self._rng_cuda, self._cuda)
+        self._rng_held = True
+        try:
+            yield
+        finally:
+            self._rng_held = False
+            self._rng_cpu = torch.get_rng_state()
+            if self._cuda is not None:
+                self._rng_cuda = torch.cuda.get_rng_state(self._cuda)
+
     def iteration(self) -> None:
+        """One training step (forward, backward, ``step()``, ``zero_grad()``) on the next
+        batch, under this trainee's own random-number state (:meth:`own_rng`)."""
+        if self._rng_held:
+            self._iteration()
+            return
+        with self.own_rng():
+            self._iteration()
+
+    def _iteration(self) -> None:
         x = self.batches[self.steps % len(self.batches)]
         loss = self.loss_fn(self.model(*x))
         loss.backward()
@@ -291,27 +387,31 @@ def turn(t: Trainee, warmup: int, timed: int, device: torch.device,
     stamps are events on the current stream, read after the turn: a host synchronize per
     iteration would wait for NCCL as well and turn the runtime's overlap into a fence. With
     ``link`` (a byte counter of this node's link), the bytes sent during the turn and its
-    iterations are added to ``t.link_bytes`` and ``t.link_iterations``."""
+    iterations are added to ``t.link_bytes`` and ``t.link_iterations``.
+
+    The whole turn runs under the trainee's own random-number state (:meth:`Trainee.own_rng`,
+    swapped once per turn, not inside the timed iterations)."""
     sent = link() if link is not None else 0
-    for _ in range(warmup):
-        t.iteration()
-    if device.type == "cuda":
-        events = []
-        for _ in range(timed + 1):
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record(torch.cuda.current_stream(device))
-            events.append(ev)
+    with t.own_rng():
+        for _ in range(warmup):
             t.iteration()
-        t.drain()
-        torch.cuda.synchronize(device)
-        new = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
-    else:
-        stamps = []
-        for _ in range(timed + 1):
-            stamps.append(time.perf_counter())
-            t.iteration()
-        t.drain()
-        new = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+        if device.type == "cuda":
+            events = []
+            for _ in range(timed + 1):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record(torch.cuda.current_stream(device))
+                events.append(ev)
+                t.iteration()
+            t.drain()
+            torch.cuda.synchronize(device)
+            new = [a.elapsed_time(b) for a, b in zip(events, events[1:])]
+        else:
+            stamps = []
+            for _ in range(timed + 1):
+                stamps.append(time.perf_counter())
+                t.iteration()
+            t.drain()
+            new = [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
     t.durations_ms += new
     t.windows_ms.append(new)
     dist.barrier()
@@ -382,9 +482,10 @@ def interleave(trainees: Sequence[Trainee], iterations: int, rounds: int, warmup
             turn(t, warmup, k, device, link)
         if budget is None or base is None:
             continue
-        # This round's window medians and the time so far, mean over the ranks.
+        # This round's window medians and the time so far, mean over the ranks (on the
+        # default group's device: NCCL takes no CPU tensor).
         vec = torch.tensor([_median(t.windows_ms[-1]) for t in active]
-                           + [time.perf_counter() - t0], dtype=torch.float64)
+                           + [time.perf_counter() - t0], dtype=torch.float64, device=group_device())
         dist.all_reduce(vec)
         vals = (vec / dist.get_world_size()).tolist()
         for t, v in zip(active, vals):
@@ -423,5 +524,6 @@ def _median(xs: Sequence[float]) -> float:
     return ys[k] if len(ys) % 2 else 0.5 * (ys[k - 1] + ys[k])
 
 
-__all__ = ["BATCHES", "TRACED", "Trainee", "apply_fsdp2", "fsdp2_missing", "fsdp2_units", "interleave",
+__all__ = ["BATCHES", "DETERMINISTIC_ENV", "TRACED", "Trainee", "apply_fsdp2", "backend_device",
+           "deterministic_kernels", "fsdp2_missing", "fsdp2_units", "group_device", "interleave",
            "state_bytes", "turn"]

@@ -356,7 +356,13 @@ def whole_world(group: dist.ProcessGroup | None) -> bool:
 def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup | None,
                          timeout: timedelta | None, what: str = "parameters",
                          chunk_bytes: int = 64 << 20) -> None:
-    """Overwrite ``tensors`` with rank 0's values, in flat chunks of one dtype (few collectives).
+    """Overwrite ``tensors`` with rank 0's values, in flat chunks of one dtype and device (few
+    collectives).
+
+    A CPU tensor never goes to a group whose backend takes none (NCCL): its chunks travel
+    through the current CUDA device, copied there for the broadcast and back, which needs no
+    second (gloo) group and so no extra collective to create one; on a backend that takes CPU
+    tensors (gloo, or a ``cpu:gloo,cuda:nccl`` group) they are broadcast where they are.
 
     Example::
 
@@ -372,6 +378,9 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
         return
     rank = dist.get_rank(group)
     src = dist.get_global_rank(group, 0) if group is not None else 0
+    backend = str(dist.get_backend(group)).lower()
+    takes_cpu = (any(item.split(":", 1)[0].strip() == "cpu" for item in backend.split(","))
+                 if ":" in backend else backend != "nccl")
     groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.dtype, t.device), []).append(t)
@@ -386,6 +395,8 @@ def broadcast_from_rank0(tensors: Sequence[torch.Tensor], group: dist.ProcessGro
             if chunk and (x is None or size >= chunk_bytes):
                 with torch.no_grad():
                     flat = torch.cat([c.detach().reshape(-1) for c in chunk])
+                    if flat.device.type == "cpu" and not takes_cpu:   # NCCL: via the GPU
+                        flat = flat.to(torch.device("cuda", torch.cuda.current_device()))
                     wait(dist.broadcast(flat, src, group=group, async_op=True),
                          f"broadcast of {what} from rank 0", rank, timeout)
                     if rank != 0:

@@ -25,9 +25,10 @@ time in the schedule's block order on every rank (a group's collectives must be 
 same order everywhere), the stages of consecutive blocks overlap as in a pipeline, and the
 training thread is never blocked. The block's work (:class:`HierWork`) completes when its
 all-gather has. On NCCL (CUDA gradients) the groups are ``torch.distributed.new_group``
-subgroups (one per node, one per local rank: every rank creates every one, in that order),
-and the three collectives are chained on a side stream of the channel with ``work.wait()``
-(stream waits, the host is not blocked); the block's work is an event on that stream.
+subgroups with ``backend="nccl"`` named (one per node, one per local rank: every rank creates
+every one, in that order), and the three collectives are chained on a side stream of the
+channel with ``work.wait()`` (stream waits, the host is not blocked); the block's work is an
+event on that stream, which the current stream of the gradients' device waits for.
 """
 
 from __future__ import annotations
@@ -119,15 +120,18 @@ class HierWork:
 class StreamWork:
     """The work of a hierarchical block on NCCL: an event on the channel's side stream after
     the block's last collective (and the copy out of its padded buffer). ``wait()`` makes the
-    current stream wait for it; the block's scratch tensors live as long as the work."""
+    current stream of the block's ``device`` wait for it (not the current device's, which may
+    be another); the block's scratch tensors live as long as the work."""
 
-    __slots__ = ("event", "keep")
+    __slots__ = ("event", "keep", "device")
 
-    def __init__(self, event: Any, keep: tuple[torch.Tensor, ...]):
-        self.event, self.keep = event, keep
+    def __init__(self, event: Any, keep: tuple[torch.Tensor, ...], device: torch.device):
+        self.event, self.keep, self.device = event, keep, device
 
     def wait(self, timeout: timedelta | None = None) -> bool:
-        torch.cuda.current_stream().wait_event(self.event)
+        """Make the current stream of the block's device wait for the block (the host does
+        not wait)."""
+        torch.cuda.current_stream(self.device).wait_event(self.event)
         return True
 
     def is_completed(self) -> bool:
@@ -175,7 +179,13 @@ class HierChannel:
             def glob(ranks: list[int]) -> list[int]:
                 return ranks if group is None else [dist.get_global_rank(group, r) for r in ranks]
 
-            kw: dict[str, Any] = {} if timeout is None else {"timeout": timeout}
+            # The backend named, not the default group's inherited: NCCL for the CUDA
+            # gradients, unless the data-parallel group itself is gloo carrying CUDA tensors
+            # (then gloo, as there).
+            backend = "nccl" if "nccl" in str(dist.get_backend(group)).lower() else "gloo"
+            kw: dict[str, Any] = {"backend": backend}
+            if timeout is not None:
+                kw["timeout"] = timeout
             made = [dist.new_group(glob(r), **kw) for r in self.intra + self.inter]
             rs_pg = ag_pg = made[self.node]
             ar_pg = made[nodes + self.local]
@@ -272,7 +282,7 @@ class HierChannel:
                 view.copy_(x[: view.numel()])
             event = torch.cuda.Event()
             event.record(side)
-        return StreamWork(event, (x, chunk))
+        return StreamWork(event, (x, chunk), view.device)
 
     def close(self) -> None:
         """Release the groups (call once nothing is in flight)."""
