@@ -153,6 +153,8 @@ class StepComm:
         if chan.cuda:
             idx = chan.device.index
             self._dev_index = torch.cuda.current_device() if idx is None else idx
+        self._labels: list[str] | None = None
+        self._labels_of = ""
         #: Tensors made final this step (:attr:`final` set).
         self.nfinal = 0
         #: The hooks' common case applies (:meth:`refresh`).
@@ -600,8 +602,14 @@ class StepComm:
                 self.exposed[t] = True
 
     def what(self, k: int) -> str:
-        b = self.schedule.blocks[k]
-        return f"{self.collective} of block {k} (buffer {b.buffer} [{b.start}, {b.end}))"
+        """Block ``k`` in errors (the labels are made once, at the first wait)."""
+        labels = self._labels
+        if labels is None or self._labels_of != self.collective:
+            self._labels_of = self.collective
+            labels = self._labels = [
+                f"{self.collective} of block {j} (buffer {b.buffer} [{b.start}, {b.end}))"
+                for j, b in enumerate(self.schedule.blocks)]
+        return labels[k]
 
     # -- the update rule ---------------------------------------------------------------------
 

@@ -211,6 +211,9 @@ class HostUpdates:
         self.trace = trace
         #: Disarms the tensors whose update ran (:mod:`.guard`), or None.
         self.guard: Any = None
+        self._cand_of: Sequence[int] | None = None
+        self._cand_mask: list[bool] = []
+        self._cand_inc: list[int] = []
 
     def start(self, works: Sequence[dist.Work | None], include: Callable[[int], bool],
               candidates: Sequence[int]) -> None:
@@ -218,10 +221,14 @@ class HostUpdates:
         update runs, whether tensor ``t`` is stepped."""
         self.works = list(works)
         self.include = include
-        pending, inc, nb = self.pending, self.t_incomplete, self.nblocks
-        for t in candidates:
-            pending[t] = True
-            inc[t] = nb[t]
+        if candidates is not self._cand_of:   # the same candidates every step: masks once
+            mask = [False] * self.n
+            for t in candidates:
+                mask[t] = True
+            self._cand_of, self._cand_mask = candidates, mask
+            self._cand_inc = [nb if on else 0 for nb, on in zip(self.nblocks, mask)]
+        self.pending[:] = self._cand_mask
+        self.t_incomplete[:] = self._cand_inc
         self.n_pending = len(candidates)
         self.complete = [False] * self.m
         self.done_ptr = 0
