@@ -75,7 +75,7 @@ IDLE, ACCUMULATING, LAST_PASS = Phase.IDLE, Phase.ACCUMULATING, Phase.LAST_PASS
 ISSUED, WAITED = Phase.ISSUED, Phase.WAITED
 
 
-def _current_stream(index: int | None) -> Any:
+def _current_stream(index: int) -> Any:
     """The current CUDA stream of device ``index`` as ``(stream id, device index, device
     type)``: what ``torch.cuda.current_stream`` builds its ``Stream`` from, without building
     it (the hooks note it per tensor; a ``Stream`` is made only for a block whose gradients
@@ -149,7 +149,7 @@ class StepComm:
         self.block_scale: float | None = self.scale
         self.put_scale: float | None = None
         self.cuda = chan.cuda
-        self._dev_index: int | None = None
+        self._dev_index = 0
         if chan.cuda:
             idx = chan.device.index
             self._dev_index = torch.cuda.current_device() if idx is None else idx

@@ -606,7 +606,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pend = st.updates.pending
             st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
                                 [t for t in range(st.n) if pend[t]])
-        st.gates.learning = False
         if self._tuner is not None:
             self._tuner.after_step()
         self._steps += 1
