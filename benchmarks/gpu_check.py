@@ -9,16 +9,37 @@ install of the project, no network)::
 
 (one shell command: the line ends in ``&&``; through the device tool, carry ``.whl``).
 
-It writes ``OUT/gpu_check.md`` (the report, also printed), ``gpu_check.json``, each part's log
-under ``OUT/logs/`` and the ``torch.profiler`` trace of the two-rank part. The report is
-rewritten after every part, so a part that hangs loses only itself. Each part runs in a
-process of its own (``python3 benchmarks/gpu_check.py --part NAME``; the same interpreter and
-flags, ``PYTHONPATH`` made absolute with the repository first), with its own time limit,
-under a global deadline of :data:`DEADLINE_S` seconds, after an import check of a few seconds
-that stops everything when the bundle is missing. A machine with one GPU runs NCCL only at
-world size 1 (NCCL refuses two ranks on one device), where the all-reduce is an identity;
-gloo, which copies CUDA tensors through the host on streams of its own, carries them between
-2 ranks on the same GPU. The parts, by value:
+It writes three files and nothing else under ``OUT`` (the device tool returns at most 8):
+``gpu_check.md`` (the report, also printed), ``gpu_check.json`` and :data:`ARCHIVE`, one
+archive of everything else the check wrote (each part's log and result, the two-rank part's
+``torch.profiler`` trace, the benches' folders; a file over :data:`ARCHIVE_FILE_MAX` is left
+out and named). The parts write into a work folder (``--work``, default a temporary one);
+the report and the archive are rewritten after every part, so a part that hangs loses only
+itself. Each part runs in a process of its own (``python3 benchmarks/gpu_check.py --part
+NAME``; the same interpreter and flags, ``PYTHONPATH`` made absolute with the repository
+first), with its own time limit, under a global deadline of :data:`DEADLINE_S` seconds, after
+an import check of a few seconds that stops everything when the bundle is missing; a part the
+deadline leaves no time for is reported "skipped: no time left" (and the exit code is 1).
+
+**Numbers that can be believed.** Every part that compares numbers runs deterministic kernels
+(:func:`deterministic`: cuDNN deterministic, its benchmark off, TF32 off for matmul and cuDNN,
+``torch.use_deterministic_algorithms(True, warn_only=True)``, with
+``CUBLAS_WORKSPACE_CONFIG=:4096:8`` in every part's environment, so set before CUDA starts; an
+op without a deterministic implementation warns and is named in the report; the benches'
+trainees get the same through ``USBYTE_BENCH_DETERMINISTIC=1``). The first run without them
+saw the runtime differ from DDP by 1.4e-4 (``two_ranks``) and 1.1e-4 (``sharded``); with
+them, 0. Each comparison is made beside a control, the reference trained a second time under
+the same settings (DDP against DDP, the plain optimizer against itself), and fails only when
+the runtime differs from the reference by more than the control does (:func:`verdict`; the
+report gives both numbers). A planted difference shows that the comparison can see one:
+``two_ranks`` also trains a runtime whose one gradient is scaled by :data:`PLANT_SCALE` at
+step :data:`PLANT_STEP` (:func:`_plant`), and the part fails unless that runtime is reported
+as differing from DDP. The benches (``flow``, ``host_ratio``) hold the runtime to the bench's
+own tolerance (``PARAM_TOLERANCE``): they train DDP once, so they have no control.
+
+A machine with one GPU runs NCCL only at world size 1 (NCCL refuses two ranks on one device),
+where the all-reduce is an identity; gloo, which copies CUDA tensors through the host on
+streams of its own, carries them between 2 ranks on the same GPU. The parts, by value:
 
 0. ``imports``: torch, CUDA, ``usbyte_opt.runtime`` (so pydantic), pulp and jsonschema, with
    the version and location of each.
@@ -29,35 +50,48 @@ gloo, which copies CUDA tensors through the host on streams of its own, carries 
 2. ``sync_debug``: steady-state forward, backward, ``step()`` and ``zero_grad()`` under
    ``torch.cuda.set_sync_debug_mode("error")`` for more than ``check_every`` steps (the drift
    check runs inside), AdamW and fused AdamW + GradScaler (fp16), overlap and fence mode.
-   Catches every host sync the runtime adds; cannot see syncs of world size > 1 only.
+   Catches every host sync the runtime adds; cannot see syncs of world size > 1 only. (It
+   compares no numbers: it runs the kernels training runs.)
 3. ``probes``: the two races a review found, made visible by a sleep kernel queued on the
    update stream before each ``step()``: GradScaler's ``found_inf`` freed while a fused
    optimizer on the update stream still reads it (the compute stream then refills the
    memory with 1.0, and the step is skipped), and a parent module reading a child's weight
-   before calling the child (the gate was at the child). Each is run as the runtime does it
-   and once with its fix undone, which must differ, so that a pass says the probe can see
-   the race.
-4. ``two_ranks`` (gloo carrying CUDA tensors): training against DDP over the same transport,
-   optimizer calls per iteration, and a ``torch.profiler`` trace of steady-state iterations:
-   the time other streams (gloo's copies, the update stream) are busy during the compute
-   stream's forward (``record_function`` ranges), that is step N's communication and
-   updates overlapping forward N+1.
+   before calling the child (the guard now runs a tensor's update at its first read). Each
+   is run as the runtime does it, beside a plain-against-plain control, and once with its fix
+   undone, which must differ by more than the control, so that a pass says the probe can see
+   the race (a probe that cannot undo its fix, the runtime's internals having moved, says so
+   and proves nothing).
+4. ``two_ranks`` (gloo carrying CUDA tensors): the runtime against DDP over the same
+   transport, beside DDP against DDP, and the planted difference; optimizer calls per
+   iteration, and a ``torch.profiler`` trace of steady-state iterations: the time other
+   streams (gloo's copies, the update stream) are busy during the compute stream's forward
+   (``record_function`` ranges), that is step N's communication and updates overlapping
+   forward N+1.
 5. ``sharded``: sharded mode (ZeRO-1) on CUDA: at world size 1 on NCCL against the plain
-   optimizer, then 2 ranks on gloo carrying CUDA tensors against DDP, with the planner's
-   ``best-sharded`` schedule (grouped all-gathers) and SGD with momentum and AdamW, and AdamW
-   with ``zero_stage=2`` (ZeRO-2: no flat gradient buffer); the wrapped optimizer's state
-   bytes per rank beside DDP's, the runtime's gradient memory (``report()["memory"]``) and
-   the CUDA allocator's peak while the runtime trains (ZeRO-2 against ZeRO-1).
-   Catches a CUDA reduce-scatter or all-gather the backends refuse, a staging copy on the
-   wrong stream, a gate that lets the forward read a parameter before its all-gather, a block's
-   gradient storage freed while its reduce-scatter still reads it.
-6. ``flow``: ``python3 -m usbyte_opt bench transformer --device cuda -n 1 -s ddp,best``:
-   profile -> optimize -> train of a small transformer (tied embedding) in about 2 minutes,
-   DDP side by side, CUDA-event timing. At world size 1 it measures no communication.
+   optimizer, then 2 ranks on gloo carrying CUDA tensors against DDP, each beside its control,
+   with the planner's ``best-sharded`` schedule (grouped all-gathers) and SGD with momentum
+   and AdamW, and AdamW with ``zero_stage=2`` (ZeRO-2: no flat gradient buffer); the wrapped
+   optimizer's state bytes per rank beside DDP's, the runtime's gradient memory
+   (``report()["memory"]``) and the CUDA allocator's peak while the runtime trains (ZeRO-2
+   against ZeRO-1). Catches a CUDA reduce-scatter or all-gather the backends refuse, a
+   staging copy on the wrong stream, a gate that lets the forward read a parameter before its
+   all-gather, a block's gradient storage freed while its reduce-scatter still reads it.
+6. ``flow``: ``python3 -m usbyte_opt bench transformer --device cuda -n 1 -s ddp,best``
+   (:data:`HOST_ITERATIONS` timed iterations in :data:`HOST_ROUNDS` rounds, no added rounds):
+   profile -> optimize -> train of a small transformer (tied embedding), DDP side by side,
+   CUDA-event timing, deterministic kernels. At world size 1 it measures no communication.
+7. ``host_ratio``: the same bench on ``bert-large`` (batch 8), ``gpt2`` (batch 4 x 1024) and
+   ``resnet50`` (batch 64), the transformer's taken from ``flow``: the runtime's measured time
+   over DDP's, per model, against the goal of at least :data:`HOST_GOAL` of DDP's speed
+   (runtime_ms <= DDP_ms / 0.98), reported as met or not but a measurement: it fails no part
+   (a bench that fails or does not match DDP does). Each model has its own time limit
+   (:data:`HOST_MODELS`), and is skipped, saying so, when less than :data:`HOST_MIN_S` seconds
+   are left.
 
 ``--smoke`` runs the same parts on the CPU where they can (``imports``; ``tests``, which skip;
-``probes``' parent-reads-child case without the sleep; ``two_ranks`` and ``flow`` on gloo with a
-small model): it checks this script, and ``tests/test_gpu_rehearsal.py`` runs it from a clean
+``probes``' parent-reads-child case without the sleep; ``two_ranks``, ``sharded``, ``flow`` and
+``host_ratio`` on gloo with small models and few iterations, the planted difference
+included): it checks this script, and ``tests/test_gpu_rehearsal.py`` runs it from a clean
 copy with only the image's packages and the bundle, so that a GPU session is not spent on the
 script's own bugs. It says nothing of the CUDA path.
 """
@@ -67,11 +101,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tarfile
+import tempfile
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -80,28 +118,110 @@ ROOT = Path(__file__).resolve().parent.parent
 #: The whole check's deadline (seconds), from the start of the import check.
 DEADLINE_S = 360.0
 
-#: (name, time limit in seconds, runs under --smoke), in order of value.
+#: (name, time limit in seconds, runs under --smoke), in order of value. The limits add up to
+#: more than the deadline: each part gets its limit or what is left, whichever is less.
 PARTS: list[tuple[str, float, bool]] = [
     ("imports", 30.0, True),
-    ("tests", 75.0, True),
-    ("sync_debug", 45.0, False),
-    ("probes", 45.0, True),
-    ("two_ranks", 75.0, True),
-    ("sharded", 50.0, True),
-    ("flow", 120.0, True),
+    ("tests", 60.0, True),
+    ("sync_debug", 30.0, False),
+    ("probes", 35.0, True),
+    ("two_ranks", 60.0, True),
+    ("sharded", 45.0, True),
+    ("flow", 90.0, True),
+    ("host_ratio", 150.0, True),
 ]
 
 #: A sleep queued on the update stream before each step of the probes (GPU cycles, ~50 ms).
 SLEEP_CYCLES = 100_000_000
 
+#: The one archive of everything the check writes besides its report (logs, the parts'
+#: results, traces, the benches' folders), refreshed after every part.
+ARCHIVE = "gpu_check_evidence.tar.gz"
+#: Files larger than this stay out of the archive (listed in its ``left_out.txt``): the
+#: device tool returns files of at most 16 MiB.
+ARCHIVE_FILE_MAX = 6 << 20
+
+#: The planted difference of ``two_ranks``: one parameter's gradient scaled by this, at this
+#: step, in a runtime trained beside the others (it must be seen as a difference).
+PLANT_SCALE, PLANT_STEP = 1.0001, 3
+
+#: ``host_ratio``: (model, per-rank batch size, time limit in seconds) on CUDA; ``transformer``
+#: is the ``flow`` part's run (the same command), read from its result.
+HOST_MODELS: list[tuple[str, int, float]] = [
+    ("transformer", 8, 60.0), ("bert-large", 8, 70.0), ("gpt2", 4, 70.0), ("resnet50", 64, 60.0)]
+#: ``host_ratio --smoke``: a tiny model on the CPU.
+HOST_MODELS_SMOKE: list[tuple[str, int, float]] = [("mlp", 64, 60.0), ("lab-cnn", 2, 60.0)]
+#: Timed iterations and rounds of each ``host_ratio`` (and ``flow``) bench (CPU: fewer).
+HOST_ITERATIONS, HOST_ROUNDS = 10, 2
+#: A model is skipped when less than this is left before the part's limit.
+HOST_MIN_S = 25.0
+#: The goal of ``host_ratio``: the runtime at least this fraction of DDP's speed
+#: (runtime_ms <= DDP_ms / HOST_GOAL). A measurement: it fails no part.
+HOST_GOAL = 0.98
+
+#: When the running part must be done (``time.monotonic()``; set in the part's process).
+_PART_DEADLINE = float("inf")
+
 
 def _child_env() -> dict[str, str]:
     """The parts' environment: ``PYTHONPATH`` absolute, the repository first; deterministic
-    cuBLAS."""
+    cuBLAS (``CUBLAS_WORKSPACE_CONFIG``, read when CUDA initialises, so set before the part's
+    process starts) and deterministic kernels in the benches' trainees
+    (``USBYTE_BENCH_DETERMINISTIC``)."""
     paths = [str(ROOT)] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
                            if p and os.path.abspath(p) != str(ROOT)]
     return dict(os.environ, PYTHONPATH=os.pathsep.join(paths), PYTHONUNBUFFERED="1",
-                CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+                CUBLAS_WORKSPACE_CONFIG=os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"),
+                USBYTE_BENCH_DETERMINISTIC="1")
+
+
+def deterministic() -> list[str]:
+    """Deterministic kernels in this process (cuDNN deterministic, its benchmark off, TF32
+    off for matmul and cuDNN, ``use_deterministic_algorithms(True, warn_only=True)``: an op
+    without a deterministic implementation warns; :func:`_alerts` collects those warnings),
+    with ``CUBLAS_WORKSPACE_CONFIG`` as this process got it (:func:`_child_env` sets it before
+    the process starts). Returns the settings, for the report."""
+    import torch
+
+    from usbyte_opt.bench.train import deterministic_kernels
+
+    cublas = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    deterministic_kernels()
+    return [f"CUBLAS_WORKSPACE_CONFIG={cublas}", "cudnn.deterministic", "cudnn.benchmark off",
+            "TF32 off", f"deterministic algorithms {torch.are_deterministic_algorithms_enabled()} "
+            "(warn only)"]
+
+
+def _alerts(caught: list[Any]) -> list[str]:
+    """The distinct "no deterministic implementation" warnings among ``caught``."""
+    out: list[str] = []
+    for w in caught:
+        text = str(w.message).splitlines()[0][:160]
+        if "deterministic" in text and text not in out:
+            out.append(text)
+    return out[:6]
+
+
+def _with_alerts(fn: Any, *args: Any) -> dict[str, Any]:
+    """``fn(*args)`` (a dict) with the "no deterministic implementation" warnings it raised
+    added under ``nondeterministic_ops``."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = fn(*args)
+    res["nondeterministic_ops"] = _alerts(caught)
+    return res  # type: ignore[no-any-return]
+
+
+def verdict(diff: float, control: float) -> bool:
+    """A comparison passes when the runtime differs from the reference by no more than the
+    control (the reference against itself, trained twice under the same settings) differs.
+
+    Example::
+
+        >>> verdict(0.0, 0.0), verdict(1e-7, 0.0), verdict(1e-6, 2e-6)
+        (True, False, True)
+    """
+    return diff <= control
 
 
 def _python() -> list[str]:
@@ -331,9 +451,11 @@ def _same(a: Any, b: Any) -> float:
                for p, q in zip(a.parameters(), b.parameters()))
 
 
-def _probe_found_inf(dev: Any, undo_fix: bool, steps: int = 6) -> float:
+def _probe_found_inf(dev: Any, undo_fix: bool, steps: int = 6) -> tuple[float, float]:
     """Fused AdamW + GradScaler, runtime against the plain optimizer; after each
-    ``scaler.step`` the compute stream grabs every free small block and fills it with 1.0."""
+    ``scaler.step`` the compute stream grabs every free small block and fills it with 1.0.
+    Returns max |runtime - plain| and the control max |plain - plain| (a second plain copy
+    trained alike)."""
     import copy
 
     import torch
@@ -345,20 +467,23 @@ def _probe_found_inf(dev: Any, undo_fix: bool, steps: int = 6) -> float:
 
     torch.manual_seed(0)
     ref = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10)).to(dev)
-    mod = copy.deepcopy(ref)
+    mod, ctl = copy.deepcopy(ref), copy.deepcopy(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, fused=True)
+    o_ctl = torch.optim.AdamW(ctl.parameters(), lr=1e-3, fused=True)
     opt = DistributedOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-3, fused=True), mod,
                                schedule=_schedule(mod, 1), verify=False)
     upd = opt._state.updates
     assert isinstance(upd, StreamUpdates)
     if undo_fix:
-        upd._keep_alive = lambda: None  # type: ignore[method-assign]
-    s_ref, s_mod = torch.amp.GradScaler("cuda"), torch.amp.GradScaler("cuda")
+        with _undoing("found_inf_kept_alive"):
+            getattr(upd, "_keep_alive")   # noqa: B009 - there, or the probe cannot undo it
+            upd._keep_alive = lambda: None  # type: ignore[method-assign]
+    s_ref, s_mod, s_ctl = (torch.amp.GradScaler("cuda") for _ in range(3))
     g = torch.Generator(device="cpu").manual_seed(0)
     for _ in range(steps):
         x = torch.randn(64, 256, generator=g).to(dev)
         y = torch.randint(0, 10, (64,), generator=g).to(dev)
-        for net, o, sc in ((ref, o_ref, s_ref), (mod, opt, s_mod)):
+        for net, o, sc in ((ref, o_ref, s_ref), (ctl, o_ctl, s_ctl), (mod, opt, s_mod)):
             with torch.autocast("cuda", dtype=torch.float16):
                 loss = F.cross_entropy(net(x), y)
             sc.scale(loss).backward()
@@ -375,12 +500,13 @@ def _probe_found_inf(dev: Any, undo_fix: bool, steps: int = 6) -> float:
     torch.cuda.synchronize()
     diff = _same(ref, mod)
     opt.close()
-    return diff
+    return diff, _same(ref, ctl)
 
 
-def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> float:
+def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> tuple[float, float]:
     """A parent reading a child's weight before calling it, runtime against the plain
-    optimizer, a sleep on the update stream before each step (CUDA)."""
+    optimizer, a sleep on the update stream before each step (CUDA). Returns max |runtime -
+    plain| and the control max |plain - plain|."""
     import copy
 
     import torch
@@ -391,21 +517,29 @@ def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> float
     cuda = dev.type == "cuda"
     width = 512 if cuda else 16
     ref = _ReadsChildFirst.build(width).to(dev)
-    mod = copy.deepcopy(ref)
+    mod, ctl = copy.deepcopy(ref), copy.deepcopy(ref)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    o_ctl = torch.optim.AdamW(ctl.parameters(), lr=1e-2)
     opt = DistributedOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-2), mod,
                                schedule=_schedule(mod, 1, pieces=3), verify=False)
+    undo: list[Any] = []
     g = torch.Generator(device="cpu").manual_seed(0)
     for step in range(steps):
         x = torch.randn(64, width, generator=g).to(dev)
         y = torch.randn(64, width, generator=g).to(dev)
         F.mse_loss(ref(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        F.mse_loss(ctl(x), y).backward(); o_ctl.step(); o_ctl.zero_grad()
         F.mse_loss(mod(x), y).backward()
         if step == 0 and undo_fix:
-            st = opt._state
-            st.gates.root_extra.clear()   # the gate back at the child's pre-hook
-            # and no guard (it would run the child's update at the parent's first read anyway)
-            st.guard = st.comm.guard = st.updates.guard = None
+            with _undoing("parent_reads_child_weight"):
+                st = opt._state
+                # No parameter armed at step() (the guard would run a tensor's update at its
+                # first read, the parent's), and the gate back at each owning module's
+                # pre-hook, where it was before.
+                getattr(st.guard, "arm_params")   # noqa: B009 - there, or it cannot be undone
+                st.guard.arm_params = lambda *args, **kw: None
+                undo = [mod.register_forward_pre_hook(st.gates.module_hook(ts))
+                        for mod, ts in st.gates.owned.values()]
         if cuda:
             with torch.cuda.stream(opt._state.updates.stream):
                 torch.cuda._sleep(SLEEP_CYCLES)
@@ -414,13 +548,41 @@ def _probe_parent_reads_child(dev: Any, undo_fix: bool, steps: int = 6) -> float
     if cuda:
         torch.cuda.synchronize()
     diff = _same(ref, mod)
+    for h in undo:
+        h.remove()
     opt.close()
-    return diff
+    return diff, _same(ref, ctl)
+
+
+class UndoFailed(RuntimeError):
+    """A probe could not undo its fix (the runtime's internals moved): it proves nothing."""
+
+
+class _undoing:
+    """``with _undoing(probe):`` any error inside is the undo's own, not the race's
+    (:class:`UndoFailed`)."""
+
+    def __init__(self, probe: str):
+        self.probe = probe
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, err: Any, tb: Any) -> None:
+        if err is not None and not isinstance(err, UndoFailed):
+            raise UndoFailed(f"cannot undo the fix ({type(err).__name__}: {err}): update the probe "
+                             "to the runtime's internals") from err
 
 
 def part_probes(out_dir: str, smoke: bool) -> dict[str, Any]:
+    """The probes (see the module), each beside its plain-against-plain control."""
+    return _with_alerts(_probes, smoke)
+
+
+def _probes(smoke: bool) -> dict[str, Any]:
     import torch.distributed as dist
 
+    settings = deterministic()
     dev = _gloo_one_rank() if smoke else _nccl_one_rank()
     out: dict[str, Any] = {}
     probes = [("parent_reads_child_weight", _probe_parent_reads_child)]
@@ -431,17 +593,24 @@ def part_probes(out_dir: str, smoke: bool) -> dict[str, Any]:
             r: dict[str, Any] = {}
             for label, undo in (("fixed", False), ("fix_undone", True)):
                 try:
-                    r[label] = fn(dev, undo)
+                    r[label], r[f"control_{label}"] = fn(dev, undo)
+                except UndoFailed as e:
+                    r[label] = str(e)
+                    r["undo_failed"] = True
                 except Exception as e:  # noqa: BLE001 - the undone fix may fail loudly
                     r[label] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             fixed, undone = r["fixed"], r["fix_undone"]
-            r["ok"] = fixed == 0.0
-            # The probe sees the race when the undone fix differs (or fails).
-            r["race_visible"] = not isinstance(undone, float) or undone > 0.0
+            r["control"] = r.get("control_fixed", 0.0)
+            r["ok"] = isinstance(fixed, float) and verdict(fixed, r["control"])
+            # The probe sees the race when the undone fix differs by more than the control
+            # (or fails, but for a failure to undo it).
+            r["race_visible"] = not r.get("undo_failed") and (not isinstance(undone, float) or not verdict(
+                undone, r.get("control_fix_undone", 0.0)))
             out[name] = r
     finally:
         dist.destroy_process_group()
     out["ok"] = all(v["ok"] for v in out.values())
+    out["deterministic"] = settings
     return out
 
 
@@ -504,7 +673,22 @@ def _overlap_ms(trace: dict[str, Any]) -> dict[str, Any]:
             "forward_ms": sum(b - a for a, b in f) / 1e3, "other_in_forward_ms": inter(f, o) / 1e3}
 
 
+def _plant(param: Any, at_step: list[int]) -> Any:
+    """The planted difference: ``param``'s gradient scaled by :data:`PLANT_SCALE` in the
+    backward of step :data:`PLANT_STEP` only (``at_step[0]``: the step running); a tensor hook,
+    so that the runtime's hooks receive the scaled gradient as any other."""
+    return param.register_hook(lambda g: g * PLANT_SCALE if at_step[0] == PLANT_STEP else g)
+
+
 def two_ranks(rank: int, ws: int, out_dir: str, device: str = "cuda") -> dict[str, Any]:
+    """One rank of the two-rank part: DDP, a second DDP (the control), the runtime and the
+    runtime with the planted difference (:func:`_plant`), trained side by side on the same
+    batches under deterministic kernels; their differences, the runtime's optimizer calls per
+    iteration and (rank 0, CUDA) the overlap in a ``torch.profiler`` trace."""
+    return _with_alerts(_two_ranks, rank, ws, out_dir, device)
+
+
+def _two_ranks(rank: int, ws: int, out_dir: str, device: str) -> dict[str, Any]:
     import copy
 
     import torch
@@ -513,17 +697,23 @@ def two_ranks(rank: int, ws: int, out_dir: str, device: str = "cuda") -> dict[st
 
     from usbyte_opt.runtime import DistributedOptimizer
 
+    settings = deterministic()
     cuda = device == "cuda"
     dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
     torch.manual_seed(0)
     base = _small_model()
-    ref, mod = copy.deepcopy(base).to(dev), copy.deepcopy(base).to(dev)
-    ddp = DDP(ref)
+    ref, ctl, mod, pl = (copy.deepcopy(base).to(dev) for _ in range(4))
+    ddp, ddp_ctl = DDP(ref), DDP(ctl)
     o_ref = torch.optim.AdamW(ref.parameters(), lr=1e-3, weight_decay=0.1)
+    o_ctl = torch.optim.AdamW(ctl.parameters(), lr=1e-3, weight_decay=0.1)
     opt = DistributedOptimizer(torch.optim.AdamW(mod.parameters(), lr=1e-3, weight_decay=0.1),
                                mod, schedule=_schedule(mod, ws), verify=False)
+    o_pl = DistributedOptimizer(torch.optim.AdamW(pl.parameters(), lr=1e-3, weight_decay=0.1),
+                                pl, schedule=_schedule(pl, ws), verify=False)
+    at_step = [-1]
+    hook = _plant(next(pl.parameters()), at_step)
     g = torch.Generator(device="cpu").manual_seed(rank)
     batches = [(torch.randn(32, 3, 16, 16, generator=g).to(dev),
                 torch.randint(0, 10, (32,), generator=g).to(dev)) for _ in range(4)]
@@ -531,16 +721,29 @@ def two_ranks(rank: int, ws: int, out_dir: str, device: str = "cuda") -> dict[st
     calls0 = 0
     for step in range(steps):
         x, y = batches[step % 4]
+        at_step[0] = step
         F.cross_entropy(ddp(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        F.cross_entropy(ddp_ctl(x), y).backward(); o_ctl.step(); o_ctl.zero_grad()
         if step == 4:
             calls0 = opt.optimizer_calls
         F.cross_entropy(mod(x), y).backward(); opt.step(); opt.zero_grad()
+        F.cross_entropy(pl(x), y).backward(); o_pl.step(); o_pl.zero_grad()
     opt.synchronize()
+    o_pl.synchronize()
     if cuda:
         torch.cuda.synchronize()
+    hook.remove()
+    o_pl.close()
     calls = (opt.optimizer_calls - calls0) / (steps - 4)   # updates of steps 4..11
-    diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
-    res: dict[str, Any] = {"diff": diff, "optimizer_calls_per_iteration": calls}
+
+    def diff(a: Any, b: Any) -> float:
+        return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
+
+    res: dict[str, Any] = {"diff": diff(ref, mod), "control": diff(ref, ctl),
+                           "planted": diff(ref, pl), "optimizer_calls_per_iteration": calls,
+                           "deterministic": settings}
+    res["ok"] = verdict(res["diff"], res["control"])
+    res["planted_seen"] = not verdict(res["planted"], res["control"])
     if rank == 0 and cuda:
         from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -568,12 +771,17 @@ def two_ranks(rank: int, ws: int, out_dir: str, device: str = "cuda") -> dict[st
 def part_two_ranks(out_dir: str, smoke: bool) -> dict[str, Any]:
     from usbyte_opt.launcher import run_local
 
-    res = run_local(two_ranks, 2, args=(out_dir, "cpu" if smoke else "cuda"), timeout_s=70,
-                    pg_timeout_s=60)
+    res = run_local(two_ranks, 2, args=(out_dir, "cpu" if smoke else "cuda"), timeout_s=55,
+                    pg_timeout_s=50)
     ranks = [r.value if r.ok else {"error": f"{r.error_type}: {r.error}",
                                    "trace": (r.trace or "")[-2000:]} for r in res]
-    ok = all("error" not in v and v["diff"] == 0.0 for v in ranks)
-    return {"ok": ok, "ranks": ranks}
+    ok = all("error" not in v and v["ok"] for v in ranks)
+    # The planted difference must be seen (else the comparison cannot see a difference).
+    planted = all("error" not in v and v["planted_seen"] for v in ranks)
+    out = {"ok": ok and planted, "ranks": ranks, "planted_seen": planted}
+    if not planted:
+        out["error"] = "the planted difference was not seen: the comparison proves nothing"
+    return out
 
 
 # ------------------------------------------------------------------------------------------
@@ -590,8 +798,10 @@ def _state_bytes(opt: Any) -> int:
 
 def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, Any]:
     """Train the small model ``steps`` times in sharded mode and with the reference (DDP, or
-    at world size 1 the plain optimizer): max parameter difference, state bytes of each, the
-    runtime's memory report. ``opt_name``: ``sgd``, ``adamw`` or ``adamw-zero2``."""
+    at world size 1 the plain optimizer), and the reference a second time (the control): max
+    parameter difference of the runtime and of the control from the reference, state bytes
+    of each, the runtime's memory report. ``opt_name``: ``sgd``, ``adamw`` or
+    ``adamw-zero2``."""
     import copy
 
     import torch
@@ -604,8 +814,8 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
     dev = torch.device(dev_name)
     torch.manual_seed(0)
     base = _small_model()
-    ref, mod = copy.deepcopy(base).to(dev), copy.deepcopy(base).to(dev)
-    fwd = DDP(ref) if ws > 1 else ref
+    ref, ctl, mod = (copy.deepcopy(base).to(dev) for _ in range(3))
+    fwd, fwd_ctl = (DDP(ref), DDP(ctl)) if ws > 1 else (ref, ctl)
 
     def make(params: Any) -> Any:
         if opt_name == "sgd":
@@ -613,7 +823,7 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
         return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.1)
 
     sched = compare(profile_from_model(mod, ws), shard=True).schedule("best-sharded")
-    o_ref = make(ref.parameters())
+    o_ref, o_ctl = make(ref.parameters()), make(ctl.parameters())
     inner = make(mod.parameters())
     opt = DistributedOptimizer(inner, mod, schedule=sched, verify=False,
                                zero_stage=2 if opt_name.endswith("zero2") else 1)
@@ -623,6 +833,7 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
     for step in range(8):   # the reference first, so that the CUDA peak below is the runtime's
         x, y = batches[step % 4]
         F.cross_entropy(fwd(x), y).backward(); o_ref.step(); o_ref.zero_grad()
+        F.cross_entropy(fwd_ctl(x), y).backward(); o_ctl.step(); o_ctl.zero_grad()
     cuda = dev.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
@@ -635,7 +846,8 @@ def sharded_run(rank: int, ws: int, dev_name: str, opt_name: str) -> dict[str, A
     if cuda:
         torch.cuda.synchronize()
     diff = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), mod.parameters()))
-    out = {"diff": diff, "state_bytes": _state_bytes(inner), "ref_state_bytes": _state_bytes(o_ref),
+    control = max((a - b).abs().max().item() for a, b in zip(ref.parameters(), ctl.parameters()))
+    out = {"diff": diff, "control": control, "state_bytes": _state_bytes(inner), "ref_state_bytes": _state_bytes(o_ref),
            "all_gathers": len(sched.gather_groups()), "blocks": len(sched.blocks),
            "memory": opt.report()["memory"]}
     if cuda:   # what the allocator saw: ZeRO-2 against ZeRO-1 on the same model
@@ -649,36 +861,50 @@ SHARDED_OPTS = ("sgd", "adamw", "adamw-zero2")
 
 
 def _sharded_two(rank: int, ws: int, device: str) -> dict[str, Any]:
+    """One rank of the sharded part's two-rank case: each of :data:`SHARDED_OPTS`
+    (:func:`sharded_run`), under deterministic kernels."""
+    return _with_alerts(_sharded_opts, rank, ws, device)
+
+
+def _sharded_opts(rank: int, ws: int, device: str) -> dict[str, Any]:
     import torch
 
+    deterministic()
     if device == "cuda":
         torch.cuda.set_device(0)
     return {o: sharded_run(rank, ws, "cuda:0" if device == "cuda" else "cpu", o)
             for o in SHARDED_OPTS}
 
 
+def _cases(v: dict[str, Any]) -> dict[str, Any]:
+    """The optimizers' results of one rank's sharded value (what else it holds left out)."""
+    return {k: c for k, c in v.items() if isinstance(c, dict)}
+
+
 def part_sharded(out_dir: str, smoke: bool) -> dict[str, Any]:
+    """Sharded mode against the reference (see the module), each case beside its control."""
     import torch.distributed as dist
 
     from usbyte_opt.launcher import run_local
 
-    res: dict[str, Any] = {}
+    res: dict[str, Any] = {"deterministic": deterministic()}
     if not smoke:
         try:
             _nccl_one_rank()
-            res["nccl_one_rank"] = {o: sharded_run(0, 1, "cuda:0", o) for o in SHARDED_OPTS}
+            res["nccl_one_rank"] = _with_alerts(
+                lambda: {o: sharded_run(0, 1, "cuda:0", o) for o in SHARDED_OPTS})
         except Exception as e:  # noqa: BLE001 - recorded, the two-rank case still runs
             res["nccl_one_rank"] = {"error": f"{type(e).__name__}: {e}",
                                     "trace": traceback.format_exc()[-2000:]}
         finally:
             if dist.is_initialized():
                 dist.destroy_process_group()
-    got = run_local(_sharded_two, 2, args=("cpu" if smoke else "cuda",), timeout_s=50,
-                    pg_timeout_s=45)
+    got = run_local(_sharded_two, 2, args=("cpu" if smoke else "cuda",), timeout_s=45,
+                    pg_timeout_s=40)
     res["two_ranks"] = [r.value if r.ok else {"error": f"{r.error_type}: {r.error}",
                                               "trace": (r.trace or "")[-2000:]} for r in got]
     cases = [res["two_ranks"]] + ([[res["nccl_one_rank"]]] if "nccl_one_rank" in res else [])
-    res["ok"] = all("error" not in v and all(c["diff"] == 0.0 for c in v.values())
+    res["ok"] = all("error" not in v and all(verdict(c["diff"], c["control"]) for c in _cases(v).values())
                     for ranks in cases for v in ranks)
     return res
 
@@ -688,37 +914,134 @@ def part_sharded(out_dir: str, smoke: bool) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------
 
 
-def part_flow(out_dir: str, smoke: bool) -> dict[str, Any]:
+def _bench(model: str, batch: int | None, smoke: bool, bench_dir: str, log: Path,
+           limit_s: float) -> dict[str, Any]:
+    """``python3 -m usbyte_opt bench MODEL --device cuda -n 1 -s ddp,best`` (CPU under
+    ``--smoke``), deterministic (:func:`_child_env`), killed with its ranks past ``limit_s``
+    (:func:`_kill_tree`; it stays in the part's process group, which a part killed past its own
+    limit takes along); its measured and predicted times, the runtime's time over DDP's,
+    whether it matches DDP."""
     t0 = time.perf_counter()
-    bench_dir = os.path.join(out_dir, "bench")
     device = "cpu" if smoke else "cuda"
-    model, k, rounds = ("mlp", "4", "3") if smoke else ("transformer", "20", "2")
+    k, rounds = (2, 1) if smoke else (HOST_ITERATIONS, HOST_ROUNDS)
     cmd = [*_python(), "-m", "usbyte_opt", "bench", model, "--device", device, "-n", "1",
-           "-k", k, "-s", "ddp,best", "--rounds", rounds, "--no-reference", "--json",
-           "-o", bench_dir]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=_child_env())
-    Path(out_dir, "logs", "flow.log").write_text(proc.stderr)
-    out: dict[str, Any] = {"ok": proc.returncode == 0, "seconds": time.perf_counter() - t0,
-                           "command": "python3 " + " ".join(cmd[cmd.index("-m"):])}
-    if proc.returncode != 0:
-        out["stderr"] = proc.stderr[-3000:]
+           "-k", str(k), "-s", "ddp,best", "--rounds", str(rounds), "--max-rounds", str(rounds),
+           "--no-reference", "--json", "-o", bench_dir,
+           "--timeout-s", str(max(10, int(limit_s) - 3))]
+    if batch is not None:
+        cmd[cmd.index("-n"):cmd.index("-n")] = ["-b", str(batch)]
+    out: dict[str, Any] = {"command": "python3 " + " ".join(cmd[cmd.index("-m"):])}
+    with open(log, "w") as err:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_child_env(), stdout=subprocess.PIPE,
+                                stderr=err, text=True)
+        try:
+            stdout, _ = proc.communicate(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            _kill_tree(proc.pid)
+            proc.communicate()
+            stdout = ""
+            out["error"] = f"timed out after {limit_s:.0f} s (killed)"
+    out["seconds"] = time.perf_counter() - t0
+    if "error" not in out and proc.returncode != 0:
+        out["error"] = f"exit code {proc.returncode}"
+    if "error" in out:
+        out["ok"] = False
+        out["stderr"] = log.read_text(errors="replace")[-3000:]
         return out
     try:
-        data = json.loads(proc.stdout)
-        out["measured_ms"] = {r["strategy"]: round(r["measured_ms"], 2) for r in data["runs"]}
-        out["predicted_ms"] = {r["strategy"]: round(r["predicted_ms"], 2) for r in data["runs"]}
+        data = json.loads(stdout)
+        runs = {r["strategy"]: r for r in data["runs"]}
+        out["measured_ms"] = {s: round(r["measured_ms"], 3) for s, r in runs.items()}
+        out["predicted_ms"] = {s: round(r["predicted_ms"], 3) for s, r in runs.items()
+                               if r.get("predicted_ms") is not None}
+        out["max_param_diff"] = runs["best"].get("max_param_diff")
+        out["param_tolerance"] = data.get("param_tolerance")
         out["matches_ddp"] = data.get("correct")
+        ddp_ms, best_ms = runs["ddp"]["measured_ms"], runs["best"]["measured_ms"]
+        out["runtime_over_ddp"] = best_ms / ddp_ms
+        out["meets_goal"] = best_ms <= ddp_ms / HOST_GOAL
+        if runs["best"].get("vs_ddp"):
+            out["vs_ddp"] = {k: runs["best"]["vs_ddp"].get(k) for k in ("ratio", "lo", "hi", "verdict")}
         out["ok"] = bool(out["matches_ddp"])
-    except (ValueError, KeyError, TypeError) as e:
+    except (ValueError, KeyError, TypeError, ZeroDivisionError) as e:
         out["ok"] = False
-        out["parse_error"] = str(e)
-        out["stdout"] = proc.stdout[-3000:]
+        out["parse_error"] = f"{type(e).__name__}: {e}"
+        out["stdout"] = stdout[-3000:]
     return out
+
+
+def _kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process descending from it (found in ``/proc``)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+            ppid = int(text[text.rindex(")") + 2:].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    todo, tree = [pid], []
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += children.get(p, [])
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    """Kill ``proc``'s process group (it started a session of its own) and reap it."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def part_flow(out_dir: str, smoke: bool) -> dict[str, Any]:
+    """Profile -> optimize -> train of the transformer (CPU: the MLP) with DDP beside it
+    (:func:`_bench`); the run ``host_ratio`` takes its transformer figure from."""
+    model, batch, _ = HOST_MODELS_SMOKE[0] if smoke else HOST_MODELS[0]
+    left = _PART_DEADLINE - time.monotonic() - 2
+    return _bench(model, batch, smoke, os.path.join(out_dir, "bench"),
+                  Path(out_dir, "logs", "flow.log"), min(left, 120.0))
+
+
+def part_host_ratio(out_dir: str, smoke: bool) -> dict[str, Any]:
+    """The runtime's measured time over DDP's at world size 1 (host cost: no communication),
+    deterministic kernels, each model in its own time limit, skipped when too little time is
+    left; the transformer's is the ``flow`` part's run. The goal (:data:`HOST_GOAL`) is a
+    measurement: the part fails only on a run that failed or did not match DDP."""
+    models = HOST_MODELS_SMOKE if smoke else HOST_MODELS
+    res: dict[str, Any] = {"goal": HOST_GOAL, "models": {}}
+    result = Path(out_dir, "parts", "host_ratio.json")
+    flow_file = Path(out_dir, "parts", "flow.json")
+    flow = json.loads(flow_file.read_text()) if flow_file.exists() else {}
+    for i, (model, batch, limit) in enumerate(models):
+        key = f"{model} (batch {batch})"
+        left = _PART_DEADLINE - time.monotonic() - 3
+        if i == 0 and flow.get("ok") and "runtime_over_ddp" in flow:
+            r = dict(flow, source="the flow part's run")
+        elif left < HOST_MIN_S:
+            r = {"skipped": f"skipped: no time left ({max(0.0, left):.0f} s before the part's limit)"}
+        else:
+            r = _bench(model, batch, smoke, os.path.join(out_dir, "host_ratio", model),
+                       Path(out_dir, "logs", f"host_ratio_{model}.log"), min(limit, left))
+        res["models"][key] = r
+        ran = [v for v in res["models"].values() if "skipped" not in v]
+        res["ok"] = all(v.get("ok") for v in ran)
+        tmp = result.with_suffix(".tmp")   # a part killed past its limit keeps what ran
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        tmp.replace(result)
+    return res
 
 
 PART_FUNCS = {"imports": part_imports, "tests": part_tests, "sync_debug": part_sync_debug,
               "probes": part_probes, "two_ranks": part_two_ranks, "sharded": part_sharded,
-              "flow": part_flow}
+              "flow": part_flow, "host_ratio": part_host_ratio}
 
 
 # ------------------------------------------------------------------------------------------
@@ -730,11 +1053,43 @@ def _fmt(v: Any) -> str:
     return f"{v:.3g}" if isinstance(v, float) else str(v)
 
 
+def _cmp(diff: Any, control: Any, what: str, ref: str) -> str:
+    """One comparison as the report gives it: both numbers and the verdict."""
+    if not isinstance(diff, float) or not isinstance(control, float):
+        return f"max |{what} - {ref}| = {_fmt(diff)}"
+    state = "ok" if verdict(diff, control) else "DIFFERS (more than the control)"
+    return f"max |{what} - {ref}| = {diff:.3g}, control max |{ref} - {ref}| = {control:.3g}: {state}"
+
+
+def _host_line(model: str, v: dict[str, Any]) -> str:
+    """One model of ``host_ratio``."""
+    if "skipped" in v:
+        return f"- {model}: {v['skipped']}"
+    if "runtime_over_ddp" not in v:
+        return f"- {model}: FAILED: {v.get('error') or v.get('parse_error') or 'no result'}"
+    ms = v.get("measured_ms", {})
+    ratio = v["runtime_over_ddp"]
+    ci = v.get("vs_ddp") or {}
+    interval = (f", 95% interval of DDP's speed {ci['lo']:.3f}-{ci['hi']:.3f}x"
+                if isinstance(ci.get("lo"), float) and isinstance(ci.get("hi"), float) else "")
+    goal = "met" if v.get("meets_goal") else "NOT met"
+    src = f" ({v['source']})" if v.get("source") else ""
+    return (f"- {model}{src}: DDP {ms.get('ddp')} ms, runtime (best) {ms.get('best')} ms: runtime/DDP "
+            f"{ratio:.3f}, {1 / ratio:.3f}x DDP's speed{interval}; goal >= {HOST_GOAL}x: {goal} "
+            f"(a measurement); matches DDP: {v.get('matches_ddp')} (max diff "
+            f"{_fmt(v.get('max_param_diff'))}, tolerance {_fmt(v.get('param_tolerance'))})")
+
+
 def report(res: dict[str, Any]) -> str:
+    """The Markdown report of the results so far (every part run, skipped or failed)."""
     lines = ["# GPU check of the runtime's CUDA path", ""]
     imp = res.get("imports", {})
     lines.append(f"torch {imp.get('torch')}, {imp.get('gpu')}, Python {imp.get('python')}, "
                  f"{res.get('when')}{' (--smoke: CPU only, says nothing of CUDA)' if res.get('smoke') else ''}")
+    lines.append("")
+    lines.append("Comparisons run under deterministic kernels, each beside its control (the reference "
+                 "trained twice alike): a part fails when the runtime differs from the reference by "
+                 f"more than the control does. Everything else the check wrote is in {ARCHIVE}.")
     lines.append("")
     for name, _, _ in PARTS:
         if name not in res:
@@ -764,8 +1119,8 @@ def report(res: dict[str, Any]) -> str:
         elif name == "probes":
             for key, v in r.items():
                 if isinstance(v, dict):
-                    lines.append(f"- {key}: max |runtime - plain| = {_fmt(v.get('fixed'))}; with the fix "
-                                 f"undone {_fmt(v.get('fix_undone'))} (race "
+                    lines.append(f"- {key}: {_cmp(v.get('fixed'), v.get('control'), 'runtime', 'plain')}; "
+                                 f"with the fix undone {_fmt(v.get('fix_undone'))} (race "
                                  f"{'visible' if v.get('race_visible') else 'NOT visible: the probe proves nothing'})")
         elif name == "two_ranks":
             transport = "gloo, CPU" if res.get("smoke") else "gloo, CUDA tensors"
@@ -773,9 +1128,14 @@ def report(res: dict[str, Any]) -> str:
                 if "error" in v:
                     lines.append(f"- two ranks ({transport}), rank {rk}: FAILED: {v['error']}")
                     continue
-                lines.append(f"- two ranks ({transport}), rank {rk}: max |runtime - DDP| = "
-                             f"{v['diff']:.3g}; optimizer calls per iteration "
-                             f"{v['optimizer_calls_per_iteration']:.1f}")
+                lines.append(f"- two ranks ({transport}), rank {rk}: "
+                             f"{_cmp(v['diff'], v.get('control'), 'runtime', 'DDP')}; optimizer calls "
+                             f"per iteration {v['optimizer_calls_per_iteration']:.1f}")
+                if "planted" in v:
+                    lines.append(f"- planted difference (one gradient x{PLANT_SCALE} at step {PLANT_STEP}), "
+                                 f"rank {rk}: max |planted - DDP| = {v['planted']:.3g}: "
+                                 + ("seen" if v.get("planted_seen") else "NOT SEEN: the comparison "
+                                    "proves nothing"))
                 if "overlap" in v:
                     o = v["overlap"]
                     lines.append(f"- trace: compute stream busy {o['compute_ms']:.2f} ms, other streams "
@@ -792,9 +1152,10 @@ def report(res: dict[str, Any]) -> str:
                     if "error" in v:
                         lines.append(f"- {label}, rank {rk}: FAILED: {v['error']}")
                         continue
-                    for o, c in v.items():
-                        lines.append(f"- {label}, rank {rk}, {o}: max |sharded - reference| = "
-                                     f"{c['diff']:.3g}; optimizer state {c['state_bytes']} bytes "
+                    for o, c in _cases(v).items():
+                        lines.append(f"- {label}, rank {rk}, {o}: "
+                                     f"{_cmp(c['diff'], c.get('control'), 'sharded', 'reference')}; "
+                                     f"optimizer state {c['state_bytes']} bytes "
                                      f"vs {c['ref_state_bytes']}; {c['blocks']} reduce-scatters, "
                                      f"{c['all_gathers']} all-gathers" + (
                                          "; gradient memory kept {kept} bytes, backward "
@@ -807,14 +1168,35 @@ def report(res: dict[str, Any]) -> str:
                 lines.append(f"- {r['command']}")
             if "measured_ms" in r:
                 lines.append(f"- measured {r.get('measured_ms')} ms, predicted {r.get('predicted_ms')} ms, "
-                             f"matches DDP: {r.get('matches_ddp')}")
+                             f"matches DDP: {r.get('matches_ddp')} (max relative parameter difference "
+                             f"{_fmt(r.get('max_param_diff'))} against the bench's tolerance "
+                             f"{_fmt(r.get('param_tolerance'))}; the bench trains DDP once: no control)")
             if not r.get("ok") and r.get("stderr"):
                 lines.append(f"- stderr: {r['stderr'][-500:]}")
+        elif name == "host_ratio":
+            lines.append(f"- the runtime's time over DDP's at world size 1, deterministic kernels; goal: "
+                         f"runtime_ms <= DDP_ms / {HOST_GOAL} (a measurement, it fails no part)")
+            for model, v in r.get("models", {}).items():
+                lines.append(_host_line(model, v))
+                if v.get("command") and "source" not in v:
+                    lines.append(f"  - {v['command']}")
+                if not v.get("ok") and v.get("stderr"):
+                    lines.append(f"  - stderr: {v['stderr'][-300:]}")
+        ops = sorted({op for v in [r, *r.get("ranks", []), *r.get("two_ranks", []),
+                                   r.get("nccl_one_rank", {})] if isinstance(v, dict)
+                      for op in v.get("nondeterministic_ops", [])})
+        if ops:
+            lines.append("- ops without a deterministic implementation (warned, run anyway): "
+                         + "; ".join(ops))
         if r.get("log_tail") and not r.get("ok"):
             lines.append("```")
             lines += r["log_tail"].splitlines()[-15:]
             lines.append("```")
         lines.append("")
+    if res.get("archive"):
+        a = res["archive"]
+        lines.append(f"Evidence: {ARCHIVE}, {a.get('files')} files, {a.get('bytes', 0) / 2**20:.1f} MiB"
+                     + (f"; left out (too large): {', '.join(a['left_out'])}" if a.get("left_out") else ""))
     return "\n".join(lines) + "\n"
 
 
@@ -829,16 +1211,61 @@ def _write(out: Path, res: dict[str, Any]) -> str:
         text = report(res)
     except Exception:  # noqa: BLE001 - the raw results instead
         text = f"# GPU check (report failed: {traceback.format_exc(limit=2)})\n\n```\n{data}\n```\n"
-    (out / "gpu_check.md").write_text(text)
+    tmp = out / "gpu_check.md.tmp"
+    tmp.write_text(text)
+    tmp.replace(out / "gpu_check.md")
     return text
 
 
-def run_part(name: str, limit_s: float, out: Path, smoke: bool) -> dict[str, Any]:
-    """Run one part in a process of its own (its own session: a timeout kills its ranks too)."""
-    result = out / "parts" / f"{name}.json"
+def pack(out: Path, work: Path) -> dict[str, Any]:
+    """(Re)write ``out/ARCHIVE``: every file under ``work`` (logs, the parts' results, traces,
+    the benches' folders) and the report, under ``gpu_check/``; files over
+    :data:`ARCHIVE_FILE_MAX` are left out and named in its ``left_out.txt``. Returns its
+    file count, size and what was left out."""
+    left_out: list[str] = []
+    files = 0
+    tmp = out / (ARCHIVE + ".tmp")
+    with tarfile.open(tmp, "w:gz") as tar:
+        for path in sorted(work.rglob("*")):
+            if not path.is_file() or path.suffix == ".tmp":
+                continue
+            rel = path.relative_to(work).as_posix()
+            try:
+                size = path.stat().st_size
+            except OSError:
+                continue
+            if size > ARCHIVE_FILE_MAX:
+                left_out.append(f"{rel} ({size / 2**20:.1f} MiB)")
+                continue
+            try:
+                tar.add(path, arcname=f"gpu_check/{rel}")
+                files += 1
+            except OSError:
+                continue   # gone meanwhile
+        for name in ("gpu_check.md", "gpu_check.json"):
+            if (out / name).exists():
+                tar.add(out / name, arcname=f"gpu_check/{name}")
+                files += 1
+        if left_out:
+            data = ("\n".join(left_out) + "\n").encode()
+            info = tarfile.TarInfo("gpu_check/left_out.txt")
+            info.size = len(data)
+            info.mtime = int(time.time())
+            import io
+
+            tar.addfile(info, io.BytesIO(data))
+    tmp.replace(out / ARCHIVE)
+    return {"files": files, "bytes": (out / ARCHIVE).stat().st_size, "left_out": left_out}
+
+
+def run_part(name: str, limit_s: float, work: Path, smoke: bool) -> dict[str, Any]:
+    """Run one part in a process of its own (its own session: a timeout kills its ranks too),
+    writing under ``work`` (``parts/NAME.json``, ``logs/NAME.part.log``)."""
+    result = work / "parts" / f"{name}.json"
     result.unlink(missing_ok=True)
-    log = out / "logs" / f"{name}.part.log"
-    cmd = [*_python(), str(Path(__file__).resolve()), "--part", name, "--out", str(out)]
+    log = work / "logs" / f"{name}.part.log"
+    cmd = [*_python(), str(Path(__file__).resolve()), "--part", name, "--out", str(work),
+           "--part-limit", f"{limit_s:.1f}"]
     if smoke:
         cmd.append("--smoke")
     t0 = time.perf_counter()
@@ -849,15 +1276,14 @@ def run_part(name: str, limit_s: float, out: Path, smoke: bool) -> dict[str, Any
             rc: int | None = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
             rc = None
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+            _kill(proc)
     secs = time.perf_counter() - t0
     tail = log.read_text(errors="replace")[-3000:]
+    r: dict[str, Any]
     if result.exists():
         r = json.loads(result.read_text())
+        if rc is None:   # what the part wrote before it was killed
+            r.update(ok=False, error=f"timed out after {limit_s:.0f} s (killed); its result so far")
     elif rc is None:
         r = {"ok": False, "error": f"timed out after {limit_s:.0f} s (killed)"}
     else:
@@ -868,8 +1294,11 @@ def run_part(name: str, limit_s: float, out: Path, smoke: bool) -> dict[str, Any
     return r
 
 
-def child(name: str, out: Path, smoke: bool) -> int:
-    """``--part NAME``: run the part here and write its result."""
+def child(name: str, out: Path, smoke: bool, limit_s: float | None = None) -> int:
+    """``--part NAME``: run the part here (within ``limit_s`` seconds) and write its result."""
+    global _PART_DEADLINE
+    if limit_s is not None:
+        _PART_DEADLINE = time.monotonic() + limit_s
     try:
         r = PART_FUNCS[name](str(out), smoke)
     except Exception as e:  # noqa: BLE001 - every part is reported, whatever happens
@@ -882,8 +1311,14 @@ def child(name: str, out: Path, smoke: bool) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The check (see the module): every part in turn, the report and the archive rewritten
+    after each; exit code 0 when every part that ran passed."""
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-check"), help="output folder")
+    ap.add_argument("--out", default=os.environ.get("OUT", "gpu-check"),
+                    help=f"output folder: gpu_check.md, gpu_check.json and {ARCHIVE}, nothing else")
+    ap.add_argument("--work", default=None,
+                    help="where the parts write (logs, results, traces; packed into the archive); "
+                         "default: a temporary folder, removed at the end")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: "
                                                + ",".join(n for n, _, _ in PARTS[1:]))
     ap.add_argument("--smoke", action="store_true",
@@ -891,39 +1326,56 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--deadline", type=float, default=DEADLINE_S,
                     help=f"global deadline in seconds (default {DEADLINE_S:.0f})")
     ap.add_argument("--part", choices=sorted(PART_FUNCS), help=argparse.SUPPRESS)
+    ap.add_argument("--part-limit", type=float, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out).resolve()
-    (out / "parts").mkdir(parents=True, exist_ok=True)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
     if args.part:
-        return child(args.part, out, args.smoke)
+        (out / "parts").mkdir(parents=True, exist_ok=True)
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        return child(args.part, out, args.smoke, args.part_limit)
     skip = set(filter(None, args.skip.split(",")))
     unknown = skip - {n for n, _, _ in PARTS[1:]}
     if unknown:
         print(f"gpu_check: --skip: unknown part(s) {', '.join(sorted(unknown))}", file=sys.stderr)
         return 2
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path(args.work).resolve() if args.work else Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    (work / "parts").mkdir(parents=True, exist_ok=True)
+    (work / "logs").mkdir(parents=True, exist_ok=True)
     start = time.monotonic()
     res: dict[str, Any] = {"when": time.strftime("%Y-%m-%d %H:%M"), "smoke": args.smoke}
-    for name, limit, in_smoke in PARTS:
-        left = args.deadline - (time.monotonic() - start)
-        if name in skip:
-            res[name] = {"skipped": "--skip"}
-        elif args.smoke and not in_smoke:
-            res[name] = {"skipped": "needs CUDA (--smoke)"}
-        elif left < 5:
-            res[name] = {"ok": False, "error": f"not run: the {args.deadline:.0f} s deadline passed"}
-        else:
-            res[name] = run_part(name, min(limit, left), out, args.smoke)
-        r = res[name]
-        state = "skipped" if r.get("skipped") else "ok" if r.get("ok") else "FAILED"
-        print(f"[gpu_check] {name}: {state} ({r.get('part_s', 0):.0f} s)", flush=True)
-        text = _write(out, res)
-        if name == "imports" and not res[name].get("ok"):
-            print(f"gpu_check: {res[name].get('error', 'the import check failed')}", file=sys.stderr)
-            break
+    text = ""
+    try:
+        for name, limit, in_smoke in PARTS:
+            left = args.deadline - (time.monotonic() - start)
+            if name in skip:
+                res[name] = {"skipped": "--skip"}
+            elif args.smoke and not in_smoke:
+                res[name] = {"skipped": "needs CUDA (--smoke)"}
+            elif left < 5:
+                res[name] = ({"ok": False, "error": f"not run: the {args.deadline:.0f} s deadline passed"}
+                             if name == "imports" else
+                             {"skipped": f"skipped: no time left before the {args.deadline:.0f} s deadline"})
+            else:
+                res[name] = run_part(name, min(limit, left), work, args.smoke)
+            r = res[name]
+            state = "skipped" if r.get("skipped") else "ok" if r.get("ok") else "FAILED"
+            print(f"[gpu_check] {name}: {state} ({r.get('part_s', 0):.0f} s)", flush=True)
+            text = _write(out, res)
+            res["archive"] = pack(out, work)
+            text = _write(out, res)
+            if name == "imports" and not res[name].get("ok"):
+                print(f"gpu_check: {res[name].get('error', 'the import check failed')}", file=sys.stderr)
+                break
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
     print(text)
+    # 0: every part that ran passed, and none was cut by the deadline.
     ran = [res[n] for n, _, _ in PARTS if n in res and not res[n].get("skipped")]
-    return 0 if ran and all(r.get("ok") for r in ran) and len(res) - 2 == len(PARTS) else 1
+    cut = [n for n, _, _ in PARTS if "no time left" in str(res.get(n, {}).get("skipped", ""))]
+    return 0 if ran and all(r.get("ok") for r in ran) and all(n in res for n, _, _ in PARTS) \
+        and not cut else 1
 
 
 if __name__ == "__main__":

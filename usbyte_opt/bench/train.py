@@ -302,7 +302,7 @@ class Trainee:
             yield
             return
         torch.set_rng_state(self._rng_cpu)
-        if self._cuda is not None:
+        if self._cuda is not None and self._rng_cuda is not None:
             torch.cuda.set_rng_state(self._rng_cuda, self._cuda)
         self._rng_held = True
         try:
