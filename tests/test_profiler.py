@@ -275,6 +275,19 @@ def test_two_ranks_record_what_allreduce_costs_the_training_thread(two_rank_prof
     assert all(s["ms"] > 0 for s in probe["samples"]) and probe["step_alone_ms"] > 0
 
 
+def test_two_ranks_record_the_host_cost_of_the_runtime_and_of_ddp(two_rank_profile):
+    prof, raw, r = two_rank_profile
+    host = prof.host
+    assert host is not None and not host.defaulted and host.launch_bound     # CPU
+    assert raw["host"]["runtime_tensor_us"] == host.runtime_tensor_us
+    rec = prof.meta["host_probe"]
+    assert len(rec["per_rank"]) == 2
+    for key in ("runtime_tensor_us", "runtime_block_us", "ddp_tensor_us", "ddp_bucket_us"):
+        # the slowest rank's, each measured on a group of its own
+        assert getattr(host, key) == max(p[key] for p in rec["per_rank"]) >= 0
+    assert "host cost" in r.stdout
+
+
 def test_no_cpu_probe_nor_shard_sweep_leaves_the_options_out(edge_dir):
     out = edge_dir / "profiles" / "noprobe.json"
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "4",

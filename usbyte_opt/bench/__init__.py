@@ -95,16 +95,48 @@ def split_strategies(strategies: Sequence[str]) -> tuple[list[str], list[str]]:
     return [s for s in strategies if s not in sharded], sharded
 
 
+def running_world() -> int | None:
+    """The world size of this process's initialised process group (the ranks the bench
+    trains on), ``None`` without one; imports no torch that is not imported yet."""
+    d = sys.modules.get("torch.distributed")
+    if d is None or not d.is_available() or not d.is_initialized():
+        return None
+    return int(d.get_world_size())
+
+
+def bench_profile(profile: Any, world_size: int | None = None) -> Any:
+    """The profile the bench predicts with on ``world_size`` ranks (default
+    :func:`running_world`): on one rank, with nothing to communicate
+    (:func:`usbyte_opt.planning.planner.single_rank`: compute plus host cost), whatever link
+    the profile assumes (one rank's profile has an analytic 8-worker one); else ``profile``.
+
+    Example::
+
+        >>> from usbyte_opt.planning.synthetic import chain_profile
+        >>> p = chain_profile([1000, 1000])
+        >>> bench_profile(p, 1).comm.alpha_ms, bench_profile(p, 2) is p
+        (0.0, True)
+    """
+    from ..planning.planner import single_rank
+
+    world = running_world() if world_size is None else world_size
+    return single_rank(profile) if world == 1 else profile
+
+
 def plan_reports(profile: Any, strategies: Sequence[str],
-                 options: Mapping[str, Mapping[str, Any]] | None = None) -> tuple[Any, Any]:
+                 options: Mapping[str, Mapping[str, Any]] | None = None,
+                 world_size: int | None = None) -> tuple[Any, Any]:
     """The planner's reports for ``strategies``: every registered all-reduce strategy
     (``compare(profile, names, options)``, so that ``best`` is seeded with all of them), and,
     only when ``strategies`` has sharded names, every one of :data:`SHARDED_STRATEGIES`
-    (``compare(profile, names, shard=True)``; else ``None``).
+    (``compare(profile, names, shard=True)``; else ``None``). On one rank (``world_size``,
+    default :func:`running_world`) nothing is communicated: the profile of
+    :func:`bench_profile`.
     """
     from ..planning import planner
     from ..planning.strategies import load_builtin
 
+    profile = bench_profile(profile, world_size)
     _, sharded = split_strategies(strategies)
     names = [n for n in load_builtin() if n not in SHARDED_STRATEGIES]
     report = planner.compare(profile, names, options=options)
@@ -429,7 +461,7 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     prof = None
     for s, path in raw["schedules"].items():
         try:
-            prof = prof or load_profile(raw["profile"])
+            prof = prof or bench_profile(load_profile(raw["profile"]), raw["world_size"])
             sched = load_schedule(path)
             mode = (Mode.FENCE if s == TORCH_DDP else
                     Mode.SHARDED if sched.mode == Mode.SHARDED else Mode.OVERLAP)
@@ -452,7 +484,6 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job", "ProfileOptions", "default_strategies",
-           "flat_best",
-           "network_info", "plan_reports", "run_bench",
-           "split_strategies"]
+__all__ = ["SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job",
+           "ProfileOptions", "bench_profile", "default_strategies", "flat_best", "network_info",
+           "plan_reports", "run_bench", "running_world", "split_strategies"]

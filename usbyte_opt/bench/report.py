@@ -60,6 +60,12 @@ PARAM_TOLERANCE = 1e-4
 RUNNERS = {TORCH_DDP: "torch DDP", DDP_TUNED: "torch DDP", TORCH_FSDP2: "torch FSDP2",
            REFERENCE: "no comm"}
 
+#: The one line that a run on one rank gets in the result (``single_rank``), the report and
+#: on the terminal (``bench``, ``demo``).
+SINGLE_RANK_NOTE = ("one rank: no communication to win; every prediction is compute plus the "
+                    "host cost of what runs it (the runtime's or torch DDP's, per tensor and "
+                    "per block: the profile's host section), not a network's")
+
 
 def stats(durations: Sequence[float]) -> dict[str, float]:
     """Median, p10, p90 and mean of ``durations`` (ms)."""
@@ -203,7 +209,24 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "runs": runs,
         "phases_s": raw["phases_s"],
         "out_dir": str(out_dir),
+        "single_rank": SINGLE_RANK_NOTE if raw["world_size"] == 1 else None,
+        "host": _host_of(raw.get("profile")),
     }
+
+
+def _host_of(path: Any) -> dict[str, Any] | None:
+    """The host cost the predictions charged: the profile's ``host`` section (with
+    ``defaulted`` where the profile has none), ``None`` where the profile cannot be read."""
+    import dataclasses
+
+    from ..errors import UsbyteError
+    from ..formats import load_profile
+
+    try:
+        host = load_profile(path).host if path else None
+    except (UsbyteError, OSError):
+        return None
+    return None if host is None else dataclasses.asdict(host)
 
 
 def _f(x: Any, fmt: str = ".1f", suffix: str = "") -> str:
@@ -312,16 +335,25 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
     """The Markdown report of one benchmark run."""
     net = result["network"]
     c = result["comm"]
+    host = result.get("host")
     lines = [
         f"# usbyte-opt bench: {result['name']} on {result['world_size']} ranks, {net['description']}",
         "",
+        *([f"- {result['single_rank']}"] if result.get("single_rank") else []),
         f"- model `{result['model']}`, batch {result['batch_size']} per rank, "
         f"{result['gradient_bytes'] / 1e6:.2f} MB of gradients; {result['device']} / "
         f"{result['backend']}, {result['threads_per_rank']} thread(s) per rank, torch {result['torch']}",
         f"- profile `{result['profile']}`: forward {result['forward_ms']:.1f} ms, backward "
-        f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; all-reduce "
-        f"alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s ({c['backend']}): "
-        f"all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms"
+        f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; "
+        + ("no all-reduce planned with (one rank)" if result.get("single_rank") else
+           f"all-reduce alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s "
+           f"({c['backend']}): all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms")
+        + (f"; host cost {host['runtime_tensor_us']:.1f} µs per tensor + "
+           f"{host['runtime_block_us']:.1f} µs per block on the runtime, "
+           f"{host['ddp_tensor_us']:.1f} + {host['ddp_bucket_us']:.1f} µs on DDP"
+           + (" (defaults: the profile has no host section)" if host.get("defaulted") else "")
+           + ("" if host["launch_bound"] else ", hidden behind the GPU where below compute")
+           if host else "")
         + (f"; training thread {c['cpu_ms_per_block']:.2f} ms per block + {c['cpu_ms_per_mb']:.1f} ms "
            "per MB (the planner's compute-cost option)" if c.get("cpu_ms_per_block") or c.get("cpu_ms_per_mb") else ""),
         *([f"- all-reduce while training computes (for the refined prediction): alpha "
@@ -573,5 +605,6 @@ def load_json(path: str | Path) -> Any:
         return json.load(f)
 
 
-__all__ = ["COLUMNS", "EXPLAIN_COLUMNS", "PARAM_TOLERANCE", "below_bound", "budget_of", "compare_trace",
-           "explain", "markdown", "pick_iteration", "stats", "summarize", "table_rows", "vs_ddp"]
+__all__ = ["COLUMNS", "EXPLAIN_COLUMNS", "PARAM_TOLERANCE", "SINGLE_RANK_NOTE", "below_bound",
+           "budget_of", "compare_trace", "explain", "markdown", "pick_iteration", "stats",
+           "summarize", "table_rows", "vs_ddp"]

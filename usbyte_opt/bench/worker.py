@@ -195,20 +195,21 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
     cost measured under compute and the measured training-thread costs (``loaded``, when
     probed), compute scaled by ``compute_scale`` (measured ``no-comm`` over predicted:
     :func:`~.refine.scaled`), and in overlap mode the runtime's update rule
-    (:func:`~.refine.refined_overlap`)."""
+    (:func:`~.refine.refined_overlap`); on one rank, compute plus host cost
+    (:func:`usbyte_opt.bench.bench_profile`)."""
     import dataclasses
 
-    from ..planning.problem import Problem
+    from ..planning.problem import Problem, runner_of
     from ..planning.simulate import simulate_blocks
+    from . import bench_profile
     from .refine import refined_overlap, scaled
 
-    base = scaled(profile, compute_scale)
+    base = scaled(bench_profile(profile), compute_scale)   # one rank: compute + host cost
     if loaded is not None:
         comm = dataclasses.replace(loaded.comm, cpu_ms_per_mb=loaded.cpu_ms_per_mb,
                                    cpu_ms_per_block=loaded.cpu_ms_per_block)
     else:
-        comm = dataclasses.replace(base.comm, cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
-                                   cpu_ms_per_block=profile.comm.cpu_ms_per_block)
+        comm = base.comm
     rp = Problem.from_profile(base.with_comm(comm))
     from ..planning.cost import HierCost
 
@@ -228,7 +229,7 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
             sched = planned.schedules[s]
             on = rp if sched.hierarchical else flat
             pred.refined_ms = simulate_blocks(on, on.layout(sched.buffers), sched.blocks,
-                                              Mode.FENCE).iteration_ms
+                                              Mode.FENCE, runner_of(s)).iteration_ms
         else:
             sched = planned.schedules[s]
             on = rp if sched.hierarchical else flat

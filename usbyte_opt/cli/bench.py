@@ -37,10 +37,11 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
 
     keep = list(range(len(COLUMNS))) if wide else [COLUMNS.index(c) for c in DEFAULT_COLUMNS]
     c = result["comm"]
+    link = ("no communication (one rank)" if result.get("single_rank") else
+            f"all-reduce alpha {c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s")
     console.table(
         f"{title}: {result['name']} on {plural(result['world_size'], 'rank')}, {result['network']['description']}; "
-        f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, all-reduce alpha "
-        f"{c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s",
+        f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, {link}",
         [COLUMNS[i] for i in keep], [[row[i] for i in keep] for row in table_rows(result)],
         justify_right_from=2 if wide else 1,
         caption=(f"{result['iterations']} timed iterations per strategy, at least; vs DDP: its time "
@@ -49,6 +50,8 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
                                  f"; training {'matches' if result['correct'] else 'DIFFERS FROM'} "
                                  f"{result['reference']}")
                  + ("" if wide else "; --wide for every column")))
+    if result.get("single_rank"):
+        console.info(result["single_rank"])
 
 
 def bench(

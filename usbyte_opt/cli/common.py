@@ -239,3 +239,24 @@ def cpu_cost_note(comm: CommSpec) -> str:
     if not (comm.cpu_ms_per_block or comm.cpu_ms_per_mb):
         return ""
     return f", training thread {comm.cpu_ms_per_block:.2f} ms/block + {comm.cpu_ms_per_mb:.2f} ms/MB"
+
+
+def host_line(host: Any) -> str:
+    """The profile's host cost in one cell (the summary's, ``optimize``'s caption).
+
+    Example::
+
+        >>> from usbyte_opt.formats import HostCost
+        >>> host_line(HostCost(9.0, 35.0, 6.0, 23.0, True))
+        'runtime 9.0 µs/tensor + 35.0 µs/block, DDP 6.0 + 23.0 µs; on the critical path'
+        >>> host_line(HostCost.default("cuda"))      # doctest: +ELLIPSIS
+        'runtime 10.5 µs/tensor + 34.0 µs/block, DDP 7.4 + 22.1 µs; hidden ... (defaults: no host section)'
+    """
+    if host is None:
+        return "not measured: none charged"
+    where = ("on the critical path" if host.launch_bound else
+             "hidden behind the GPU where below compute (not launch-bound)")
+    return (f"runtime {host.runtime_tensor_us:.1f} µs/tensor + {host.runtime_block_us:.1f} µs/block, "
+            f"DDP {host.ddp_tensor_us:.1f} + {host.ddp_bucket_us:.1f} µs; {where}"
+            + (" (defaults: no host section)" if host.defaulted else ""))
+

@@ -82,10 +82,13 @@ def optimize(
     --strategy ddp-tuned the command also prints them as DDP's bucket_cap_mb_list (in the JSON
     with --json), and usbyte_opt.ddp.wrap(model, SCHEDULE) builds that DDP model. "predicted ms"
     is the one scorer's prediction in that mode (docs/planner.md), with the profile's
-    compute-cost fields when it has them; best is never predicted slower than any other
-    strategy, DDP included. --wide adds both modes' times, the speedup over wfbp and the
-    exposed communication. On a terminal, planning that takes over a second shows its progress
-    on stderr, one line per strategy. With --shard it plans sharded mode instead
+    compute-cost fields when it has them, and the host cost of what runs the schedule (the
+    profile's host section, else its defaults: the usbyte-opt runtime, or torch DDP for ddp and
+    ddp-tuned). best is never predicted slower than any other strategy's blocks on the
+    runtime; torch DDP, whose host cost per tensor is lower, can be predicted faster where
+    communication leaves little to win (a warning then says so). --wide adds both modes'
+    times, the speedup over wfbp and the exposed communication. On a terminal, planning that
+    takes over a second shows its progress on stderr, one line per strategy. With --shard it plans sharded mode instead
     (docs/planner.md, "Sharded mode") against that mode's own lower bound, and shows
     unsharded DDP's time and memory beside it.
 
@@ -325,7 +328,8 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
                 + ("; hier/blocks: blocks all-reduced hierarchically (inside each node, across "
                    "the nodes, inside again) of all; every strategy but best runs flat rings"
                    if report.hierarchical else
-                   "; every block flat (--hierarchy off)" if c.hierarchical else ""),
+                   "; every block flat (--hierarchy off)" if c.hierarchical else "")
+                + f"; host cost: {common.host_line(prof.host)}",
     )
     if w.caps is not None:
         console.paragraph(f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "
@@ -336,8 +340,16 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
         console.warn(f"{skipped}: no plan: {why}")
     chosen = res[w.strategy]
     if chosen.iteration_ms > ddp * (1 + 1e-9):
-        console.warn(f"{w.strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's time; "
-                     "best is never slower than ddp (--strategy best)")
+        best = res.get("best")
+        if best is not None and best.iteration_ms > ddp * (1 + 1e-9):
+            console.warn(f"torch DDP is predicted faster than every plan on the usbyte-opt "
+                         f"runtime ({w.strategy}: {chosen.iteration_ms / ddp:.2f}x DDP's time): "
+                         "DDP's host cost per tensor and per bucket is lower, and communication "
+                         "leaves less than that to win here; keep DDP, or give stock DDP "
+                         "ddp-tuned's buckets (--strategy ddp-tuned)")
+        else:
+            console.warn(f"{w.strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's "
+                         "time; best is not slower than ddp here (--strategy best)")
     console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
 
 

@@ -81,6 +81,13 @@ def profile(
         "--cpu-probe/--no-cpu-probe", help="With 2+ ranks, also measure what all-reduce costs the "
                                            "training thread (per block and per MB, while training "
                                            "runs) so that the planner charges it.")] = True,
+    host_probe: Annotated[bool, typer.Option(
+        "--host-probe/--no-host-probe", help="Also measure what the usbyte-opt runtime and torch "
+                                             "DDP cost the host per tensor and per block (a model "
+                                             "of many tiny tensors, about a second) and, on "
+                                             "CUDA, whether the iteration is launch-bound, so "
+                                             "that the planner charges it (off: its "
+                                             "defaults).")] = True,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.001, help="Process-group timeout (seconds).")] = 600.0,
     stable_s: Annotated[float, typer.Option(
@@ -120,7 +127,7 @@ def profile(
         comm_sizes=tuple(default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)),
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-        shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s)
+        shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s, host_probe=host_probe)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
 
 
@@ -236,6 +243,7 @@ def _summary(prof: Any, path: Path) -> None:
                           (f"inter-node ({c.nodes} ranks)", c.inter),
                           ("reduce-scatter", c.reduce_scatter), ("all-gather", c.all_gather))
           if x is not None),
+        ["host cost", common.host_line(prof.host)],
     ], justify_right_from=2)
 
 

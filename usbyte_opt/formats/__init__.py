@@ -26,6 +26,7 @@ Example::
 
 from .data import (
                    COMM_BACKENDS,
+                   DEFAULT_HOST_US,
                    DTYPE_SIZES,
                    PROFILE_FORMAT,
                    SCHEDULE_FORMAT,
@@ -35,6 +36,7 @@ from .data import (
                    Buffer,
                    CollectiveCost,
                    CommSpec,
+                   HostCost,
                    Mode,
                    Profile,
                    Schedule,
@@ -48,6 +50,7 @@ from .schema import (
                    MAX_ALGBW_GBS,
                    MAX_ELEMENTS,
                    MAX_GRADIENT_BYTES,
+                   MAX_HOST_US,
                    MAX_MS,
                    MAX_WORLD_SIZE,
                    MIN_ALGBW_GBS,
@@ -60,10 +63,10 @@ from .schema import (
 )
 
 __all__ = [
-    "COMM_BACKENDS", "DTYPE_SIZES", "MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES",
-    "MAX_MS", "MAX_WORLD_SIZE", "MIN_ALGBW_GBS", "PROFILE_FORMAT", "SCHEDULE_FORMAT",
-    "SCHEDULE_MODES", "VERSION", "Block", "Buffer", "CollectiveCost", "CommSpec", "Mode", "Profile", "Schedule",
-    "TensorSpec", "check_against", "check_coverage", "dump_profile", "dump_schedule",
+    "COMM_BACKENDS", "DEFAULT_HOST_US", "DTYPE_SIZES", "MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES",
+    "MAX_HOST_US", "MAX_MS", "MAX_WORLD_SIZE", "MIN_ALGBW_GBS", "PROFILE_FORMAT", "SCHEDULE_FORMAT",
+    "SCHEDULE_MODES", "VERSION", "Block", "Buffer", "CollectiveCost", "CommSpec", "HostCost", "Mode",
+    "Profile", "Schedule", "TensorSpec", "check_against", "check_coverage", "dump_profile", "dump_schedule",
     "fingerprint", "load_profile", "load_schedule", "parse_profile", "parse_schedule",
     "profile_schema", "read_json", "save_profile", "save_schedule", "schedule_schema",
     "write_json",

@@ -195,6 +195,75 @@ class CommSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class HostCost:
+    """What the host pays per iteration to run a plan, beyond the plain training loop, in µs
+    (the profile's optional ``host`` section, docs/profiles.md): per trainable tensor and per
+    block (all-reduce) of the usbyte-opt runtime, and per tensor and per bucket of torch DDP,
+    measured by ``usbyte-opt profile`` on the profiling ranks
+    (:mod:`usbyte_opt.profiler.host`); and whether the iteration is ``launch_bound`` (its
+    host time at least its device time; always on CPU, where the host computes), i.e.
+    whether the host's cost lies on the critical path. The planner charges it
+    (docs/planner.md, "Host cost").
+
+    A profile file without the section reads with :meth:`default` (``defaulted`` set), which
+    is not written back, so such a profile keeps its bytes and its digest.
+
+    Example::
+
+        >>> h = HostCost.default("cuda (V100-class, rescaled)")
+        >>> h.runtime_tensor_us > h.ddp_tensor_us, h.launch_bound, h.defaulted
+        (True, False, True)
+        >>> HostCost.default("cpu").launch_bound
+        True
+    """
+
+    runtime_tensor_us: float
+    """The runtime's host time per trainable tensor per iteration (its post-accumulate-grad
+    hook and bookkeeping)."""
+    runtime_block_us: float
+    """The runtime's host time per block per iteration (issuing one asynchronous all-reduce,
+    waiting for it)."""
+    ddp_tensor_us: float
+    """torch DDP's host time per trainable tensor per iteration (its C++ reducer's hook)."""
+    ddp_bucket_us: float
+    """torch DDP's host time per bucket per iteration."""
+    launch_bound: bool
+    """Whether the host's time is on the critical path: on CUDA, the real model's host time
+    per iteration at least its GPU time; ``True`` on CPU."""
+    method: str = ""
+    """How it was measured."""
+    defaulted: bool = False
+    """Not measured: the documented defaults of a profile without the section
+    (:meth:`default`); not written to a file."""
+
+    @classmethod
+    def default(cls, device: Any = None) -> HostCost:
+        """The costs a profile without a ``host`` section is planned with: the runtime's and
+        DDP's, as :mod:`usbyte_opt.profiler.host` measured them on this project's development
+        machine (:data:`DEFAULT_HOST_US`: x86_64, 2 shared cores, gloo, torch 2.13, one rank,
+        the median of 3 runs); ``launch_bound`` false on a profile of CUDA (its ``meta.device``
+        starts with ``cuda``: the host runs ahead of the GPU), true otherwise."""
+        on_cuda = isinstance(device, str) and device.startswith("cuda")
+        return cls(**DEFAULT_HOST_US, launch_bound=not on_cuda,
+                   method="defaults (no host section): usbyte_opt.profiler.host on the project's "
+                          "2-core development CPU; launch_bound from meta.device",
+                   defaulted=True)
+
+
+#: The per-tensor and per-block costs (µs) of :meth:`HostCost.default`, measured by
+#: :func:`usbyte_opt.profiler.host.host_cost` on this project's development machine (x86_64,
+#: 2 shared cores, load average about 3, gloo, torch 2.13.0+cpu, one rank, one thread): the
+#: median of 3 runs (runtime 10.4–11.8 µs per tensor and 30.8–34.7 µs per block, DDP
+#: 5.3–8.1 µs per tensor and 21.2–22.6 µs per bucket).
+DEFAULT_HOST_US: dict[str, float] = {
+    "runtime_tensor_us": 10.5,
+    "runtime_block_us": 34.0,
+    "ddp_tensor_us": 7.4,
+    "ddp_bucket_us": 22.1,
+}
+
+
+@dataclass(frozen=True, slots=True)
 class Profile:
     """Per-tensor timing of one model on one cluster; the planner's only input."""
 
@@ -204,6 +273,10 @@ class Profile:
     tensors: tuple[TensorSpec, ...]
     comm: CommSpec
     meta: Mapping[str, Any] = field(default_factory=dict)
+    host: HostCost | None = None
+    """The host's cost per tensor and per block of the runtime and of DDP. ``None`` (a
+    profile built in code without it): none charged; a profile *file* without the section
+    reads with :meth:`HostCost.default`."""
 
     def digest(self) -> str:
         """Content digest (16 hex digits) of the canonical JSON; schedules record it."""
@@ -216,7 +289,8 @@ class Profile:
         return fingerprint((t.name, t.shape, t.dtype) for t in self.tensors)
 
     def with_comm(self, comm: CommSpec) -> Profile:
-        return Profile(self.name, self.forward_ms, self.backward_ms, self.tensors, comm, self.meta)
+        return Profile(self.name, self.forward_ms, self.backward_ms, self.tensors, comm, self.meta,
+                       self.host)
 
     def tensor(self, name: str) -> TensorSpec:
         for t in self.tensors:

@@ -49,6 +49,7 @@ from .data import (
     Buffer,
     CollectiveCost,
     CommSpec,
+    HostCost,
     Mode,
     Profile,
     Schedule,
@@ -73,6 +74,8 @@ MIN_ALGBW_GBS = 1e-6
 MAX_ALGBW_GBS = 1e5
 #: Most ranks a cost may be given for.
 MAX_WORLD_SIZE = 10**7
+#: Longest host time per tensor or per block, µs: one second.
+MAX_HOST_US = 1e6
 
 # --------------------------------------------------------------------------------------------
 # Field types
@@ -206,6 +209,25 @@ class CommEntry(TypedDict):
                     "block's); measured with intra")]]
 
 
+HostUs = Annotated[float, Rule(ge=0, le=MAX_HOST_US)]
+
+
+@_record("host cost")
+class HostEntry(TypedDict):
+    """What the host pays per iteration to run a plan, beyond the plain training loop, µs."""
+
+    runtime_tensor_us: Annotated[HostUs, Rule(description="the usbyte-opt runtime, per "
+                                              "trainable tensor (hook and bookkeeping)")]
+    runtime_block_us: Annotated[HostUs, Rule(description="the runtime, per block (issuing "
+                                             "one asynchronous all-reduce, its wait)")]
+    ddp_tensor_us: Annotated[HostUs, Rule(description="torch DDP, per trainable tensor")]
+    ddp_bucket_us: Annotated[HostUs, Rule(description="torch DDP, per bucket")]
+    launch_bound: Annotated[bool, Rule(description="whether the host's time is on the "
+                                       "critical path: on CUDA, host time per iteration >= "
+                                       "GPU time; true on CPU")]
+    method: NotRequired[Annotated[str, Rule(default="", description="how it was measured")]]
+
+
 @_record("usbyte-opt profile")
 class ProfileFile(TypedDict):
     """Per-tensor timing of one model on one cluster (docs/design.md §4.1)."""
@@ -221,6 +243,9 @@ class ProfileFile(TypedDict):
         min_length=1, description=f"one entry per trainable tensor; at most "
         f"{MAX_GRADIENT_BYTES} bytes of gradients in all")]
     comm: CommEntry
+    host: NotRequired[Annotated[HostEntry, Rule(
+        description="the host's cost per tensor and per block of the runtime and of DDP; "
+                    "absent: the documented defaults (docs/profiles.md)")]]
 
 
 @_record("profile reference")
@@ -370,6 +395,8 @@ def _fragment(tp: Any) -> dict[str, Any]:
     elif origin is Literal:
         values = get_args(base)
         out.update({"const": values[0]} if len(values) == 1 else {"enum": list(values)})
+    elif base is bool:
+        out["type"] = "boolean"
     elif base is str:
         out["type"] = "string"
         if kw.get("min_length"):
@@ -523,6 +550,9 @@ def _walk(tp: Any, v: Any, keys: list[Any], data: Any, source: str) -> None:
         if not any(v == a and isinstance(v, type(a)) and isinstance(v, bool) == isinstance(a, bool)
                    for a in get_args(base)):
             raise _mismatch(tp, keys, data, source)
+    elif base is bool:
+        if not isinstance(v, bool):
+            raise _mismatch(tp, keys, data, source)
     elif base is str:
         if not isinstance(v, str) or len(v) < kw.get("min_length", 0):
             raise _mismatch(tp, keys, data, source)
@@ -578,6 +608,8 @@ def _valid(tp: Any) -> Any:
         allowed = get_args(base)
         return lambda v: any(v == a and isinstance(v, type(a))
                              and isinstance(v, bool) == isinstance(a, bool) for a in allowed)
+    if base is bool:
+        return lambda v: isinstance(v, bool)
     if base is str:
         least = kw.get("min_length", 0)
 
@@ -713,6 +745,8 @@ def _describe(sub: dict[str, Any], keys: Sequence[Any], data: Any) -> str:
     if "enum" in sub:
         return "one of " + "|".join(str(v) for v in sub["enum"])
     kind = sub.get("type")
+    if kind == "boolean":
+        return "true or false"
     if kind == "string":
         return "a non-empty string" if sub.get("minLength") else "a string"
     if kind == "integer":
@@ -924,6 +958,12 @@ def dump_profile(profile: Profile, source: str | None = None) -> dict[str, Any]:
         "tensors": tensors,
         "comm": comm,
     }
+    h = profile.host
+    if h is not None and not h.defaulted:   # defaults are not written: the file stays as read
+        out["host"] = {"runtime_tensor_us": h.runtime_tensor_us,
+                       "runtime_block_us": h.runtime_block_us, "ddp_tensor_us": h.ddp_tensor_us,
+                       "ddp_bucket_us": h.ddp_bucket_us, "launch_bound": h.launch_bound,
+                       **({"method": h.method} if h.method else {})}
     if source is not None:
         _check(ProfileFile, out, source)
         _check_profile(out, source)
@@ -1010,7 +1050,12 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
                     c["cpu_ms_per_mb"], _parse_collective(c.get("reduce_scatter")),
                     _parse_collective(c.get("all_gather")), c["nodes"],
                     _parse_collective(c.get("intra")), _parse_collective(c.get("inter")))
-    return Profile(d["name"], d["forward_ms"], d["backward_ms"], tensors, comm, dict(d["meta"]))
+    meta = dict(d["meta"])
+    h = d.get("host")
+    host = (HostCost(h["runtime_tensor_us"], h["runtime_block_us"], h["ddp_tensor_us"],
+                     h["ddp_bucket_us"], h["launch_bound"], h["method"]) if h is not None
+            else HostCost.default(meta.get("device")))
+    return Profile(d["name"], d["forward_ms"], d["backward_ms"], tensors, comm, meta, host)
 
 
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
@@ -1037,6 +1082,6 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
     return sched
 
 
-__all__ = ["MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES", "MAX_MS", "MAX_WORLD_SIZE",
+__all__ = ["MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES", "MAX_HOST_US", "MAX_MS", "MAX_WORLD_SIZE",
            "MIN_ALGBW_GBS", "Rule", "dump_profile", "dump_schedule", "number_range",
            "parse_profile", "parse_schedule", "profile_schema", "schedule_schema"]

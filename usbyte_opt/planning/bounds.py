@@ -129,6 +129,17 @@ compute, so ``T >= B + F + D - O >= B + F + W - O``. The larger of (a) and (b) i
 ``rho O = W - O``. ``rho_k`` is a ratio of two affine functions of the bytes, so monotone in
 them: ``rho = min(cpu_ms_per_block / alpha, rate of one block of every byte)``. ∎
 
+**Host cost.** Every plan, run by either runner (:class:`~usbyte_opt.planning.problem.Runner`),
+pays per tensor and per block at least the smaller of the two runners' costs,
+``tensor_ms`` and ``block_ms``; so a block holding tensor p starts no earlier than
+``r_p + tensor_ms #{q : r_q <= r_p} + block_ms`` (the hooks of the tensors ready by then, and
+at least its own issue) and backward ends no earlier than ``B + n tensor_ms + block_ms``
+(at least one block), or, where the host runs ahead of the device, the larger of each pair of
+terms. The iteration never gets shorter when releases or backward's end grow, so the claims
+above, on these raised releases and ``B`` (:meth:`Problem.host_floor`), bound every plan:
+what :func:`lower_bound` computes. It is the bound of the cheaper runner's floor: a runtime
+plan pays more than it where the runtime's host cost exceeds DDP's.
+
 With ``S = {the last-ready tensor}`` this gives the classic bound
 ``B + alpha + w_first + F - need_first`` when the input layer is ready last (backward must
 end, its gradient cross the network, and the whole forward follow), which is stronger than
@@ -182,13 +193,19 @@ GROUPS = 512
 
 def lower_bound(problem: Problem) -> float:
     """The lower bound of the module docstring, in ms: claims 1, 2 and 4 on the problem without
-    the compute-cost option, and claim 3 with it. Valid for every schedule in both modes."""
+    the compute-cost option, and claim 3 with it. Valid for every schedule in both modes, run
+    by either runner: with host cost, on :meth:`Problem.host_floor` (the least host cost any
+    plan pays, module docstring)."""
+    # claim 3 reads backward's end as compute that the charge lengthens: where the host runs
+    # ahead of the device, its time is not, so claim 3 takes the compute alone
+    B3 = problem.B if problem.host_hidden else None
+    problem = problem.host_floor()
     r, q, w, alpha = _arrays(problem)
     best = problem.B + problem.F
     best = max(best, _set_bound(r, q, w, alpha))
     best = max(best, _batching_bound(r, q, w, alpha))
     best = max(best, nested_bound(problem, floor=best))
-    return max(best, _compute_cost_bound(problem))
+    return max(best, _compute_cost_bound(problem, B3))
 
 
 def _arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:
@@ -238,9 +255,10 @@ def _set_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,
     return best
 
 
-def _compute_cost_bound(problem: Problem) -> float:
+def _compute_cost_bound(problem: Problem, B: float | None = None) -> float:
     """Claim 3 (``-inf`` without the compute-cost option, or with a cost model that is not a
-    line: the proof takes each block's wire time as exactly ``alpha + bytes * beta``)."""
+    line: the proof takes each block's wire time as exactly ``alpha + bytes * beta``);
+    ``B``: backward's end to read (default the problem's)."""
     if not problem.charges_cpu or not problem.cost.is_linear:
         return -np.inf
     alpha, beta = problem.cost.linear_bound()
@@ -253,7 +271,7 @@ def _compute_cost_bound(problem: Problem) -> float:
         small = np.inf if problem.cpu_ms_per_block > 0 else problem.cpu_ms_per_mb / (1e6 * beta)
     rho = min(small, whole)
     share = 1.0 if rho == np.inf else rho / (1.0 + rho)
-    return problem.B + problem.F + W * share
+    return (problem.B if B is None else B) + problem.F + W * share
 
 
 def _batching_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,

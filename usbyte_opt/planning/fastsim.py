@@ -37,6 +37,21 @@ tensors in need order, forward reaches the i-th at ``t_i = need_i + M_i``,
 ``M_i = max(B, max_{j<=i} (avail_j - need_j))``; it computes during
 ``[need_i + M_i, need_{i+1} + M_i]`` and waits from there to ``t_{i+1}``.
 
+**Host cost (the profile's ``host`` section; docs/planner.md, "Host cost").** A plan is run by
+a runner, the usbyte-opt runtime or torch DDP (:class:`~usbyte_opt.planning.problem.Runner`;
+the ``ddp`` and ``ddp-tuned`` strategies' schedules run on DDP), which pays on the host
+``tensor_ms`` per trainable tensor (its hook, on the backward thread) and ``block_ms`` per
+block (the issue, in the hook that makes the block ready). Block k is issued at
+``P_k = max_{j<=k} r_j``, when the hooks of every tensor ready by then have run and blocks
+``0..k`` have been issued, so its release becomes ``P_k + D_k`` with
+``D_k = tensor_ms #{p : ready_p <= P_k} + block_ms (k + 1)``, and backward ends at
+``B + n tensor_ms + K block_ms`` (:meth:`Problem.host_releases`,
+:meth:`Problem.host_backward`). Where the host runs ahead of the device (CUDA, not
+launch-bound) the host's cost shows only where it exceeds the compute: ``max(P_k, D_k)`` and
+``max(B, n tensor_ms + K block_ms)``. Host cost comes first; the compute-cost option then
+lengthens the compute (``stretch P_k + D_k``), reading what communication cost it off the
+host-charged timeline. The closed form is unchanged.
+
 **Updates at the gates (an option of the iteration model, off by default).** With the
 problem's :class:`~usbyte_opt.planning.problem.UpdateRule` ``GATE``, overlap mode runs each
 update on the training thread at the first forward gate that finds its blocks finished (or
@@ -63,7 +78,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..formats import Block, Mode
-from .problem import Layout, Problem, UpdateRule
+from .problem import Layout, Problem, Runner, UpdateRule
 
 BlockStat = tuple[float, float, float]
 """``(ready_ms, cost_ms, tail_ms)`` of one block."""
@@ -181,6 +196,8 @@ class Scorer:
         self.B, self.F = problem.B, problem.F
         self.total_update = float(sum(problem.update))
         self.charges = problem.charges_cpu
+        #: Whether a runner pays host cost here (:meth:`Problem.host_releases`).
+        self.host = problem.charges_host
         #: Whether overlap mode runs the updates at the forward's gates (:class:`UpdateRule`).
         self.gated = problem.update_rule == UpdateRule.GATE
         #: Tensor index at each layout position (buffers one after the other).
@@ -237,37 +254,57 @@ class Scorer:
         cum = np.cumsum(C)
         return cum + np.maximum.accumulate(R - (cum - C))
 
-    def score(self, st: Stats, mode: Mode = Mode.OVERLAP) -> float:
-        """Iteration time of the blocks ``st`` in ``mode`` (the one rule, module docstring)."""
+    def released(self, st: Stats, runner: Runner | str = Runner.RUNTIME,
+                 stretch: float = 1.0) -> tuple[np.ndarray, float]:
+        """``(release of each block, end of backward)`` once ``runner`` has paid its host cost
+        (:meth:`Problem.host_releases`, :meth:`Problem.host_backward`; the module
+        docstring), backward's compute times ``stretch``; without host cost ``(R, B)``
+        times ``stretch``."""
+        if not self.host:
+            if stretch == 1.0:
+                return st.R, self.B
+            return st.R * stretch, self.B * stretch
+        pb = self.problem
+        return (pb.host_releases(st.R, runner, stretch),
+                pb.host_backward(len(st), runner, stretch))
+
+    def score(self, st: Stats, mode: Mode = Mode.OVERLAP,
+              runner: Runner | str = Runner.RUNTIME) -> float:
+        """Iteration time of the blocks ``st`` in ``mode``, run by ``runner`` (the runtime,
+        or torch DDP: what host cost it pays), by the one rule of the module docstring."""
         if len(st) == 0:
-            return self.B + self.F + (self.total_update if mode == Mode.FENCE else 0.0)
-        fin = self.finishes(st.R, st.C)
+            B = self.problem.host_backward(0, runner) if self.host else self.B
+            return B + self.F + (self.total_update if mode == Mode.FENCE else 0.0)
+        R, B = self.released(st, runner)
+        fin = self.finishes(R, st.C)
         sb = sf = 1.0
         if self.charges:
-            sb, sf = self.stretch(st, fin, mode)
+            sb, sf = self._stretch(st, fin, B, mode)
             if sb != 1.0:
-                fin = self.finishes(st.R * sb, st.C)
+                R, B = self.released(st, runner, sb)
+                fin = self.finishes(R, st.C)
         if self.gated and mode == Mode.OVERLAP:
-            return self._gated(st, fin, sb, sf)
-        return self._closed(fin, st.Q, mode, sb, sf)
+            return self._gated(st, fin, B, sf)
+        return self._closed(fin, st.Q, mode, B, sf)
 
-    def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: Mode, sb: float, sf: float) -> float:
+    def _closed(self, fin: np.ndarray, Q: np.ndarray, mode: Mode, B: float, sf: float) -> float:
+        """The closed form; ``B``: backward's end (stretched, host included)."""
         last = float(fin[-1])
         if mode == Mode.OVERLAP:
-            floor = self.B * sb + self.F * sf
+            floor = B + self.F * sf
             worst = float((fin + Q * sf).max()) if sf != 1.0 else float((fin + Q).max())
             return max(floor, last, worst)
         if mode == Mode.FENCE:
-            B = self.B * sb
             return (B if B > last else last) + self.total_update + self.F
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
 
-    def _gated(self, st: Stats, fin: np.ndarray, sb: float, sf: float) -> float:
+    def _gated(self, st: Stats, fin: np.ndarray, B: float, sf: float) -> float:
         """Overlap-mode time with the updates at the forward's gates (:class:`UpdateRule`
         ``GATE``): walking the tensors in need order, the forward reaches p at ``t_prev +
         (need_p - need_prev)``; if p's update is still pending it waits for p's last block,
         then applies the update of p and of every pending tensor whose blocks have finished.
-        Backward's times are stretched by ``sb``, forward's by ``sf`` (the compute charge)."""
+        Backward ends at ``B`` (stretched, host included), forward's times are stretched by
+        ``sf`` (the compute charge)."""
         n = self.problem.n
         fin_t = np.empty(n)
         fin_t[self.member] = self.last_finish(st, fin)
@@ -275,7 +312,7 @@ class Scorer:
         by_finish = np.argsort(fin_t, kind="stable").tolist()
         need = (self._need * sf).tolist() if sf != 1.0 else self._need.tolist()
         upd = (self._upd * sf).tolist() if sf != 1.0 else self._upd.tolist()
-        B, F = self.B * sb, self.F * sf
+        F = self.F * sf
         pending = [True] * n
         ptr = 0
         t = -1.0
@@ -306,21 +343,29 @@ class Scorer:
         return end if end > last else last
 
     def stretch(self, st: Stats, fin: np.ndarray | None = None,
-                mode: Mode = Mode.OVERLAP) -> tuple[float, float]:
+                mode: Mode = Mode.OVERLAP, runner: Runner | str = Runner.RUNTIME
+                ) -> tuple[float, float]:
         """``(backward factor, forward factor)`` that the compute-cost option applies to the
-        blocks ``st`` in ``mode``; ``(1, 1)`` without the option."""
+        blocks ``st`` in ``mode`` run by ``runner``; ``(1, 1)`` without the option. ``fin``:
+        the blocks' finishes without the charge (host cost included), computed if not given."""
         if not self.charges:
             return 1.0, 1.0
+        R, B = self.released(st, runner)
         if fin is None:
-            fin = self.finishes(st.R, st.C)
+            fin = self.finishes(R, st.C)
+        return self._stretch(st, fin, B, mode)
+
+    def _stretch(self, st: Stats, fin: np.ndarray, B: float, mode: Mode) -> tuple[float, float]:
+        """:meth:`stretch` given the finishes and backward's end ``B`` (host included) of the
+        timeline without the charge. What backward paid lengthens its compute, ``self.B``."""
         start = fin - st.C
         rate = (self.cpb + self.cpm * st.nbytes / 1e6) / np.maximum(st.C, 1e-300)
-        B, F = self.B, self.F
+        F = self.F
         bwd = np.clip(np.minimum(fin, B) - start, 0.0, None)
-        sb = 1.0 + float(rate @ bwd) / B if B > 0 else 1.0
+        sb = 1.0 + float(rate @ bwd) / self.B if self.B > 0 else 1.0
         if mode == Mode.FENCE or F <= 0 or fin[-1] <= B:
             return sb, 1.0
-        done = self.forward_progress(st, fin, np.concatenate([start, fin]))
+        done = self.forward_progress(st, fin, np.concatenate([start, fin]), B)
         fwd = done[len(fin):] - done[:len(fin)]
         return sb, 1.0 + float(rate @ fwd) / F
 
@@ -336,13 +381,15 @@ class Scorer:
         idx[0::2], idx[1::2] = a, b
         return np.maximum.reduceat(fsort, idx)[0::2]
 
-    def forward_progress(self, st: Stats, fin: np.ndarray, at: np.ndarray) -> np.ndarray:
+    def forward_progress(self, st: Stats, fin: np.ndarray, at: np.ndarray,
+                         B: float | None = None) -> np.ndarray:
         """Forward compute done by each wall time in ``at`` (overlap mode, updates as
-        availability delays, no charge)."""
+        availability delays, no charge), backward ending at ``B`` (default the problem's)."""
+        B = self.B if B is None else B
         avail = (self.last_finish(st, fin) + self._upd_layout)[self._need_pos]
         need = self._need_sorted
-        M = np.maximum.accumulate(np.maximum(avail - need, self.B))
-        M = np.concatenate([[self.B], M])                  # M_0 = B before the first gate
+        M = np.maximum.accumulate(np.maximum(avail - need, B))
+        M = np.concatenate([[B], M])                        # M_0 = B before the first gate
         need0 = np.concatenate([[0.0], need])               # need_0 = 0
         need1 = np.concatenate([need, [self.F]])            # the next gate's need (F at the end)
         S = need0 + M                                       # where each compute window starts
@@ -377,20 +424,22 @@ def block_stats(problem: Problem, layout: Layout, blocks: Sequence[Block],
 
 
 def evaluate(problem: Problem, layout: Layout, blocks: Sequence[Block],
-             mode: Mode = Mode.OVERLAP) -> float:
-    """Iteration time of ``blocks`` on ``problem`` in ``mode`` (same value as the simulator)."""
+             mode: Mode = Mode.OVERLAP, runner: Runner | str = Runner.RUNTIME) -> float:
+    """Iteration time of ``blocks`` on ``problem`` in ``mode``, run by ``runner`` (same value
+    as the simulator)."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     sc = scorer_for(problem, layout)
-    return sc.score(sc.stats(blocks), mode)
+    return sc.score(sc.stats(blocks), mode, runner)
 
 
 def charged(problem: Problem, layout: Layout, blocks: Sequence[Block],
-            mode: Mode = Mode.OVERLAP) -> Problem:
-    """``problem`` with each compute phase lengthened by what ``blocks`` cost it in ``mode``
-    (the module docstring's rule); ``problem`` itself without the compute-cost option."""
+            mode: Mode = Mode.OVERLAP, runner: Runner | str = Runner.RUNTIME) -> Problem:
+    """``problem`` with each compute phase lengthened by what ``blocks``, run by ``runner``,
+    cost it in ``mode`` (the module docstring's rule); ``problem`` itself without the
+    compute-cost option. Host cost stays to be charged on the result."""
     if not problem.charges_cpu:
         return problem
     sc = scorer_for(problem, layout)
-    sb, sf = sc.stretch(sc.stats(blocks), mode=mode)
+    sb, sf = sc.stretch(sc.stats(blocks), mode=mode, runner=runner)
     return problem.stretched(sb, sf)

@@ -205,6 +205,25 @@ def retargeted(profile: Profile, world_size: int | None = None, bandwidth_gbps: 
                                       **levels))
 
 
+def single_rank(profile: Profile) -> Profile:
+    """``profile`` as one rank runs it: nothing to communicate (world size 1, all-reduce at
+    no cost: the line ``alpha = 0`` at the format's largest bandwidth, so that 100 MB cost
+    0.001 ms), the host cost kept, so that every plan is predicted as compute plus the host
+    cost of what runs it (the runtime's or DDP's own work per tensor and per block, which its
+    one-rank collectives are part of). What ``usbyte-opt bench`` and ``demo`` predict on one
+    rank.
+
+    Example::
+
+        >>> from usbyte_opt.planning.synthetic import chain_profile
+        >>> single_rank(chain_profile([1000, 1000])).comm.world_size
+        1
+    """
+    from ..formats import MAX_ALGBW_GBS, CommSpec
+
+    return profile.with_comm(CommSpec(profile.comm.backend, 1, 0.0, MAX_ALGBW_GBS))
+
+
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
@@ -213,9 +232,13 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
     ``best`` is seeded with every other plan and searches both modes, so it is never
-    predicted slower than any of them (DDP included), whatever the profile's compute-cost
-    fields. ``options`` maps a strategy name to keyword arguments of its plan; ``progress``
-    is told when each strategy starts and ends (:data:`Progress`). ``update_rule``: where
+    predicted slower than any of them run on the runtime (DDP's buckets included), whatever
+    the profile's compute-cost fields. Each plan is scored with the host cost of its runner
+    (:attr:`~usbyte_opt.planning.strategies.Plan.runner`): torch DDP's for ``ddp`` and
+    ``ddp-tuned``, the runtime's for the others and ``best``; where DDP's is the lower, torch
+    DDP can be predicted faster than ``best`` (by at most the difference). ``options`` maps a
+    strategy name to keyword arguments of its plan; ``progress`` is told when each strategy
+    starts and ends (:data:`Progress`). ``update_rule``: where
     the iteration model puts the optimizer updates (:class:`~usbyte_opt.planning.problem.UpdateRule`);
     every plan is scored and chosen under it, and ``GATE`` plans for the runtime's optimizer
     step on the training thread, as the bench's refined prediction scores it. A strategy that has no
@@ -443,7 +466,7 @@ def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -
 
     sc = scorer_for(problem, plan.layout)
     stats = sc.stats(plan.blocks)
-    ov, fe = sc.score(stats, Mode.OVERLAP), sc.score(stats, Mode.FENCE)
+    ov, fe = sc.score(stats, Mode.OVERLAP, plan.runner), sc.score(stats, Mode.FENCE, plan.runner)
     if plan.mode == Mode.SHARDED:
         T = sharded_time(problem, plan.layout, plan.blocks, plan.gathers)
         state = state_bytes(problem, plan.layout, plan.blocks, slots)

@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any
 
+import numpy as np
+
 from ..formats import Block, Buffer, Mode, Profile, Schedule, check_against
 from .cost import CostModel, cost_model
 
@@ -52,6 +54,44 @@ class UpdateRule(str, Enum):
 
     def __str__(self) -> str:
         return self.value
+
+
+class Runner(str, Enum):
+    """What runs a plan's blocks, and so what host cost it pays (docs/planner.md, "Host
+    cost"): the usbyte-opt runtime (``RUNTIME``, every strategy's schedule) or torch DDP's
+    reducer (``DDP``: the ``ddp`` strategy, stock DDP's buckets, and ``ddp-tuned``, stock DDP
+    with the planned buckets, :data:`DDP_STRATEGIES`).
+
+    Example::
+
+        >>> runner_of("ddp-tuned"), runner_of("best"), str(Runner.DDP)
+        (<Runner.DDP: 'ddp'>, <Runner.RUNTIME: 'runtime'>, 'ddp')
+    """
+
+    RUNTIME = "runtime"
+    DDP = "ddp"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The strategies whose schedules torch DDP runs (:class:`Runner` ``DDP``).
+DDP_STRATEGIES = ("ddp", "ddp-tuned")
+
+
+def runner_of(strategy: str) -> Runner:
+    """The :class:`Runner` of a strategy's schedule: torch DDP for :data:`DDP_STRATEGIES`,
+    else the runtime."""
+    return Runner.DDP if strategy in DDP_STRATEGIES else Runner.RUNTIME
+
+
+@dataclass(frozen=True, slots=True)
+class HostLine:
+    """The host time one runner pays per iteration: ``tensor_ms`` per trainable tensor (its
+    hook, in backward) and ``block_ms`` per block (the issue of its all-reduce), ms."""
+
+    tensor_ms: float
+    block_ms: float
 
 
 @dataclass(slots=True)
@@ -144,6 +184,13 @@ class Problem:
     """Bytes of all gradients (one iteration's all-reduce)."""
     update_rule: UpdateRule = UpdateRule.AVAIL
     """Where overlap mode puts the optimizer updates (:class:`UpdateRule`)."""
+    host: dict[Runner, HostLine] = field(default_factory=dict)
+    """Each runner's host cost (the profile's ``host`` section, µs made ms); a runner absent
+    pays none (:meth:`host_line`)."""
+    host_hidden: bool = False
+    """Whether the host runs ahead of the device (CUDA, not launch-bound: the profile's
+    ``host.launch_bound`` false), so that the host's cost counts only where it exceeds the
+    compute it runs ahead of (:meth:`host_releases`)."""
     _ready_order: list[int] | None = None
     _need_order: list[int] | None = None
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -157,6 +204,14 @@ class Problem:
         ts = profile.tensors
         numel = [t.numel for t in ts]
         itemsize = [t.itemsize for t in ts]
+        h = profile.host
+        host: dict[Runner, HostLine] = {}
+        if h is not None:
+            for runner, tensor_us, block_us in (
+                    (Runner.RUNTIME, h.runtime_tensor_us, h.runtime_block_us),
+                    (Runner.DDP, h.ddp_tensor_us, h.ddp_bucket_us)):
+                if tensor_us > 0 or block_us > 0:
+                    host[runner] = HostLine(tensor_us / 1e3, block_us / 1e3)
         return cls(
             profile=profile,
             cost=cost if cost is not None else cost_model(profile.comm),
@@ -174,6 +229,8 @@ class Problem:
             cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
             total_bytes=sum(n * b for n, b in zip(numel, itemsize)),
             update_rule=UpdateRule(update_rule),
+            host=host,
+            host_hidden=h is not None and not h.launch_bound,
         )
 
     def with_cost(self, cost: CostModel) -> Problem:
@@ -214,7 +271,103 @@ class Problem:
                        [x * forward for x in self.need], [u * forward for u in self.update],
                        self.numel, self.itemsize, self.dtype, self.index, self.B * backward,
                        self.F * forward, total_bytes=self.total_bytes,
-                       update_rule=self.update_rule)
+                       update_rule=self.update_rule, host=self.host,
+                       host_hidden=self.host_hidden)
+
+    # -- host cost (docs/planner.md, "Host cost") ---------------------------------------------
+
+    def host_line(self, runner: Runner | str = Runner.RUNTIME) -> HostLine | None:
+        """What ``runner`` pays on the host (``None``: nothing here)."""
+        return self.host.get(Runner(runner))
+
+    @property
+    def charges_host(self) -> bool:
+        """Whether any runner pays host cost here."""
+        return bool(self.host)
+
+    def ready_sorted(self) -> np.ndarray:
+        """The ready times, ascending (kept in :attr:`cache`)."""
+        hit = self.cache.get("ready-sorted")
+        if hit is None:
+            hit = self.cache["ready-sorted"] = np.sort(np.asarray(self.ready, dtype=float))
+        return hit
+
+    def host_releases(self, R: np.ndarray, runner: Runner | str = Runner.RUNTIME,
+                      stretch: float = 1.0) -> np.ndarray:
+        """When each block (``R``: the last ready time of its tensors, blocks in issue order)
+        can start on the channel once ``runner`` has paid its host cost, backward's compute
+        times ``stretch`` (the compute-cost option).
+
+        Block k is issued, in order, at ``P_k = max_{j<=k} R_j``: in the hook of the tensor
+        that makes it and every block before it ready. By then the host has run the hook of
+        every tensor ready by ``P_k`` and issued blocks ``0..k``, so
+        ``D_k = tensor_ms * #{p : ready_p <= P_k} + block_ms * (k + 1)`` and the block starts
+        at ``stretch * P_k + D_k``; with :attr:`host_hidden` (the host runs ahead of the
+        device) at ``max(stretch * P_k, D_k)``. Without host cost: ``stretch * R``.
+
+        Example (three tensors ready at 3, 2, 1 ms; 0.1 ms per tensor, 0.5 per block)::
+
+            >>> from usbyte_opt.planning.synthetic import chain_profile
+            >>> pb = Problem.from_profile(chain_profile([10, 10, 10], 3.0, 3.0, compute=[1, 1, 1]))
+            >>> pb.host = {Runner.RUNTIME: HostLine(0.1, 0.5)}
+            >>> pb.ready
+            [3.0, 2.0, 1.0]
+            >>> pb.host_releases(np.array([1.0, 3.0])).round(6).tolist()  # 1 + 0.1 + 0.5; 3 + 0.3 + 1
+            [1.6, 4.3]
+            >>> round(pb.host_backward(2), 6)     # 3 + 3 x 0.1 + 2 x 0.5
+            4.3
+            >>> pb.host_hidden = True             # the host runs ahead: only what exceeds compute
+            >>> pb.host_releases(np.array([1.0, 3.0])).round(6).tolist(), pb.host_backward(2)
+            ([1.0, 3.0], 3.0)
+        """
+        h = self.host_line(runner)
+        if h is None:
+            return R * stretch if stretch != 1.0 else R
+        P = np.maximum.accumulate(R)
+        D = h.tensor_ms * np.searchsorted(self.ready_sorted(), P, side="right") \
+            + h.block_ms * np.arange(1, len(R) + 1)
+        return np.maximum(P * stretch, D) if self.host_hidden else P * stretch + D
+
+    def host_backward(self, blocks: int, runner: Runner | str = Runner.RUNTIME,
+                      stretch: float = 1.0) -> float:
+        """When backward ends with ``runner``'s host cost for ``blocks`` blocks (all issued in
+        backward's hooks): ``stretch * B + n * tensor_ms + blocks * block_ms``, or with
+        :attr:`host_hidden` the larger of the two terms; ``stretch * B`` without host cost."""
+        h = self.host_line(runner)
+        B = self.B * stretch
+        if h is None:
+            return B
+        D = self.n * h.tensor_ms + blocks * h.block_ms
+        return max(B, D) if self.host_hidden else B + D
+
+    def host_floor(self) -> Problem:
+        """This problem with each tensor's ready time and backward's end raised by the least
+        host cost any plan pays, by any runner, and no host cost left: each runner's cost per
+        tensor and per block, the smaller of the two runners' (a runner without cost: 0); the
+        tensor ready at ``r`` raised by ``tensor_ms * #{p : ready_p <= r} + block_ms`` (its
+        block is issued after those hooks and at least its own issue), backward's end by
+        ``n * tensor_ms + block_ms`` (at least one block); with :attr:`host_hidden`, each the
+        larger of the time and the host's. Every plan's host-charged releases and backward
+        end are at least these, and the iteration never gets shorter when they grow, so the
+        lower bound of the result bounds every plan (:func:`usbyte_opt.planning.bounds.lower_bound`).
+        Kept in :attr:`cache`; the problem itself without host cost."""
+        if not self.host:
+            return self
+        hit = self.cache.get("host-floor")
+        if hit is not None:
+            return hit
+        lines = [self.host.get(r, HostLine(0.0, 0.0)) for r in Runner]
+        t = min(h.tensor_ms for h in lines)
+        b = min(h.block_ms for h in lines)
+        r = np.asarray(self.ready, dtype=float)
+        D = t * np.searchsorted(self.ready_sorted(), r, side="right") + b
+        ready = (np.maximum(r, D) if self.host_hidden else r + D).tolist()
+        DB = self.n * t + b
+        B = max(self.B, DB) if self.host_hidden else self.B + DB
+        floor = dataclasses.replace(self, ready=ready, B=B, host={}, cache={},
+                                    _ready_order=None, _need_order=None)
+        self.cache["host-floor"] = floor
+        return floor
 
     @property
     def n(self) -> int:

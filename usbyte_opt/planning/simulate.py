@@ -24,6 +24,14 @@ Time origin is the start of backward; milliseconds and bytes.
   the timeline of the default update rule under both rules. This module reads the
   overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.planning.fastsim` computes
   the same in closed form (tests check they agree).
+* Host cost (the profile's ``host`` section; docs/planner.md): the runner of the blocks (the
+  runtime, or torch DDP for the ``ddp`` and ``ddp-tuned`` strategies) pays per tensor and per
+  block on the host. Walking the blocks in issue order, block k is issued at ``P_k``, the
+  largest ready time of it and the blocks before it, after the hooks of the tensors ready by
+  then and the issues of blocks ``0..k``: it starts no earlier than ``P_k`` plus that host
+  time (with the host running ahead of the device: the larger of the two), and backward ends
+  at ``B`` plus every tensor's and every block's host time (or the larger). The compute-cost
+  option stretches the compute, not the host's time.
 
 Deterministic, no torch import. :func:`chrome_trace` turns a :class:`Timeline` into a trace
 that Perfetto (ui.perfetto.dev) or ``chrome://tracing`` opens.
@@ -50,6 +58,7 @@ Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
 from __future__ import annotations
 
 import dataclasses
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -57,7 +66,7 @@ from typing import Any
 from ..errors import MismatchError
 from ..formats import Block, Mode, Profile, Schedule, check_against
 from ..formats.chrome import ChromeTrace
-from .problem import Layout, Problem, UpdateRule
+from .problem import Layout, Problem, Runner, UpdateRule, runner_of
 
 #: The modes the planner models (sharded mode's model is :mod:`usbyte_opt.planning.sharded`).
 MODES = (Mode.OVERLAP, Mode.FENCE, Mode.SHARDED)
@@ -118,11 +127,13 @@ class Timeline:
 
 
 def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
-                    mode: Mode = Mode.OVERLAP) -> Timeline:
-    """Simulate ``blocks`` (issue order) over ``layout``; blocks must cover every buffer once.
+                    mode: Mode = Mode.OVERLAP, runner: Runner | str = Runner.RUNTIME) -> Timeline:
+    """Simulate ``blocks`` (issue order) over ``layout``, run by ``runner`` (what host cost it
+    pays); blocks must cover every buffer once.
 
     With the compute-cost option the timeline is that of the charged iteration, and its
-    ``meta["cpu_charge_ms"]`` holds what backward and forward paid."""
+    ``meta["cpu_charge_ms"]`` holds what backward and forward paid; with host cost,
+    ``meta["host_ms"]`` how much later backward ended for it."""
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if mode == Mode.SHARDED:
@@ -130,13 +141,13 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
 
         return simulate_sharded(problem, layout, blocks)
     gated = problem.update_rule == UpdateRule.GATE and mode == Mode.OVERLAP
-    tl = _walk(problem, layout, blocks, mode, gated and not problem.charges_cpu)
+    tl = _walk(problem, layout, blocks, mode, gated and not problem.charges_cpu, runner)
     if not problem.charges_cpu:
         return tl
     xb, xf = compute_charge(problem, tl)
     sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
     sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
-    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode, gated)
+    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode, gated, runner)
     charge = {"backward": xb, "forward": xf}
     return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": charge})
 
@@ -192,20 +203,30 @@ def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
 
 
 def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
-          gated: bool = False) -> Timeline:
+          gated: bool = False, runner: Runner | str = Runner.RUNTIME) -> Timeline:
     """The step-by-step timeline of the module docstring, without the compute-cost option;
-    ``gated``: overlap mode with the updates at the gates."""
+    ``gated``: overlap mode with the updates at the gates; ``runner``: whose host cost."""
     cost, ready, names = problem.cost, problem.ready, problem.names
     n = problem.n
+    host = problem.host_line(runner)
+    hidden = problem.host_hidden
+    by_ready = sorted(ready)
     last = [-1.0] * n
     timings = []
     prev = 0.0
     busy = 0.0
+    issued = 0.0              # P_k: when block k is issued (host cost aside)
     for k, blk in enumerate(blocks):
         idx = layout.tensors_of(blk.buffer, blk.start, blk.end)
         r = max(ready[i] for i in idx)
         nbytes = (blk.end - blk.start) * layout.itemsize[blk.buffer]
-        start = r if r > prev else prev
+        issued = r if k == 0 or r > issued else issued
+        release = r
+        if host is not None:
+            # the hooks of every tensor ready by then, and the issues of blocks 0..k
+            spent = host.tensor_ms * bisect_right(by_ready, issued) + host.block_ms * (k + 1)
+            release = max(issued, spent) if hidden else issued + spent
+        start = release if release > prev else prev
         dur = cost.allreduce_ms(nbytes)
         fin = start + dur
         busy += dur
@@ -217,11 +238,15 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
     if any(v < 0 for v in last):
         missing = names[last.index(-1.0)]
         raise MismatchError(f"tensor {missing!r} is covered by no block")
-    B, F = problem.B, problem.F
+    F = problem.F
+    B = problem.B
+    if host is not None:
+        spent = n * host.tensor_ms + len(blocks) * host.block_ms
+        B = max(B, spent) if hidden else B + spent
     upd = problem.update
     gates: list[ForwardGate] = []
     if gated:
-        fwd_start, fwd_end = B, _gated_forward(problem, last, gates)
+        fwd_start, fwd_end = B, _gated_forward(problem, last, gates, B)
         total_upd = 0.0
     elif mode == Mode.OVERLAP:
         t = None
@@ -243,12 +268,17 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
             gates.append(ForwardGate(names[i], problem.need[i], last[i] + upd[i],
                                      fwd_start + problem.need[i], 0.0))
     T = max(fwd_end, prev)
-    return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates), total_upd)
+    meta: dict[str, Any] = {"host_ms": B - problem.B} if host is not None else {}
+    return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates),
+                    total_upd, meta)
 
 
-def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[ForwardGate]) -> float:
+def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[ForwardGate],
+                   B: float | None = None) -> float:
     """The forward of overlap mode with the updates at the gates (update rule ``GATE``), from
-    each tensor's last finish; appends a gate per tensor and returns the forward's end."""
+    each tensor's last finish, backward ending at ``B`` (default the problem's); appends a
+    gate per tensor and returns the forward's end."""
+    B = problem.B if B is None else B
     upd, need, names = problem.update, problem.need, problem.names
     pending = set(range(problem.n))
     by_finish = sorted(range(problem.n), key=lambda i: finish[i])
@@ -256,7 +286,7 @@ def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[Forwar
     t = None
     prev_need = 0.0
     for i in problem.need_order():
-        reach = problem.B + need[i] if t is None else t + (need[i] - prev_need)
+        reach = B + need[i] if t is None else t + (need[i] - prev_need)
         t = reach
         paid = 0.0
         if i in pending:
@@ -274,13 +304,16 @@ def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[Forwar
         t += paid
         gates.append(ForwardGate(names[i], need[i], finish[i], t, wait, paid))
         prev_need = need[i]
-    return t + problem.F - prev_need if t is not None else problem.B + problem.F
+    return t + problem.F - prev_need if t is not None else B + problem.F
 
 
 def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | None = None,
-             check: bool = True, source: str = "<schedule>") -> Timeline:
+             check: bool = True, source: str = "<schedule>",
+             runner: Runner | str | None = None) -> Timeline:
     """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted), in
-    ``mode`` (default: the schedule's own, the one the runtime runs it in).
+    ``mode`` (default: the schedule's own, the one the runtime runs it in), run by ``runner``
+    (default: torch DDP for the ``ddp`` and ``ddp-tuned`` strategies' schedules, else the
+    runtime: :func:`~usbyte_opt.planning.problem.runner_of`), whose host cost it pays.
 
     On several nodes (:class:`~usbyte_opt.planning.cost.HierCost`) a schedule without
     hierarchical blocks runs flat rings only; one with them is costed block by block at the
@@ -298,7 +331,8 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
         from .sharded import simulate_sharded
 
         return simulate_sharded(problem, layout, schedule.blocks, schedule.gather_groups())
-    return simulate_blocks(problem, layout, schedule.blocks, mode)
+    return simulate_blocks(problem, layout, schedule.blocks, mode,
+                           runner_of(schedule.strategy) if runner is None else runner)
 
 
 def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any]:

@@ -68,6 +68,10 @@ class ProfileOptions:
     stable_s: float = STABLE_S
     """Time cap (seconds) of the extra rounds that the sweep and the probe each add until their
     numbers are stable (0: none)."""
+    host_probe: bool = True
+    """Also measure what the runtime and torch DDP cost the host per tensor and per block, and
+    on CUDA whether the iteration is launch-bound (:mod:`usbyte_opt.profiler.host`; about a
+    second): the profile's ``host`` section. Off: no section (the planner's defaults)."""
 
     def sweep_sizes(self) -> list[int]:
         """The all-reduce sizes the sweep times, in bytes."""

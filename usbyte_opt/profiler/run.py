@@ -35,7 +35,7 @@ from ..collectives.issuers import _SERIAL_IDS, backend_for, block_issuers, wants
 from ..collectives.sweep import Sweep, analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
 from ..errors import UsageError, UsbyteError
-from ..formats import COMM_BACKENDS, DTYPE_SIZES, CollectiveCost, CommSpec, Profile, TensorSpec
+from ..formats import COMM_BACKENDS, DTYPE_SIZES, CollectiveCost, CommSpec, HostCost, Profile, TensorSpec
 from ..formats.probe_record import CpuProbeRecord
 from ..group import barrier
 from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name, resolve
@@ -105,8 +105,9 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
 
     Phases: build the model on every rank (:func:`_build`), time its iterations
     (:class:`~.timing.IterationTimer`), take the maximum over ranks (:func:`_aggregate`),
-    measure all-reduce (:func:`_measure_comm`, or :func:`_analytic` at world size 1), and
-    assemble the profile (:func:`_assemble`).
+    measure all-reduce (:func:`_measure_comm`, or :func:`_analytic` at world size 1), measure
+    the host cost of the runtime and of DDP (:func:`_host`), and assemble the profile
+    (:func:`_assemble`).
 
     Args:
         model: a built-in name, ``package.module:factory`` or a factory callable
@@ -129,8 +130,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         >>> with warnings.catch_warnings():
         ...     warnings.simplefilter("ignore")
         ...     p = profile_model("mlp", 4, ProfileOptions(warmup=1, repeats=2))
-        >>> len(p.tensors), p.comm.backend, p.meta["world_size"]
-        (8, 'analytic', 1)
+        >>> len(p.tensors), p.comm.backend, p.meta["world_size"], p.host.launch_bound
+        (8, 'analytic', 1, True)
         >>> all(0 <= t.ready_ms <= p.backward_ms and 0 <= t.need_ms <= p.forward_ms for t in p.tensors)
         True
 
@@ -170,6 +171,8 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
                                  lambda: (net, inputs, loss_fn, opt))
     else:
         measured = _analytic(opts)
+    host, host_rec = _host(opts, dev, group, world, progress,
+                           lambda: (net, inputs, loss_fn, opt), measured.notes)
     if timings.fallback_passes:
         measured.notes.append(f"{timings.fallback_passes} of {opts.repeats} timed passes called "
                               "modules in a different order than the first; need_ms of those "
@@ -178,8 +181,59 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         warnings.warn(msg, ProfileWarning, stacklevel=2)
     batch = batch_size if batch_size is not None else resolve(model)[1]
     named = getattr(net, MODEL_NAME_ATTR, None)
-    return _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
+    prof = _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
                      timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
+    if host is None:
+        return prof
+    return dataclasses.replace(prof, host=host, meta={**prof.meta, "host_probe": host_rec})
+
+
+def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,
+          progress: Progress | None, training: Callable[[], tuple[Any, Any, Any, Any]],
+          notes: list[str]) -> tuple[HostCost | None, dict[str, Any]]:
+    """The profile's ``host`` section (:mod:`.host`): every rank measures its own, every rank
+    gets the maximum over ranks; on CUDA with the real model's launch-bound verdict. Where
+    any rank failed (the runtime or DDP could not be built here), no section, a note that
+    says why (the planner's defaults then apply) and the same on every rank. ``(None, {})``
+    with the probe off."""
+    if not opts.host_probe:
+        return None, {}
+    from .host import host_cost, launch_bound, to_host_cost
+
+    if progress is not None:
+        progress("host cost", 0, 1)
+    mine: tuple[Any, Any, Any] | str
+    try:
+        probe = host_cost(dev, group)
+        bound, bound_rec = None, {}
+        if dev.type == "cuda":
+            net, inputs, loss_fn, opt = training()
+
+            def step() -> None:
+                loss_fn(net(*inputs)).backward()
+                opt.step()
+                opt.zero_grad()
+
+            bound, bound_rec = launch_bound(step, dev)
+        mine = (probe, bound, bound_rec)
+    except Exception as e:  # noqa: BLE001 - the profile stands without it (defaults), said once
+        mine = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    every: list[Any] = [mine]
+    if world > 1:
+        every = [None] * world
+        dist.all_gather_object(every, mine, group=group)
+    if progress is not None:
+        progress("host cost", 1, 1)
+    failed = next((x for x in every if isinstance(x, str)), None)
+    if failed is not None:
+        notes.append(f"host cost not measured ({failed}); the planner's defaults apply "
+                     "(docs/profiles.md)")
+        return None, {}
+    backend = backend_for(group, dev) if world > 1 else ("nccl" if dev.type == "cuda" else "gloo")
+    host, rec = to_host_cost([x[0] for x in every], [x[1] for x in every], dev, backend)
+    if dev.type == "cuda":
+        rec["launch_bound"] = [x[2] for x in every]
+    return host, rec
 
 
 def _build(model: str | Factory, batch_size: int | None, dev: torch.device, world: int,

@@ -16,7 +16,7 @@ from typing import Any
 
 from ...errors import UsbyteError
 from ...formats import Block, Mode
-from ..problem import Layout
+from ..problem import Layout, Runner
 
 
 class NotApplicable(UsbyteError):
@@ -39,9 +39,13 @@ class Plan:
     gathers: list[tuple[int, ...]] | None = None
     """Sharded mode: the all-gathers in issue order, each the indices of the blocks it
     gathers (:attr:`usbyte_opt.formats.Schedule.gathers`)."""
+    runner: Runner = Runner.RUNTIME
+    """What runs the schedule, and so what host cost the scorer charges it: the runtime, or
+    torch DDP (the ``ddp`` and ``ddp-tuned`` strategies)."""
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)
+        self.runner = Runner(self.runner)
 
 
 PlanFn = Callable[..., Plan]

@@ -32,8 +32,10 @@ cut costs more than it saves. So ``best``:
 4. **Seeds** from every other strategy's plan it is given (the CLI passes all of them), plus
    the cheap baselines it computes itself.
 5. Scores **every candidate in both modes** (fence: every block, then every update, as DDP;
-   overlap: each update gated in the next forward), so it is never predicted slower than any
-   strategy in the mode that strategy runs in, whatever the compute-cost fields.
+   overlap: each update gated in the next forward), as a plan of the runtime (its host cost:
+   :meth:`usbyte_opt.planning.problem.Problem.host_releases`), so it is never predicted
+   slower than any strategy's blocks on the runtime in the mode that strategy runs in,
+   whatever the compute-cost fields.
 6. **Improves** the best candidates (:data:`STARTS`, and the best one not bound-guided when
    all of those are) by local search in their mode
    (:func:`improve`), one after the other within the time budget: moves on the
@@ -761,7 +763,10 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     st = sc.stats(blocks)
     cur = sc.score(st, mode)
     eps = 1e-9
-    every = problem.charges_cpu or problem.update_rule == UpdateRule.GATE
+    # a move anywhere can change T with the compute-cost option, the updates at the gates, or
+    # host cost on the critical path (a block fewer issues every later one sooner)
+    every = (problem.charges_cpu or problem.update_rule == UpdateRule.GATE
+             or (problem.charges_host and not problem.host_hidden))
     floor = problem.B + problem.F + (sum(problem.update) if mode == Mode.FENCE else 0.0)
     if not every and cur <= floor + eps:
         return blocks

@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ...formats import Block, Mode
-from ..problem import Layout, Problem
+from ..problem import Layout, Problem, Runner
 from . import Plan, register
 
 MIB = 1 << 20
@@ -54,7 +54,8 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
         first_bucket_mb: the cap of the first bucket of each dtype (torch's 1 MiB default).
 
     Returns:
-        A fence-mode :class:`Plan`; ``info["buckets"]`` is the number of buckets.
+        A fence-mode :class:`Plan` run by torch DDP (its host cost); ``info["buckets"]`` is
+        the number of buckets.
 
     Example::
 
@@ -70,7 +71,8 @@ def plan(problem: Problem, *, bucket_cap_mb: float = 25.0, first_bucket_mb: floa
     blocks = buckets(problem, layout, first_bucket_bytes=int(first_bucket_mb * MIB),
                      bucket_cap_bytes=int(bucket_cap_mb * MIB))
     return Plan(layout, blocks, Mode.FENCE, {"buckets": len(blocks), "bucket_cap_mb": bucket_cap_mb,
-                                          "first_bucket_mb": first_bucket_mb})
+                                          "first_bucket_mb": first_bucket_mb},
+                runner=Runner.DDP)
 
 
 def buckets(problem: Problem, layout: Layout | None = None, order: Sequence[int] | None = None, *,

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from ...formats import Block, Mode
 from ..fastsim import scorer_for
-from ..problem import Problem
+from ..problem import Problem, Runner
 from . import NotApplicable, Plan, register
 
 #: Work (partial plans built plus dominance tests) the compute-cost programme may spend before
@@ -196,18 +196,22 @@ def plan(problem: Problem, *, max_work: int = MAX_WORK,
         blocks.append(Block(0, start, atoms.end[j - 1]))
         start = atoms.end[j - 1]
     sc = scorer_for(problem, layout)
-    if T is None or not problem.cost.is_linear:   # the programmes time runs on a line
-        T = sc.score(sc.stats(blocks), Mode.FENCE)
+    # the programmes time runs on a line, without DDP's host cost: scored again where either
+    # does not hold
+    if T is None or not problem.cost.is_linear or problem.charges_host:
+        T = sc.score(sc.stats(blocks), Mode.FENCE, Runner.DDP)
     if prefer_default > 0:
         from .ddp import buckets as ddp_buckets
 
         default = ddp_buckets(problem, layout)
-        T_default = sc.score(sc.stats(default), Mode.FENCE)
+        T_default = sc.score(sc.stats(default), Mode.FENCE, Runner.DDP)
         if T_default <= T * (1.0 + prefer_default):
             return Plan(layout, default, Mode.FENCE, {"buckets": len(default), "iteration_ms": T_default,
-                                                   "exact": exact, "default_buckets": True})
+                                                   "exact": exact, "default_buckets": True},
+                        runner=Runner.DDP)
     return Plan(layout, blocks, Mode.FENCE, {"buckets": len(blocks), "iteration_ms": T,
-                                          "exact": exact, "default_buckets": False})
+                                          "exact": exact, "default_buckets": False},
+                runner=Runner.DDP)
 
 
 def _uncharged(problem: Problem, atoms: _Atoms, stretch: float = 1.0, alpha_extra: float = 0.0,
