@@ -96,6 +96,9 @@ def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed
     assert rep["settled_at_step"] in LOOKS
     assert rep["summary"].startswith("running DDP's buckets: the plan wfbp")
     assert "95% CI" in rep["summary"] and rep["vs_ddp_buckets"]["ratio"] > 1.0
+    # Its fallback is not torch DDP: the summary says so, and what that costs.
+    assert "the runtime on DDP's buckets, not torch DDP itself: about" in rep["summary"]
+    assert "ms more host time per iteration than torch DDP" in rep["summary"]
 
 
 def wrapper_verify(rank: int, ws: int, skew_ms: float) -> dict:

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ..env import AUTO_DIR_ENV, SUMMARY_FILE_ENV
 from ..errors import UsbyteError
-from ..formats import CommSpec, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
+from ..formats import CommSpec, HostCost, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
 from ..verdict import Budget, Ratio
 
 #: Iterations before measuring (the first one learns the hooks' order).
@@ -508,7 +508,10 @@ class Tuner:
         meta = {"source": "usbyte_opt.runtime auto (measured in the training run)",
                 "iterations": {"clean": len(clean), "overlap": len(over)},
                 "backward_with_comm_ms": B_over, "device": opt.device.type}
-        return Profile("auto", F, B, tuple(tensors), comm, meta)
+        # The host's cost per tensor and per block, as a profile file without a measured
+        # ``host`` section is planned with (the planner charges it on the critical path).
+        return Profile("auto", F, B, tuple(tensors), comm, meta,
+                       HostCost.default(str(opt.device)))
 
     def _sweep(self, total_bytes: int) -> CommSpec:
         from ..collectives.issuers import backend_for
@@ -665,16 +668,19 @@ class Tuner:
 
     def _fallback_cost(self) -> str:
         """What the fallback is, where it is not torch DDP itself: the runtime on DDP's
-        buckets, and its host cost against DDP where the plan's profile measured it."""
+        buckets, and what its host time costs over torch DDP's for this model (its tensors and
+        the fallback's blocks at the per-tensor and per-block host costs of
+        :meth:`usbyte_opt.formats.HostCost.default`, what ``usbyte-opt profile`` measures)."""
         if self.against != DDP_BUCKETS:
             return ""
-        host = (self.plan[0].predicted or {}).get("host") if self.plan else None
-        cost = ""
-        if isinstance(host, dict) and host.get("runtime_over_ddp_ms") is not None:
-            cost = (f", {host['runtime_over_ddp_ms']:.2f} ms per iteration over torch DDP's "
-                    "host time as profiled")
-        return (f" (the runtime on DDP's buckets, not torch DDP itself{cost}; "
-                "usbyte_opt.DistributedDataParallel falls back to torch DDP)")
+        host = HostCost.default(str(self.opt.device))
+        n, m = self.opt.tensor_count, len(self.fallback.blocks)
+        extra = (n * (host.runtime_tensor_us - host.ddp_tensor_us)
+                 + m * (host.runtime_block_us - host.ddp_bucket_us)) / 1e3
+        hidden = "" if host.launch_bound else ", hidden where the GPU is busier than the host"
+        return (f" (the runtime on DDP's buckets, not torch DDP itself: about {extra:.2f} ms "
+                f"more host time per iteration than torch DDP for {n} tensors in {m} blocks"
+                f"{hidden}; usbyte_opt.DistributedDataParallel falls back to torch DDP)")
 
     def line(self, note: str = "") -> str:
         """The one line rank 0 logs when it settles."""
