@@ -30,6 +30,7 @@ from usbyte_opt.runtime import (
     split_blocks,
 )
 from usbyte_opt.runtime.checks import check_model, resolve_schedule
+from usbyte_opt.runtime.start import requested
 
 
 def mlp() -> nn.Module:
@@ -131,9 +132,12 @@ def test_resolve_schedule_sources(tmp_path, monkeypatch):
     monkeypatch.delenv(SCHEDULE_ENV, raising=False)
     assert resolve_schedule(str(path), m, 1)[1] == str(path)
     monkeypatch.setenv(SCHEDULE_ENV, str(path))
-    s, src = resolve_schedule(None, m, 1)
+    req = requested(None)          # the one reader of $USBYTE_SCHEDULE
+    assert req.given and not req.auto
+    s, src = resolve_schedule(req.schedule, m, 1)
     assert src == str(path) and s.strategy == "split"
     monkeypatch.delenv(SCHEDULE_ENV)
+    assert not requested(None).given
     with pytest.warns(UsbyteWarning, match="no schedule given"):
         assert resolve_schedule(None, m, 1)[1] == "<default schedule>"
     with pytest.raises(FormatError, match=r"nope\.json: expected an existing file"):

@@ -8,7 +8,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ..env import AUTO, SCHEDULE_ENV
+from ..env import AUTO
 from ..errors import UsbyteError
 from ..formats import Mode, Schedule, load_schedule
 
@@ -84,9 +84,9 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
         ('runtime', 'ddp')
     """
     from ..ddp import expressible
+    from ..runtime.start import requested
 
-    if schedule is None:
-        schedule = os.environ.get(SCHEDULE_ENV) or None
+    schedule = requested(schedule).schedule
     if schedule is None:
         return Plan("runtime", None, "<default schedule>", "no schedule given")
     if isinstance(schedule, str) and schedule == AUTO:

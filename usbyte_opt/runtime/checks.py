@@ -1,7 +1,7 @@
 """Start-up checks of the runtime (docs/design.md §5.1), run before any training collective.
 
-1. :func:`resolve_schedule`: the schedule from the argument, else ``USBYTE_SCHEDULE``, else
-   the default plan (with a warning).
+1. :func:`resolve_schedule`: the schedule asked for (:func:`usbyte_opt.runtime.start.requested`
+   read ``$USBYTE_SCHEDULE`` already), else the default plan (with a warning).
 2. :func:`check_model`: the model's trainable tensors match the schedule; the error names the
    first tensor that differs (name, dtype, shape) and says expected vs got.
 3. :func:`~usbyte_opt.collectives.agree.agree`: every rank all-gathers one fixed-size record
@@ -51,8 +51,6 @@ def resolve_schedule(schedule: Schedule | str | os.PathLike | None, model: torch
     """
     if isinstance(schedule, Schedule):
         return schedule, _Source(schedule_source(schedule), model)
-    if schedule is None:
-        schedule = os.environ.get(SCHEDULE_ENV) or None
     if schedule is not None:
         return load_schedule(schedule), _Source(str(Path(schedule)), model)
     if warn:

@@ -155,8 +155,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if schedule.hierarchical:  # refused on every rank alike (sharded mode, nodes)
         check_hierarchy(schedule, chan.world_size, source, whole_world=whole_world(chan.group))
     device = chan.device
-    zero2 = schedule.mode == Mode.SHARDED and options.zero_stage == 2
-    grads = FlatGrads(schedule, params, device, options.align_bytes, stored=not zero2)
+    zero_stage = options.zero_stage if schedule.mode == Mode.SHARDED else 1
+    grads = FlatGrads(schedule, params, device, options.align_bytes, stored=zero_stage != 2)
     stepper = SubsetStepper(optimizer, grads, device,
                             previous.stepper.calls if previous is not None else 0)
     in_opt = [gi >= 0 for gi in stepper.group_of]
@@ -181,7 +181,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     comm.no_sync = previous is not None and previous.comm.no_sync
     sharded: Sharded | None = None
     if schedule.mode == Mode.SHARDED:
-        sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan)
+        sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan, zero_stage)
         comm.issue_block = sharded.reduce_scatter
         comm.collective = "reduce-scatter"
         sharded.trace = trace
@@ -189,7 +189,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         sharded.reap = comm.reap
         # Each gradient scaled as it is put in place, as the shards' layout wants it.
         comm.block_scale, comm.put_scale = None, comm.scale
-        if zero2:
+        if zero_stage == 2:
             comm.put = sharded.put
     elif schedule.hierarchical:
         comm.issue_block = hier_issuer(schedule, grads, chan)
@@ -219,7 +219,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         guard.refuse_grads = sharded.refuse_grad_access
     handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
                           for t, p in enumerate(grads.params)]
-    if zero2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
+    if zero_stage == 2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
         handles += [p.register_hook(comm.pre_hook(t)) for t, p in enumerate(grads.params)]
     handles += gates.install()
     handles.append(model.register_forward_pre_hook(_Hook(wrapper_check)))

@@ -49,34 +49,24 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from ..collectives.agree import agree
-from ..env import AUTO, SCHEDULE_ENV, TRACE_ENV
+from ..env import TRACE_ENV
 from ..errors import UsbyteError
 from ..formats import Mode, Schedule
 from . import amp
 from .backward import Phase
 from .checks import (
-    broadcast_from_rank0,
-    check_hierarchy,
-    check_model,
-    check_not_wrapped,
-    check_world_size,
     require_initialized,
-    resolve_schedule,
-    whole_world,
     wrapped_now,
 )
 from .comm import Channel
-from .default_plan import fallback_schedule, model_tensors, trainable_parameters
+from .default_plan import fallback_schedule
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
-from .sharded import check_sharded
+from .start import ScheduleArg, requested, start_up
 from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, inner_step
 
 if TYPE_CHECKING:
     from .autotune import Probe, Tuner
-
-ScheduleArg = Schedule | str | os.PathLike | None
 
 __all__ = ["DistributedOptimizer", "release_at_exit"]
 
@@ -264,8 +254,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
         require_initialized()
-        if isinstance(optimizer, DistributedOptimizer):
-            raise UsbyteError("the optimizer is already a DistributedOptimizer: wrap the plain one")
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise UsbyteError(f"backward_passes_per_step: expected an integer >= 1, got "
                               f"{backward_passes_per_step!r}")
@@ -276,53 +264,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=float(timeout))
         self._group = process_group
-        rank, ws = dist.get_rank(process_group), dist.get_world_size(process_group)
-        # A plan given (argument or $USBYTE_SCHEDULE) is verified against the DDP-like
-        # fallback; "auto" starts on the fallback, plans in the run, then verifies.
-        given = schedule is not None or bool(os.environ.get(SCHEDULE_ENV))
-        if schedule is None and os.environ.get(SCHEDULE_ENV) == AUTO:
-            schedule = AUTO
-        auto = isinstance(schedule, str) and schedule == AUTO
-        if auto:
-            schedule = fallback_schedule(model, ws)
-        verify = verify and given
-        params = trainable_parameters(model)
-        device = params[0][1].device if params else torch.device("cpu")
-
-        # 1. Local checks; an error is held back and shared (step 2) so that no rank hangs.
-        error: BaseException | None = None
-        sched: Schedule | None = None
-        source = "<schedule>"
-        try:
-            if not params:
-                raise UsbyteError(f"model {type(model).__name__}: no parameter requires grad")
-            devices = {p.device for _, p in params}
-            if len(devices) > 1:
-                raise UsbyteError(f"trainable parameters live on {len(devices)} devices "
-                                  f"({', '.join(sorted(map(str, devices)))}); expected one "
-                                  "device per rank")
-            sched, source = resolve_schedule(schedule, model, ws, warn=rank == 0)
-            check_not_wrapped(model)
-            check_model(sched, model_tensors(model), source)
-            check_hierarchy(sched, ws, source, whole_world=whole_world(process_group))
-            self._check_optimizer()
-            if sched.mode == Mode.SHARDED:
-                check_sharded(optimizer, sched, wait_in_backward=wait_in_backward)
-            elif zero_stage == 2:
-                what = 'schedule="auto" plans' if auto else f"{source} is"
-                raise UsbyteError(f'zero_stage=2 needs a sharded schedule ("mode": "sharded"); '
-                                  f"{what} in {sched.mode} mode (plan one with `usbyte-opt "
-                                  "optimize PROFILE --shard`)")
-        except Exception as e:  # noqa: BLE001 - shared with the other ranks, then re-raised
-            error = e
-        # 2. Every rank the same schedule, before any other collective.
-        agree(process_group, None if sched is None else sched.digest(), error, device, timeout)
-        assert sched is not None
-        check_world_size(sched, ws, rank)
-        # 3. Same starting point everywhere: parameters (frozen ones too) and buffers.
-        broadcast_from_rank0([p.detach() for p in model.parameters()], process_group, timeout)
-        if broadcast_buffers:
-            broadcast_from_rank0(list(model.buffers()), process_group, timeout, "buffers")
+        # The front door (:mod:`.start`): what was asked for ($USBYTE_SCHEDULE read there,
+        # once), every start-up check on every rank alike, rank 0's parameters everywhere.
+        # A plan asked for is verified against the fallback; "auto" starts on the fallback,
+        # plans in the run, then verifies.
+        req = requested(schedule)
+        if isinstance(optimizer, DistributedOptimizer):
+            raise UsbyteError("the optimizer is already a DistributedOptimizer: wrap the plain one")
+        st = start_up(optimizer, model, req, process_group, verify=verify,
+                      wait_in_backward=wait_in_backward, zero_stage=zero_stage, timeout=timeout,
+                      broadcast_buffers=broadcast_buffers)
+        sched, source, auto, verify = st.schedule, st.source, st.auto, st.verify
+        params, device, ws = st.params, st.device, st.world_size
 
         self._chan = Channel(process_group, device, timeout, one_in_flight)
         self._params = dict(params)
@@ -354,8 +307,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._on_ddp = False
         self._fallback_sched: Schedule | None = None
         self._tuner: Tuner | None = None
-        if sched.mode == Mode.SHARDED:
-            verify = False  # a switch to the fallback would have to move the sharded state
+        # (Sharded mode is not verified: a switch to the fallback would have to move the
+        # sharded state.)
         if auto or verify:
             from .autotune import Tuner
 
@@ -428,15 +381,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------
     # Set-up
     # ------------------------------------------------------------------------------------
-
-    def _check_optimizer(self) -> None:
-        model_ids = {id(p) for p in self._model.parameters()}
-        for gi, grp in enumerate(self._opt.param_groups):
-            for j, p in enumerate(grp["params"]):
-                if id(p) not in model_ids:
-                    raise UsbyteError(f"optimizer param_groups[{gi}]['params'][{j}] (shape "
-                                      f"{list(p.shape)}) is not a parameter of the model: the "
-                                      "runtime only averages and updates the model's parameters")
 
     def _group_shape(self) -> tuple[int, ...]:
         return tuple(len(g["params"]) for g in self._opt.param_groups)

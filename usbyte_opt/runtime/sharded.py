@@ -275,13 +275,16 @@ class Sharded:
         group_of: per tensor, the wrapped optimizer's param group (-1: not in it).
         optimizer: the wrapped optimizer; its param groups are rebuilt over the shards.
         chan: the channel (rank, world size, serial group).
+        zero_stage: 1 or 2 (the flat buffers not stored).
     """
 
     def __init__(self, schedule: Schedule, grads: FlatGrads, group_of: Sequence[int],
-                 optimizer: torch.optim.Optimizer, chan: Channel):
+                 optimizer: torch.optim.Optimizer, chan: Channel, zero_stage: int = 1):
         self.grads, self.opt, self.chan = grads, optimizer, chan
-        #: ZeRO-2: no flat buffer (``grads.stored`` is False); see the module's *ZeRO-2*.
-        self.zero2 = not grads.stored
+        #: 1 (ZeRO-1) or 2 (ZeRO-2: no flat buffer, ``grads.stored`` False; see the module's
+        #: *ZeRO-2*), as ``DistributedOptimizer(zero_stage=...)`` was given.
+        self.zero_stage = zero_stage
+        assert (zero_stage == 2) == (not grads.stored), "ZeRO-2 keeps no flat buffer"
         dev = self.device = grads.device
         #: Tensor indices in the model's parameter order (clip's grouping), set on first use.
         self.param_order: list[int] | None = None
@@ -327,7 +330,7 @@ class Sharded:
             self.g_in.append(gin)
             direct = len(blocks) == 1 and self.size[blocks[0]] * ws == self.length[blocks[0]]
             # ZeRO-2: every output is a staging tensor, allocated at each gather().
-            out = None if direct or self.zero2 else torch.zeros(ws * total, dtype=dtype,
+            out = None if direct or self.zero_stage == 2 else torch.zeros(ws * total, dtype=dtype,
                                                                 device=dev)
             self.g_out.append(out)
             for k in blocks:
@@ -338,7 +341,7 @@ class Sharded:
                     # output (disjoint per block; every gathered value is copied out before
                     # the next backward writes a gradient there).
                     self.stage[k] = out[ws * off:ws * (off + sk)]
-                elif sk * ws != self.length[k] and not self.zero2:
+                elif sk * ws != self.length[k] and self.zero_stage != 2:
                     self.stage[k] = torch.zeros(ws * sk, dtype=dtype, device=dev)
         self.rs_out: list[torch.Tensor] = []
         #: This rank's pieces: (block, tensor, start, end), flat-buffer coordinates.
@@ -429,7 +432,7 @@ class Sharded:
             for st in streams:
                 if st != cur:
                     cur.wait_stream(st)
-        if self.zero2:
+        if self.zero_stage == 2:
             # The work holds the storage while it runs; the runtime lets go of it now.
             x = self.storage(k)
             self.blk[k] = None
@@ -576,7 +579,7 @@ class Sharded:
         works: list[dist.Work | None] = [None] * len(self.pshard)
         for i, grp in enumerate(self.gathers):
             out = self.g_out[i]
-            if self.zero2:   # a fresh staging output (the last step's is gone by now)
+            if self.zero_stage == 2:   # a fresh staging output (the last step's is gone by now)
                 self.g_out[i] = None
                 gin = self.g_in[i]
                 out = self.g_out[i] = torch.empty(self.ws * gin.numel(), dtype=gin.dtype,
@@ -622,7 +625,7 @@ class Sharded:
         """Tensors ``ts``, whose blocks' all-gathers have finished: their gathered values (in
         the flat buffer, out of a staging tensor first) into the parameters."""
         g = self.grads
-        if self.zero2:
+        if self.zero_stage == 2:
             self._copy_back_unstored(ts)
             return
         with torch.no_grad():
@@ -1127,13 +1130,13 @@ class Sharded:
         state = sum(v.numel() * v.element_size() for st in self.opt.state.values()
                     for v in st.values() if torch.is_tensor(v))
         staging = sum(self.ws * g.numel() * g.element_size()
-                      for i, g in enumerate(self.g_in) if self.zero2 or self.g_out[i] is not None)
-        return {"zero_stage": 2 if self.zero2 else 1, "optimizer_state": state,
+                      for i, g in enumerate(self.g_in) if self.zero_stage == 2 or self.g_out[i] is not None)
+        return {"zero_stage": self.zero_stage, "optimizer_state": state,
                 "shards": nbytes(self.rs_out) + nbytes(self.g_in),
-                "kept": 0 if self.zero2 else nbytes(self.grads.flats) + staging
+                "kept": 0 if self.zero_stage == 2 else nbytes(self.grads.flats) + staging
                 + nbytes([t for t in self.stage if t is not None and t._base is None]),
                 "backward_peak": self.peak_grad_bytes,
-                "gather_staging": staging if self.zero2 else 0}
+                "gather_staging": staging if self.zero_stage == 2 else 0}
 
     # -- checks --------------------------------------------------------------------------
 

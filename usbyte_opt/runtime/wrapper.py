@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import os
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -45,10 +44,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..env import SCHEDULE_ENV
 from ..errors import UsbyteError
 from .checks import broadcast_from_rank0, require_initialized
-from .optimizer import DistributedOptimizer, ScheduleArg
+from .optimizer import DistributedOptimizer
+from .start import ScheduleArg, requested
 
 __all__ = ["DistributedDataParallel"]
 
@@ -126,7 +125,7 @@ class DistributedDataParallel(torch.nn.Module):
         # torch DDP over the module, outside the module tree (state_dict keys stay DDP's):
         # what runs when nothing is planned, and the fallback of verification.
         self.__dict__["_ddp"] = None
-        if schedule is None and not os.environ.get(SCHEDULE_ENV):
+        if not requested(schedule).given:
             self.__dict__["_ddp"] = self._torch_ddp()   # nothing planned: DDP itself
             return
         # DDP's starting point, at construction as DDP: rank 0's parameters and buffers (an
