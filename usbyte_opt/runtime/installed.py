@@ -152,7 +152,9 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         previous: the state this one replaces (removed already): the optimizer calls so far
             and ``no_sync()`` in force carry over, and its trace is closed.
     """
-    if schedule.hierarchical:  # refused on every rank alike (sharded mode, nodes)
+    if schedule.hierarchical and previous is not None:
+        # A plan switched to (the start-up checked the first one): refused on every rank
+        # alike (sharded mode, nodes).
         check_hierarchy(schedule, chan.world_size, source, whole_world=whole_world(chan.group))
     device = chan.device
     zero_stage = options.zero_stage if schedule.mode == Mode.SHARDED else 1
