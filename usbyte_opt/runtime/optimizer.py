@@ -75,87 +75,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer so that gradients are averaged over ranks in a planned order.
 
     Use it like Horovod's: wrap, then train as usual. The model is the plain module (no DDP
-    wrapper); its parameters are broadcast from rank 0 here.
-
-    **DDP's contract, enforced** (:mod:`.guard`). The runtime keeps communication in flight
-    past ``backward()`` and updates in flight past ``step()``; that is where its speed comes
-    from. Code that looks sees what DDP would show, with no change to the loop:
-
-    * after ``backward()``, the first read or write of any ``p.grad``
-      (``torch.nn.utils.clip_grad_norm_(model.parameters())``, a logged norm, gradient
-      surgery, ``p.grad = g``, GradScaler's ``unscale_``) first waits for the step's
-      all-reduce; then ``p.grad`` holds the average for every tensor some rank used, as under
-      DDP. A tensor replaced (``p.grad = g``) is stepped with ``g``; ``p.grad = None`` drops
-      it from the step. :meth:`synchronize` does the same wait explicitly;
-    * after ``step()`` (overlap mode), the first touch of a parameter's value (an EMA,
-      ``state_dict()``, ``deepcopy``, ``p.data.clamp_()``) first runs its pending update.
-      ``p.grad`` keeps the averaged gradient until ``zero_grad()``, as under DDP (in overlap
-      and fence mode): a read of it first runs the tensor's update, so nothing done to it can
-      alter the update, and ``p.grad = None`` (``zero_grad()``) leaves the update alone.
-      ``opt.zero_grad()`` keeps the overlap; ``model.zero_grad()`` reads each ``p.grad`` and so
-      runs the updates there. Sharded mode has a contract of its own (below).
-
-    What cannot be made equal is refused on every rank in one line: a parameter with no
-    gradient under ``find_unused_parameters=False`` (as DDP), a parameter unfrozen or a param
-    group added after wrapping, a parameter in two reentrant-checkpointed segments.
-
-    **Gradient access in sharded mode** (a schedule with ``"mode": "sharded"``): the
-    averaged gradient never exists whole, only as this rank's shard of each block (its
-    reduce-scatter output), which the wrapped optimizer steps:
-
-    * after ``backward()``, ``p.grad`` of each tensor this rank used is its view of the flat
-      buffer, holding this rank's *local* gradient divided by the world size (summed over the
-      passes of an accumulation), never averaged. A read of it by user code (``torch.nn.
-      utils.clip_grad_norm_(model.parameters())``, a logged norm) is refused in one line,
-      since DDP would show the average there: use :meth:`clip_grad_norm_`; ``p.grad = None``
-      drops the tensor from the step;
-    * :meth:`clip_grad_norm_` computes the global norm of the averaged gradients from one
-      all-reduce of the shards' per-tensor parts (a collective: every rank calls it),
-      counting the tensors DDP would (those with a gradient in ``p.grad`` after the wait),
-      scales the shards, and returns the total norm as ``torch.nn.utils.clip_grad_norm_``
-      does: bitwise equal to it for ``norm_type=inf`` and when every tensor lies whole in
-      one rank's shard, else within float rounding (the norm of a tensor cut across ranks is
-      summed from its pieces). ``p.grad`` is left alone;
-    * ``step()`` waits for the reduce-scatters, steps the shards and issues the
-      all-gathers of the parameters (in the schedule's ``gathers`` order); each parameter
-      gets its new value right before its first use in the next forward (or in
-      :meth:`synchronize`, ``model.state_dict()``, an eval forward). ``p.grad`` is ``None``
-      after it;
-    * ``zero_grad()`` acts as in overlap mode: after ``step()`` there is no gradient to zero
-      (``set_to_none=False`` is recorded, so a tensor no rank uses in the next step is stepped
-      with a zero gradient, as under DDP); between ``backward()`` and ``step()`` it discards
-      the step's gradients (``set_to_none=False``: the shards are stepped with zeros);
-    * ``GradScaler``: ``scaler.unscale_(opt)`` / ``scaler.step(opt)`` read ``param_groups``
-      after backward and see the shard parameters (flat 1-D views of this rank's shards; the
-      wrapped optimizer's groups hold those, not the model's parameters) with their gradient
-      shards, unscaled in place, and a sentinel that carries every rank's non-finite flag
-      (one all-reduce), so every rank skips the same steps and the scale follows DDP's;
-    * :meth:`synchronize` between ``backward()`` and ``step()`` is refused (there is no
-      averaged gradient to wait for), as is ``wait_in_backward=True``;
-    * with ``zero_stage=2`` (ZeRO-2) there is no flat buffer and **the full gradient is not
-      kept**: each block's gradient storage goes once its reduce-scatter has finished, and
-      after ``backward()`` ``p.grad`` is a placeholder of zeros with stride 0 (one element of
-      memory), not the local gradient. ``p.grad = None`` then still drops the tensor from the
-      step, as under DDP; zeroing it in place changes nothing; any other in-place change
-      raises. In passes that only accumulate, ``p.grad`` holds the local sum, as under DDP.
-
-    With ``wait_in_backward=True`` the end of backward (the autograd final callback) waits
-    for the step's all-reduce, as DDP's does, so nothing is left in flight when ``backward()``
-    returns. Blocks still go out during backward; what is lost is their overlap with the next
-    forward (measured in ``benchmarks/runtime_overhead.md``). The trainer integrations
-    (:mod:`usbyte_opt.integrations`) turn it on.
-
-    A loop that never zeroes gradients accumulates them across steps under DDP; here each
-    step starts from no gradient (overlap mode).
-
-    **Not under DDP or FSDP.** The runtime averages the gradients itself: a model that is, or
-    sits inside, ``DistributedDataParallel`` or FSDP is refused at construction, and a model
-    wrapped later is refused at its first forward through the wrapper, on every rank (its
-    gradients would be averaged twice, or never).
-
-    **Gradient accumulation** runs as under DDP: backward passes inside :meth:`no_sync`
-    only accumulate, and the first backward outside it communicates; or pass
-    ``backward_passes_per_step``.
+    wrapper); its parameters are broadcast from rank 0 here. Communication stays in flight
+    past ``backward()`` and updates past ``step()`` (in the next forward, tensor by tensor);
+    **DDP's contract holds** all the same: the first read or write of a ``p.grad`` after
+    backward waits for the averaged gradients, the first touch of a parameter after
+    ``step()`` runs its update first, and ``p.grad`` after ``step()`` is the averaged gradient
+    until ``zero_grad()``, as under DDP. What cannot be made equal is refused on every rank in
+    one line. Sharded mode (``"mode": "sharded"``, ZeRO-1; ``zero_stage=2``) keeps no
+    averaged ``p.grad``: its reads are refused, :meth:`clip_grad_norm_` clips the shards.
+    Gradient accumulation runs as under DDP (:meth:`no_sync`, ``backward_passes_per_step``).
+    A given or planned schedule is verified against DDP's buckets and kept only when
+    measurably faster (``verify``); :class:`usbyte_opt.DistributedDataParallel` verifies
+    against torch's DDP itself and falls back to it. The full contract, each mode and the
+    options in depth: ``docs/runtime.md``.
 
     Args:
         optimizer: the optimizer to wrap (it keeps the parameter state).
