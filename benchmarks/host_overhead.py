@@ -56,8 +56,10 @@ BASE_ARMS = ["plain", "ddp", "ddp-per-tensor", "fsdp2"]
 PHASES = ("forward", "backward", "step", "zero_grad")
 
 
-def worker(n: int, rounds: int, iters: int) -> dict[str, Any]:
-    """One process, world size 1: every arm on a model of ``n`` parameters."""
+def worker(n: int, rounds: int, iters: int, fsdp2_max: int = 400) -> dict[str, Any]:
+    """One process, world size 1: every arm on a model of ``n`` parameters (FSDP2 up to
+    ``fsdp2_max`` parameters: one ``fully_shard`` unit per layer costs it about 8x DDP's
+    time, so larger models take most of a run for one known figure)."""
     import torch
     import torch.distributed as dist
     import torch.nn as nn
@@ -103,6 +105,10 @@ def worker(n: int, rounds: int, iters: int) -> dict[str, Any]:
                              torch.optim.AdamW(m.parameters(), lr=1e-3))
             elif arm == "fsdp2":
                 from torch.distributed.fsdp import fully_shard
+
+                if n > fsdp2_max:
+                    raise RuntimeError(f"not run above {fsdp2_max} parameters (--fsdp2-max): "
+                                       "about 8x DDP's time at every size measured")
 
                 for layer in m:
                     fully_shard(layer)
@@ -175,13 +181,14 @@ def summarize(res: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def run_once(n: int, rounds: int, iters: int, tree: str | None) -> dict[str, Any]:
+def run_once(n: int, rounds: int, iters: int, tree: str | None,
+             fsdp2_max: int = 400) -> dict[str, Any]:
     """:func:`worker` in a fresh process (``tree`` first on its path)."""
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")])
     code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import host_overhead as h; "
-            f"print('RESULT' + json.dumps(h.worker({n}, {rounds}, {iters})))")
+            f"print('RESULT' + json.dumps(h.worker({n}, {rounds}, {iters}, {fsdp2_max})))")
     p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                        cwd=tree or str(HERE.parent), timeout=1800)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
@@ -228,6 +235,8 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=6)
     ap.add_argument("--sizes", default=",".join(map(str, SIZES)))
     ap.add_argument("--before", default=None, help="another checkout, run as 'before'")
+    ap.add_argument("--fsdp2-max", type=int, default=400,
+                    help="run FSDP2 up to this many parameters (it is about 8x DDP's time)")
     ap.add_argument("--quick", action="store_true", help="1 run, 4 rounds, print only")
     a = ap.parse_args()
     if a.quick:
@@ -242,11 +251,11 @@ def main() -> None:
         for run in range(a.runs):
             for label, tree in trees:
                 print(f"n={n} run {run + 1}/{a.runs} {label} ...", file=sys.stderr, flush=True)
-                data[str(n)][label].append(run_once(n, a.rounds, a.iters, tree))
+                data[str(n)][label].append(run_once(n, a.rounds, a.iters, tree, a.fsdp2_max))
     load1 = os.getloadavg()[0]
     import torch
 
-    head = [f"# Host cost per iteration: the runtime against torch DDP, world size 1",
+    head = ["# Host cost per iteration: the runtime against torch DDP, world size 1",
             "",
             f"Written by `python benchmarks/host_overhead.py"
             f"{' --before TREE' if a.before else ''}` ({time.strftime('%Y-%m-%d')}, torch "
