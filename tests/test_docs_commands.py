@@ -88,6 +88,7 @@ SKIP: dict[str, str] = {
     "python benchmarks/planner.py": "benchmark: long run",
     "python benchmarks/planner_scale.py": "benchmark: long run",
     "python benchmarks/runtime_overhead.py": "benchmark: long run",
+    "python benchmarks/host_overhead.py": "benchmark: long run",
     "python benchmarks/profiler_overhead.py": "benchmark: long run",
     "python benchmarks/real_training.py": _LAB,
     "python benchmarks/sharded_lab.py": _LAB,
