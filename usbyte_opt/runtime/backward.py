@@ -453,7 +453,7 @@ class StepComm:
         if self.issue_block is not None:
             self.works[k] = self.issue_block(k, ())
         else:
-            self.works[k] = self.chan.all_reduce_block(view)
+            self.works[k] = self.chan.issue(view)
         if self.trace is not None:
             self.trace.issue(k, self.works[k])
 

@@ -119,6 +119,11 @@ class Channel:
         self.after(streams)
         return self._issue(view)
 
+    def issue(self, view: torch.Tensor) -> dist.Work:
+        """:meth:`all_reduce_block` of a block final on the current stream (no other stream
+        to wait for): the sum issued, nothing else."""
+        return self._issue(view)
+
     def after(self, streams: Sequence[torch.cuda.Stream]) -> None:
         """Make the current stream wait for ``streams`` (those a block's gradients were
         finished on), where they differ from it."""
@@ -163,6 +168,12 @@ class Channel:
 
     def wait(self, work: dist.Work, what: str) -> None:
         """Wait for ``work`` (a stream wait on NCCL, a host wait with timeout on gloo)."""
+        if self.cause is None and work.is_completed():
+            try:   # finished already: nothing to wait for but its outcome
+                work.wait()
+                return
+            except RuntimeError:
+                pass   # a failure: reported below, in one line
         self._wait(work, what, self.timeout, host=not self.cuda)
 
     def wait_host(self, work: dist.Work, what: str) -> None:
