@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from ..collectives.agree import wait as _wait
-from ..collectives.issuers import serial_group, sum_issuer, wants_serial
+from ..collectives.issuers import backend_for, serial_group, sum_issuer, wants_serial
 from ..errors import DistributedError, UsbyteError
 from .hier import HierChannel
 
@@ -61,7 +61,7 @@ class Channel:
     """
 
     __slots__ = ("group", "rank", "world_size", "device", "cuda", "timeout", "host_timeout",
-                 "serial", "control", "_issue", "cause", "hier")
+                 "serial", "control", "_issue", "cause", "hier", "stream_waits")
 
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device,
                  timeout: timedelta | None, serial: bool | None = None):
@@ -70,6 +70,9 @@ class Channel:
         self.world_size = dist.get_world_size(group)
         self.device = device
         self.cuda = device.type == "cuda"
+        #: A wait for a block is a stream wait (NCCL on CUDA tensors), not a host wait: the
+        #: updates can be queued on a stream behind the collectives (overlap mode on CUDA).
+        self.stream_waits = self.cuda and backend_for(group, device) == "nccl"
         # CUDA gradients: waits are stream waits, a host-side limit would turn them into host
         # waits (the backend may be "nccl" or "cpu:gloo,cuda:nccl"; either way the gradients'
         # device decides).

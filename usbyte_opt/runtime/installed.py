@@ -201,7 +201,9 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if sharded is not None:  # the pending updates are the parameters' all-gathers
         updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace,
                               sharded.order())
-    elif device.type == "cuda" and schedule.mode == Mode.OVERLAP:
+    elif device.type == "cuda" and schedule.mode == Mode.OVERLAP and chan.stream_waits:
+        # NCCL: the update stream waits for each block's collective, the host never does.
+        # (gloo carrying CUDA tensors waits on the host: its updates run at first use, below.)
         updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
                                 options.update_groups)
     else:
