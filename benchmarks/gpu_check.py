@@ -64,7 +64,7 @@ streams of its own, carries them between 2 ranks on the same GPU. The parts, by 
 4. ``two_ranks`` (gloo carrying CUDA tensors): the runtime against DDP over the same
    transport, beside DDP against DDP, and the planted difference; optimizer calls per
    iteration, and a ``torch.profiler`` trace of steady-state iterations: the time other
-   streams (gloo's copies, the update stream) are busy during the compute stream's forward
+   streams (gloo's copies) are busy during the compute stream's forward
    (``record_function`` ranges), that is step N's communication and updates overlapping
    forward N+1.
 5. ``sharded``: sharded mode (ZeRO-1) on CUDA: at world size 1 on NCCL against the plain
