@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import platform
-import sys
 import time
 import warnings
 from pathlib import Path
@@ -43,7 +42,6 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from usbyte_opt import __version__  # noqa: E402
 from usbyte_opt.formats import Profile, TensorSpec, save_profile  # noqa: E402

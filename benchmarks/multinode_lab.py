@@ -28,7 +28,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 import labruns  # noqa: E402  (beside this script)
 from labruns import by_strategy as _by  # noqa: E402

@@ -19,12 +19,10 @@ import json
 import platform
 import random
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.formats import load_profile  # noqa: E402
 from usbyte_opt.planning.exact import solve_exact  # noqa: E402

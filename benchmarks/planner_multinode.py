@@ -17,12 +17,10 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.formats import load_profile  # noqa: E402
 from usbyte_opt.planning.planner import compare, retargeted  # noqa: E402

@@ -33,7 +33,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.formats import load_profile, save_profile  # noqa: E402
 from usbyte_opt.planning.planner import compare  # noqa: E402

@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
 
 from usbyte_opt.errors import UsbyteError  # noqa: E402
 from usbyte_opt.models import build  # noqa: E402

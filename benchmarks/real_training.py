@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 from usbyte_opt.bench import BenchConfig, run_bench  # noqa: E402
 from usbyte_opt.formats import write_json  # noqa: E402
