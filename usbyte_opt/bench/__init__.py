@@ -104,11 +104,109 @@ def running_world() -> int | None:
     return int(d.get_world_size())
 
 
+#: The profile's ``meta`` key naming the emulated link (``8x1gbit@50us``) whose line replaced
+#: the profile's communication (:func:`emulated_profile`).
+EMULATED = "emulated_link"
+
+
+def emulated_profile(profile: Any, spec: Any) -> Any:
+    """``profile`` on the emulated link ``spec`` (a :class:`~usbyte_opt.collectives.emulate.LinkSpec`):
+    its compute and host cost kept, its communication replaced by the link's lines
+    (:func:`~usbyte_opt.collectives.emulate.comm_spec`: ``spec.ranks`` ranks, all-reduce
+    ``alpha + 2(N-1)/N * b / rate``), and ``meta[EMULATED]`` naming the link, so that
+    :func:`bench_profile` predicts with it on the one rank that trains.
+
+    Example::
+
+        >>> from usbyte_opt.collectives.emulate import parse_emulate
+        >>> from usbyte_opt.planning.synthetic import chain_profile
+        >>> p = emulated_profile(chain_profile([1000, 1000]), parse_emulate("8x1gbit"))
+        >>> p.comm.world_size, p.meta[EMULATED], bench_profile(p, 1) is p
+        (8, '8x1gbit@50us', True)
+    """
+    from ..collectives.emulate import comm_spec
+
+    return dataclasses.replace(profile, comm=comm_spec(spec),
+                               meta={**profile.meta, EMULATED: str(spec)})
+
+
+def describe_link(spec: Any) -> str:
+    """The emulated link ``spec`` in words, as the result and the report say it.
+
+    Example::
+
+        >>> from usbyte_opt.collectives.emulate import parse_emulate
+        >>> describe_link(parse_emulate("8x1gbit"))  # doctest: +ELLIPSIS
+        'emulated link: 8 ranks at 1 Gbit/s, alpha 50 µs: every collective occupies one ...'
+    """
+    from .lab import format_rate
+
+    return (f"emulated link: {spec.ranks} ranks at {format_rate(spec.bytes_per_s * 8)}, alpha "
+            f"{spec.alpha_s * 1e6:g} µs: every collective occupies one serial channel for "
+            "alpha + its ring bytes over the rate")
+
+
+def check_emulate(emulate: str | None, nproc: int, nodes: int, bandwidth: str | None) -> Any:
+    """The :class:`~usbyte_opt.collectives.emulate.LinkSpec` of ``--emulate`` (``None``
+    without it), checked against the other options: it trains one rank, so ``--nproc-per-node
+    1``, no ``--nodes``, no ``--bandwidth`` and no torchrun.
+
+    Raises:
+        UsageError: one line naming the value or the option that conflicts.
+    """
+    from ..collectives.emulate import parse_emulate
+    from ..errors import UsageError
+
+    if emulate is None:
+        return None
+    spec = parse_emulate(emulate)
+    if nproc != 1:
+        raise UsageError(f"--emulate trains one rank whose collectives occupy the emulated "
+                         f"link: use --nproc-per-node 1, not {nproc}")
+    if nodes != 1 or bandwidth:
+        raise UsageError("--emulate is the link: leave out " + ("--bandwidth" if bandwidth else "--nodes"))
+    if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+        raise UsageError("--emulate trains one rank: run `usbyte-opt bench` without torchrun")
+    return spec
+
+
+def emulate_left_out(strategies: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``strategies`` without those ``--emulate`` cannot run, and a one-line note for each
+    left out: the sharded ones (their reduce-scatters and all-gathers are not emulated, only
+    plain all-reduce blocks), ``fsdp2`` (torch's own collectives) and ``auto`` (it plans in the
+    run, from what one rank measures).
+
+    Example::
+
+        >>> kept, notes = emulate_left_out(["ddp", "best", "best-sharded", "no-comm"])
+        >>> kept, len(notes)
+        (['ddp', 'best', 'no-comm'], 1)
+    """
+    from ..env import AUTO
+
+    _, sharded = split_strategies(strategies)
+    out, notes = [], []
+    for s in strategies:
+        if s in sharded:
+            notes.append(f"{s} left out under --emulate: only plain all-reduce blocks go through "
+                         "the emulated link, not sharded mode's reduce-scatters and all-gathers")
+        elif s == TORCH_FSDP2:
+            notes.append(f"{s} left out under --emulate: FSDP2's own collectives do not go "
+                         "through the emulated link")
+        elif s == AUTO:
+            notes.append(f"{s} left out under --emulate: it plans in the run from what one rank "
+                         "measures, not from the emulated link")
+        else:
+            out.append(s)
+    return out, notes
+
+
 def bench_profile(profile: Any, world_size: int | None = None) -> Any:
     """The profile the bench predicts with on ``world_size`` ranks (default
     :func:`running_world`): on one rank, with nothing to communicate
     (:func:`usbyte_opt.planning.planner.single_rank`: compute plus host cost), whatever link
-    the profile assumes (one rank's profile has an analytic 8-worker one); else ``profile``.
+    the profile assumes (one rank's profile has an analytic 8-worker one), unless the link is
+    an emulated one (:func:`emulated_profile`: kept); else ``profile``.
 
     Example::
 
@@ -120,7 +218,7 @@ def bench_profile(profile: Any, world_size: int | None = None) -> Any:
     from ..planning.planner import single_rank
 
     world = running_world() if world_size is None else world_size
-    return single_rank(profile) if world == 1 else profile
+    return single_rank(profile) if world == 1 and not profile.meta.get(EMULATED) else profile
 
 
 def plan_reports(profile: Any, strategies: Sequence[str],
@@ -224,6 +322,10 @@ class BenchConfig:
     name: str | None = None
     first_warmup: int = 3
     """Untimed iterations of each strategy's first turn."""
+    emulate: str | None = None
+    """``NxRATE[@ALPHA]`` (:func:`~usbyte_opt.collectives.emulate.parse_emulate`): train one
+    rank whose every collective occupies an emulated link of N ranks (``--emulate``), and
+    predict with that link; ``None``: the real network."""
 
     def spec(self) -> tuple[str, int | None]:
         """The model spec the ranks build, and the default batch size of a lab model."""
@@ -257,6 +359,11 @@ class BenchConfig:
             raise UsbyteError(f"--strategies: {missing}")
         if not out:
             raise UsbyteError("--strategies: expected at least one strategy")
+        if self.emulate is not None:
+            out = emulate_left_out(out)[0]
+            if not out:
+                raise UsbyteError("--strategies: nothing left to train under --emulate "
+                                  "(sharded strategies, fsdp2 and auto are left out)")
         if self.reference:
             out.append(REFERENCE)
         return out
@@ -288,6 +395,7 @@ class BenchConfig:
             max_rounds=self.max_rounds,
             max_train_s=self.max_train_s,
             link=None if not self.bandwidth or "RANK" in os.environ else IFNAME,
+            emulate=self.emulate,
         )
         return job
 
@@ -298,9 +406,15 @@ def _model_label(model: str) -> str:
     return model_name(model)
 
 
-def network_info(lab: Any = None) -> dict[str, Any]:
+def network_info(lab: Any = None, emulate: Any = None) -> dict[str, Any]:
     """How the ranks were connected, for the report (``nodes`` and ``ranks_per_node``: the
-    two-level lab's, or the nodes grouped on loopback)."""
+    two-level lab's, or the nodes grouped on loopback; ``emulate``, a
+    :class:`~usbyte_opt.collectives.emulate.LinkSpec`: the emulated link, in ``link``)."""
+    if emulate is not None:
+        return {"kind": "emulated", "short": f"emulated {emulate}",
+                "description": describe_link(emulate),
+                "link": {"spec": str(emulate), "ranks": emulate.ranks,
+                         "rate_bps": emulate.bytes_per_s * 8, "alpha_us": emulate.alpha_s * 1e6}}
     if lab is not None and getattr(lab, "shaping", None) is not None:
         from .lab import format_rate
 
@@ -322,7 +436,8 @@ def network_info(lab: Any = None) -> dict[str, Any]:
 
 
 def default_out_dir(cfg: BenchConfig) -> Path:
-    tag = cfg.bandwidth.replace("/", "") if cfg.bandwidth else "loopback"
+    tag = (cfg.bandwidth.replace("/", "") if cfg.bandwidth else
+           "emulated-" + cfg.emulate.replace("@", "-") if cfg.emulate else "loopback")
     if cfg.nodes > 1:
         tag += f"-{cfg.nodes}x{cfg.nproc}"
     return Path("bench-results") / f"{cfg.name or _model_label(cfg.model)}-{tag}"
@@ -379,8 +494,11 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     t0 = time.perf_counter()
     out = cfg.out_dir or default_out_dir(cfg)
     check_nodes(cfg.nodes, cfg.nproc)
+    emulate = check_emulate(cfg.emulate, cfg.nproc, cfg.nodes, cfg.bandwidth)
     world = cfg.nproc * cfg.nodes
-    if world < 2 and "RANK" not in os.environ and progress is not None:
+    if emulate is not None and progress is not None:
+        progress(describe_link(emulate) + "; training one rank")
+    elif world < 2 and "RANK" not in os.environ and progress is not None:
         progress("one rank: no all-reduce to schedule; this measures the runtime's own cost "
                  "against DDP and checks the flow")
     job = cfg.job(out)
@@ -417,13 +535,13 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
                 progress(("lab: " if cfg.bandwidth else "no --bandwidth: ") + lab.describe())
             _run_workers(job_path, world, out / "logs", lab, cfg.timeout_s, progress)
         raw = report.load_json(out / "raw.json")
-    network = network_info(lab)
+    network = network_info(lab, emulate)
     result = report.summarize(raw, network, out)
     result["wall_s"] = round(time.perf_counter() - t0, 3)
+    notes = emulate_left_out(cfg.strategies)[1] if emulate is not None else []
     # Side-by-side traces: the prediction beside what every rank recorded.
     compare_docs = _compare_traces(raw, result, out)
     result["traces"] = {s: str(p) for s, (p, _) in compare_docs.items()}
-    notes = []
     scale = result.get("compute_scale") or 1.0
     if abs(scale - 1.0) > 0.15:
         notes.append(f"Warning: training without communication ran at x{scale:.2f} of the profiled "
@@ -484,6 +602,7 @@ def _compare_traces(raw: dict[str, Any], result: dict[str, Any], out: Path) -> d
     return docs
 
 
-__all__ = ["SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job",
-           "ProfileOptions", "bench_profile", "default_strategies", "flat_best", "network_info",
+__all__ = ["EMULATED", "SHARDED_STRATEGIES", "ZERO2", "zero2_base", "BenchConfig", "Job",
+           "ProfileOptions", "bench_profile", "check_emulate", "default_strategies",
+           "describe_link", "emulate_left_out", "emulated_profile", "flat_best", "network_info",
            "plan_reports", "run_bench", "running_world", "split_strategies"]

@@ -91,6 +91,10 @@ class Job:
     link: str | None = None
     """In the lab: the interface of each node's shaped link (``usb0``), whose sent bytes the
     first rank of every node counts during each strategy's turns; ``None``: not counted."""
+    emulate: str | None = None
+    """``NxRATE[@ALPHA]`` (:func:`~usbyte_opt.collectives.emulate.parse_emulate`): the one rank's
+    collectives occupy this emulated link, and the profile's communication is the link's line
+    (:func:`usbyte_opt.bench.emulated_profile`); ``None``: the real network."""
 
     def to_dict(self) -> dict[str, Any]:
         """The job as the JSON object of its file."""

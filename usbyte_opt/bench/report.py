@@ -209,7 +209,10 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "runs": runs,
         "phases_s": raw["phases_s"],
         "out_dir": str(out_dir),
-        "single_rank": SINGLE_RANK_NOTE if raw["world_size"] == 1 else None,
+        "single_rank": SINGLE_RANK_NOTE if raw["world_size"] == 1 and not raw.get("emulated") else None,
+        # the emulated link (--emulate): its spec, and the link in words (network.description)
+        "emulated": raw.get("emulated"),
+        "emulated_link": raw.get("emulated_link"),
         "host": _host_of(raw.get("profile")),
     }
 
@@ -340,6 +343,9 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"# usbyte-opt bench: {result['name']} on {result['world_size']} ranks, {net['description']}",
         "",
         *([f"- {result['single_rank']}"] if result.get("single_rank") else []),
+        *([f"- one rank trains; its collectives occupy the emulated link `{result['emulated']}`, "
+           "and the profile's communication, the predictions and the lower bound are that "
+           "link's (compute and host cost profiled on this rank)"] if result.get("emulated") else []),
         f"- model `{result['model']}`, batch {result['batch_size']} per rank, "
         f"{result['gradient_bytes'] / 1e6:.2f} MB of gradients; {result['device']} / "
         f"{result['backend']}, {result['threads_per_rank']} thread(s) per rank, torch {result['torch']}",
@@ -347,7 +353,8 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
         f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; "
         + ("no all-reduce planned with (one rank)" if result.get("single_rank") else
            f"all-reduce alpha {c['alpha_ms']:.3f} ms, algbw {c['algbw_gbs'] * 1e3:.1f} MB/s "
-           f"({c['backend']}): all gradients in one all-reduce {result['allreduce_all_ms']:.1f} ms")
+           f"({'emulated link' if result.get('emulated') else c['backend']}): all gradients in one "
+           f"all-reduce {result['allreduce_all_ms']:.1f} ms")
         + (f"; host cost {host['runtime_tensor_us']:.1f} µs per tensor + "
            f"{host['runtime_block_us']:.1f} µs per block on the runtime, "
            f"{host['ddp_tensor_us']:.1f} + {host['ddp_bucket_us']:.1f} µs on DDP"

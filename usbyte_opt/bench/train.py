@@ -224,12 +224,18 @@ class Trainee:
             default, so that strategies are measured as planned).
         trace: the file the runtime records its measured timeline in (``runtime`` only).
         zero_stage: the runtime's ``zero_stage`` (``runtime`` with a sharded schedule only).
+        emulate: ``(spec, link)``, a :class:`~usbyte_opt.collectives.emulate.LinkSpec` and the
+            :class:`~usbyte_opt.collectives.emulate.EmulatedLink` its collectives occupy
+            (shared by the trainees of a rank, which take turns on it): torch DDP's buckets
+            through the link by a communication hook, the runtime's all-reduce blocks by its
+            channel's issuer (``ddp``, ``ddp-tuned`` and ``runtime`` with an all-reduce
+            schedule; ``local`` ignores it).
     """
 
     def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
                  device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
                  rank: int = 0, verify: bool = False, trace: str | None = None,
-                 zero_stage: int = 1):
+                 zero_stage: int = 1, emulate: tuple[Any, Any] | None = None):
         self.name, self.kind = name, kind
         if os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0"):
             deterministic_kernels()
@@ -280,6 +286,8 @@ class Trainee:
             self.opt = make_optimizer(optimizer, params)
         else:
             raise ValueError(f"kind: expected ddp, ddp-tuned, fsdp2, runtime or local, got {kind!r}")
+        if emulate is not None and kind != "local":
+            self._emulate(kind, schedule, *emulate)
         self.steps = 0
         self._losses: list[torch.Tensor] = []
         self.durations_ms: list[float] = []
@@ -289,6 +297,21 @@ class Trainee:
         #: iterations those turns ran (:func:`turn` with ``link``).
         self.link_bytes = 0
         self.link_iterations = 0
+
+    def _emulate(self, kind: str, schedule: Schedule | str | None, spec: Any, link: Any) -> None:
+        """Send this trainee's collectives through the emulated ``link`` (see the class)."""
+        from ..collectives.emulate import EmulatedHookState, emulated_allreduce_hook, install_on_channel
+        from ..formats import Mode
+
+        if kind in ("ddp", "ddp-tuned"):
+            cast(Any, self.model).register_comm_hook(EmulatedHookState(spec, link=link),
+                                                     emulated_allreduce_hook)
+        elif kind == "runtime" and isinstance(schedule, Schedule) and schedule.mode != Mode.SHARDED \
+                and not schedule.hierarchical:
+            install_on_channel(self.opt._chan, spec, link)
+        else:
+            raise UsbyteError(f"{self.name}: an emulated link carries torch DDP's buckets and the "
+                              "runtime's plain all-reduce blocks only")
 
     @contextmanager
     def own_rng(self) -> Iterator[None]:

@@ -10,6 +10,9 @@ as a :class:`usbyte_opt.bench.job.Job`), or called directly with :func:`run_rank
    ``alpha``/``algbw`` are those of the shaped link, and all-reduce is timed again while
    training iterations run (:func:`usbyte_opt.profiler.probe.comm_under_compute`, kept in the
    profile's ``meta.cpu_probe``) — or loads ``--profile`` (probing here if it has no probe);
+   with ``--emulate`` (one rank) the profile's communication becomes the emulated link's
+   line (:func:`usbyte_opt.bench.emulated_profile`), and every trainee's collectives occupy
+   one :class:`~usbyte_opt.collectives.emulate.EmulatedLink` of this rank (:func:`_train`);
 3. rank 0 plans every strategy (:func:`usbyte_opt.planning.planner.compare`, so ``best`` is seeded
    with all of them; the sharded ones with ``shard=True``, :func:`usbyte_opt.bench.plan_reports`)
    and broadcasts the schedules;
@@ -315,13 +318,26 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
     say = _say(rank)
     clock = _Clock()
     prof, profile_path = _profile(job, dev, rank, world, say)
+    spec = None
+    if job.emulate is not None:
+        prof, profile_path, spec = _emulated(job, prof, profile_path, rank, say)
     clock.lap("profile")
     batch = prof.meta.get("batch_size") if job.batch_size is None else job.batch_size
     loaded = _loaded_comm(job, prof, dev, batch, rank, world, say)
     clock.lap("probe")
     planned = _plan_everywhere(job, prof, rank, say)
     clock.lap("plan")
-    trainees, traces = _train(job, planned, dev, batch, rank, say)
+    link = None
+    if spec is not None:
+        from ..collectives.emulate import EmulatedLink
+
+        link = EmulatedLink(dev)   # one serial channel for every trainee of this rank
+    try:
+        trainees, traces = _train(job, planned, dev, batch, rank, say,
+                                  None if link is None else (spec, link))
+    finally:
+        if link is not None:
+            link.close()
     clock.lap("train")
     if job.trace:
         trace_mod.flush_all()
@@ -334,6 +350,9 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
     refine(prof, planned, loaded, compute_scale)
     raw = _raw(job, prof, profile_path, batch, world, dev, planned, loaded, runs, traces,
                compute_scale, clock, ref)
+    if link is not None:   # what the emulated link carried, every trainee's turns together
+        raw["emulated_link"] = {"spec": str(spec), "collectives": link.count,
+                                "busy_s": link.submitted_s}
     write_json(Path(job.out_dir) / "raw.json", raw)
     return raw
 
@@ -367,6 +386,25 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
     if rank == 0:
         save_profile(prof, path)
     return prof, path
+
+
+def _emulated(job: Job, prof: Any, profile_path: str, rank: int,
+              say: Callable[[str], None]) -> tuple[Any, str, Any]:
+    """The profile on ``job.emulate``'s link (:func:`usbyte_opt.bench.emulated_profile`: the
+    compute and host cost profiled here, the communication the link's line), written by rank 0
+    to ``profile.json`` in the output folder; the path; the link's spec."""
+    from ..collectives.emulate import parse_emulate
+    from ..formats import save_profile
+    from . import describe_link, emulated_profile
+
+    assert job.emulate is not None
+    spec = parse_emulate(job.emulate)
+    prof = emulated_profile(prof, spec)
+    say(f"planning for {describe_link(spec)}")
+    path = str(Path(job.out_dir) / "profile.json")
+    if rank == 0:
+        save_profile(prof, path)
+    return prof, path, spec
 
 
 def _loaded_comm(job: Job, prof: Any, dev: Any, batch: Any, rank: int, world: int,
@@ -472,8 +510,10 @@ def _plan_everywhere(job: Job, prof: Any, rank: int, say: Callable[[str], None])
 
 
 def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
-           say: Callable[[str], None]) -> tuple[list[Any], dict[str, str]]:
-    """Every requested strategy's trainee, trained side by side; and their trace files."""
+           say: Callable[[str], None], emulate: tuple[Any, Any] | None = None,
+           ) -> tuple[list[Any], dict[str, str]]:
+    """Every requested strategy's trainee, trained side by side; and their trace files.
+    ``emulate``: ``(spec, link)``, the emulated link every trainee's collectives occupy."""
     from . import zero2_base
     from .train import TRACED, Trainee, interleave
 
@@ -489,19 +529,22 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
         if s == REFERENCE:
             trainees.append(Trainee(s, "local", job.model, batch, dev, opt, rank=rank))
         elif s == TORCH_DDP:
-            trainees.append(Trainee(s, "ddp", job.model, batch, dev, opt, rank=rank))
+            trainees.append(Trainee(s, "ddp", job.model, batch, dev, opt, rank=rank,
+                                    emulate=emulate))
         elif s == TORCH_FSDP2:
-            trainees.append(Trainee(s, "fsdp2", job.model, batch, dev, opt, rank=rank))
+            trainees.append(Trainee(s, "fsdp2", job.model, batch, dev, opt, rank=rank,
+                                    emulate=emulate))
         elif s == DDP_TUNED:
             trainees.append(Trainee(s, "ddp-tuned", job.model, batch, dev, opt,
-                                    planned.schedules[s], rank=rank))
+                                    planned.schedules[s], rank=rank, emulate=emulate))
         else:  # the runtime, in its schedule's mode (all-reduce or sharded)
             if job.trace:
                 tdir = tdir or Path(tempfile.mkdtemp(prefix="usbyte-traces-"))
                 traces[s] = str(tdir / f"{s}.measured.json")
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
-                                    trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1))
+                                    trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1,
+                                    emulate=emulate))
     say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
     from ..verdict import Budget
 
@@ -662,6 +705,8 @@ def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: An
     import torch
     import torch.distributed as dist
 
+    from . import EMULATED
+
     out = Path(job.out_dir)
     job_doc = job.to_dict()
     job_doc["profiling"].pop("comm_sizes", None)
@@ -671,6 +716,8 @@ def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: An
         "profile": profile_path,
         "profile_name": prof.name,
         "world_size": world,
+        # the emulated link the one rank's collectives occupied (None: the real network)
+        "emulated": prof.meta.get(EMULATED),
         "backend": str(dist.get_backend()),
         "device": dev.type,
         "threads": torch.get_num_threads(),

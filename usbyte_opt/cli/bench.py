@@ -5,7 +5,9 @@ model with PyTorch DDP (and PyTorch FSDP2, ``fsdp2``) and with the runtime under
 strategy's schedule (the sharded ones in ZeRO-1 mode), and prints the measured iteration time
 beside the prediction and each strategy's optimizer-state bytes per rank. ``--bandwidth 200mbit`` runs the ranks in the
 lab (network namespaces joined by a tbf-shaped veth link; root only); with ``--nodes 2
---nproc-per-node 2`` the two-level lab (one namespace per node). The domain work is
+--nproc-per-node 2`` the two-level lab (one namespace per node); ``--emulate 8x1gbit`` trains
+one rank whose collectives occupy an emulated link (:mod:`usbyte_opt.collectives.emulate`)
+and predicts with that link. The domain work is
 :func:`usbyte_opt.bench.run_bench`.
 """
 
@@ -38,6 +40,7 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
     keep = list(range(len(COLUMNS))) if wide else [COLUMNS.index(c) for c in DEFAULT_COLUMNS]
     c = result["comm"]
     link = ("no communication (one rank)" if result.get("single_rank") else
+            f"emulated {result['emulated']}" if result.get("emulated") else
             f"all-reduce alpha {c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s")
     console.table(
         f"{title}: {result['name']} on {plural(result['world_size'], 'rank')}, {result['network']['description']}; "
@@ -111,6 +114,15 @@ def bench(
         "--device", help="cpu or cuda (default: cuda if available).")] = None,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=10.0, help="Hard limit of the ranks' run (killed past it).")] = 1800.0,
+    emulate: Annotated[Optional[str], typer.Option(
+        "--emulate", metavar="NxRATE[@ALPHA]",
+        help="Train one rank (--nproc-per-node 1) whose every collective occupies an emulated "
+             "link of N ranks: one serial channel, busy alpha + ring bytes / RATE per "
+             "collective (8x1gbit, 16x25gbit, 8x1gbit@50us; alpha 50us by default). The "
+             "profile's communication, the predictions and the bound are that link's; DDP's "
+             "buckets go through it by a comm hook, the runtime's blocks by its channel. "
+             "Sharded strategies, fsdp2 and auto are left out. Not with --bandwidth or "
+             "--nodes.")] = None,
     verify: Annotated[bool, typer.Option(
         "--verify/--no-verify", help="Let the runtime verify each plan against DDP's buckets in "
                                      "the run and keep the faster (off: every strategy measured "
@@ -122,7 +134,10 @@ def bench(
     and each one's optimizer state per rank.
 
     Two nodes of two ranks in the lab, nodes joined by a 200 Mbit/s link:
-    sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit"""
+    sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit
+
+    One rank on an emulated link of 8 ranks at 1 Gbit/s (no root, no second machine):
+    usbyte-opt bench lab-cnn --nproc-per-node 1 --emulate 8x1gbit --strategies ddp,best"""
     from ..bench import BenchConfig, default_out_dir, run_bench
 
     cfg = BenchConfig(model=model, nproc=nproc_per_node, nodes=nodes, bandwidth=bandwidth,
@@ -131,8 +146,11 @@ def bench(
                       profile=str(profile) if profile else None, batch_size=batch_size,
                       out_dir=output_dir, rounds=rounds, max_rounds=max_rounds,
                       reference=reference, device=device,
-                      timeout_s=timeout_s, verify=verify)
+                      timeout_s=timeout_s, verify=verify, emulate=emulate)
     try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
+        from ..bench import check_emulate
+
+        check_emulate(emulate, nproc_per_node, nodes, bandwidth)
         cfg.strategy_list()
         from ..bench.lab import check_nodes
 

@@ -617,10 +617,11 @@ def emulated_sum_issuer(inner: Callable[[torch.Tensor], Any], link: EmulatedLink
     return issue
 
 
-def install_on_channel(chan: Any, spec: LinkSpec) -> EmulatedLink:
+def install_on_channel(chan: Any, spec: LinkSpec, link: EmulatedLink | None = None) -> EmulatedLink:
     """Put :func:`emulated_sum_issuer` on a runtime channel
     (:class:`~usbyte_opt.runtime.comm.Channel`: a ``DistributedOptimizer``'s ``_chan``) and
-    return its new link, on the channel's device; close it after the optimizer.
+    return its link: ``link`` when given (one channel shared with other trainers, which take
+    turns on it), else a new one on the channel's device; close it after the optimizer.
 
     Call it before the channel's first block is issued (after constructing the optimizer,
     before the first backward): a block issued before it is not emulated, and a work issued
@@ -634,11 +635,35 @@ def install_on_channel(chan: Any, spec: LinkSpec) -> EmulatedLink:
                           f"{type(chan).__name__}")
     if getattr(issue, "emulated", False):
         raise UsbyteError("emulated link: already installed on this channel")
-    link = EmulatedLink(chan.device)
+    link = EmulatedLink(chan.device) if link is None else link
     chan._issue = emulated_sum_issuer(issue, link, spec)
     return link
 
 
+def comm_spec(spec: LinkSpec) -> Any:
+    """The :class:`~usbyte_opt.formats.CommSpec` of ``spec`` (what the planner, the simulator
+    and the lower bound cost collectives with): ``world_size`` its ranks, the all-reduce line
+    ``alpha_ms + b / (algbw_gbs * 1e6)`` equal to :meth:`LinkSpec.allreduce_s`, and the
+    reduce-scatter and all-gather lines of :meth:`LinkSpec.reduce_scatter_s` and
+    :meth:`LinkSpec.all_gather_s`; backend ``analytic`` (a model, not a measurement), no
+    samples, no training-thread cost.
+
+    Example::
+
+        >>> c = comm_spec(parse_emulate("8x1gbit@50us"))
+        >>> c.world_size, c.alpha_ms, round(c.alpha_ms + 25e6 / (c.algbw_gbs * 1e6), 3)
+        (8, 0.05, 350.05)
+    """
+    from ..formats import CollectiveCost, CommSpec
+
+    n = spec.ranks
+    alpha_ms = spec.alpha_s * 1e3
+    half = CollectiveCost(alpha_ms, spec.bytes_per_s * n / (n - 1) / 1e9)
+    return CommSpec("analytic", n, alpha_ms, spec.bytes_per_s * n / (2 * (n - 1)) / 1e9,
+                    reduce_scatter=half, all_gather=half)
+
+
 __all__ = ["CALIBRATION_CYCLES", "DEFAULT_ALPHA_S", "KINDS", "SPIN_S", "EmulatedHookState",
-           "EmulatedLink", "EmulatedWork", "LinkSpec", "cuda_cycles_per_s", "emulated_allreduce_hook",
+           "EmulatedLink", "EmulatedWork", "LinkSpec", "comm_spec", "cuda_cycles_per_s",
+           "emulated_allreduce_hook",
            "emulated_sum_issuer", "install_on_channel", "parse_emulate"]
