@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 from usbyte_opt.bench.report import EXPLAIN_COLUMNS, explain
+from usbyte_opt.cli.demo import outcome
 
 
 def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):
@@ -26,6 +27,9 @@ def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):
     assert verdict.startswith(("verdict holds: best", "verdict changes: best",
                                "verdict: best against DDP: not distinguishable on this machine (±")), verdict
     assert "95% CI" in verdict and last in verdict
+    won = p.stdout[p.stdout.rindex("won:"):]              # what was won, or why it cannot tell
+    assert won.startswith(("won: best ran", "won: nothing: best", "won: cannot tell: best")), won
+    assert last in won and "measured without communication" in won
     assert max(len(line) for line in p.stdout.splitlines()) <= 100, p.stdout
     assert list(tmp_path.iterdir()) == []  # without --output-dir nothing is written
 
@@ -83,3 +87,56 @@ def test_a_time_below_the_lower_bound_is_called_noise():
     lines = explain(res)[1]
     assert any(x.startswith("best measured 74.0 ms, 0.90x the lower bound: below the lower bound: "
                             "timing noise") for x in lines)
+
+
+def result(vs_ddp=None, speedup=1.12, predicted=1.1, world=2, nocomm=(100.0, 104.0)):
+    best = {"strategy": "best", "measured_ms": 90.0, "predicted_ms": 95.0,
+            "speedup_vs_ddp": speedup, "predicted_speedup_vs_ddp": predicted, "vs_ddp": vs_ddp}
+    out = [{"strategy": "ddp", "measured_ms": 100.0, "predicted_ms": 104.5}, best]
+    if nocomm:
+        out.append({"strategy": "no-comm", "measured_ms": nocomm[0], "predicted_ms": nocomm[1]})
+    return {"world_size": world, "single_rank": None, "runs": out}
+
+
+def paired(ratio, lo, hi, verdict="best faster"):
+    return {"ratio": ratio, "lo": lo, "hi": hi, "pairs": 6, "confidence": 0.95, "verdict": verdict}
+
+
+def test_the_last_line_says_what_was_won_with_its_interval_and_the_prediction():
+    lines = outcome(result(paired(1.12, 1.05, 1.19)))
+    assert lines == ["won: best ran 1.12x DDP's speed (95% CI 1.05–1.19x, 6 rounds), predicted "
+                     "1.10x (profiled compute 104.0 ms, +4% off the 100.0 ms measured without "
+                     "communication)"]
+
+
+def test_a_strategy_slower_than_ddp_won_nothing():
+    line = outcome(result(paired(0.9, 0.85, 0.95, "DDP faster"), nocomm=None))[0]
+    assert line == ("won: nothing: best ran 0.90x DDP's speed, slower than DDP (95% CI "
+                    "0.85–0.95x, 6 rounds), predicted 1.10x")
+
+
+def test_a_noisy_machine_cannot_tell_and_says_by_how_much():
+    v = paired(1.03, 0.95, 1.12, "not distinguishable on this machine (±8%)")
+    assert outcome(result(v, nocomm=None)) == [
+        "won: cannot tell: best against DDP is not distinguishable on this machine (±8%); "
+        "measured 1.03x DDP's speed, predicted 1.10x"]
+    v = paired(1.03, 0.95, 1.12, "")   # no ±X% in the verdict: the interval's half-width
+    assert "(±9%)" in outcome(result(v, nocomm=None))[0]
+
+
+def test_too_few_rounds_for_an_interval():
+    line = outcome(result(None, speedup=1.2, predicted=None, nocomm=None))[0]
+    assert line == ("won: cannot tell: best ran 1.20x DDP's speed in too few rounds for an "
+                    "interval (rerun with more --iterations)")
+
+
+def test_world_size_1_has_no_communication_to_win():
+    assert outcome(result(paired(1.0, 0.9, 1.1), world=1))[0].startswith(
+        "won: nothing to win at world size 1: no communication to schedule")
+
+
+def test_without_a_ddp_run_there_is_nothing_to_hold_it_against():
+    res = result(paired(1.12, 1.05, 1.19))
+    res["runs"] = [r for r in res["runs"] if r["strategy"] != "ddp"]
+    assert outcome(res) == ["won: cannot tell: no DDP run to hold the strategies against (add ddp "
+                            "to --strategies)"]

@@ -294,3 +294,31 @@ def test_collective_sweeps_refuse_unknown_kinds_and_uneven_sizes(one_rank_group)
     assert shard_sizes([4, 8, 4096, 4100, 4120], 2) == [8, 4096, 4120]   # 4100: nearest is 4096
     sw = sweep_collective("reduce-scatter", [4096, 8192], repeats=1, warmup=0)   # one rank: a copy
     assert sw.kind == "reduce-scatter" and all(m > 0 for m in sw.medians_ms)
+
+
+def test_steady_state_iterations_set_the_total_and_the_hooked_ones_the_shares():
+    t = Timings(["a", "b"], [(1,), (3,)], ["float32"] * 2, [1, 3],
+                forward_ms=[2.0, 2.0], backward_ms=[6.0, 6.0], step_ms=[2.0, 2.0],
+                ready_ms=[[4.0, 6.0]] * 2, need_ms=[[0.0, 1.0]] * 2,
+                steady_ms=[15.0, 12.0, 18.0])
+    s = summarize(t)
+    assert (s.forward_ms, s.backward_ms, s.step_ms) == pytest.approx((3.0, 9.0, 3.0))
+    assert s.ready_ms == pytest.approx([6.0, 9.0]) and s.need_ms == pytest.approx([0.0, 1.5])
+    assert sum(s.update_ms) == pytest.approx(3.0)
+    assert s.spread["scale"] == pytest.approx(1.5) and s.spread["hooked_ms"] == 10.0
+    assert s.spread["forward_ms"]["p50"] == 2.0 and s.spread["steady_ms"]["p50"] == 15.0
+    assert "steady_ms" not in summarize(Timings(["a"], [(1,)], ["float32"], [1], [1.0], [1.0], [1.0],
+                                                [[0.5]], [[0.0]])).spread
+
+
+def test_steady_rounds_run_without_hooks_and_as_many_as_the_repeats():
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    seen = []
+    m[0].register_forward_pre_hook(lambda *_: seen.append(len(m[0]._forward_pre_hooks)))
+    t = IterationTimer(m, (torch.randn(4, 8),), lambda o: o.sum(), make_optimizer("sgd", list(m.parameters())))
+    tm = t.run(warmup=1, repeats=4, steady=True)
+    assert len(tm.forward_ms) == 4 and len(tm.steady_ms) == 4 and all(x > 0 for x in tm.steady_ms)
+    # 1 discovery + 1 warm-up + 4 timed with the timer's hook (2 pre-hooks); 4 + 2 steady
+    # iterations (one round of 3, one of 1, each with one more to end it) with ours alone
+    assert seen.count(2) == 6 and seen.count(1) == 6
+    assert all(not p._post_accumulate_grad_hooks for p in m.parameters())

@@ -37,7 +37,7 @@ import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,7 +94,7 @@ class HostProbe:
     seconds: float = 0.0
 
 
-def fit(rounds: dict[str, Sequence[float]], n: int) -> dict[str, float]:
+def fit(rounds: Mapping[str, Sequence[float]], n: int) -> dict[str, float]:
     """Per-tensor and per-block costs (µs) from the arms' median iterations per round
     (module docstring): each round's differences, then their median over rounds; negative
     values (noise) are 0. An arm missing from ``rounds`` leaves its cost at 0.

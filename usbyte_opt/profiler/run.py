@@ -42,7 +42,7 @@ from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name,
 from ..planning.cost import fit_samples
 from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
-from .timing import IterationTimer, Progress, Summary, Timings, summarize
+from .timing import ROUND, IterationTimer, Progress, Summary, Timings, summarize
 from .topology import Place, Topology, place_from_env, topology
 
 
@@ -164,15 +164,21 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         opt = make_optimizer(opts.optimizer, [p for p in net.parameters() if p.requires_grad])
         opt_name, opt_from = opts.optimizer, "--optimizer"
     timer = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync if world > 1 else None, label=label)
-    timings = timer.run(opts.warmup, opts.repeats, progress)
+    timings = timer.run(opts.warmup, opts.repeats, progress, steady=True)
     agg = _aggregate(summarize(timings), world, group)
     if world > 1:
         measured = _measure_comm(opts, timings, agg, dev, group, backend, world, progress,
                                  lambda: (net, inputs, loss_fn, opt))
     else:
         measured = _analytic(opts)
+    timings.steady_ms += timer.steady(ROUND)
     host, host_rec = _host(opts, dev, group, world, progress,
                            lambda: (net, inputs, loss_fn, opt), measured.notes)
+    # Steady-state iterations spread over the profile's phases (after the timed ones, the
+    # all-reduce sweep and the host probe), so that a spell of load elsewhere during one
+    # phase does not set the compute alone; every rank's medians again.
+    timings.steady_ms += timer.steady(ROUND)
+    agg = _aggregate(summarize(timings), world, group)
     if timings.fallback_passes:
         measured.notes.append(f"{timings.fallback_passes} of {opts.repeats} timed passes called "
                               "modules in a different order than the first; need_ms of those "
@@ -205,7 +211,8 @@ def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,
     mine: tuple[Any, Any, Any] | str
     try:
         probe = host_cost(dev, group)
-        bound, bound_rec = None, {}
+        bound: Any = None
+        bound_rec: dict[str, Any] = {}
         if dev.type == "cuda":
             net, inputs, loss_fn, opt = training()
 
@@ -271,11 +278,35 @@ def _aggregate(s: Summary, world: int, group: Any) -> Aggregate:
     else:
         every = [mine]
     ms = [r.medians for r in every]
-    return Aggregate(every, topology([r.place for r in every]),
-                     max(m.forward_ms for m in ms), max(m.backward_ms for m in ms),
-                     [max(v) for v in zip(*(m.ready_ms for m in ms))],
-                     [max(v) for v in zip(*(m.need_ms for m in ms))],
-                     [max(v) for v in zip(*(m.update_ms for m in ms))])
+    F, B = max(m.forward_ms for m in ms), max(m.backward_ms for m in ms)
+    ready = [max(v) for v in zip(*(m.ready_ms for m in ms))]
+    need = [max(v) for v in zip(*(m.need_ms for m in ms))]
+    update = [max(v) for v in zip(*(m.update_ms for m in ms))]
+    k = slowest_total_scale([(m.forward_ms, m.backward_ms, m.step_ms) for m in ms])
+    if k < 1.0:
+        F, B = F * k, B * k
+        ready, need, update = ([x * k for x in xs] for xs in (ready, need, update))
+    return Aggregate(every, topology([r.place for r in every]), F, B, ready, need, update)
+
+
+def slowest_total_scale(parts: Sequence[tuple[float, float, float]]) -> float:
+    """What the maxima over ranks of forward, backward and step (``parts``: each rank's) are
+    multiplied by so that they add up to the slowest rank's own forward + backward + step: 1
+    where one rank is the slowest in all three, below 1 where noise made the slowest forward
+    one rank's and the slowest backward another's (their sum is then no rank's iteration).
+
+    Example::
+
+        >>> slowest_total_scale([(40.0, 60.0, 10.0), (50.0, 50.0, 10.0)])
+        0.9166666666666666
+        >>> slowest_total_scale([(40.0, 60.0, 10.0)])
+        1.0
+    """
+    if len(parts) < 2:
+        return 1.0
+    total = max(f + b + s for f, b, s in parts)
+    summed = sum(max(p[i] for p in parts) for i in range(3))
+    return min(1.0, total / summed) if summed > 0 else 1.0
 
 
 def _measure_comm(opts: ProfileOptions, timings: Timings, agg: Aggregate, dev: torch.device,
@@ -469,6 +500,7 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "repeats": opts.repeats,
         "threads": torch.get_num_threads(),
         "timing": "CUDA events recorded in hooks" if dev.type == "cuda" else "perf_counter in hooks",
+        "compute_method": STEADY_METHOD,
         "aggregation": "median over repeats per rank, then max over ranks",
         "ready_method": "post-accumulate-grad hook (last accumulation counts)",
         "need_method": "forward pre-hooks of owning modules; first use located by a TorchFunctionMode "
@@ -481,7 +513,7 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
         "functional_use_tensors": timings.functional,
         "spread": every[0].medians.spread if world == 1 else {"rank0": every[0].medians.spread},
         "per_rank": [{"forward_ms": _r(r.medians.forward_ms), "backward_ms": _r(r.medians.backward_ms),
-                      "step_ms": _r(r.medians.step_ms)} for r in every],
+                      "step_ms": _r(r.medians.step_ms), **_steady_of(r.medians)} for r in every],
         "step_ms": _r(max(r.medians.step_ms for r in every)),
         "comm_sweep": measured.sweep,
     }
@@ -490,6 +522,25 @@ def _assemble(name: str, label: str, opts: ProfileOptions, timings: Timings, agg
     if measured.notes:
         meta["warnings"] = measured.notes
     return Profile(name, _r(F), _r(B), tuple(tensors), measured.comm, meta)
+
+
+#: How forward, backward and the step are made to add up to what training pays (``meta``).
+STEADY_METHOD = ("hooked iterations (each after a barrier) give the split into forward, backward, "
+                 "step and every tensor's offsets; they are scaled so that forward + backward + "
+                 "step is the median plain iteration of the same loop without hooks or barriers, "
+                 "timed from its start to the next one's, in rounds interleaved with the hooked "
+                 "ones and after the all-reduce sweep and the host probe (meta.per_rank: "
+                 "hooked_ms, steady_ms, scale)")
+
+
+def _steady_of(s: Summary) -> dict[str, float]:
+    """A rank's hooked sum, its steady-state iteration and the scale between them, for
+    ``meta.per_rank`` (nothing when no steady-state iterations were timed)."""
+    sp = s.spread
+    if "steady_ms" not in sp:
+        return {}
+    return {"hooked_ms": _r(sp["hooked_ms"]), "steady_ms": _r(sp["steady_ms"]["p50"]),
+            "scale": _r(sp["scale"])}
 
 
 def _fit_changes_verdict(timings: Timings, agg: Aggregate, comm: CommSpec,

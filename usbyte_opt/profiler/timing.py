@@ -52,6 +52,10 @@ from ..models import check_loss
 
 Progress = Callable[[str, int, int], None]
 
+#: Timed iterations with hooks per round of ``IterationTimer.run(steady=True)``; each round
+#: is followed by as many plain steady-state ones.
+ROUND = 3
+
 
 # --------------------------------------------------------------------------------------------
 # Clocks
@@ -134,6 +138,10 @@ class Timings:
     """Tensors first used outside their owner's ``forward`` (anchored to another hook)."""
     fallback_passes: int = 0
     """Timed passes whose hook calls differed from discovery (owner pre-hook used)."""
+    steady_ms: list[float] = field(default_factory=list)
+    """Steady-state iterations without hooks, each timed from its start to the next one's
+    (``run(steady=True)``): what a training loop without communication pays per iteration;
+    :func:`summarize` scales the hooked medians to their median."""
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -316,8 +324,37 @@ class IterationTimer:
                         need[i] = min(ms(t0, s) for s in sts)
         tm.need_ms.append(need)
 
-    def run(self, warmup: int = 3, repeats: int = 10, progress: Progress | None = None) -> Timings:
-        """Discovery pass, ``warmup`` untimed iterations, then ``repeats`` timed ones."""
+    def steady(self, n: int) -> list[float]:
+        """``n`` iterations of a plain training loop (no hooks, no synchronisation between
+        iterations: forward, backward, step, ``zero_grad``), each timed from its start to the
+        next one's, as a training loop without communication runs and as ``usbyte-opt bench``
+        times its ``no-comm`` run (one more iteration ends the last). With ``sync``, the
+        ranks line up once before the first (a collective call)."""
+        if self.sync is not None:
+            self.sync()
+        clock, opt = self.clock, self.optimizer
+        clock.start_iteration()
+        stamps = []
+        for _ in range(n + 1):
+            stamps.append(clock.stamp())
+            loss = self.loss_fn(self.model(*self.inputs))
+            loss.backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            else:
+                self.model.zero_grad(set_to_none=True)
+        stamps.append(clock.stamp())
+        clock.finish()
+        return [clock.ms(a, b) for a, b in zip(stamps[:n], stamps[1:n + 1])]
+
+    def run(self, warmup: int = 3, repeats: int = 10, progress: Progress | None = None,
+            steady: bool = False) -> Timings:
+        """Discovery pass, ``warmup`` untimed iterations, then ``repeats`` timed ones.
+
+        With ``steady``, the timed iterations are taken in rounds of :data:`ROUND`, each
+        followed by as many plain steady-state iterations (:meth:`steady`, hooks removed),
+        so that a burst of load elsewhere falls on both alike: ``Timings.steady_ms``."""
         if repeats < 1:
             raise UsageError(f"--repeats: expected an integer >= 1, got {repeats}")
         if warmup < 0:
@@ -342,7 +379,7 @@ class IterationTimer:
             tm.unused = [n for n, a in zip(tm.names, self.anchor) if a is None] if self.hooks_on else []
             if self.hooks_on:
                 # First use before any pre-hook of the tensor's own module(s) fired.
-                first_own = {}
+                first_own: dict[int, int] = {}
                 for idx, (k, _) in enumerate(self.calls):
                     for i in self.owners[k][1]:
                         first_own.setdefault(i, idx)
@@ -358,6 +395,11 @@ class IterationTimer:
                 self._record(self._iteration(), n_discovered)
                 if progress:
                     progress("compute", 2 + warmup + r, total)
+                if steady and (r % ROUND == ROUND - 1 or r == repeats - 1):
+                    self.remove()
+                    tm.steady_ms += self.steady(r % ROUND + 1)
+                    if self.hooks_on:
+                        self.install()
         finally:
             self.remove()
         return self.timings
@@ -388,9 +430,12 @@ def summarize(t: Timings) -> Summary:
         >>> s.forward_ms, s.backward_ms, s.ready_ms, s.update_ms
         (2.0, 4.0, [1.0, 4.0], [1.0, 0.0])
     """
-    F, B, step = median(t.forward_ms), median(t.backward_ms), median(t.step_ms)
-    cols = list(zip(*t.ready_ms)) if t.ready_ms else [() for _ in t.names]
-    ncols = list(zip(*t.need_ms)) if t.need_ms else [() for _ in t.names]
+    F0, B0, S0 = median(t.forward_ms), median(t.backward_ms), median(t.step_ms)
+    hooked = F0 + B0 + S0
+    scale = steady_scale(hooked, t.steady_ms)
+    F, B, step = F0 * scale, B0 * scale, S0 * scale
+    cols = [[x * scale for x in c] for c in zip(*t.ready_ms)] if t.ready_ms else [[] for _ in t.names]
+    ncols = [[x * scale for x in c] for c in zip(*t.need_ms)] if t.need_ms else [[] for _ in t.names]
     ready = []
     for c in cols:
         m = median(c)
@@ -408,11 +453,36 @@ def summarize(t: Timings) -> Summary:
     r_iqr = [iqr(c) for c in cols]
     n_iqr = [iqr(c) for c in ncols]
     spread = {
-        "forward_ms": {"p10": quantile(t.forward_ms, 0.1), "p50": F, "p90": quantile(t.forward_ms, 0.9)},
-        "backward_ms": {"p10": quantile(t.backward_ms, 0.1), "p50": B, "p90": quantile(t.backward_ms, 0.9)},
-        "step_ms": {"p10": quantile(t.step_ms, 0.1), "p50": step, "p90": quantile(t.step_ms, 0.9)},
+        "forward_ms": {"p10": quantile(t.forward_ms, 0.1), "p50": F0, "p90": quantile(t.forward_ms, 0.9)},
+        "backward_ms": {"p10": quantile(t.backward_ms, 0.1), "p50": B0, "p90": quantile(t.backward_ms, 0.9)},
+        "step_ms": {"p10": quantile(t.step_ms, 0.1), "p50": S0, "p90": quantile(t.step_ms, 0.9)},
         "ready_iqr_ms": {"median": median(r_iqr), "max": max(r_iqr, default=0.0)},
         "need_iqr_ms": {"median": median(n_iqr), "max": max(n_iqr, default=0.0)},
         "repeats": len(t.forward_ms),
     }
+    if t.steady_ms:
+        # The hooked iterations give the shares (forward, backward, step, each tensor's
+        # offsets); the plain steady-state ones the total (docs/profiles.md, "How close the
+        # profile's compute is"). Forward, backward and step above are scaled; these are not.
+        spread["steady_ms"] = {"p10": quantile(t.steady_ms, 0.1), "p50": median(t.steady_ms),
+                               "p90": quantile(t.steady_ms, 0.9), "iterations": len(t.steady_ms)}
+        spread["hooked_ms"] = hooked
+        spread["scale"] = scale
     return Summary(F, B, step, ready, need, update, spread)
+
+
+def steady_scale(hooked_ms: float, steady_ms: Sequence[float]) -> float:
+    """What the hooked medians (forward + backward + step, ``hooked_ms``) are multiplied by
+    so that they add up to the median plain steady-state iteration: 1 without steady-state
+    iterations or a usable sum.
+
+    Example::
+
+        >>> steady_scale(100.0, [110.0, 130.0, 120.0]), steady_scale(100.0, [])
+        (1.2, 1.0)
+    """
+    m = median(steady_ms) if steady_ms else math.nan
+    if not (hooked_ms > 0 and m > 0 and math.isfinite(m)):
+        return 1.0
+    return m / hooked_ms
+
