@@ -28,9 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
 import labruns  # noqa: E402  (beside this script)
 
 from usbyte_opt.bench import BenchConfig, run_bench  # noqa: E402
@@ -46,7 +43,7 @@ CASES = {
                        for link in ("16x25gbit", "128x100gbit")],
              "iterations": 20, "rounds": 4},
     "cpu": {"cases": [("lab-cnn", 8, "8x1gbit"), ("transformer", None, "8x1gbit")],
-            "iterations": 4, "rounds": 2},
+            "iterations": 8, "rounds": 3},
 }
 
 
@@ -57,7 +54,7 @@ def run_case(model: str, batch: int | None, link: str, device: str, iterations: 
     res = run_bench(BenchConfig(model=model, nproc=1, emulate=link, device=device,
                                 batch_size=batch, iterations=iterations, rounds=rounds,
                                 max_rounds=rounds, warmup=1, strategies=STRATEGIES,
-                                reference=False, out_dir=out, plot=False,
+                                reference=True, out_dir=out, plot=False,
                                 profiling=ProfileOptions(comm_points=4)),
                     progress=lambda s: print(f"  {s}", file=sys.stderr)
                     if not s.startswith("round") else None)
@@ -123,7 +120,10 @@ def markdown(doc: dict) -> str:
                   + f" on {section['host']}, torch {section['runs'][0].get('torch', '?')}, "
                   f"{section['iterations']} timed iterations x {section['rounds']} turns per "
                   f"strategy, {section['wall_s']:.0f} s in all; load average "
-                  f"{section['runs'][0]['load_before'][0]:.1f} before.", ""]
+                  f"{section['runs'][0]['load_before'][0]:.1f} before, "
+                  f"{section['runs'][-1]['load_after'][0]:.1f} after (a 2-core machine shared "
+                  "with other jobs: a burst of load slows compute several times over, and a "
+                  "profile taken in one plans for the wrong balance).", ""]
         lines += table(section)
         lines.append("")
         for run in section["runs"]:
