@@ -89,6 +89,13 @@ SKIP: dict[str, str] = {
     "python benchmarks/planner_scale.py": "benchmark: long run",
     "python benchmarks/runtime_overhead.py": "benchmark: long run",
     "python benchmarks/host_overhead.py": "benchmark: long run",
+    "python benchmarks/gpu_lab.py": "benchmark: long run",
+    "usbyte-opt bench lab-cnn --nproc-per-node 1 --device cpu --emulate 8x1gbit --strategies "
+    "ddp,best": "long run: trains 2 strategies on an emulated link (tests/test_bench_emulate.py "
+                "runs bench --emulate)",
+    "usbyte-opt bench lab-cnn --nproc-per-node 1 --device cpu --emulate 8x1gbit --strategies "
+    "ddp,best --iterations 12": "long run: trains 2 strategies on an emulated link "
+                                "(tests/test_bench_emulate.py runs bench --emulate)",
     "python benchmarks/profiler_overhead.py": "benchmark: long run",
     "python benchmarks/real_training.py": _LAB,
     "python benchmarks/sharded_lab.py": _LAB,
