@@ -13,19 +13,21 @@ own.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from .buffers import FlatGrads
 
-
-def unscale(grads: FlatGrads, grad_scale: torch.Tensor | None, device: torch.device) -> None:
-    """Divide every flat buffer by ``grad_scale`` in place (on the gradients' device, no host
-    wait); nothing when the scaler has unscaled already (``None``)."""
-    if grad_scale is None:
+def unscale(tensors: Sequence[torch.Tensor], grad_scale: torch.Tensor | None,
+            device: torch.device) -> None:
+    """Divide the gradient ``tensors`` (the flat buffers; under torch DDP, the parameters'
+    ``p.grad``) by ``grad_scale`` in place, on their device, no host wait; nothing when the
+    scaler has unscaled already (``None``)."""
+    if grad_scale is None or not tensors:
         return
     inv = grad_scale.double().reciprocal().float().to(device)
     dummy = torch.zeros(1, device=device)
-    torch._amp_foreach_non_finite_check_and_unscale_(list(grads.flats), dummy, inv)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), dummy, inv)
 
 
 def supports_found_inf(optimizer: torch.optim.Optimizer) -> bool:

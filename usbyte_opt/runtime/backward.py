@@ -227,7 +227,7 @@ class StepComm:
     def refresh(self) -> None:
         """Whether the hooks' common case applies: flat buffers stored, gradients put by
         :meth:`FlatGrads.take` and scaled per block, no probe, no stale-use check pending.
-        Call after changing :attr:`put`, :attr:`block_scale` or :attr:`issue_block`."""
+        Call after changing :attr:`put` or :attr:`put_scale`."""
         self.fast = (self.grads.stored and self.put == self.grads.take and self._probe is None
                      and not self.flushed and self.put_scale is None)
 
@@ -237,7 +237,7 @@ class StepComm:
         """The post-accumulate-grad hook of tensor ``t``."""
         final, count, rem = self.final, self.count, self.rem
         g = self.grads
-        view, name = g.views[t], g.names[t]
+        view, name, take = g.views[t], g.names[t], g.take
         blocks = g.tensor_blocks[t]
         k0 = blocks[0] if len(blocks) == 1 else -1
         cur = _current_stream if self.cuda else None
@@ -252,8 +252,8 @@ class StepComm:
                 final[t] = True
                 self.nfinal += 1
                 grad = p.grad
-                if grad is not view:
-                    self.place(p, view, grad)
+                if grad is not view:   # p.grad was None or another tensor: copied in
+                    take(t, grad)
                 if cur is not None:
                     self.streams[t] = cur(dev)
                 if k0 < 0:
@@ -266,22 +266,6 @@ class StepComm:
                 return
             self.slow_hook(t, p)
         return hook
-
-    def place(self, p: torch.Tensor, view: torch.Tensor, grad: torch.Tensor | None) -> None:
-        """A gradient that autograd did not accumulate into the view (``p.grad`` was ``None``
-        or another tensor): copied into it, and the view becomes ``p.grad``. On CUDA the
-        gradient is marked as used by the current stream, so that its memory is not handed
-        out before the copy has read it."""
-        if grad is None:
-            view.zero_()
-        elif grad.requires_grad:   # a backward with create_graph=True
-            with torch.no_grad():
-                view.copy_(grad)
-        else:
-            view.copy_(grad)
-        if grad is not None and self.cuda and grad.is_cuda:
-            grad.record_stream(torch.cuda.current_stream(grad.device))
-        p.grad = view
 
     def slow_hook(self, t: int, p: torch.Tensor) -> None:
         """The hook of tensor ``t`` outside its common case: the first gradient of a pass, a
@@ -314,11 +298,9 @@ class StepComm:
             self._probe.ready(t)
         if self.cuda:
             self.streams[t] = _current_stream(self._dev_index)
-        if last:
+        if last:   # (local and placed follow from final in finish())
             self.final[t] = True
             self.nfinal += 1
-            self.local[t] = True
-            self.placed[t] = True
             self.mark_ready(t)
 
     def twice(self, name: str) -> None:
@@ -453,7 +435,7 @@ class StepComm:
         if self.issue_block is not None:
             self.works[k] = self.issue_block(k, ())
         else:
-            self.works[k] = self.chan.issue(view)
+            self.works[k] = self.chan.all_reduce_block(view)
         if self.trace is not None:
             self.trace.issue(k, self.works[k])
 

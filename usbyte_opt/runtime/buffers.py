@@ -169,16 +169,17 @@ class FlatGrads:
         has read it. Only with the flat buffers stored."""
         assert self.stored, "no flat buffer to take a gradient into"
         p, v = self.params[t], self.views[t]
-        with torch.no_grad():
-            if grad is None:
-                v.zero_()
-            elif grad is not v:
-                if scale is None:
-                    v.copy_(grad)
-                else:
-                    torch.mul(grad, scale, out=v)
-                if self.cuda and grad.is_cuda:
-                    grad.record_stream(torch.cuda.current_stream(grad.device))
+        if grad is None:
+            v.zero_()
+        elif grad is not v:
+            if grad.requires_grad:   # a backward with create_graph=True: record no copy
+                grad = grad.detach()
+            if scale is None:
+                v.copy_(grad)
+            else:
+                torch.mul(grad, scale, out=v)
+            if self.cuda and grad.is_cuda:
+                grad.record_stream(torch.cuda.current_stream(grad.device))
         p.grad = v
 
     def release(self, ts: Sequence[int] | None = None) -> None:

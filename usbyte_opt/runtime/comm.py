@@ -122,11 +122,6 @@ class Channel:
         self.after(streams)
         return self._issue(view)
 
-    def issue(self, view: torch.Tensor) -> dist.Work:
-        """:meth:`all_reduce_block` of a block final on the current stream (no other stream
-        to wait for): the sum issued, nothing else."""
-        return self._issue(view)
-
     def after(self, streams: Sequence[torch.cuda.Stream]) -> None:
         """Make the current stream wait for ``streams`` (those a block's gradients were
         finished on), where they differ from it."""

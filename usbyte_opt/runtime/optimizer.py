@@ -55,7 +55,6 @@ from ..formats import Mode, Schedule
 from . import amp
 from .backward import Phase
 from .checks import (
-    require_initialized,
     wrapped_now,
 )
 from .comm import Channel
@@ -185,7 +184,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._opt = optimizer
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
-        require_initialized()
         if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
             raise UsbyteError(f"backward_passes_per_step: expected an integer >= 1, got "
                               f"{backward_passes_per_step!r}")
@@ -482,11 +480,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             pend = st.updates.pending
             st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
                                 [t for t in range(st.n) if pend[t]])
-        if self._tuner is not None:
-            self._tuner.after_step()
-        self._steps += 1
-        self._opt._opt_called = True  # type: ignore[attr-defined]  # LR scheduler's check
-        return loss
+        return self._step_done(loss)
 
     def _ddp_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step()`` while torch DDP runs (the fallback): the wrapped optimizer's own step,
@@ -499,16 +493,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         found_inf = getattr(self, "found_inf", None)
         skip = False
         if found_inf is not None:   # called by GradScaler.step(self)
-            grad_scale = getattr(self, "grad_scale", None)
             grads = [p.grad for p in self._state.grads.params if p.grad is not None]
-            if grad_scale is not None and grads:
-                inv = grad_scale.double().reciprocal().float()
-                dummy = torch.zeros(1, device=inv.device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, dummy, inv)
+            amp.unscale(grads, getattr(self, "grad_scale", None), self._device)
             skip = amp.skip_on_host(found_inf)
         if not skip:
             inner_step(self._opt)
             self._state.stepper.calls += 1
+        return self._step_done(loss)
+
+    def _step_done(self, loss: Any) -> Any:
+        """The end of every ``step()``: the tuner's count, and the LR scheduler's check."""
         if self._tuner is not None:
             self._tuner.after_step()
         self._steps += 1
@@ -823,7 +817,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         No collective: the verdict is the same on every rank (:mod:`.amp`)."""
         st = self._state
         st.comm.complete("GradScaler.step()")
-        amp.unscale(st.grads, grad_scale, self._chan.device)
+        amp.unscale(st.grads.flats, grad_scale, self._chan.device)
         # A fused optimizer skips on the device, in either mode: no host read of found_inf.
         if self._chan.cuda and amp.supports_found_inf(self._opt):
             st.stepper.attrs = {"found_inf": found_inf, "grad_scale": None}

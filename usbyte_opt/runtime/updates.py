@@ -99,11 +99,10 @@ class SubsetStepper:
         self.opt = optimizer
         self.grads = grads
         self.device = device
-        where = {id(p): (gi, j) for gi, grp in enumerate(optimizer.param_groups)
-                 for j, p in enumerate(grp["params"])}
-        #: Param group of each tensor (-1: the optimizer does not step it), and its position.
-        self.group_of = [where.get(id(p), (-1, 0))[0] for p in grads.params]
-        self.pos = [where.get(id(p), (-1, 0))[1] for p in grads.params]
+        where = {id(p): gi for gi, grp in enumerate(optimizer.param_groups)
+                 for p in grp["params"]}
+        #: Param group of each tensor (-1: the optimizer does not step it).
+        self.group_of = [where.get(id(p), -1) for p in grads.params]
         index = {id(p): t for t, p in enumerate(grads.params)}
         #: Per group, the runtime index of each of its parameters in its order (-1: not one
         #: of the runtime's tensors, a frozen one), and how many are the runtime's.
