@@ -54,4 +54,5 @@ for step, (x, y) in enumerate(data):
 path = os.environ.get("OWN_SCRIPT_OUT", "own_script.pt")
 if rank == 0:
     torch.save({"model": model.module.state_dict(), "optimizer": optimizer.state_dict()}, path)
+del model                                            # DDP holds the group: it goes first
 dist.destroy_process_group()

@@ -17,7 +17,6 @@ import torch
 
 from usbyte_opt.env import SCHEDULE_ENV
 from usbyte_opt.formats import save_schedule
-from usbyte_opt.launcher import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "examples" / "own_script.py"
@@ -45,9 +44,12 @@ def _run(tmp: Path, name: str, *args: str, schedule: Path | None = None) -> dict
     env.update(OWN_SCRIPT_OUT=str(out), OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     if schedule is not None:
         env[SCHEDULE_ENV] = str(schedule)
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-port", str(free_port()), str(SCRIPT), *args], env=env,
-                         cwd=tmp, capture_output=True, text=True, timeout=300)
+    for _ in range(2):   # one retry: torchrun on a loaded 2-core machine, rarely, fails to start
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", str(SCRIPT), *args], env=env,
+                             cwd=tmp, capture_output=True, text=True, timeout=300)
+        if res.returncode == 0:
+            break
     assert res.returncode == 0, res.stderr[-3000:]
     return torch.load(out, weights_only=False)
 
