@@ -128,7 +128,7 @@ PARTS: list[tuple[str, float, bool]] = [
     ("two_ranks", 60.0, True),
     ("sharded", 45.0, True),
     ("flow", 90.0, True),
-    ("host_ratio", 150.0, True),
+    ("host_ratio", 220.0, True),
 ]
 
 #: A sleep queued on the update stream before each step of the probes (GPU cycles, ~50 ms).

@@ -39,22 +39,22 @@ STRATEGIES = ("ddp", "usbyte", "best")
 #: Per device: (model, batch per rank or None for the model's own, link) cases, and the
 #: timed iterations and rounds of each.
 CASES = {
-    "cuda": {"cases": [(m, None, link) for m in ("gpt2", "bert-large", "resnet50")
-                       for link in ("16x25gbit", "128x100gbit")],
-             "iterations": 20, "rounds": 4},
+    "cuda": {"cases": [(m, None, link) for link in ("16x25gbit", "128x100gbit")
+                       for m in ("gpt2", "resnet50", "bert-large")],
+             "iterations": 20, "rounds": 4, "reference": False},
     "cpu": {"cases": [("lab-cnn", 8, "8x1gbit"), ("transformer", None, "8x1gbit")],
-            "iterations": 8, "rounds": 3},
+            "iterations": 8, "rounds": 3, "reference": True},
 }
 
 
 def run_case(model: str, batch: int | None, link: str, device: str, iterations: int,
-             rounds: int, out: Path) -> dict:
+             rounds: int, out: Path, reference: bool) -> dict:
     load0 = os.getloadavg()
     t0 = time.time()
     res = run_bench(BenchConfig(model=model, nproc=1, emulate=link, device=device,
                                 batch_size=batch, iterations=iterations, rounds=rounds,
                                 max_rounds=rounds, warmup=1, strategies=STRATEGIES,
-                                reference=True, out_dir=out, plot=False,
+                                reference=reference, out_dir=out, plot=False,
                                 profiling=ProfileOptions(comm_points=4)),
                     progress=lambda s: print(f"  {s}", file=sys.stderr)
                     if not s.startswith("round") else None)
@@ -115,17 +115,24 @@ def markdown(doc: dict) -> str:
                           "(gpt2, bert-large, resnet50 at 16x25gbit and 128x100gbit) fills it.", ""]
             continue
         head = "GPU" if device == "cuda" else "CPU (until a GPU is lent)"
+        fails = [f"- {f['model']} at {f['link']} failed: {f['error']}"
+                 for f in section.get("failed", [])]
+        if not section["runs"]:
+            lines += [f"## {head}", "", *fails, ""]
+            continue
         lines += [f"## {head}", "",
                   f"`python benchmarks/gpu_lab.py {section['argv']}`".replace(" `", "`")
                   + f" on {section['host']}, torch {section['runs'][0].get('torch', '?')}, "
                   f"{section['iterations']} timed iterations x {section['rounds']} turns per "
                   f"strategy, {section['wall_s']:.0f} s in all; load average "
                   f"{section['runs'][0]['load_before'][0]:.1f} before, "
-                  f"{section['runs'][-1]['load_after'][0]:.1f} after (a 2-core machine shared "
-                  "with other jobs: a burst of load slows compute several times over, and a "
-                  "profile taken in one plans for the wrong balance).", ""]
+                  f"{section['runs'][-1]['load_after'][0]:.1f} after"
+                  + (" (a 2-core machine shared with other jobs: a burst of load slows compute "
+                     "several times over, and a profile taken in one plans for the wrong "
+                     "balance)." if device == "cpu" else "."), ""]
         lines += table(section)
-        lines.append("")
+        lines += ["", *fails] if fails else [""]
+        lines += [f"- {n}" for n in section.get("notes", [])]
         for run in section["runs"]:
             c = run["comm"]
             whole = c["alpha_ms"] + run["gradient_bytes"] / (c["algbw_gbs"] * 1e6)
@@ -146,10 +153,15 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=None)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--only", default=None, help="comma-separated models to run (default: all)")
+    ap.add_argument("--links", default=None,
+                    help="comma-separated links to run, in this order (default: all)")
     ap.add_argument("--out", type=Path, default=Path("bench-results") / "gpu_lab")
     ap.add_argument("--render", action="store_true", help="gpu_lab.md from gpu_lab.json, no run")
+    ap.add_argument("--results", type=Path, default=HERE,
+                    help="folder of gpu_lab.json and gpu_lab.md (default: beside this script)")
     args = ap.parse_args()
-    path = HERE / "gpu_lab.json"
+    args.results.mkdir(parents=True, exist_ok=True)
+    path = args.results / "gpu_lab.json"
     doc = json.loads(path.read_text()) if path.exists() else {}
     if not args.render:
         spec = CASES[args.device]
@@ -157,19 +169,27 @@ def main() -> None:
         rounds = args.rounds or spec["rounds"]
         only = set(args.only.split(",")) if args.only else None
         t0 = time.time()
-        runs = []
-        for model, batch, link in spec["cases"]:
-            if only and model not in only:
-                continue
+        runs: list[dict] = []
+        failed: list[dict] = []
+        cases = [c for c in spec["cases"] if not only or c[0] in only]
+        if args.links:
+            links = args.links.split(",")
+            cases = sorted((c for c in cases if c[2] in links), key=lambda c: links.index(c[2]))
+        for model, batch, link in cases:
             print(f"{model} at {link}", file=sys.stderr)
-            runs.append(run_case(model, batch, link, args.device, its, rounds,
-                                 args.out / f"{model}-{link}"))
-        doc[args.device] = {"argv": " ".join(sys.argv[1:]), "host": f"{platform.node()}: "
-                            f"{os.cpu_count()} cores", "iterations": its, "rounds": rounds,
-                            "wall_s": time.time() - t0, "runs": runs}
-        write_json(path, doc)
-    (HERE / "gpu_lab.md").write_text(markdown(doc))
-    print(f"wrote {HERE / 'gpu_lab.md'}", file=sys.stderr)
+            try:
+                runs.append(run_case(model, batch, link, args.device, its, rounds,
+                                     args.out / f"{model}-{link}", spec["reference"]))
+            except Exception as exc:  # one case's failure is a result; the others still run
+                failed.append({"model": model, "link": link, "error": f"{type(exc).__name__}: {exc}"})
+                print(f"  failed: {failed[-1]['error']}", file=sys.stderr)
+            # written after every case, so a run cut short keeps what it measured
+            doc[args.device] = {"argv": " ".join(sys.argv[1:]), "host": f"{platform.node()}: "
+                                f"{os.cpu_count()} cores", "iterations": its, "rounds": rounds,
+                                "wall_s": time.time() - t0, "runs": runs, "failed": failed}
+            write_json(path, doc)
+    (args.results / "gpu_lab.md").write_text(markdown(doc))
+    print(f"wrote {args.results / 'gpu_lab.md'}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -180,6 +180,8 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         "device": raw["device"],
         "backend": raw["backend"],
         "threads_per_rank": raw["threads"],
+        # deterministic kernels in the whole rank, profile and trainees ($USBYTE_BENCH_DETERMINISTIC)
+        "deterministic": raw.get("deterministic", False),
         "batch_size": raw["batch_size"],
         "torch": raw["torch"],
         "profile": raw["profile"],
@@ -348,7 +350,8 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
            "link's (compute and host cost profiled on this rank)"] if result.get("emulated") else []),
         f"- model `{result['model']}`, batch {result['batch_size']} per rank, "
         f"{result['gradient_bytes'] / 1e6:.2f} MB of gradients; {result['device']} / "
-        f"{result['backend']}, {result['threads_per_rank']} thread(s) per rank, torch {result['torch']}",
+        f"{result['backend']}, {result['threads_per_rank']} thread(s) per rank, torch {result['torch']}"
+        + ("; deterministic kernels (profile and training)" if result.get("deterministic") else ""),
         f"- profile `{result['profile']}`: forward {result['forward_ms']:.1f} ms, backward "
         f"{result['backward_ms']:.1f} ms, optimizer step {result['update_ms']:.1f} ms; "
         + ("no all-reduce planned with (one rank)" if result.get("single_rank") else

@@ -277,6 +277,12 @@ def run_rank(job: Job) -> dict[str, Any] | None:
     from ..device import resolve_device
     from ..errors import UsbyteError
     from ..group import init_from_env
+    from .train import DETERMINISTIC_ENV, deterministic_kernels
+
+    if os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0"):
+        # The whole rank, the profile included: deterministic kernels can be several times
+        # slower (cuDNN's convolutions), and a profile of faster ones predicts the wrong compute.
+        deterministic_kernels()
 
     dev = resolve_device(job.device)
     if dev.type == "cpu":
@@ -721,6 +727,7 @@ def _raw(job: Job, prof: Any, profile_path: str, batch: Any, world: int, dev: An
         "backend": str(dist.get_backend()),
         "device": dev.type,
         "threads": torch.get_num_threads(),
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
         "torch": torch.__version__,
         "batch_size": batch,
         "forward_ms": prof.forward_ms,
