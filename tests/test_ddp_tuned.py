@@ -198,7 +198,7 @@ def screen(monkeypatch):
     return buf
 
 
-def test_optimize_prints_the_bucket_list_and_the_wrap_line_within_100_columns(tmp_path, screen,
+def test_optimize_prints_the_bucket_list_and_the_wrap_line_within_80_columns(tmp_path, screen,
                                                                              capsys, monkeypatch):
     prof = random_profile(random.Random(3), 30, name="rand", alpha_ms=1.0)
     monkeypatch.chdir(tmp_path)   # short paths: the wrap line names the schedule file
@@ -212,10 +212,10 @@ def test_optimize_prints_the_bucket_list_and_the_wrap_line_within_100_columns(tm
                                "--strategy", "ddp-tuned", *wide)
         assert code == 0, err
         text = screen.getvalue()
-        # the default table and every line around it fit 100 columns (--wide adds columns)
+        # the default table and every line around it fit 80 columns (--wide adds columns)
         lines = [ln for ln in text.splitlines()
                  if not wide or not any(c in ln for c in "┏┃┡│└━─")]   # (a table, borders or not)
-        assert max(len(line) for line in lines) <= 100, text
+        assert max(len(line) for line in lines) <= 80, text
         assert "ddp-tuned *" in text
         flat = " ".join(text.split())
         assert "DistributedDataParallel(model, bucket_cap_mb_list=[" in flat

@@ -16,15 +16,18 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+#: Width that titles, captions, paragraphs and every table keep within (the terminal's when
+#: narrower): 80 columns, piped or not.
+TABLE_WIDTH = 80
+
 
 def _width(stream: Any) -> int | None:
     """The width output is laid out for: ``COLUMNS`` when set (on a terminal or piped), else
-    the terminal's, else 160 when piped (so that piped tables keep their natural width up to
-    :data:`TABLE_WIDTH` instead of rich's 80)."""
+    the terminal's, else :data:`TABLE_WIDTH` (80) when piped."""
     columns = os.environ.get("COLUMNS", "")
     if columns.isdigit() and int(columns) > 0:
         return int(columns)
-    return None if stream.isatty() else 160
+    return None if stream.isatty() else TABLE_WIDTH
 
 
 out = Console(highlight=False, soft_wrap=True, width=_width(sys.stdout))
@@ -59,10 +62,6 @@ def emit_json(data: Any) -> None:
     """Write ``data`` as JSON to stdout and nothing else."""
     sys.stdout.write(json.dumps(data, indent=1, sort_keys=False) + "\n")
     sys.stdout.flush()
-
-
-#: Width that titles, captions, paragraphs and the default columns of every table keep within.
-TABLE_WIDTH = 100
 
 
 def paragraph(text: str) -> None:
@@ -103,14 +102,58 @@ def column_widths(columns: list[str], rows: list[list[str]], room: int) -> list[
     return widths
 
 
+def _groups(columns: list[str], cells: list[list[str]], width: int, key: int) -> list[list[int]]:
+    """The columns of a table, in order, split into as few groups as fit ``width`` each, every
+    group after the first led by the ``key`` first columns again (a row's name), so that no
+    group is wider than ``width`` unless one column alone is. One group when all fit.
+
+    Example::
+
+        >>> _groups(["name", "a" * 30, "b" * 30, "c" * 30], [], 80, 1)
+        [[0, 1, 2], [0, 3]]
+        >>> _groups(["name", "a"], [], 80, 1)
+        [[0, 1]]
+    """
+    def lo(i: int) -> int:
+        return max((cell_len(w) for t in [columns[i], *(r[i] for r in cells)] for w in t.split()),
+                   default=1)
+
+    def need(group: list[int]) -> int:
+        return sum(lo(i) for i in group) + 3 * len(group) - 1   # borders, without the outer two
+
+    lead = list(range(min(key, len(columns))))
+    groups: list[list[int]] = []
+    group = list(lead)
+    for i in range(len(lead), len(columns)):
+        if len(group) > len(lead) and need([*group, i]) > width:
+            groups.append(group)
+            group = list(lead)
+        group.append(i)
+    groups.append(group)
+    return groups
+
+
 def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_from: int = 1,
-          caption: str | None = None) -> None:
+          caption: str | None = None, key_columns: int = 1) -> None:
     """Print a table on stdout, its title above and its caption below, both wrapped to
     :data:`TABLE_WIDTH` (or the terminal's width, ``COLUMNS``, when narrower). Cells and
     headers wrap at spaces, never inside a word (:func:`column_widths`); a table whose words
-    alone are wider than that is printed whole, wider."""
+    alone are wider than that is split in two (or more) tables one above the other, each led
+    by the first ``key_columns`` columns (:func:`_groups`), so that nothing is cut and no line
+    is wider than that unless one column's words alone are."""
     width = min(out.width, TABLE_WIDTH)
     cells = [[str(x) for x in r] for r in rows]
+    out.print(title, style="italic", markup=False, width=width, soft_wrap=False)
+    for group in _groups(columns, cells, width, key_columns):
+        _print_table([columns[i] for i in group], [[r[i] for i in group] for r in cells],
+                     [i >= justify_right_from for i in group], width)
+    if caption:
+        out.print(caption, style="dim italic", markup=False, width=width, soft_wrap=False)
+
+
+def _print_table(columns: list[str], cells: list[list[str]], right: list[bool], width: int) -> None:
+    """One table of :func:`table` (its title and caption apart), within ``width`` when its
+    words fit."""
     # Each column takes its text, a space each side and a border; without the outer borders
     # when that is what makes the words fit.
     edge = 3 * len(columns) + 1
@@ -120,11 +163,9 @@ def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_f
         widths = column_widths(columns, cells, width - edge)
     t = Table(show_edge=edge == 3 * len(columns) + 1)
     for i, c in enumerate(columns):
-        t.add_column(c, justify="right" if i >= justify_right_from else "left", width=widths[i],
-                     overflow="fold")
+        t.add_column(c, justify="right" if right[i] else "left", width=widths[i], overflow="fold")
     for r in cells:
         t.add_row(*r)
-    out.print(title, style="italic", markup=False, width=width, soft_wrap=False)
     need, before = sum(widths) + edge, out.width
     if need > before:
         out.width = need  # words alone wider than the screen: whole, not cut (print caps at width)
@@ -132,5 +173,3 @@ def table(title: str, columns: list[str], rows: list[list[Any]], justify_right_f
         out.print(t, soft_wrap=False)
     finally:
         out.width = before
-    if caption:
-        out.print(caption, style="dim italic", markup=False, width=width, soft_wrap=False)

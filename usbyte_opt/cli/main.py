@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -56,6 +56,30 @@ def _root(
 
 for _name in COMMANDS:
     importlib.import_module(f"{__package__}.{_name}").register(app)
+
+
+def _no_flag_metavar() -> None:
+    """``--help`` shows no ``<bool>`` beside a plain on/off flag (``--json``, ``--force``,
+    ``--shard-sweep/--no-shard-sweep``, ``--help``): such a flag takes no value. typer's
+    rich help names every option's type; this leaves the others as they are."""
+    try:
+        from typer.core import TyperOption
+    except ImportError:  # pragma: no cover - a typer without it shows no types either
+        return
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None or getattr(shown, "_usbyte_flags", False):
+        return
+
+    def display_type_rich(self: Any, ctx: Any) -> Any:
+        if getattr(self, "is_flag", False) and self.metavar is None:
+            return None
+        return shown(self, ctx)
+
+    display_type_rich._usbyte_flags = True  # type: ignore[attr-defined]
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
+
+
+_no_flag_metavar()
 
 
 def os_error_line(e: OSError) -> str:
