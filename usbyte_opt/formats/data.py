@@ -280,9 +280,7 @@ class Profile:
 
     def digest(self) -> str:
         """Content digest (16 hex digits) of the canonical JSON; schedules record it."""
-        from .schema import dump_profile
-
-        return _digest(dump_profile(self))
+        return _digest(profile_json(self))
 
     def fingerprint(self) -> str:
         """Digest of the sorted ``(name, shape, dtype)`` of the tensors (see :func:`fingerprint`)."""
@@ -382,9 +380,7 @@ class Schedule:
 
     def digest(self) -> str:
         """Digest of what every rank must agree on: layout and blocks (not predictions)."""
-        from .schema import dump_schedule
-
-        d = dump_schedule(self)
+        d = schedule_json(self)
         agreed = {"buffers": d["buffers"], "blocks": d["blocks"], "fp": self.fingerprint}
         if self.mode is not Mode.OVERLAP:  # the default mode is left out: it adds nothing to agree on
             agreed["mode"] = str(self.mode)
@@ -491,3 +487,93 @@ def check_against(schedule: Schedule, profile: Profile, source: str = "<schedule
         raise MismatchError(f"{source}: buffers: numel {list(schedule.buffer_numel)} does not match "
                             f"the profile's {numel}")
     check_coverage(schedule, numel, source)
+
+
+# --------------------------------------------------------------------------------------------
+# Objects as JSON values (what files hold and digests read; :mod:`.schema` checks and parses)
+# --------------------------------------------------------------------------------------------
+
+
+def profile_json(profile: Profile) -> dict[str, Any]:
+    """The JSON value of a profile file holding ``profile``, unchecked: optional fields at
+    their default are left out (:func:`usbyte_opt.formats.dump_profile` checks it too)."""
+    c = profile.comm
+    comm: dict[str, Any] = {"backend": c.backend, "world_size": c.world_size,
+                            "alpha_ms": c.alpha_ms, "algbw_gbs": c.algbw_gbs}
+    if c.samples:
+        comm["samples"] = [{"bytes": b, "ms": ms} for b, ms in c.samples]
+    if c.cpu_ms_per_block:
+        comm["cpu_ms_per_block"] = c.cpu_ms_per_block
+    if c.cpu_ms_per_mb:
+        comm["cpu_ms_per_mb"] = c.cpu_ms_per_mb
+    if c.nodes != 1:
+        comm["nodes"] = c.nodes
+    for key, cost in (("reduce_scatter", c.reduce_scatter), ("all_gather", c.all_gather),
+                      ("intra", c.intra), ("inter", c.inter)):
+        if cost is not None:
+            comm[key] = _dump_collective(cost)
+    tensors = []
+    for t in profile.tensors:
+        d: dict[str, Any] = {"name": t.name, "shape": list(t.shape), "dtype": t.dtype,
+                             "ready_ms": t.ready_ms, "need_ms": t.need_ms}
+        if t.update_ms:
+            d["update_ms"] = t.update_ms
+        tensors.append(d)
+    out = {
+        "format": PROFILE_FORMAT,
+        "version": VERSION,
+        "name": profile.name,
+        "meta": dict(profile.meta),
+        "forward_ms": profile.forward_ms,
+        "backward_ms": profile.backward_ms,
+        "tensors": tensors,
+        "comm": comm,
+    }
+    h = profile.host
+    if h is not None and not h.defaulted:   # defaults are not written: the file stays as read
+        out["host"] = {"runtime_tensor_us": h.runtime_tensor_us,
+                       "runtime_block_us": h.runtime_block_us, "ddp_tensor_us": h.ddp_tensor_us,
+                       "ddp_bucket_us": h.ddp_bucket_us, "launch_bound": h.launch_bound,
+                       **({"method": h.method} if h.method else {})}
+    return out
+
+
+def _dump_collective(cost: CollectiveCost) -> dict[str, Any]:
+    out: dict[str, Any] = {"alpha_ms": cost.alpha_ms, "algbw_gbs": cost.algbw_gbs}
+    if cost.samples:
+        out["samples"] = [{"bytes": b, "ms": ms} for b, ms in cost.samples]
+    return out
+
+
+def schedule_json(schedule: Schedule) -> dict[str, Any]:
+    """The JSON value of a schedule file holding ``schedule``, unchecked: the known fields,
+    then ``shapes`` where the schedule has them, then the fields of ``extra``
+    (:func:`usbyte_opt.formats.dump_schedule` checks it too)."""
+    buffers = []
+    for i, b in enumerate(schedule.buffers):
+        d: dict[str, Any] = {"dtype": b.dtype, "tensors": list(b.tensors)}
+        if schedule.buffer_numel:
+            d["numel"] = schedule.buffer_numel[i]
+        buffers.append(d)
+    out = {
+        "format": SCHEDULE_FORMAT,
+        "version": VERSION,
+        "strategy": schedule.strategy,
+        "profile": {"name": schedule.profile_name, "digest": schedule.profile_digest},
+        **({"model": schedule.model} if schedule.model is not None else {}),
+        "fingerprint": schedule.fingerprint,
+        "world_size": schedule.world_size,
+        **({"nodes": schedule.nodes} if schedule.nodes != 1 else {}),
+        "mode": str(schedule.mode),
+        "buffers": buffers,
+        "blocks": [{"buffer": k.buffer, "start": k.start, "end": k.end,
+                    **({"hier": True} if k.hier else {})} for k in schedule.blocks],
+        "predicted": dict(schedule.predicted),
+    }
+    if schedule.shapes is not None:
+        out["shapes"] = {n: list(s) for n, s in schedule.shapes.items()}
+    if schedule.gathers is not None:
+        out["gathers"] = [list(g) for g in schedule.gathers]
+    for k, v in schedule.extra.items():
+        out.setdefault(k, v)
+    return out

@@ -1,4 +1,10 @@
-"""Sharded mode's iteration model, its scorer, its lower bound and the all-gather grouping.
+"""Sharded mode's iteration model (walked and in closed form), its lower bound, its all-gathers.
+
+The sharded-mode part of the one iteration model: :func:`simulate_sharded` walks it step by
+step, as :mod:`usbyte_opt.planning.simulate` walks overlap and fence mode (and dispatches
+sharded mode here), on the same :class:`~usbyte_opt.planning.timeline.Timeline`;
+:func:`sharded_time` is its closed form, the same number (tests check it), what the planner
+scores sharded plans with, as :mod:`usbyte_opt.planning.fastsim` is for the other modes.
 
 Sharded mode (:attr:`~usbyte_opt.formats.Mode.SHARDED`, ZeRO-1) replaces each block's
 all-reduce by a reduce-scatter in backward and an all-gather of the updated parameters before
@@ -85,7 +91,6 @@ Example (two tensors; all-reduce alpha 1 ms at 1 GB/s, so each collective half o
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -94,26 +99,15 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..formats import Block, Mode
+from .bounds import _batch_makespan
 from .problem import Layout, Problem
-from .simulate import BlockTiming, ForwardGate, Timeline, compute_charge
+from .timeline import BlockTiming, ForwardGate, GatherTiming, Timeline, with_compute_charge
 
 #: Optimizer state per element, in units of the parameter's element size, by the profile's
 #: ``meta.optimizer``: SGD with momentum keeps a momentum buffer, Adam and AdamW two moments.
 STATE_SLOTS = {"sgd": 1, "adam": 2, "adamw": 2}
 #: What :func:`state_slots` assumes when a profile does not say which optimizer it timed.
 DEFAULT_OPTIMIZER = "adam"
-
-
-@dataclass(frozen=True, slots=True)
-class GatherTiming:
-    """One all-gather of sharded mode: the blocks it gathers and when it ran."""
-
-    index: int
-    blocks: tuple[int, ...]
-    nbytes: int
-    tensors: tuple[str, ...]
-    start_ms: float
-    finish_ms: float
 
 
 def state_slots(problem: Problem, optimizer: str | None = None) -> int:
@@ -222,12 +216,7 @@ def simulate_sharded(problem: Problem, layout: Layout, blocks: Sequence[Block],
     tl = _walk(problem, layout, blocks, gathers)
     if not problem.charges_cpu:
         return tl
-    xb, xf = compute_charge(problem, tl)
-    sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
-    sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
-    tl = _walk(problem.stretched(sb, sf), layout, blocks, gathers)
-    return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": {"backward": xb,
-                                                                       "forward": xf}})
+    return with_compute_charge(problem, tl, lambda pb: _walk(pb, layout, blocks, gathers))
 
 
 def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block],
@@ -392,8 +381,6 @@ def _phase_length(nbytes: Sequence[float], tails: Sequence[float],
 def sharded_lower_bound(problem: Problem) -> float:
     """The lower bound of the module docstring, in ms: no sharded schedule of ``problem``
     runs faster (its compute-cost option included)."""
-    from .bounds import _batch_makespan
-
     (a_rs, b_rs), (a_ag, b_ag) = problem.cost.shard_bounds()
     order = problem.ready_order()
     rs_end = _batch_makespan([problem.ready[i] for i in order],

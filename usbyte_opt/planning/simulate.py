@@ -57,73 +57,28 @@ Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
 
 from __future__ import annotations
 
-import dataclasses
 from bisect import bisect_right
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import MismatchError
 from ..formats import Block, Mode, Profile, Schedule, check_against
-from ..formats.chrome import ChromeTrace
+from .cost import HierCost
 from .problem import Layout, Problem, Runner, UpdateRule, runner_of
+from .sharded import simulate_sharded
+from .timeline import (
+    BlockTiming,
+    ForwardGate,
+    GatherTiming,
+    Timeline,
+    chrome_trace,
+    compute_charge,
+    compute_windows,
+    with_compute_charge,
+)
 
 #: The modes the planner models (sharded mode's model is :mod:`usbyte_opt.planning.sharded`).
 MODES = (Mode.OVERLAP, Mode.FENCE, Mode.SHARDED)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockTiming:
-    index: int
-    buffer: int
-    start: int
-    end: int
-    nbytes: int
-    tensors: tuple[str, ...]
-    ready_ms: float
-    start_ms: float
-    finish_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class ForwardGate:
-    """When forward reached a tensor, and how long it waited for it (overlap mode)."""
-
-    name: str
-    need_ms: float
-    avail_ms: float
-    reach_ms: float
-    wait_ms: float
-    update_ms: float = 0.0
-    """Optimizer time spent at this gate, after the wait (update rule ``GATE``; the forward
-    continues at ``reach_ms``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Timeline:
-    mode: Mode
-    iteration_ms: float
-    backward_ms: float
-    forward_ms: float
-    forward_start_ms: float
-    forward_end_ms: float
-    comm_busy_ms: float
-    blocks: tuple[BlockTiming, ...]
-    forward: tuple[ForwardGate, ...]
-    update_ms: float = 0.0
-    meta: dict[str, Any] = field(default_factory=dict)
-    gathers: tuple[Any, ...] = ()
-    """Sharded mode: the all-gathers (:class:`usbyte_opt.planning.sharded.GatherTiming`), after
-    the reduce-scatters of ``blocks`` on the same channel."""
-
-    @property
-    def compute_ms(self) -> float:
-        return self.backward_ms + self.forward_ms
-
-    @property
-    def exposed_ms(self) -> float:
-        """Iteration time not covered by compute: ``T - (B + F)``."""
-        return self.iteration_ms - self.compute_ms
 
 
 def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
@@ -137,81 +92,56 @@ def simulate_blocks(problem: Problem, layout: Layout, blocks: Sequence[Block],
     if mode not in MODES:
         raise ValueError(f"mode: expected one of {MODES}, got {mode!r}")
     if mode == Mode.SHARDED:
-        from .sharded import simulate_sharded
-
         return simulate_sharded(problem, layout, blocks)
     gated = problem.update_rule == UpdateRule.GATE and mode == Mode.OVERLAP
     tl = _walk(problem, layout, blocks, mode, gated and not problem.charges_cpu, runner)
     if not problem.charges_cpu:
         return tl
-    xb, xf = compute_charge(problem, tl)
-    sb = 1.0 + xb / problem.B if problem.B > 0 else 1.0
-    sf = 1.0 + xf / problem.F if problem.F > 0 else 1.0
-    tl = _walk(problem.stretched(sb, sf), layout, blocks, mode, gated, runner)
-    charge = {"backward": xb, "forward": xf}
-    return dataclasses.replace(tl, meta={**tl.meta, "cpu_charge_ms": charge})
-
-
-def compute_windows(timeline: Timeline) -> list[tuple[float, float]]:
-    """The intervals in which the training thread computes, in time order: backward, then the
-    forward's segments between its waits (overlap mode), or the step and the forward after
-    the fence."""
-    out = [(0.0, timeline.backward_ms)]
-    if timeline.mode == Mode.SHARDED and timeline.update_ms > 0:  # the shard step
-        out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_start_ms))
-    if timeline.mode == Mode.FENCE:
-        out.append((timeline.forward_start_ms - timeline.update_ms, timeline.forward_end_ms))
-        return out
-    t = timeline.forward_start_ms
-    for g in timeline.forward:
-        arrive = g.reach_ms - g.update_ms - g.wait_ms
-        if arrive > t:
-            out.append((t, arrive))
-        if g.update_ms > 0:
-            out.append((g.reach_ms - g.update_ms, g.reach_ms))
-        t = g.reach_ms
-    if timeline.forward_end_ms > t:
-        out.append((t, timeline.forward_end_ms))
-    return out
-
-
-def compute_charge(problem: Problem, timeline: Timeline) -> tuple[float, float]:
-    """``(backward ms, forward ms)`` that the collectives of ``timeline`` (simulated without
-    the charge: its blocks, then in sharded mode its all-gathers) cost the training thread:
-    each one's :meth:`Problem.block_cpu_ms` times the share of its wire time that overlaps a
-    compute window (:func:`compute_windows`)."""
-    wins = compute_windows(timeline)
-    xb = xf = 0.0
-    w = 0
-    for b in (*timeline.blocks, *timeline.gathers):
-        dur = b.finish_ms - b.start_ms
-        if dur <= 0:
-            continue
-        rate = problem.block_cpu_ms(b.nbytes) / dur
-        while w < len(wins) and wins[w][1] <= b.start_ms:
-            w += 1
-        j = w
-        while j < len(wins) and wins[j][0] < b.finish_ms:
-            lo, hi = max(wins[j][0], b.start_ms), min(wins[j][1], b.finish_ms)
-            if hi > lo:
-                if j == 0:
-                    xb += rate * (hi - lo)
-                else:
-                    xf += rate * (hi - lo)
-            j += 1
-    return xb, (0.0 if timeline.mode == Mode.FENCE else xf)
+    return with_compute_charge(problem, tl,
+                               lambda pb: _walk(pb, layout, blocks, mode, gated, runner))
 
 
 def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
           gated: bool = False, runner: Runner | str = Runner.RUNTIME) -> Timeline:
     """The step-by-step timeline of the module docstring, without the compute-cost option;
     ``gated``: overlap mode with the updates at the gates; ``runner``: whose host cost."""
+    host = problem.host_line(runner)
+    timings, last, busy = _channel(problem, layout, blocks, runner)
+    prev = timings[-1].finish_ms if timings else 0.0
+    F = problem.F
+    B = problem.B
+    if host is not None:
+        spent = problem.n * host.tensor_ms + len(blocks) * host.block_ms
+        B = max(B, spent) if problem.host_hidden else B + spent
+    gates: list[ForwardGate] = []
+    total_upd = 0.0
+    if gated:
+        fwd_start, fwd_end = B, _gated_forward(problem, last, gates, B)
+    elif mode == Mode.OVERLAP:
+        fwd_start, fwd_end = B, _overlap_forward(problem, last, gates, B)
+    else:
+        total_upd = sum(problem.update)
+        fwd_start = max(B, prev) + total_upd
+        fwd_end = fwd_start + F
+        for i in problem.need_order():
+            gates.append(ForwardGate(problem.names[i], problem.need[i],
+                                     last[i] + problem.update[i], fwd_start + problem.need[i], 0.0))
+    T = max(fwd_end, prev)
+    meta: dict[str, Any] = {"host_ms": B - problem.B} if host is not None else {}
+    return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates),
+                    total_upd, meta)
+
+
+def _channel(problem: Problem, layout: Layout, blocks: Sequence[Block],
+             runner: Runner | str) -> tuple[list[BlockTiming], list[float], float]:
+    """The channel's walk over ``blocks`` in issue order, each released once ``runner`` has
+    paid its host cost: ``(timings, last finish of each tensor, busy ms)``; a tensor no block
+    covers is a :class:`~usbyte_opt.errors.MismatchError`."""
     cost, ready, names = problem.cost, problem.ready, problem.names
-    n = problem.n
     host = problem.host_line(runner)
     hidden = problem.host_hidden
     by_ready = sorted(ready)
-    last = [-1.0] * n
+    last = [-1.0] * problem.n
     timings = []
     prev = 0.0
     busy = 0.0
@@ -238,39 +168,24 @@ def _walk(problem: Problem, layout: Layout, blocks: Sequence[Block], mode: Mode,
     if any(v < 0 for v in last):
         missing = names[last.index(-1.0)]
         raise MismatchError(f"tensor {missing!r} is covered by no block")
-    F = problem.F
-    B = problem.B
-    if host is not None:
-        spent = n * host.tensor_ms + len(blocks) * host.block_ms
-        B = max(B, spent) if hidden else B + spent
-    upd = problem.update
-    gates: list[ForwardGate] = []
-    if gated:
-        fwd_start, fwd_end = B, _gated_forward(problem, last, gates, B)
-        total_upd = 0.0
-    elif mode == Mode.OVERLAP:
-        t = None
-        prev_need = 0.0
-        for i in problem.need_order():
-            avail = last[i] + upd[i]
-            reach_min = B + problem.need[i] if t is None else t + (problem.need[i] - prev_need)
-            t = max(reach_min, avail)
-            gates.append(ForwardGate(names[i], problem.need[i], avail, t, t - reach_min))
-            prev_need = problem.need[i]
-        fwd_start = B
-        fwd_end = (B if t is None else t) + F - prev_need
-        total_upd = 0.0
-    else:
-        total_upd = sum(upd)
-        fwd_start = max(B, prev) + total_upd
-        fwd_end = fwd_start + F
-        for i in problem.need_order():
-            gates.append(ForwardGate(names[i], problem.need[i], last[i] + upd[i],
-                                     fwd_start + problem.need[i], 0.0))
-    T = max(fwd_end, prev)
-    meta: dict[str, Any] = {"host_ms": B - problem.B} if host is not None else {}
-    return Timeline(mode, T, B, F, fwd_start, fwd_end, busy, tuple(timings), tuple(gates),
-                    total_upd, meta)
+    return timings, last, busy
+
+
+def _overlap_forward(problem: Problem, finish: Sequence[float], gates: list[ForwardGate],
+                     B: float) -> float:
+    """The forward of overlap mode, each tensor available ``update_p`` after its last block
+    finished, backward ending at ``B``; appends a gate per tensor and returns the forward's
+    end."""
+    upd, names = problem.update, problem.names
+    t = None
+    prev_need = 0.0
+    for i in problem.need_order():
+        avail = finish[i] + upd[i]
+        reach_min = B + problem.need[i] if t is None else t + (problem.need[i] - prev_need)
+        t = max(reach_min, avail)
+        gates.append(ForwardGate(names[i], problem.need[i], avail, t, t - reach_min))
+        prev_need = problem.need[i]
+    return (B if t is None else t) + problem.F - prev_need
 
 
 def _gated_forward(problem: Problem, finish: Sequence[float], gates: list[ForwardGate],
@@ -318,8 +233,6 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
     On several nodes (:class:`~usbyte_opt.planning.cost.HierCost`) a schedule without
     hierarchical blocks runs flat rings only; one with them is costed block by block at the
     cheaper form, which is what the planner marks hierarchical."""
-    from .cost import HierCost
-
     problem = profile if isinstance(profile, Problem) else Problem.from_profile(profile)
     if isinstance(problem.cost, HierCost) and not schedule.hierarchical:
         problem = problem.with_cost(problem.cost.flat_only())
@@ -328,48 +241,10 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
     layout = problem.layout(schedule.buffers)
     mode = Mode(mode or schedule.mode)
     if mode == Mode.SHARDED:
-        from .sharded import simulate_sharded
-
         return simulate_sharded(problem, layout, schedule.blocks, schedule.gather_groups())
     return simulate_blocks(problem, layout, schedule.blocks, mode,
                            runner_of(schedule.strategy) if runner is None else runner)
 
 
-def chrome_trace(timeline: Timeline, label: str = "usbyte-opt") -> dict[str, Any]:
-    """A Chrome trace-event document (``{"traceEvents": [...]}``) of a timeline.
-
-    Track 1 is compute (backward, optimizer fence or shard step, forward segments and the
-    waits that gate them), track 2 the communication channel (one slice per block; in sharded
-    mode the reduce-scatters, then the all-gathers). Times in microseconds
-    (:class:`usbyte_opt.formats.chrome.ChromeTrace`).
-    """
-    tr = ChromeTrace(unit_us=1000.0, other={"mode": timeline.mode,
-                                            "iteration_ms": timeline.iteration_ms})
-    sharded = timeline.mode == Mode.SHARDED
-    tr.process(1, label, {1: "compute", 2: "reduce-scatter, all-gather" if sharded else "all-reduce"})
-    tr.complete(1, 1, "backward", 0.0, timeline.backward_ms)
-    if timeline.mode in (Mode.FENCE, Mode.SHARDED) and timeline.update_ms > 0:
-        tr.complete(1, 1, "optimizer step", timeline.forward_start_ms - timeline.update_ms,
-                    timeline.update_ms)
-    prev_t = timeline.forward_start_ms
-    for g in timeline.forward:
-        seg_end = g.reach_ms - g.wait_ms
-        if seg_end > prev_t + 1e-9:
-            tr.complete(1, 1, "forward", prev_t, seg_end - prev_t)
-        if g.wait_ms > 1e-9:
-            tr.complete(1, 1, f"wait {g.name}", g.reach_ms - g.wait_ms, g.wait_ms,
-                        {"tensor": g.name, "avail_ms": g.avail_ms})
-        prev_t = g.reach_ms
-    if timeline.forward_end_ms > prev_t:
-        tr.complete(1, 1, "forward", prev_t, timeline.forward_end_ms - prev_t)
-    for b in timeline.blocks:
-        shown = ", ".join(b.tensors[:3]) + (f" +{len(b.tensors) - 3}" if len(b.tensors) > 3 else "")
-        tr.complete(1, 2, f"{'reduce-scatter ' if sharded else ''}#{b.index} {shown}",
-                    b.start_ms, b.finish_ms - b.start_ms,
-                    {"buffer": b.buffer, "elements": [b.start, b.end], "bytes": b.nbytes,
-                     "ready_ms": b.ready_ms, "tensors": list(b.tensors)})
-    for g in timeline.gathers:
-        shown = ", ".join(g.tensors[:3]) + (f" +{len(g.tensors) - 3}" if len(g.tensors) > 3 else "")
-        tr.complete(1, 2, f"all-gather #{g.index} {shown}", g.start_ms, g.finish_ms - g.start_ms,
-                    {"blocks": list(g.blocks), "bytes": g.nbytes, "tensors": list(g.tensors)})
-    return tr.to_dict()
+__all__ = ["MODES", "BlockTiming", "ForwardGate", "GatherTiming", "Timeline", "chrome_trace",
+           "compute_charge", "compute_windows", "simulate", "simulate_blocks"]
