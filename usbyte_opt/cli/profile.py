@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import re
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from enum import Enum
@@ -192,10 +194,19 @@ def _profile_here(model: str, batch_size: int | None, opts: Any, name: str | Non
             dist.destroy_process_group()
 
 
+#: Seconds between two progress lines of :class:`PlainProgress` (stderr not a terminal).
+PLAIN_PROGRESS_S = 5.0
+
+
 def _progress_bar(rank: int) -> tuple[Any, Callable[[str, int, int], None]]:
-    """Rank 0's progress bars on a terminal (one per phase), and the callback that feeds them."""
+    """Rank 0's progress: bars on a terminal (one per phase), else a plain line on stderr
+    every :data:`PLAIN_PROGRESS_S` seconds (:class:`PlainProgress`); nothing on the
+    other ranks. Returns the context that shows it and the callback that feeds it."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    if rank == 0 and not console.err.is_terminal:
+        plain = PlainProgress(console.info, PLAIN_PROGRESS_S)
+        return plain, plain
     bar = Progress(TextColumn("{task.description:<11}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), console=console.err, transient=True,
                    disable=rank != 0 or not console.err.is_terminal)
@@ -207,6 +218,63 @@ def _progress_bar(rank: int) -> tuple[Any, Callable[[str, int, int], None]]:
         bar.update(tasks[phase], completed=done)
 
     return bar, progress
+
+
+class PlainProgress:
+    """Progress for a log or a pipe: ``profile: PHASE DONE/TOTAL (N s)`` through ``say``
+    every ``every_s`` seconds, N the seconds since it was made, the last phase reported (or
+    ``starting``) repeated while a long step runs; silent in between. Called as a progress
+    callback; ``with`` it, a thread says the line when no step reports for ``every_s``.
+
+    Example::
+
+        >>> t = iter([0.0, 1.0, 6.0, 7.0, 13.2, 14.0])
+        >>> lines = []
+        >>> p = PlainProgress(lines.append, 5.0, clock=lambda: next(t))
+        >>> for done in (1, 2, 3, 4): p("compute", done, 14)
+        >>> lines
+        ['profile: compute 2/14 (6 s)', 'profile: compute 4/14 (13 s)']
+        >>> p.tick(); lines[-1]                   # 0.8 s later: nothing new
+        'profile: compute 4/14 (13 s)'
+    """
+
+    def __init__(self, say: Callable[[str], None], every_s: float,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.say, self.every_s, self.clock = say, every_s, clock
+        self.start = self.last = clock()
+        self.state = "starting"
+        self.lock = threading.Lock()
+        self.stopped = threading.Event()
+        self.thread: threading.Thread | None = None
+
+    def __call__(self, phase: str, done: int, total: int) -> None:
+        with self.lock:
+            self.state = f"{phase} {done}/{total}"
+        self.tick()
+
+    def tick(self) -> None:
+        """Say the line when ``every_s`` seconds have passed since the last one."""
+        with self.lock:
+            now = self.clock()
+            if now - self.last < self.every_s:
+                return
+            self.last = now
+            line = f"profile: {self.state} ({now - self.start:.0f} s)"
+        self.say(line)
+
+    def __enter__(self) -> PlainProgress:
+        def run() -> None:
+            while not self.stopped.wait(self.every_s / 5):
+                self.tick()
+
+        self.thread = threading.Thread(target=run, name="usbyte-progress", daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+        if self.thread is not None:
+            self.thread.join()
 
 
 def _collective_failed(e: RuntimeError, rank: int) -> PeerFailure | None:
