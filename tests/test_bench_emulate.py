@@ -73,6 +73,10 @@ def test_emulated_bench_trains_one_rank_equal_to_ddp_and_says_the_link(emulated)
     prof = load_profile(out / "profile.json")
     assert prof.meta[EMULATED] == LINK and prof.comm.world_size == 8
     assert prof.comm.alpha_ms == pytest.approx(0.05)
+    # Its host cost was measured with every collective going through the link's submission,
+    # as the run pays it (a GPU run of 284 small blocks paid far more per block than a probe
+    # without the link had measured).
+    assert prof.host is not None and "through an emulated link of 8 ranks" in prof.host.method
 
 
 def test_predictions_and_measurements_carry_the_links_time(emulated):

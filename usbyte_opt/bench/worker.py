@@ -366,6 +366,7 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
 def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], None]) -> tuple[Any, str]:
     """Profile on this process group (rank 0 writes ``profile.json``), or load ``job.profile``."""
     from ..formats import load_profile, save_profile
+    from ..profiler.host import through_emulated_link
     from ..profiler.run import profile_model
 
     if job.profile:
@@ -386,8 +387,16 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
 
         opts = dataclasses.replace(job.profiling,
                                    shard_sweep=bool(split_strategies(job.strategies)[1]))
-        prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
-                             progress=progress)
+        link = None
+        if job.emulate:
+            from ..collectives.emulate import parse_emulate
+
+            link = parse_emulate(job.emulate)
+        # Under --emulate the host probe's collectives take the link too (its submission is
+        # part of what each block costs this run).
+        with through_emulated_link(link):
+            prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
+                                 progress=progress)
     path = str(Path(job.out_dir) / "profile.json")
     if rank == 0:
         save_profile(prof, path)

@@ -21,6 +21,11 @@ on their device and backend:
   the runner, such as its step's bookkeeping, is spread over the ``n`` tensors); the median
   over rounds, then the maximum over ranks (the slowest rank gates every block).
 
+Under ``usbyte-opt bench --emulate`` (:func:`through_emulated_link`) every arm's collectives
+also go through an emulated link of the same kind as the run's, with no link time: the run
+pays the link's own submission per block and per bucket (on CUDA events, a stream switch and
+a CUDA-aware future each), so the profile charges it too.
+
 On CUDA it also tells whether the iteration of the real model is **launch-bound**
 (:func:`launch_bound`): the host's time to issue one iteration against the GPU's time to run
 it, measured with CUDA events while the GPU first sleeps, so that it runs the iteration's
@@ -33,6 +38,7 @@ About 1–3 s on a 2-core CPU.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import statistics
 import time
@@ -57,6 +63,31 @@ WARMUP = 3
 
 #: The arms, in the order of the first round.
 ARMS = ("plain", "runtime-1", "runtime-n", "ddp-1", "ddp-n")
+
+#: The emulated link the probe's collectives go through (:func:`through_emulated_link`).
+_LINK: contextvars.ContextVar[Any] = contextvars.ContextVar("usbyte_host_link", default=None)
+
+
+@contextlib.contextmanager
+def through_emulated_link(spec: Any) -> Iterator[None]:
+    """Within it, :func:`host_cost` sends every arm's collectives through an emulated link of
+    ``spec``'s ranks (a :class:`~usbyte_opt.collectives.emulate.LinkSpec`, or ``None``: the
+    real collectives only) with no link time, as ``bench --emulate`` trains: the probe then
+    measures the link's own cost per block and per bucket with the rest.
+
+    Example::
+
+        >>> from usbyte_opt.collectives.emulate import parse_emulate
+        >>> with through_emulated_link(parse_emulate("8x1gbit")):
+        ...     p = host_cost(torch.device("cpu"), layers=4, rounds=1, per_round=1, warmup=1)
+        >>> p.emulated
+        '8 ranks'
+    """
+    token = _LINK.set(spec)
+    try:
+        yield
+    finally:
+        _LINK.reset(token)
 
 
 class ManyTiny(nn.Module):
@@ -92,6 +123,9 @@ class HostProbe:
     ddp_bucket_us: float = 0.0
     ddp_buckets_measured: bool = True
     seconds: float = 0.0
+    #: ``"N ranks"`` when the arms' collectives went through an emulated link of N ranks
+    #: (:func:`through_emulated_link`), else ``None``.
+    emulated: str | None = None
 
 
 def fit(rounds: Mapping[str, Sequence[float]], n: int) -> dict[str, float]:
@@ -187,7 +221,8 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
     t0 = time.perf_counter()
     make_opt = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
     x = torch.randn(4, 8, device=dev)
-    with _quiet(), _probe_group(dev, group) as pg:
+    spec = _LINK.get()
+    with _quiet(), _probe_group(dev, group) as pg, _emulation(spec, dev, pg) as (on_channel, on_ddp):
         def model() -> nn.Module:
             torch.manual_seed(0)
             return ManyTiny(layers).to(dev)
@@ -205,6 +240,7 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
             arms[name] = (net, DistributedOptimizer(make_opt(net.parameters()), net, sched,
                                                     process_group=pg, verify=False,
                                                     check_every=0))
+            on_channel(arms[name][1])
         ddp_n = supports_bucket_list()
         for name in ("ddp-1", "ddp-n") if ddp_n else ("ddp-1",):
             net = model()
@@ -216,6 +252,7 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
                 kw["bucket_cap_mb_list"] = [(p.numel() * p.element_size() - 0.5) / (1 << 20)
                                             for p in net.parameters()]
             wrapped = nn.parallel.DistributedDataParallel(net, **kw)
+            on_ddp(wrapped)
             arms[name] = (wrapped, make_opt(net.parameters()))
 
         def iteration(net: nn.Module, opt: Any) -> float:
@@ -242,7 +279,37 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
         arms.clear()
     costs = fit(per, n)
     return HostProbe(n, {k: [round(v, 3) for v in xs] for k, xs in per.items()}, **costs,
-                     ddp_buckets_measured=ddp_n, seconds=time.perf_counter() - t0)
+                     ddp_buckets_measured=ddp_n, seconds=time.perf_counter() - t0,
+                     emulated=None if spec is None else f"{spec.ranks} ranks")
+
+
+@contextlib.contextmanager
+def _emulation(spec: Any, dev: torch.device, pg: Any) -> Iterator[tuple[Callable[[Any], None],
+                                                                        Callable[[Any], None]]]:
+    """``(on_channel, on_ddp)``: put a runtime's blocks and a DDP's buckets on an emulated
+    link of ``spec``'s ranks with no link time (``spec`` ``None``: both do nothing); the link
+    is closed on leaving."""
+    if spec is None:
+        yield (lambda opt: None), (lambda ddp: None)
+        return
+    from ..collectives.emulate import (
+        EmulatedHookState,
+        EmulatedLink,
+        LinkSpec,
+        emulated_allreduce_hook,
+        install_on_channel,
+    )
+
+    free = LinkSpec(spec.ranks, 1e30, 0.0)   # the link's submission, no time on it
+    link = EmulatedLink(dev)
+
+    def on_ddp(ddp: Any) -> None:
+        ddp.register_comm_hook(EmulatedHookState(free, pg, link), emulated_allreduce_hook)
+
+    try:
+        yield (lambda opt: install_on_channel(opt._chan, free, link)), on_ddp
+    finally:
+        link.close()
 
 
 def launch_bound(step: Callable[[], None], dev: torch.device, repeats: int = 5) -> tuple[bool | None, dict[str, Any]]:
@@ -337,7 +404,9 @@ def to_host_cost(probes: Sequence[HostProbe], bound: Sequence[bool | None], dev:
                            f"{dev.type}/{backend}, a group of each rank alone; the runtime with "
                            "one block and one block per tensor, DDP with one bucket and one per "
                            "tensor, and a plain loop, side by side; max over ranks; "
-                           f"launch_bound: {how}")
+                           + (f"through an emulated link of {probes[0].emulated} (its "
+                              "submission, no link time); " if probes[0].emulated else "")
+                           + f"launch_bound: {how}")
     rec = {"tensors": probes[0].tensors, "rounds": ROUNDS, "per_round": PER_ROUND,
            "ddp_buckets_measured": all(p.ddp_buckets_measured for p in probes),
            "seconds": round(max(p.seconds for p in probes), 3),
@@ -349,4 +418,4 @@ def to_host_cost(probes: Sequence[HostProbe], bound: Sequence[bool | None], dev:
 
 
 __all__ = ["ARMS", "HostProbe", "LAYERS", "ManyTiny", "fit", "host_cost", "launch_bound",
-           "to_host_cost"]
+           "through_emulated_link", "to_host_cost"]
