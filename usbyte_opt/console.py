@@ -40,7 +40,21 @@ def error(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {escape(message)}", markup=True, highlight=False)
+    """One line on stderr: ``warning: <message>`` (:func:`warning_text`)."""
+    err.print(f"[yellow]warning:[/] {escape(warning_text(message))}", markup=True, highlight=False)
+
+
+def warning_text(message: str) -> str:
+    """``message`` without a ``Warning:`` of its own at its front (a note also written to a
+    report, a Python warning's text), so that :func:`warn` prints one prefix, not two.
+
+    Example::
+
+        >>> warning_text("Warning: the machine's speed changed"), warning_text("no plot")
+        ("the machine's speed changed", 'no plot')
+    """
+    head, sep, rest = message.partition(":")
+    return rest.lstrip() if sep and head.strip().lower() == "warning" else message
 
 
 def info(message: str) -> None:

@@ -57,6 +57,14 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
         console.info(result["single_rank"])
 
 
+def notes(result: dict[str, Any]) -> None:
+    """The run's notes, one warning line each (shared with ``demo``): a plot that could not be
+    drawn says how to get matplotlib (the ``plot`` extra), a machine whose speed changed
+    says so."""
+    for n in result.get("notes") or ():
+        console.warn(n)
+
+
 def bench(
     model: Annotated[str, typer.Argument(
         help="Built-in name (cnn, transformer, mlp, lab-cnn, lab-vgg, lab-transformer, ...) or "
@@ -171,8 +179,7 @@ def bench(
         console.emit_json(result)
         return
     render(result, "bench", wide=wide)
-    for n in result["notes"]:
-        console.warn(n)
+    notes(result)
     console.info(f"wrote {result['report']}" + (f", {result['plot']}" if result["plot"] else "")
                  + f" and {Path(result['out_dir']) / 'result.json'}")
 

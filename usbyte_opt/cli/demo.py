@@ -26,6 +26,7 @@ import typer
 
 from .. import console
 from ..bench.worker import BEST, REFERENCE, TORCH_DDP
+from ..console import plural
 from ..planning.strategies import load_builtin
 from . import common
 
@@ -87,9 +88,10 @@ def demo(
         console.emit_json(result)
         return
     from ..bench.report import EXPLAIN_COLUMNS, explain
-    from .bench import render
+    from .bench import notes, render
 
     render(result, "demo", wide=wide)
+    notes(result)
     console.info("next: `usbyte-opt bench lab-cnn --bandwidth 200mbit` (as root) trains on an "
                  "emulated 200 Mbit/s network" + (f"; files in {out}" if keep else ""))
     rows, lines = explain(result)
@@ -137,7 +139,7 @@ def outcome(result: dict[str, Any]) -> list[str]:
         v = r.get("vs_ddp")
         if v and v.get("lo") is not None and v.get("hi") is not None and v["lo"] > 0:
             conf = round(100 * v.get("confidence", 0.95))
-            ci = f"{conf}% CI {v['lo']:.2f}–{v['hi']:.2f}x, {v['pairs']} rounds"
+            ci = f"{conf}% CI {v['lo']:.2f}–{v['hi']:.2f}x, {plural(v['pairs'], 'round')}"
             if v["lo"] > 1.0:
                 out.append(f"won: {s} ran {v['ratio']:.2f}x DDP's speed ({ci}){said}")
             elif v["hi"] < 1.0:

@@ -305,10 +305,10 @@ def _summary(prof: Any, path: Path) -> None:
                   + f" ({plural(prof.meta['hosts'], 'host')}), {prof.meta['device']}, "
                     f"batch {prof.meta['batch_size']}"],
         ["all-reduce", f"{c.backend}: alpha {c.alpha_ms:.3f} ms, algbw {c.algbw_gbs:.3f} GB/s"
-                       + (f" ({len(c.samples)} sizes)" if c.samples else "")],
+                       + (f" ({plural(len(c.samples), 'size')})" if c.samples else "")],
         *([name, f"alpha {x.alpha_ms:.3f} ms, algbw {x.algbw_gbs:.3f} GB/s"]
-          for name, x in ((f"intra-node ({c.ranks_per_node} ranks)", c.intra),
-                          (f"inter-node ({c.nodes} ranks)", c.inter),
+          for name, x in ((f"intra-node ({plural(c.ranks_per_node, 'rank')})", c.intra),
+                          (f"inter-node ({plural(c.nodes, 'rank')})", c.inter),
                           ("reduce-scatter", c.reduce_scatter), ("all-gather", c.all_gather))
           if x is not None),
         ["host cost", common.host_line(prof.host)],

@@ -71,8 +71,9 @@ def simulate(
                      f"{original.name!r} (same tensors)")
     if sched.hierarchical and (prof.comm.nodes, prof.comm.world_size) != (sched.nodes, sched.world_size):
         hier = sum(k.hier for k in sched.blocks)
-        console.warn(f"{schedule}: {hier} hierarchical blocks planned for {sched.nodes} nodes of "
-                     f"{sched.ranks_per_node} ranks, simulated on {prof.comm.nodes} node(s) of "
+        console.warn(f"{schedule}: {plural(hier, 'hierarchical block')} planned for "
+                     f"{plural(sched.nodes, 'node')} of {plural(sched.ranks_per_node, 'rank')}, "
+                     f"simulated on {plural(prof.comm.nodes, 'node')} of "
                      f"{prof.comm.ranks_per_node}"
                      + ("" if prof.comm.hierarchical else ", which has no hierarchy: they are "
                         "costed as flat all-reduces")

@@ -1,0 +1,176 @@
+"""The CLI's small promises: 80 columns when piped, a progress line when piped, one prefix per
+warning, counts in the singular where they are 1, no ``<bool>`` on plain flags, the plot's
+extra named in one line, the model factory's contract checked in one line, and a launch at
+another world size than planned said with its predicted iteration time."""
+
+from __future__ import annotations
+
+import io
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import run_cli
+from rich.console import Console
+
+from usbyte_opt import console
+from usbyte_opt.cli import bench as bench_cli
+from usbyte_opt.cli import profile as profile_cli
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def screen(monkeypatch):
+    """stdout and stderr of the console as a pipe sees them (80 columns, no terminal)."""
+    out, err = io.StringIO(), io.StringIO()
+    monkeypatch.setattr(console, "out", Console(file=out, width=console.TABLE_WIDTH, highlight=False,
+                                                soft_wrap=True))
+    monkeypatch.setattr(console, "err", Console(file=err, width=console.TABLE_WIDTH, highlight=False,
+                                                soft_wrap=True))
+    return out, err
+
+
+def widest(text: str) -> int:
+    return max((len(line) for line in text.splitlines()), default=0)
+
+
+# -- 80 columns ---------------------------------------------------------------------------
+
+
+def test_piped_width_is_80(monkeypatch):
+    monkeypatch.delenv("COLUMNS", raising=False)
+    assert console.TABLE_WIDTH == 80
+    assert console._width(io.StringIO()) == 80
+
+
+def test_a_table_too_wide_for_80_columns_splits_in_two_led_by_its_key(screen):
+    out, _ = screen
+    columns = ["strategy", *(f"column{i} ms" for i in range(12))]
+    rows = [["bytescheduler", *(f"{1234.5 + i:.1f}" for i in range(12))],
+            ["best *", *(f"{99.5 + i:.1f}" for i in range(12))]]
+    console.table("a title", columns, rows, caption="a caption")
+    text = out.getvalue()
+    assert widest(text) <= 80, text
+    assert text.count("bytescheduler") >= 2 and text.count("best *") >= 2   # each part keyed
+    for c in columns[1:]:
+        assert c.split()[0] in text, c                       # nothing left out
+    assert "1245.5" in text and "110.5" in text
+    assert text.index("a title") < text.index("strategy") and text.rstrip().endswith("a caption")
+
+
+def test_optimize_wide_fits_80_columns_piped(screen, capsys, tmp_path):
+    out, _ = screen
+    code, _, err = run_cli(capsys, "optimize", str(ROOT / "profiles" / "resnet50.json"),
+                           "-o", str(tmp_path / "s.json"), "--wide")
+    assert code == 0, err
+    text = out.getvalue()
+    assert widest(text) <= 80, text
+    for word in ("exposed", "solve", "overlap", "fence", "wfbp"):
+        assert word in text, word
+
+
+def test_simulate_fits_80_columns_piped(screen, capsys):
+    out, _ = screen
+    code, _, err = run_cli(capsys, "simulate", str(ROOT / "profiles" / "resnet50.json"),
+                           str(ROOT / "schedules" / "resnet50.json"), "--wide")
+    assert code == 0, err
+    assert widest(out.getvalue()) <= 80, out.getvalue()
+
+
+# -- progress when piped ------------------------------------------------------------------
+
+
+def test_profile_progress_is_a_plain_line_every_few_seconds_when_piped(screen, monkeypatch):
+    _, err = screen
+    bar, progress = profile_cli._progress_bar(0)
+    assert isinstance(bar, profile_cli.PlainProgress)         # not a terminal: plain lines
+    assert profile_cli.PLAIN_PROGRESS_S <= 5.0
+    monkeypatch.setattr(bar, "every_s", 0.05)
+    import time
+    with bar:
+        progress("compute", 5, 14)
+        time.sleep(0.3)           # a long step: the thread repeats the phase
+    lines = err.getvalue().splitlines()
+    assert len(lines) >= 2, lines
+    assert all(ln.startswith("profile: compute 5/14 (") and ln.endswith(" s)") for ln in lines), lines
+    bar2, _ = profile_cli._progress_bar(1)                     # other ranks say nothing
+    assert not isinstance(bar2, profile_cli.PlainProgress)
+
+
+def test_plain_progress_is_silent_between_lines():
+    lines: list[str] = []
+    now = [0.0]
+    p = profile_cli.PlainProgress(lines.append, 5.0, clock=lambda: now[0])
+    for t, done in ((1.0, 1), (2.0, 2), (4.9, 3)):
+        now[0] = t
+        p("compute", done, 14)
+    assert lines == []
+    now[0] = 5.5
+    p("collectives", 3, 120)
+    assert lines == ["profile: collectives 3/120 (6 s)"]
+
+
+# -- wording ------------------------------------------------------------------------------
+
+
+def test_one_warning_prefix(screen):
+    _, err = screen
+    console.warn("Warning: training without communication ran at x1.30 of the profiled compute")
+    console.warn("warning: already prefixed")
+    console.warn("something else: with a colon")
+    text = err.getvalue()
+    assert "warning: Warning:" not in text and "warning: warning:" not in text, text
+    assert text.splitlines() == [
+        "warning: training without communication ran at x1.30 of the profiled compute",
+        "warning: already prefixed", "warning: something else: with a colon"]
+
+
+def test_bench_notes_name_the_plot_extra_once(screen):
+    """Without matplotlib the run's note says how to get it, in one line, and the extra it
+    names is pyproject's and brings matplotlib."""
+    _, err = screen
+    extras = (ROOT / "pyproject.toml").read_text()
+    note = "No plot: matplotlib is not installed (`pip install 'usbyte-opt[plot]'`)."
+    bench_cli.notes({"notes": [note, "Warning: the machine's speed changed"]})
+    lines = err.getvalue().splitlines()
+    assert lines[0] == f"warning: {note}" and lines[1] == "warning: the machine's speed changed"
+    assert re.search(r'^plot = \["matplotlib', extras, re.M), "the extra is pyproject's plot"
+
+
+def test_plural_everywhere():
+    from usbyte_opt.console import plural
+    assert [plural(1, "block"), plural(2, "block"), plural(1, "rank"), plural(1, "bucket")] == [
+        "1 block", "2 blocks", "1 rank", "1 bucket"]
+
+
+@pytest.mark.parametrize("command", ["profile", "optimize", "simulate", "bench", "demo", "schema"])
+def test_no_bool_metavar_on_flags(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, err = run_cli(capsys, command, "--help")
+    assert code == 0, err
+    assert "<bool>" not in out and "BOOLEAN" not in out, out
+    assert "--help" in out
+
+
+def test_bench_help_is_short(monkeypatch, capsys):
+    """Rare options are grouped and their detail is in docs/bench.md, where every option of
+    ``bench`` is named."""
+    monkeypatch.setenv("COLUMNS", "80")
+    code, out, _ = run_cli(capsys, "bench", "--help")
+    assert code == 0
+    assert len(out.splitlines()) <= 120, len(out.splitlines())
+    assert "docs/bench.md" in out
+    doc = (ROOT / "docs" / "bench.md").read_text()
+    import click
+    import typer.main
+
+    cmd = typer.main.get_command(sys.modules["usbyte_opt.cli.main"].app)
+    assert isinstance(cmd, click.Group)
+    bench = cmd.commands["bench"]
+    for p in bench.params:
+        for opt in p.opts:
+            if opt.startswith("--") and opt != "--help":
+                assert opt in out, opt                       # every option listed in --help
+                assert f"`{opt}" in doc, opt                 # and explained in the docs
