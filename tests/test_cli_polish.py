@@ -160,15 +160,13 @@ def test_bench_help_is_short(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     code, out, _ = run_cli(capsys, "bench", "--help")
     assert code == 0
-    assert len(out.splitlines()) <= 120, len(out.splitlines())
+    assert len(out.splitlines()) <= 100, len(out.splitlines())
     assert "docs/bench.md" in out
     doc = (ROOT / "docs" / "bench.md").read_text()
-    import click
     import typer.main
 
     cmd = typer.main.get_command(sys.modules["usbyte_opt.cli.main"].app)
-    assert isinstance(cmd, click.Group)
-    bench = cmd.commands["bench"]
+    bench = cmd.commands["bench"]  # type: ignore[attr-defined]
     for p in bench.params:
         for opt in p.opts:
             if opt.startswith("--") and opt != "--help":

@@ -65,87 +65,66 @@ def notes(result: dict[str, Any]) -> None:
         console.warn(n)
 
 
+#: The ``--help`` panel of the options most runs leave alone (each in full in docs/bench.md).
+MORE = "More options (each in full in docs/bench.md, Options)"
+
+
 def bench(
     model: Annotated[str, typer.Argument(
-        help="Built-in name (cnn, transformer, mlp, lab-cnn, lab-vgg, lab-transformer, ...) or "
-             "package.module:factory.")],
+        help="Built-in name (lab-cnn, lab-vgg, lab-transformer, cnn, mlp, ...) or "
+             "package.module:factory (docs/profiles.md, The model factory).")],
     nproc_per_node: Annotated[int, typer.Option(
-        "--nproc-per-node", "-n", min=1, help="Ranks to start on this machine, per node "
-                                              "with --nodes (ignored under torchrun). One "
-                                              "rank has nothing to schedule: it checks the "
-                                              "flow and the runtime's own cost.")] = 2,
+        "--nproc-per-node", "-n", min=1, help="Ranks on this machine (per node with "
+                                              "--nodes).")] = 2,
     nodes: Annotated[int, typer.Option(
-        "--nodes", min=1, help="Nodes to emulate on this machine, each of --nproc-per-node "
-                               "ranks (ranks numbered as torchrun does). With --bandwidth the "
-                               "two-level lab: one namespace per node, its ranks over its "
-                               "loopback, the nodes over the shaped link (root only); without, "
-                               "the ranks grouped as nodes on loopback, nothing shaped (checks "
-                               "the flow, not the network).")] = 1,
+        "--nodes", min=1, help="Nodes to emulate here (with --bandwidth: the two-level "
+                               "lab).")] = 1,
     bandwidth: Annotated[Optional[str], typer.Option(
-        "--bandwidth", help="Run in the lab at this link rate (200mbit, 1gbit; root only). "
-                            "Default: the ordinary network.")] = None,
+        "--bandwidth", help="Lab link rate (200mbit, 1gbit; root only).")] = None,
     iterations: Annotated[int, typer.Option(
-        "--iterations", "-k", min=1, help="Timed steady-state iterations per strategy.")] = 20,
+        "--iterations", "-k", min=1, help="Timed iterations per strategy.")] = 20,
     strategies: Annotated[str, typer.Option(
         "--strategies", "-s",
-        help=f"Comma-separated, among {', '.join(load_builtin())}, {AUTO}, {TORCH_FSDP2} and "
-             f"the sharded {', '.join(SHARDED_STRATEGIES)}; {TORCH_DDP} is PyTorch DDP itself, "
-             f"ddp-tuned stock DDP with the planned buckets, {TORCH_FSDP2} PyTorch FSDP2 "
-             "(fully_shard on every module with parameters of its own, then the root; not "
-             f"planned, not predicted, not in the default), {AUTO} the runtime planning in the "
-             "run (no profile given to it), the others the usbyte-opt runtime with their "
-             f"schedule: {', '.join(SHARDED_STRATEGIES)} in sharded mode (ZeRO-1: each rank "
-             "keeps the optimizer state of its shard), and each of those with the suffix "
-             "-zero2: the same schedule as ZeRO-2 (no flat gradient buffer). "
-             "state MB: the optimizer state of the rank holding most of it.")]
-        = ", ".join(default_strategies()),
+        help=f"Comma-separated; also {AUTO}, {TORCH_FSDP2}, the sharded ones and their -zero2 "
+             "forms.")] = ", ".join(default_strategies()),
     profile: Annotated[Optional[Path], typer.Option(
-        "--profile", "-p", dir_okay=False, exists=True, help="Use this profile instead of "
-                                                             "profiling first.")] = None,
+        "--profile", "-p", dir_okay=False, exists=True, help="Use this profile, not a new "
+                                                             "one.")] = None,
     batch_size: Annotated[Optional[int], typer.Option(
-        "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's own)."
+        "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's)."
     )] = None,
     output_dir: Annotated[Optional[Path], typer.Option(
-        "--output-dir", "-o", file_okay=False, help="Where report.md, plot.png, result.json, "
-                                                    "traces go (default: NAME-NETWORK in "
-                                                    "bench-results/).")] = None,
+        "--output-dir", "-o", file_okay=False, help="Report folder (default: "
+                                                    "bench-results/NAME-NETWORK).")] = None,
     rounds: Annotated[int, typer.Option(
-        "--rounds", min=1, help="Interleaved turns per strategy, at least (each turn against "
-                                "DDP's in the same round: a pair of windows).")] = 4,
+        "--rounds", min=1, rich_help_panel=MORE, help="Turns per strategy, at least.")] = 4,
     max_rounds: Annotated[int, typer.Option(
-        "--max-rounds", min=1, help="Add turns, up to this many, for strategies whose time "
-                                    "against DDP's is not distinguishable yet (95% interval "
-                                    "containing 1).")] = 12,
+        "--max-rounds", min=1, rich_help_panel=MORE, help="Turns at most, while not told from "
+                                                          "DDP's.")] = 12,
     reference: Annotated[bool, typer.Option(
-        "--reference/--no-reference", help="Also time training without communication.")] = True,
+        "--reference/--no-reference", rich_help_panel=MORE,
+        help="Also time training without communication.")] = True,
     device: Annotated[Optional[str], typer.Option(
-        "--device", help="cpu or cuda (default: cuda if available).")] = None,
+        "--device", rich_help_panel=MORE, help="cpu or cuda (default: cuda if available).")] = None,
     timeout_s: Annotated[float, typer.Option(
-        "--timeout-s", min=10.0, help="Hard limit of the ranks' run (killed past it).")] = 1800.0,
+        "--timeout-s", min=10.0, rich_help_panel=MORE, help="Hard limit of the run.")] = 1800.0,
     emulate: Annotated[Optional[str], typer.Option(
-        "--emulate", metavar="NxRATE[@ALPHA]",
-        help="Train one rank (--nproc-per-node 1) whose every collective occupies an emulated "
-             "link of N ranks: one serial channel, busy alpha + ring bytes / RATE per "
-             "collective (8x1gbit, 16x25gbit, 8x1gbit@50us; alpha 50us by default). The "
-             "profile's communication, the predictions and the bound are that link's; DDP's "
-             "buckets go through it by a comm hook, the runtime's blocks by its channel. "
-             "Sharded strategies, fsdp2 and auto are left out. Not with --bandwidth or "
-             "--nodes.")] = None,
+        "--emulate", metavar="NxRATE[@ALPHA]", rich_help_panel=MORE,
+        help="One rank on an emulated link of N ranks (8x1gbit).")] = None,
     verify: Annotated[bool, typer.Option(
-        "--verify/--no-verify", help="Let the runtime verify each plan against DDP's buckets in "
-                                     "the run and keep the faster (off: every strategy measured "
-                                     "as planned).")] = False,
+        "--verify/--no-verify", rich_help_panel=MORE,
+        help="The runtime keeps DDP's buckets where faster.")] = False,
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
-    """Train MODEL with DDP and with each strategy's schedule; report measured against predicted,
-    and each one's optimizer state per rank.
+    """Train MODEL with DDP and with each strategy's schedule; report measured against
+    predicted, and each one's optimizer state per rank (docs/bench.md).
 
-    Two nodes of two ranks in the lab, nodes joined by a 200 Mbit/s link:
-    sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit
+    `sudo usbyte-opt bench lab-cnn --nodes 2 --nproc-per-node 2 --bandwidth 200mbit`:
+    two nodes of two ranks in the lab, joined by a 200 Mbit/s link.
 
-    One rank on an emulated link of 8 ranks at 1 Gbit/s (no root, no second machine):
-    usbyte-opt bench lab-cnn --nproc-per-node 1 --emulate 8x1gbit --strategies ddp,best"""
+    `usbyte-opt bench lab-cnn -n 1 --emulate 8x1gbit -s ddp,best`: one rank on an emulated
+    link of 8 ranks at 1 Gbit/s (no root, no second machine)."""
     from ..bench import BenchConfig, default_out_dir, run_bench
 
     cfg = BenchConfig(model=model, nproc=nproc_per_node, nodes=nodes, bandwidth=bandwidth,
