@@ -19,12 +19,11 @@ from typing import Annotated, Any, Optional
 import typer
 
 from .. import console
-from ..bench import SHARDED_STRATEGIES, default_strategies
-from ..bench.worker import TORCH_DDP, TORCH_FSDP2
+from ..bench import default_strategies
+from ..bench.worker import TORCH_FSDP2
 from ..console import plural
 from ..env import AUTO
 from ..errors import UsageError, UsbyteError
-from ..planning.strategies import load_builtin
 from . import common
 
 #: The columns of the result table shown without ``--wide`` ("vs DDP" with its interval);
