@@ -70,6 +70,31 @@ if TYPE_CHECKING:
 __all__ = ["DistributedOptimizer", "release_at_exit"]
 
 
+def _check_arguments(backward_passes_per_step: int, update_groups: int, zero_stage: int) -> None:
+    """The integer arguments of :class:`DistributedOptimizer`, each in its range, or one
+    :class:`UsbyteError` naming it."""
+    if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
+        raise UsbyteError(f"backward_passes_per_step: expected an integer >= 1, got "
+                          f"{backward_passes_per_step!r}")
+    if not isinstance(update_groups, int) or update_groups < 1:
+        raise UsbyteError(f"update_groups: expected an integer >= 1, got {update_groups!r}")
+    if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
+        raise UsbyteError(f"zero_stage: expected 1 or 2, got {zero_stage!r}")
+
+
+def _frozen_parameters(model: torch.nn.Module, params: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The model's parameters (named, each once) that are not among ``params`` (the
+    ``(name, parameter)`` pairs the runtime reduces): frozen at wrapping."""
+    ids = {id(p) for _, p in params}
+    seen: set[int] = set()
+    out: list[tuple[str, torch.nn.Parameter]] = []
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in ids and id(p) not in seen:
+            seen.add(id(p))
+            out.append((name, p))
+    return out
+
+
 class DistributedOptimizer(torch.optim.Optimizer):
     """Wraps an optimizer so that gradients are averaged over ranks in a planned order.
 
@@ -184,13 +209,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._opt = optimizer
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
-        if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
-            raise UsbyteError(f"backward_passes_per_step: expected an integer >= 1, got "
-                              f"{backward_passes_per_step!r}")
-        if not isinstance(update_groups, int) or update_groups < 1:
-            raise UsbyteError(f"update_groups: expected an integer >= 1, got {update_groups!r}")
-        if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
-            raise UsbyteError(f"zero_stage: expected 1 or 2, got {zero_stage!r}")
+        _check_arguments(backward_passes_per_step, update_groups, zero_stage)
         if isinstance(timeout, (int, float)):
             timeout = timedelta(seconds=float(timeout))
         self._group = process_group
@@ -218,14 +237,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 else int(align_bytes), zero_stage)
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
-        ids = {id(p) for _, p in params}
-        seen: set[int] = set()
         #: Parameters frozen at wrapping (a gradient later means one was unfrozen).
-        self._frozen: list[tuple[str, torch.nn.Parameter]] = []
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) not in ids and id(p) not in seen:
-                seen.add(id(p))
-                self._frozen.append((name, p))
+        self._frozen = _frozen_parameters(model, params)
         self._shape: tuple[int, ...] | None = None
         self._state = self._install(sched, source)
         self._shape = self._group_shape()
@@ -240,15 +253,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         # (Sharded mode is not verified: a switch to the fallback would have to move the
         # sharded state.)
         if auto or verify:
-            from .autotune import Tuner
+            self._start_tuner(sched if auto else fallback_schedule(model, ws), auto, verify,
+                              auto_dir, check_every, replan_on_drift)
 
-            # The fallback is built once (auto runs start on it): the tuner compares schedules
-            # by identity.
-            fallback = sched if auto else fallback_schedule(model, ws)
-            self._fallback_sched = fallback
-            self._tuner = Tuner(_Tuned(self), fallback, auto=auto, verify=verify,
-                                auto_dir=auto_dir, check_every=check_every,
-                                replan_on_drift=replan_on_drift)
+    def _start_tuner(self, fallback: Schedule, auto: bool, verify: bool,
+                     auto_dir: str | os.PathLike | None, check_every: int,
+                     replan_on_drift: bool) -> None:
+        """The tuner that plans in the run (``auto``) and verifies a plan against
+        ``fallback``; the fallback is built once (auto runs start on it): the tuner compares
+        schedules by identity."""
+        from .autotune import Tuner
+
+        self._fallback_sched = fallback
+        self._tuner = Tuner(_Tuned(self), fallback, auto=auto, verify=verify,
+                            auto_dir=auto_dir, check_every=check_every,
+                            replan_on_drift=replan_on_drift)
 
     def _install(self, sched: Schedule, source: str, previous: Installed | None = None) -> Installed:
         """The per-schedule state of ``sched``, its hooks installed (:mod:`.installed`)."""
@@ -439,18 +458,36 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if waited and st.sharded is None and st.grads.stored:
             self._honour_assigned()   # p.grad = new_tensor after the wait: stepped as DDP
         comm.finish()  # every rank issues the whole step here at the latest
-        found_inf = getattr(self, "found_inf", None)
-        skip = False
-        if found_inf is not None:  # called by GradScaler.step(self)
-            if st.sharded is not None:
-                skip = self._sharded_amp_step(found_inf, getattr(self, "grad_scale", None))
-            else:
-                skip = self._amp_step(found_inf, getattr(self, "grad_scale", None))
-        elif st.sharded is not None and st.sharded.exposed is not None:
-            st.sharded.unexpose()  # a scaler read param_groups, then plain step() was called
+        skip = self._amp_verdict(st)
         self._check_groups()   # (GradScaler's sentinel group member is gone by now)
         stepper.snapshot()
         include = self._last_include = comm.include_rule(st.in_opt)
+        self._update(st, include, skip)
+        stepper.attrs = {}
+        comm.reset(clear_zero_intent=st.sharded is not None)
+        if mode != Mode.FENCE and st.guard is not None and st.updates.n_pending:
+            pend = st.updates.pending
+            st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
+                                [t for t in range(st.n) if pend[t]])
+        return self._step_done(loss)
+
+    def _amp_verdict(self, st: Installed) -> bool:
+        """Whether this step is skipped: GradScaler.step(self) found infs (it set
+        ``found_inf``; the verdict is handed to the wrapped optimizer's own way of taking it)."""
+        found_inf = getattr(self, "found_inf", None)
+        if found_inf is not None:  # called by GradScaler.step(self)
+            if st.sharded is not None:
+                return self._sharded_amp_step(found_inf, getattr(self, "grad_scale", None))
+            return self._amp_step(found_inf, getattr(self, "grad_scale", None))
+        if st.sharded is not None and st.sharded.exposed is not None:
+            st.sharded.unexpose()  # a scaler read param_groups, then plain step() was called
+        return False
+
+    def _update(self, st: Installed, include: Callable[[int], bool], skip: bool) -> None:
+        """The optimizer's part of :meth:`step`: none where ``skip``; sharded mode steps the
+        shards and issues the all-gathers; fence mode steps here, after every block; overlap
+        mode schedules each tensor's update for its first use in the next forward."""
+        comm, stepper = st.comm, st.stepper
         if skip:  # no step (sharded mode: no all-gather); the parameters stay as they are
             comm.wait_blocks()
             if st.sharded is not None:
@@ -461,7 +498,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             stepper.calls += 1
             st.updates.start(gathers, lambda t: True, range(st.n))
             st.grads.release()
-        elif mode == Mode.FENCE:
+        elif st.mode == Mode.FENCE:
             comm.wait_blocks()
             probe = comm.probe
             if probe is not None:
@@ -474,13 +511,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             # p.grad keeps the averaged gradient until zero_grad(), as under DDP; the pending
             # update reads it, and a read of p.grad by user code runs the update first.
             st.updates.start(comm.works, include, st.candidates)
-        stepper.attrs = {}
-        comm.reset(clear_zero_intent=st.sharded is not None)
-        if mode != Mode.FENCE and st.guard is not None and st.updates.n_pending:
-            pend = st.updates.pending
-            st.guard.arm_params(None if pend is None or st.updates.n_pending == st.n else
-                                [t for t in range(st.n) if pend[t]])
-        return self._step_done(loss)
 
     def _ddp_step(self, closure: Callable[[], Any] | None) -> Any:
         """``step()`` while torch DDP runs (the fallback): the wrapped optimizer's own step,
