@@ -151,7 +151,7 @@ def test_usbyte_and_bytescheduler_weigh_their_candidates_with_the_option(seed, n
     model = usbyte.USByte(pb)
     units = usbyte.unit_candidates(model.numel) + [usbyte.DEFAULT_UNIT]
     for s in units:
-        out = model.simulate(s, model.forward_priority())
+        out = model.phases(s, model.forward_priority())
         assert T <= evaluate(pb, lay, model.blocks(out)) + 1e-9, s
     plan = bytescheduler.plan(pb, grid_points=4)
     T = evaluate(pb, plan.layout, plan.blocks)

@@ -48,7 +48,7 @@ GAPS = [("a", 100, 0, 9), ("b", 100, 0.5, 5), ("c", 100, 6, 1), ("d", 100, 30, 0
 def test_phase1_gap_rule_and_phase2_exact():
     pb = problem(GAPS, F=10, B=30)
     m = USByte(pb)
-    out = m.simulate(10, m.forward_priority())
+    out = m.phases(10, m.forward_priority())
     assert phase1(pb, out) == [
         # gap 0 -> 0.5 is below alpha: a sends 1 unit (1 + 1 ms)
         ("a", 0, 1, 0.0, 2.0),
@@ -73,7 +73,7 @@ def test_phase1_extends_the_previous_block_without_a_second_alpha():
     # a (100 el, need 0), b (10 el, ready 3, need 4), c (10 el, ready 10 = B, need 8); F = 10.
     pb = problem([("a", 100, 0, 0), ("b", 10, 3, 4), ("c", 10, 10, 8)], F=10, B=10)
     m = USByte(pb)
-    out = m.simulate(10, m.forward_priority())
+    out = m.phases(10, m.forward_priority())
     # gap 0 -> 3: a sends ceil((3-1)/1) = 2 units, 0 -> 3. Gap 3 -> 10: a (still first) again,
     # so its block grows by ceil(7 / 1) = 7 units: 9 units, one alpha, 0 -> 1 + 9 = 10.
     assert phase1(pb, out) == [("a", 0, 9, 0.0, 10.0)]
@@ -87,7 +87,7 @@ def test_last_unit_charged_at_true_size():
     # x: 25 elements = units of 10, 10, 5; ready 9, need 1. y: 10 elements, ready 10, need 0.
     pb = problem([("x", 25, 9, 1), ("y", 10, 10, 0)], F=2, B=10)
     m = USByte(pb)
-    out = m.simulate(10, m.forward_priority())
+    out = m.phases(10, m.forward_priority())
     # gap 9 -> 10 (= alpha, all would take 3.5): one unit, 9 -> 11.
     assert phase1(pb, out) == [("x", 0, 1, 9.0, 11.0)]
     # phase 2 (y first): y 11 -> 13; x's 15 elements (1.5 units) 13 -> 13 + 1 + 1.5 = 15.5
@@ -117,7 +117,7 @@ SEARCH = [("a", 50, 4, 5), ("b", 20, 7, 3), ("c", 40, 8, 1)]
 def test_priority_search_moves_a_tensor_ahead_when_it_helps():
     pb = problem(SEARCH, F=11, B=8)
     m = USByte(pb)
-    start = m.simulate(10, m.forward_priority())
+    start = m.phases(10, m.forward_priority())
     # Forward priority c, b, a: gap 4 -> 7: a sends ceil((3-1)/1) = 2 units, 4 -> 7;
     # gap 7 -> 8 (= alpha): b (ahead of a) sends 1 unit, 7 -> 9.
     # Phase 2 (c, b, a): c 9 -> 14, b's rest 14 -> 16, a's rest (30 el) 16 -> 20.
@@ -144,7 +144,7 @@ def test_priority_search_moves_a_tensor_ahead_when_it_helps():
 def test_priority_search_keeps_forward_order_when_no_move_helps():
     pb = problem(GAPS, F=10, B=30)
     m = USByte(pb)
-    start = m.simulate(10, m.forward_priority())
+    start = m.phases(10, m.forward_priority())
     # l = a: all of a from 0 would end at 11 (c's window): try d, a, c, b -> T 51, not < 51.
     # l = b: all of b from 2 would end at 13: try d, b, c, a -> T 51 again. l = c: ends at
     # 17, inside its own window: nothing to move. Both tries are dropped.
@@ -208,11 +208,11 @@ def test_resumed_runs_equal_full_runs(prof, seed):
     m = USByte(pb)
     rng = random.Random(seed)
     unit = max(1, max(pb.numel) // rng.choice([1, 3, 50]))
-    base = m.simulate(unit, m.forward_priority())
+    base = m.phases(unit, m.forward_priority())
     prio = list(base.priority)
     l = prio.pop(rng.randrange(len(prio)))
     prio.insert(rng.randrange(len(prio) + 1), l)
-    full = m.simulate(unit, prio)
+    full = m.phases(unit, prio)
     r0 = {x: r for r, x in enumerate(base.priority)}
     r1 = {x: r for r, x in enumerate(prio)}
 
@@ -222,7 +222,7 @@ def test_resumed_runs_equal_full_runs(prof, seed):
     # a run may resume at e if every decision before it (made among order[:e - 1]) agrees
     e_max = max(e for e in range(pb.n) if same_order(m.order[:max(e - 1, 0)]))
     for e in {0, e_max // 2, e_max}:
-        res = m.simulate(unit, prio, resume=(base, e))
+        res = m.phases(unit, prio, resume=(base, e))
         assert phase1(pb, res) == phase1(pb, full)
         assert res.iteration_ms == full.iteration_ms and res.snaps == full.snaps
 
@@ -230,7 +230,7 @@ def test_resumed_runs_equal_full_runs(prof, seed):
 def _reference_search(pb, m):
     """Algorithm 3 without shortcuts: every candidate run from scratch, accepted when faster."""
     order, n = m.order, pb.n
-    cur = m.simulate(m.unit, m.forward_priority())
+    cur = m.phases(m.unit, m.forward_priority())
     p = 0
     while p < n - 1 and cur.iteration_ms > m.floor + 1e-9:
         l = order[p]
@@ -251,7 +251,7 @@ def _reference_search(pb, m):
             continue
         prio = list(cur.priority)
         new = prio[:target] + [l] + prio[target:rl] + prio[rl + 1:]
-        cand = m.simulate(m.unit, new)
+        cand = m.phases(m.unit, new)
         if cand.iteration_ms < cur.iteration_ms - 1e-9 * max(cur.iteration_ms, 1.0):
             cur, p = cand, pk + 1
         else:
@@ -280,5 +280,5 @@ def test_unit_grid_with_its_bound_picks_what_scoring_every_unit_picks(prof):
     units = usbyte.unit_candidates(m.numel)
     if units[-1] <= usbyte.DEFAULT_UNIT <= units[0]:
         units.append(usbyte.DEFAULT_UNIT)
-    best = min(m.simulate(s, m.forward_priority()).iteration_ms for s in units)
+    best = min(m.phases(s, m.forward_priority()).iteration_ms for s in units)
     assert plan.info["iteration_ms"] <= best + 1e-9

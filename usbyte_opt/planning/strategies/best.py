@@ -114,22 +114,13 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
     suffix ``[lo, end)``; a block may extend *down* over released whole tensors whose
     remainder ends where it starts, and *up* over released, wholly unsent neighbours.
     The rule times blocks on the cost model's linear bound (alpha per block, beta per byte):
-    its cuts and fusions are judged on that line.
+    its cuts and fusions are judged on that line (:func:`_cut`, :func:`_fuse`).
     """
     n = problem.n
     ready = problem.ready
     alpha, beta = problem.cost.linear_bound()
-    pos = layout.pos
-    lo = [pos[i][1] for i in range(n)]
-    end = [pos[i][2] for i in range(n)]
-    start = list(lo)
-    isz = [layout.itemsize[pos[i][0]] for i in range(n)]
-    # Neighbours in the layout.
-    prev_of = [-1] * n
-    next_of = [-1] * n
-    for members in layout.members:
-        for a, b in zip(members, members[1:]):
-            next_of[a], prev_of[b] = b, a
+    rs = _Remainders.of(problem, layout)
+    lo, end, isz = rs.lo, rs.end, rs.isz
     rel = problem.ready_order()
     # The heap holds each released tensor's place in the order of (-tail, -ready, index),
     # plain ints, instead of those tuples: the same top, compared faster.
@@ -155,23 +146,12 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             continue
         p = by_place[heap[0]]
         lo_p, end_p, isz_p = lo[p], end[p], isz[p]
-        rem = end_p - lo_p
-        amount = rem
+        amount = end_p - lo_p
         if cutting:
             # Next release that would outrank p (a few steps ahead is enough in practice:
             # releases are sorted, and beyond a handful the gap is too long to matter).
-            t_next = math.inf
-            tp = tail[p]
-            for j in rel[ptr:ptr + 8]:
-                if tail[j] > tp:
-                    t_next = ready[j]
-                    break
-            gap = t_next - t
-            if gap < alpha + rem * isz_p * beta:
-                k = int((gap - alpha) / (isz_p * beta)) if gap > alpha else 0
-                min_el = int(cut_min / isz_p) + 1
-                if k >= min_el and rem - k >= min_el:
-                    amount = k
+            amount = _cut(problem, tail, rel[ptr:ptr + 8], p, t, amount, isz_p, alpha, beta,
+                          cut_min)
         b_lo, b_hi = lo_p, lo_p + amount
         lo[p] = b_hi
         if b_hi >= end_p:
@@ -179,37 +159,98 @@ def construct(problem: Problem, layout: Layout, tail: Sequence[float], cut_min: 
             pop(heap)                       # p is the top: sent in full
         nbytes = amount * isz_p
         if fuse_cap > 0 and b_hi == end_p:
-            # Down: the block starts at p's start, so a neighbour's suffix can join.
-            cur = p
-            while b_lo == start[cur] and prev_of[cur] >= 0:
-                j = prev_of[cur]
-                if lo[j] >= end[j] or ready[j] > t:
-                    break
-                add = (end[j] - lo[j]) * isz[j]
-                if nbytes + add > fuse_cap:
-                    break
-                nbytes += add
-                b_lo = lo[j]
-                lo[j] = end[j]
-                left -= 1
-                cur = j
-            # Up: wholly unsent, released neighbours above.
-            cur = p
-            while next_of[cur] >= 0:
-                j = next_of[cur]
-                if lo[j] != start[j] or ready[j] > t:
-                    break
-                add = (end[j] - lo[j]) * isz[j]
-                if nbytes + add > fuse_cap:
-                    break
-                nbytes += add
-                b_hi = end[j]
-                lo[j] = end[j]
-                left -= 1
-                cur = j
-        blocks.append(Block(pos[p][0], b_lo, b_hi))
+            b_lo, b_hi, nbytes, fused = _fuse(rs, ready, p, t, b_lo, b_hi, nbytes, fuse_cap)
+            left -= fused
+        blocks.append(Block(layout.pos[p][0], b_lo, b_hi))
         t += alpha + nbytes * beta
     return blocks
+
+
+@dataclass(slots=True)
+class _Remainders:
+    """What :func:`construct` has left to send of each tensor: ``[lo, end)`` of its elements
+    in the layout (``start``: where it begins), its element size and its layout neighbours
+    (``-1``: none)."""
+
+    lo: list[int]
+    end: list[int]
+    start: list[int]
+    isz: list[int]
+    prev_of: list[int]
+    next_of: list[int]
+
+    @staticmethod
+    def of(problem: Problem, layout: Layout) -> _Remainders:
+        n = problem.n
+        pos = layout.pos
+        lo = [pos[i][1] for i in range(n)]
+        prev_of = [-1] * n
+        next_of = [-1] * n
+        for members in layout.members:
+            for a, b in zip(members, members[1:]):
+                next_of[a], prev_of[b] = b, a
+        return _Remainders(lo, [pos[i][2] for i in range(n)], list(lo),
+                           [layout.itemsize[pos[i][0]] for i in range(n)], prev_of, next_of)
+
+
+def _cut(problem: Problem, tail: Sequence[float], upcoming: Sequence[int], p: int, t: float,
+         rem: int, isz_p: int, alpha: float, beta: float, cut_min: float) -> int:
+    """How many of the ``rem`` elements left of tensor ``p`` :func:`construct` sends at ``t``:
+    only what fits before the first of the ``upcoming`` releases that outranks ``p`` (a
+    larger tail), where both that piece and the rest exceed ``cut_min`` bytes; else all."""
+    ready = problem.ready
+    t_next = math.inf
+    tp = tail[p]
+    for j in upcoming:
+        if tail[j] > tp:
+            t_next = ready[j]
+            break
+    gap = t_next - t
+    if gap < alpha + rem * isz_p * beta:
+        k = int((gap - alpha) / (isz_p * beta)) if gap > alpha else 0
+        min_el = int(cut_min / isz_p) + 1
+        if k >= min_el and rem - k >= min_el:
+            return k
+    return rem
+
+
+def _fuse(rs: _Remainders, ready: Sequence[float], p: int, t: float, b_lo: int, b_hi: int,
+          nbytes: int, fuse_cap: float) -> tuple[int, int, int, int]:
+    """:func:`construct`'s block ``[b_lo, b_hi)``, which ends tensor ``p``, fused with its
+    released neighbours up to ``fuse_cap`` bytes: down over whole remainders ending where it
+    starts, then up over wholly unsent tensors. Returns the block, its bytes and how many
+    tensors it finished besides ``p``."""
+    lo, end, start, isz = rs.lo, rs.end, rs.start, rs.isz
+    fused = 0
+    # Down: the block starts at p's start, so a neighbour's suffix can join.
+    cur = p
+    while b_lo == start[cur] and rs.prev_of[cur] >= 0:
+        j = rs.prev_of[cur]
+        if lo[j] >= end[j] or ready[j] > t:
+            break
+        add = (end[j] - lo[j]) * isz[j]
+        if nbytes + add > fuse_cap:
+            break
+        nbytes += add
+        b_lo = lo[j]
+        lo[j] = end[j]
+        fused += 1
+        cur = j
+    # Up: wholly unsent, released neighbours above.
+    cur = p
+    while rs.next_of[cur] >= 0:
+        j = rs.next_of[cur]
+        if lo[j] != start[j] or ready[j] > t:
+            break
+        add = (end[j] - lo[j]) * isz[j]
+        if nbytes + add > fuse_cap:
+            break
+        nbytes += add
+        b_hi = end[j]
+        lo[j] = end[j]
+        fused += 1
+        cur = j
+    return b_lo, b_hi, nbytes, fused
 
 
 def _places(problem: Problem, tail: Sequence[float]) -> tuple[list[int], list[int]]:
@@ -397,43 +438,81 @@ def _edf_place(problem: Problem, windows: Sequence[tuple[float, float]], T: floa
     ``(blocks, starts, first, left, held)``: each block's elements per tensor and its start,
     the cut tensors whose second piece found no block (and the block of the first), the
     elements of each tensor not placed, and whether ``hold`` would have changed the fill."""
-    events: set[str] = set()
-    n = problem.n
-    isz, dtype = problem.itemsize, problem.dtype
-    left = list(problem.numel)                     # elements not yet placed
-    first: dict[int, int] = {}                     # a cut tensor -> block of its first piece
-    comp: list[int] = []                           # union-find over blocks linked by cuts
-    blocks: list[dict[int, int]] = []
-    starts: list[float] = []
-    rel = sorted(range(n), key=lambda i: ready[i])
-    ptr = 0
-    heap: list[tuple[float, float, int]] = []
-    eps = 1e-9 * max(1.0, T)
+    ef = _EdfPlace(problem, T, fill, ready, tail, hold)
+    for s, f in windows:
+        cap = (f - s - alpha) / beta if beta > 0 else math.inf
+        if cap <= 0:
+            continue
+        ef.window(s, f, cap)
+    return ef.blocks, ef.starts, ef.first, ef.left, "hold" in ef.events
 
-    def root(b: int) -> int:
+
+class _EdfPlace:
+    """The state of :func:`_edf_place`: released tensors in a heap by deadline (largest tail
+    first), the elements left of each, the blocks filled so far, and the cut tensors, whose
+    blocks are linked (a union-find) so that no chain of cuts closes a cycle."""
+
+    def __init__(self, problem: Problem, T: float, fill: str, ready: Sequence[float],
+                 tail: Sequence[float], hold: bool):
+        self.T, self.fill, self.ready, self.tail, self.hold = T, fill, ready, tail, hold
+        self.isz, self.dtype = problem.itemsize, problem.dtype
+        self.events: set[str] = set()
+        self.left = list(problem.numel)            # elements not yet placed
+        self.first: dict[int, int] = {}            # a cut tensor -> block of its first piece
+        self.comp: list[int] = []                  # union-find over blocks linked by cuts
+        self.blocks: list[dict[int, int]] = []
+        self.starts: list[float] = []
+        self.rel = sorted(range(problem.n), key=lambda i: ready[i])
+        self.ptr = 0
+        self.heap: list[tuple[float, float, int]] = []
+        self.eps = 1e-9 * max(1.0, T)
+
+    def root(self, b: int) -> int:
+        comp = self.comp
         while comp[b] != b:
             comp[b] = comp[comp[b]]
             b = comp[b]
         return b
 
-    for s, f in windows:
-        cap = (f - s - alpha) / beta if beta > 0 else math.inf
-        if cap <= 0:
-            continue
-        while ptr < n and ready[rel[ptr]] <= s + eps:
-            i = rel[ptr]
-            heapq.heappush(heap, (-tail[i], -ready[i], i))
-            ptr += 1
-        b = len(blocks)
+    def window(self, s: float, f: float, cap: float) -> None:
+        """Fill the window ``[s, f)``, ``cap`` bytes after its alpha: release the tensors
+        ready by ``s``, take them by deadline (:meth:`_take`), and where nothing fits, let
+        the first held tensor that may join overflow the block (:meth:`_overflow`)."""
+        ready, rel, n = self.ready, self.rel, len(self.rel)
+        while self.ptr < n and ready[rel[self.ptr]] <= s + self.eps:
+            i = rel[self.ptr]
+            heapq.heappush(self.heap, (-self.tail[i], -ready[i], i))
+            self.ptr += 1
+        b = len(self.blocks)
+        self.comp.append(b)
+        content, dt, held = self._take(b, f, cap)
+        if not content:
+            self._overflow(b, dt, content, held)
+        for h in held:
+            heapq.heappush(self.heap, h)
+        if content:
+            self.blocks.append(content)
+            self.starts.append(s)
+        else:
+            self.comp.pop()
+
+    def _take(self, b: int, f: float, cap: float
+              ) -> tuple[dict[int, int], str | None, list[tuple[float, float, int]]]:
+        """Block ``b``'s content, taken from the heap by deadline until ``cap`` bytes are
+        filled or a tensor is cut (one dtype; a cut tensor's second piece may not join a
+        block its chain already holds, nor a block linked twice): ``(content, dtype, held)``,
+        ``held`` what was passed over, to go back on the heap."""
+        heap, tail, left, isz, dtype, first = (self.heap, self.tail, self.left, self.isz,
+                                               self.dtype, self.first)
+        fill, root = self.fill, self.root
         content: dict[int, int] = {}
         deg = 0
         dt = None
         held: list[tuple[float, float, int]] = []
-        comp.append(b)
         while heap:
             top = heapq.heappop(heap)
             i = top[2]
-            if tail[i] > T - f + eps:
+            if tail[i] > self.T - f + self.eps:
                 continue                           # past its deadline here, and later too
             if dt is None:
                 dt = dtype[i]
@@ -447,19 +526,19 @@ def _edf_place(problem: Problem, windows: Sequence[tuple[float, float]], T: floa
                 take = left[i]
             elif fill == "split" and not cont and deg < 2 and 0 < k < left[i]:
                 take = k
-            elif fill == "skip" or (fill == "split" and hold and k > 0):
+            elif fill == "skip" or (fill == "split" and self.hold and k > 0):
                 held.append(top)                   # too big here (and not to be cut again)
                 continue
             else:
                 if fill == "split" and k > 0:
-                    events.add("hold")
+                    self.events.add("hold")
                 heapq.heappush(heap, top)
                 break
             content[i] = take
             cap -= take * isz[i]
             left[i] -= take
             if cont:                               # the second piece of a cut tensor
-                comp[root(first.pop(i))] = root(b)
+                self.comp[root(first.pop(i))] = root(b)
                 deg += 1
             if left[i]:                            # cut here: the rest goes to a later block
                 first[i] = b
@@ -468,25 +547,21 @@ def _edf_place(problem: Problem, windows: Sequence[tuple[float, float]], T: floa
                 break
             if cap <= 0:
                 break
-        if not content:
-            # Nothing fits: the first held tensor that may join overflows the block.
-            for j, h in enumerate(held):
-                i = h[2]
-                if dtype[i] == dt and (i not in first or root(first[i]) != root(b)):
-                    content[i] = left[i]
-                    left[i] = 0
-                    if i in first:
-                        comp[root(first.pop(i))] = root(b)
-                    del held[j]
-                    break
-        for h in held:
-            heapq.heappush(heap, h)
-        if content:
-            blocks.append(content)
-            starts.append(s)
-        else:
-            comp.pop()
-    return blocks, starts, first, left, "hold" in events
+        return content, dt, held
+
+    def _overflow(self, b: int, dt: str | None, content: dict[int, int],
+                  held: list[tuple[float, float, int]]) -> None:
+        """Nothing fits block ``b``: the first held tensor that may join takes it whole."""
+        first = self.first
+        for j, h in enumerate(held):
+            i = h[2]
+            if self.dtype[i] == dt and (i not in first or self.root(first[i]) != self.root(b)):
+                content[i] = self.left[i]
+                self.left[i] = 0
+                if i in first:
+                    self.comp[self.root(first.pop(i))] = self.root(b)
+                del held[j]
+                break
 
 
 def chained_layout(problem: Problem, blocks: list[dict[int, int]]) -> tuple[Layout, list[Block]]:
@@ -782,42 +857,10 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
         a, b = (0, len(blocks) - 1) if every else _window(sc, st, mode)
         k = a
         while k <= min(b, len(blocks) - 1) and time.perf_counter() < deadline:
-            blk = blocks[k]
-            moved = False
-            if k + 1 < len(blocks):
-                nxt = blocks[k + 1]
-                # Merge when contiguous in one buffer (either side).
-                if blk.buffer == nxt.buffer and (blk.end == nxt.start or nxt.end == blk.start):
-                    m = Block(blk.buffer, min(blk.start, nxt.start), max(blk.end, nxt.end))
-                    st2 = st.splice(k, k + 2, sc.stats([m]))
-                    v = sc.score(st2, mode)
-                    if v < cur - eps:
-                        blocks[k:k + 2] = [m]
-                        st, cur, moved = st2, v, True
-                        b -= 1
-                if not moved:
-                    st2 = st.take(np.r_[0:k, k + 1, k, k + 2:len(st)])
-                    v = sc.score(st2, mode)
-                    if v < cur - eps:
-                        blocks[k], blocks[k + 1] = nxt, blk
-                        st, cur, moved = st2, v, True
-            if not moved:
-                for x, y in _splits(layout, blk):
-                    pair = sc.stats([x, y])
-                    options = [(x, y, pair)]
-                    if pair.Q[1] > pair.Q[0]:
-                        options.append((y, x, pair.take([1, 0])))
-                    for first, second, ps in options:
-                        st2 = st.splice(k, k + 1, ps)
-                        v = sc.score(st2, mode)
-                        if v < cur - eps:
-                            blocks[k:k + 1] = [first, second]
-                            st, cur, moved = st2, v, True
-                            b += 1
-                            break
-                    if moved:
-                        break
+            moved = (_pair_move(sc, blocks, st, k, mode, cur - eps)
+                     or _split_move(sc, layout, blocks, st, k, mode, cur - eps))
             if moved:
+                st, cur = moved
                 improved = True
                 if not every:
                     a, b = _window(sc, st, mode)
@@ -828,6 +871,48 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
             else:
                 k += 1
     return blocks
+
+
+def _pair_move(sc: Scorer, blocks: list[Block], st: Stats, k: int, mode: Mode,
+               below: float) -> tuple[Stats, float] | None:
+    """:func:`improve`'s moves on blocks ``k`` and ``k + 1``: merge them (contiguous in one
+    buffer, either side), else swap them; the first that scores below ``below`` is made on
+    ``blocks`` and returns ``(stats, time)``."""
+    if k + 1 >= len(blocks):
+        return None
+    blk, nxt = blocks[k], blocks[k + 1]
+    if blk.buffer == nxt.buffer and (blk.end == nxt.start or nxt.end == blk.start):
+        m = Block(blk.buffer, min(blk.start, nxt.start), max(blk.end, nxt.end))
+        st2 = st.splice(k, k + 2, sc.stats([m]))
+        v = sc.score(st2, mode)
+        if v < below:
+            blocks[k:k + 2] = [m]
+            return st2, v
+    st2 = st.take(np.r_[0:k, k + 1, k, k + 2:len(st)])
+    v = sc.score(st2, mode)
+    if v < below:
+        blocks[k], blocks[k + 1] = nxt, blk
+        return st2, v
+    return None
+
+
+def _split_move(sc: Scorer, layout: Layout, blocks: list[Block], st: Stats, k: int, mode: Mode,
+                below: float) -> tuple[Stats, float] | None:
+    """:func:`improve`'s split of block ``k`` (at the cuts of :func:`_splits`, the two pieces
+    in either order where the second has the larger tail); the first that scores below
+    ``below`` is made on ``blocks`` and returns ``(stats, time)``."""
+    for x, y in _splits(layout, blocks[k]):
+        pair = sc.stats([x, y])
+        options = [(x, y, pair)]
+        if pair.Q[1] > pair.Q[0]:
+            options.append((y, x, pair.take([1, 0])))
+        for first, second, ps in options:
+            st2 = st.splice(k, k + 1, ps)
+            v = sc.score(st2, mode)
+            if v < below:
+                blocks[k:k + 1] = [first, second]
+                return st2, v
+    return None
 
 
 @dataclass(slots=True)

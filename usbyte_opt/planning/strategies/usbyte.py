@@ -32,9 +32,7 @@ phase-2
 timing charges whole units and corrects the last unit of the wrong tensor, and extending a block
 overwrites its unit count, so units of a gradient vanish. Here every block carries true sizes,
 every element is sent exactly once (phase 1 sends a tensor's units from its first element
-upward, phase 2 sends the contiguous rest), and every candidate plan is timed by the same model
-as :mod:`usbyte_opt.planning.fastsim` (and the returned plan's ``info["iteration_ms"]`` equals the
-simulator's). On the extension rule: adding k units to the previous block costs
+upward, phase 2 sends the contiguous rest). On the extension rule: adding k units to the previous block costs
 ``beta * S_p * k`` and no alpha, so the block grows by ``ceil(g / (beta * S_p))`` units; that is
 what the three-case rule yields applied again on the shrinking gap, and what the authors' code
 computes by measuring the gap from the block's start.
@@ -58,6 +56,19 @@ option out, is then only used as a lower bound). The method is stated for a line
 (:meth:`usbyte_opt.planning.cost.CostModel.linear_bound`). With the updates at the gates, or a
 cost model that is not a line, candidates are scored by the one scorer too, and the phase
 model's time, never above the scorer's, is again only a lower bound.
+
+**The phase model and the one iteration model.** Algorithm 1 decides as it goes, from the
+channel's time (how long the gap to the next gradient is), so phases 1–2
+(:meth:`USByte.phases`) time the blocks they build themselves, on the cost model's line, one
+block at a time: the iteration model of :mod:`usbyte_opt.planning.simulate` in overlap mode
+without its options, the closed form of :func:`usbyte_opt.planning.fastsim.score` summed as
+the phases build it (equal to the scorer's up to rounding; tests compare them). It cannot call
+the scorer per decision without rebuilding the plan at each gap. Where the iteration model
+says more (the three cases above) the candidates are scored by the scorer itself
+(:meth:`USByte.value`). Host cost is the one option the phase model leaves out and that does
+not bring in the scorer: with it, candidates are still compared on the phase model, and
+``info["iteration_ms"]`` is the phase model's time, below what the planner then predicts for
+the plan (it scores every plan with the scorer).
 
 Example::
 
@@ -115,7 +126,7 @@ Snapshot = tuple[float, int, int, float, float, int, float]
 
 @dataclass(slots=True)
 class _Phase1:
-    """The running state of phase 1 (:meth:`USByte.simulate`)."""
+    """The running state of phase 1 (:meth:`USByte.phases`)."""
 
     t: float
     blocks: list[Phase1Block]
@@ -163,7 +174,7 @@ class USByte:
         ...                                         forward_ms=2, backward_ms=40))
         >>> # 16 bytes at 1e-5 GB/s: beta = 0.1 ms/byte, 0.4 ms/element, a unit of 2 costs 0.8
         >>> m = USByte(pb)
-        >>> out = m.simulate(2, m.forward_priority())
+        >>> out = m.phases(2, m.forward_priority())
         >>> [(b.tensor, b.u0, b.u1, b.start, b.finish) for b in out.phase1]
         [(1, 0, 2, 20.0, 22.6)]
     """
@@ -195,7 +206,8 @@ class USByte:
         self._units: dict[int, list[int]] = {}
         self.min_tail = min(self.tail)
         #: The one scorer, where it differs from the phase model: with the compute-cost option,
-        #: the updates at the gates, or a cost model that is not a line.
+        #: the updates at the gates, or a cost model that is not a line (host cost aside: the
+        #: module docstring).
         differs = (problem.charges_cpu or problem.update_rule == UpdateRule.GATE
                    or not cost.is_linear)
         self.scorer = scorer_for(problem, self.layout) if differs else None
@@ -208,10 +220,12 @@ class USByte:
     # Algorithms 1 and 2: one plan for a unit size and a priority
     # ----------------------------------------------------------------------------------------
 
-    def simulate(self, unit: int, priority: Sequence[int], bound: float = math.inf,
+    def phases(self, unit: int, priority: Sequence[int], bound: float = math.inf,
                  resume: tuple[Outcome, int] | None = None, record: bool = True,
                  rank: Sequence[float] | None = None) -> Outcome | None:
-        """Run phase 1 and phase 2 for ``unit`` (S_p) and ``priority`` (highest first).
+        """Build and time the plan of phase 1 and phase 2 for ``unit`` (S_p) and ``priority``
+        (highest first), on the phase model (module docstring: the iteration model's overlap
+        mode on the cost model's line, timed as the blocks are built).
 
         Args:
             unit: S_p, elements per unit.
@@ -235,21 +249,12 @@ class USByte:
         so far, the last block's, and the channel's time plus what is left plus one alpha per
         tensor that still needs a block (the last block's tensor may grow it without one), plus
         the smallest tail.
+
+        Length: one loop over local variables on purpose (above); its setup is
+        :meth:`_start` and Algorithm 1's three cases :func:`_units_for_gap`.
         """
-        n = len(self.numel)
-        if rank is None:
-            rank = [0.0] * n
-            for place, i in enumerate(priority):
-                rank[i] = place
-        m = self._units.get(unit)
-        if m is None:
-            m = self._units[unit] = [-(-x // unit) for x in self.numel]
-        if resume is None:
-            e0, run = 0, self._fresh(record)
-        else:
-            e0 = resume[1]
-            run = self._resumed(resume[0], e0, m, rank, record)
-        order, ready = self.order, self.ready
+        e0, run, m, rank = self._start(unit, priority, resume, record, rank)
+        n, order, ready = len(self.numel), self.order, self.ready
         alpha, numel, beta_el, tail, low = self.alpha, self.numel, self.beta_el, self.tail, self.min_tail
         S = unit
         t, last, heap, sent, first = run.t, run.last, run.heap, run.sent, run.first
@@ -290,16 +295,7 @@ class USByte:
                     last.finish = last.start + alpha + beta_el[j] * (el1 - last.u0 * S)
                     t = last.finish
                 else:
-                    rest = numel[j] - sent[j] * S
-                    if g < alpha:
-                        k = 1
-                    elif g < alpha + beta_el[j] * rest:
-                        # at g == alpha exactly this is 0; a block carries at least one unit
-                        k = max(1, ceil((g - alpha) / (beta_el[j] * S)))
-                        if k > left:
-                            k = left
-                    else:
-                        k = left
+                    k = _units_for_gap(g, alpha, beta_el[j], S, numel[j] - sent[j] * S, left)
                     if last is not None:
                         v = last.finish + tail[last.tensor]
                         if v > worst:
@@ -323,6 +319,24 @@ class USByte:
             push(heap, (rank[i], i))
         run.t, run.last, run.rest_ms, run.worst, run.unfinished = t, last, rest_ms, worst, unfinished
         return self._outcome(run, unit, priority)
+
+    def _start(self, unit: int, priority: Sequence[int], resume: tuple[Outcome, int] | None,
+               record: bool, rank: Sequence[float] | None,
+               ) -> tuple[int, _Phase1, list[int], Sequence[float]]:
+        """What :meth:`phases` starts from: ``(first event, state, units per tensor, rank)``,
+        the state :meth:`_fresh` or :meth:`_resumed` from ``resume``, the rank from
+        ``priority`` unless given."""
+        n = len(self.numel)
+        if rank is None:
+            rank = [0.0] * n
+            for place, i in enumerate(priority):
+                rank[i] = place
+        m = self._units.get(unit)
+        if m is None:
+            m = self._units[unit] = [-(-x // unit) for x in self.numel]
+        if resume is None:
+            return 0, self._fresh(record), m, rank
+        return resume[1], self._resumed(resume[0], resume[1], m, rank, record), m, rank
 
     def _fresh(self, record: bool) -> _Phase1:
         """Phase 1 before the first gradient: nothing sent, the channel free from 0."""
@@ -393,8 +407,12 @@ class USByte:
     def _finish(self, worst: float, sent: list[int], S: int, t: float) -> float:
         """Phase 2 (forward order, one block per tensor) and the iteration time of the plan.
 
-        Same closed form as :func:`usbyte_opt.planning.fastsim.score`: ``T = max(B + F, last finish,
-        max over blocks of finish + (update + F - need))``; ``worst`` already covers phase 1.
+        The closed form of :func:`usbyte_opt.planning.fastsim.score`: ``T = max(B + F, last
+        finish, max over blocks of finish + (update + F - need))``; ``worst`` already covers
+        phase 1. Written out here rather than called: phase 1 keeps its running sums as ``t +
+        alpha + beta * elements``, and phase 2 continues them the same way (one block's cost
+        summed first would round differently), so the phase model's times are its own, equal
+        to the scorer's up to rounding.
         """
         tail, ready, alpha = self.tail, self.ready, self.alpha
         beta_el, numel = self.beta_el, self.numel
@@ -454,7 +472,7 @@ class USByte:
                 p += 1
                 continue
             rank[l] = target - 0.5        # l just ahead of prio[target]: the candidate's ranks
-            cand = self.simulate(unit, prio, bound=cur_v - eps, resume=(cur, e0), record=False,
+            cand = self.phases(unit, prio, bound=cur_v - eps, resume=(cur, e0), record=False,
                                  rank=rank)
             rank[l] = rl
             cand_v = self.value(cand) if cand is not None else math.inf
@@ -471,8 +489,8 @@ class USByte:
         return cur, moves
 
     def _run(self, unit: int, priority: Sequence[int], **kw: Any) -> Outcome:
-        """:meth:`simulate` without a bound: it always returns an outcome."""
-        out = self.simulate(unit, priority, **kw)
+        """:meth:`phases` without a bound: it always returns an outcome."""
+        out = self.phases(unit, priority, **kw)
         assert out is not None
         return out
 
@@ -503,6 +521,19 @@ class USByte:
             if out.sent[i] * S < numel[i]:
                 res.append(Block(buf, s + out.sent[i] * S, e))
         return res
+
+
+def _units_for_gap(g: float, alpha: float, beta_el: float, S: int, rest: int, left: int) -> int:
+    """Algorithm 1's three cases: how many units of ``S`` elements (at ``beta_el`` ms each,
+    ``rest`` elements and ``left`` units of the tensor unsent) a new block carries in a gap of
+    ``g`` ms: 1 if ``g < alpha``; enough to fill the gap (at least 1: at ``g == alpha`` the
+    formula gives 0) if ``g`` is shorter than sending the rest; else all that is left."""
+    if g < alpha:
+        return 1
+    if g < alpha + beta_el * rest:
+        k = max(1, math.ceil((g - alpha) / (beta_el * S)))
+        return left if k > left else k
+    return left
 
 
 class _RangeMin:
@@ -601,7 +632,7 @@ def plan(problem: Problem, *, unit: int | None = None, search_priority: bool = T
         done = sorted(v for v in value.values() if v < math.inf)
         # a unit provably slower than the keep-th best so far can be neither best nor finalist
         bound = done[keep - 1] + 1e-6 if len(done) >= keep else math.inf
-        out = model.simulate(s, prio0, bound=bound)
+        out = model.phases(s, prio0, bound=bound)
         if out is None:
             value[s] = math.inf
         else:
