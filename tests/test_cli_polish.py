@@ -172,3 +172,39 @@ def test_bench_help_is_short(monkeypatch, capsys):
             if opt.startswith("--") and opt != "--help":
                 assert opt in out, opt                       # every option listed in --help
                 assert f"`{opt}" in doc, opt                 # and explained in the docs
+
+
+# -- the model factory's contract ----------------------------------------------------------
+
+FACTORIES = '''
+import torch
+
+def two_args(batch_size, width):
+    return torch.nn.Linear(2, 2), (torch.zeros(batch_size, 2),), lambda o: o.sum()
+
+def no_args():
+    return None
+
+def wrong_return(batch_size):
+    return torch.nn.Linear(2, 2)
+'''
+
+
+@pytest.mark.parametrize("factory, expected, got", [
+    ("two_args", "cannot be called as two_args(batch_size)", "missing a required argument: 'width'"),
+    ("no_args", "cannot be called as no_args(batch_size)", "too many positional arguments"),
+    ("wrong_return", "expected factory(batch_size: int) -> (model: torch.nn.Module", "got a Linear"),
+])
+@pytest.mark.parametrize("command", [["profile"], ["bench", "-s", "ddp", "--device", "cpu"]])
+def test_a_factory_breaking_the_contract_is_one_line(factory, expected, got, command, tmp_path,
+                                                     monkeypatch, capsys):
+    (tmp_path / "polish_factories.py").write_text(FACTORIES)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(capsys, command[0], f"polish_factories:{factory}", *command[1:],
+                           "-o", str(tmp_path / "out"))
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert code != 0
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert f"'polish_factories:{factory}'" in lines[0] and expected in lines[0] and got in lines[0]
+    assert "Traceback" not in err

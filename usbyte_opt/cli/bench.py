@@ -71,7 +71,8 @@ MORE = "More options (each in full in docs/bench.md, Options)"
 def bench(
     model: Annotated[str, typer.Argument(
         help="Built-in name (lab-cnn, lab-vgg, lab-transformer, cnn, mlp, ...) or "
-             "package.module:factory (docs/profiles.md, The model factory).")],
+             "package.module:factory, called as factory(batch_size) and returning (model, "
+             "inputs, loss_fn) (docs/profiles.md, The model factory).")],
     nproc_per_node: Annotated[int, typer.Option(
         "--nproc-per-node", "-n", min=1, help="Ranks on this machine (per node with "
                                               "--nodes).")] = 2,

@@ -33,8 +33,10 @@ from . import common
 
 def demo(
     model: Annotated[str, typer.Option(
-        "--model", "-m", help="Model to train (a built-in CPU model: cnn, transformer, mlp, "
-                              "lab-cnn, ...).")] = "cnn",
+        "--model", "-m", help="Model to train: a built-in CPU model (cnn, transformer, mlp, "
+                              "lab-cnn, ...) or package.module:factory, called as "
+                              "factory(batch_size) and returning (model, inputs, loss_fn) "
+                              "(docs/profiles.md, The model factory).")] = "cnn",
     iterations: Annotated[int, typer.Option(
         "--iterations", "-k", min=1, help="Timed iterations per strategy, in 4 rounds (more "
                                           "rounds while not distinguishable from DDP).")] = 12,

@@ -40,8 +40,9 @@ class Optim(str, Enum):
 def profile(
     model: Annotated[str, typer.Argument(
         help="Built-in name (mlp, cnn, transformer, resnet50, bert-base, gpt2, ...; "
-             "torchvision:NAME) or package.module:factory returning (model, inputs, loss_fn) for "
-             "factory(batch_size).")],
+             "torchvision:NAME) or package.module:factory, called as factory(batch_size) and "
+             "returning (model, inputs, loss_fn[, optimizer]) (docs/profiles.md, The model "
+             "factory).")],
     batch_size: Annotated[Optional[int], typer.Option(
         "--batch-size", "-b", min=1, help="Per-rank batch size (default: the model's own).")] = None,
     nproc_per_node: Annotated[Optional[int], typer.Option(

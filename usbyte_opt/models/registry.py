@@ -15,6 +15,7 @@ Example::
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Callable
@@ -208,7 +209,35 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
     if not callable(factory):
         raise UsageError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not callable; "
                           f"expected {PROTOCOL}")
+    check_signature(factory, spec)
     return factory, 32
+
+
+def check_signature(factory: Callable, label: str) -> None:
+    """Raise :class:`~usbyte_opt.errors.UsageError` (one line) unless ``factory`` can be
+    called as ``factory(batch_size)``, one positional argument: the one call every command
+    makes (:data:`~usbyte_opt.models.protocol.PROTOCOL`). A callable whose signature Python
+    cannot read passes.
+
+    Example::
+
+        >>> def make(batch_size, width): ...
+        >>> check_signature(make, "my.models:make")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.UsageError: model 'my.models:make': factory make(batch_size, width) cannot ...
+        >>> check_signature(lambda batch_size, width=8: None, "ok")
+    """
+    try:
+        sig = inspect.signature(factory)
+    except (TypeError, ValueError):
+        return
+    try:
+        sig.bind(1)
+    except TypeError as e:
+        name = getattr(factory, "__name__", type(factory).__name__)
+        raise UsageError(f"model {label!r}: factory {name}{sig} cannot be called as "
+                         f"{name}(batch_size) ({e}); expected {PROTOCOL}") from None
 
 
 def _to(obj: Any, device: torch.device) -> Any:
@@ -261,6 +290,7 @@ def build_with_optimizer(spec: str | Factory, batch_size: int | None = None,
     if not isinstance(batch, int) or batch < 1:
         raise UsageError(f"--batch-size: expected an integer >= 1, got {batch!r}")
     label = spec if isinstance(spec, str) else model_name(spec)
+    check_signature(factory, label)
     try:
         result = factory(batch)
     except UsbyteError:
@@ -272,7 +302,7 @@ def build_with_optimizer(spec: str | Factory, batch_size: int | None = None,
         got = f"a {type(result).__name__}"
         if isinstance(result, (tuple, list)):
             got += f" of length {len(result)}"
-        raise UsbyteError(f"model {label!r}: expected {PROTOCOL}, got {got}")
+        raise UsbyteError(f"model {label!r}: expected {PROTOCOL}, got {got} from factory({batch})")
     model, inputs, loss_fn = result[:3]
     optimizer = result[3] if len(result) == 4 else None
     if not isinstance(model, nn.Module):
