@@ -101,7 +101,6 @@ class FlatGrads:
         self.params: list[torch.nn.Parameter] = []
         self.region: list[tuple[int, int, int]] = []
         self.flats: list[torch.Tensor] = []
-        self.views: list[torch.Tensor] = []
         self.cuda = device.type == "cuda"
         self.device, self.stored = device, stored
         where = device if stored else torch.device("meta")
@@ -129,13 +128,20 @@ class FlatGrads:
             members.append(idx)
             self.flats.append(torch.zeros(pos, dtype=dtype, device=where))
         self.index = {n: i for i, n in enumerate(self.names)}
+        self.views = self._tensor_views(device)
+        self._block_views(schedule, starts, phys, packed_end, members)
+
+    def _tensor_views(self, device: torch.device) -> list[torch.Tensor]:
+        """Each tensor's view of its flat buffer, with the parameter's own strides where they
+        are dense; without stored buffers, an expanded zero of its dtype (no memory)."""
+        views: list[torch.Tensor] = []
         zero: dict[torch.dtype, torch.Tensor] = {}
         for t, p in enumerate(self.params):
-            if not stored:
+            if not self.stored:
                 z = zero.get(p.dtype)
                 if z is None:
                     z = zero[p.dtype] = torch.zeros((), dtype=p.dtype, device=device)
-                self.views.append(z.expand(p.shape))
+                views.append(z.expand(p.shape))
                 continue
             b, s, e = self.region[t]
             flat = self.flats[b]
@@ -143,7 +149,13 @@ class FlatGrads:
                 view = flat.as_strided(p.shape, p.stride(), flat.storage_offset() + s)
             else:
                 view = flat[s:e].view(p.shape)
-            self.views.append(view)
+            views.append(view)
+        return views
+
+    def _block_views(self, schedule: Schedule, starts: list[list[int]], phys: list[list[int]],
+                     packed_end: list[int], members: list[list[int]]) -> None:
+        """Each block's view of its flat buffer (its packed offsets placed at the tensors'
+        aligned starts), the tensors it covers, and each tensor's blocks."""
         self.block_views: list[torch.Tensor] = []
         self.block_tensors: list[list[int]] = []
         self.tensor_blocks: list[list[int]] = [[] for _ in self.names]
