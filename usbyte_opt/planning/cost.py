@@ -581,6 +581,33 @@ def retarget_nodes(comm: CommSpec, world_size: int | None = None, nodes: int | N
         usbyte_opt.errors.UsageError: --nodes 4: the profile was measured on one node ...
     """
     N0, G0 = max(comm.nodes, 1), comm.ranks_per_node
+    _check_level_options(nodes, ranks_per_node, intra_gbps, inter_gbps, intra_latency_us,
+                         inter_latency_us)
+    N, G = _shape(N0, G0, world_size, nodes, ranks_per_node)
+    n = N * G
+    given = (intra_gbps, inter_gbps, intra_latency_us, inter_latency_us)
+    if N == N0 and G == G0 and all(v is None for v in given):
+        return comm
+    (hop_i, bw_i), (hop_e, bw_e) = _levels(comm, N, intra_gbps, inter_gbps, intra_latency_us,
+                                           inter_latency_us)
+    intra = inter = None
+    if N == 1:
+        flat = ring_line(n, hop_i, bw_i)
+    elif G == 1:
+        flat = ring_line(n, hop_e, bw_e)
+    else:
+        flat = ring_line(n, max(hop_i, hop_e), min(bw_i, bw_e))
+        intra = CollectiveCost(*ring_line(G, hop_i, bw_i))
+        inter = CollectiveCost(*ring_line(N, hop_e, bw_e))
+    return CommSpec("analytic", n, flat[0], flat[1], (), comm.cpu_ms_per_block,
+                    comm.cpu_ms_per_mb, None, None, N, intra, inter)
+
+
+def _check_level_options(nodes: int | None, ranks_per_node: int | None,
+                         intra_gbps: float | None, inter_gbps: float | None,
+                         intra_latency_us: float | None, inter_latency_us: float | None) -> None:
+    """:func:`retarget_nodes`' options each in range, or a one-line
+    :class:`~usbyte_opt.errors.UsageError` naming the flag."""
     for flag, v in (("--intra-gbps", intra_gbps), ("--inter-gbps", inter_gbps)):
         if v is not None and not v > 0:
             raise UsageError(f"{flag}: expected a number > 0, got {v}")
@@ -588,9 +615,16 @@ def retarget_nodes(comm: CommSpec, world_size: int | None = None, nodes: int | N
                     ("--inter-latency-us", inter_latency_us)):
         if v is not None and not v >= 0:
             raise UsageError(f"{flag}: expected a number >= 0, got {v}")
-    for flag, v in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
-        if v is not None and v < 1:
-            raise UsageError(f"{flag}: expected a whole number >= 1, got {v}")
+    for flag, w in (("--nodes", nodes), ("--ranks-per-node", ranks_per_node)):
+        if w is not None and w < 1:
+            raise UsageError(f"{flag}: expected a whole number >= 1, got {w}")
+
+
+def _shape(N0: int, G0: int, world_size: int | None, nodes: int | None,
+           ranks_per_node: int | None) -> tuple[int, int]:
+    """``(nodes, ranks per node)`` of :func:`retarget_nodes` from its options and the
+    profile's own ``N0`` nodes of ``G0``: a one-line error where they disagree, or where a
+    single rank is left."""
     if ranks_per_node is not None:
         G = ranks_per_node
     elif nodes is not None and world_size is not None:
@@ -615,9 +649,16 @@ def retarget_nodes(comm: CommSpec, world_size: int | None = None, nodes: int | N
     if n < 2:
         raise UsbyteError(f"world size {n}: a single rank has no all-reduce to schedule "
                           "(expected --world-size >= 2)")
-    given = (intra_gbps, inter_gbps, intra_latency_us, inter_latency_us)
-    if N == N0 and G == G0 and all(v is None for v in given):
-        return comm
+    return N, G
+
+
+def _levels(comm: CommSpec, N: int, intra_gbps: float | None, inter_gbps: float | None,
+            intra_latency_us: float | None, inter_latency_us: float | None,
+            ) -> tuple[tuple[float, float], tuple[float, float]]:
+    """``((hop_ms, busbw_gbs) inside a node, (hop_ms, busbw_gbs) between nodes)`` for
+    :func:`retarget_nodes` on ``N`` nodes: the profile's level lines (or its whole-group
+    line where it has no such level), the options given replacing them."""
+    N0, G0 = max(comm.nodes, 1), comm.ranks_per_node
     # the intra level: the profile's intra line, else (one node, or one rank per node) its
     # whole-group line
     if comm.intra is not None:
@@ -644,17 +685,7 @@ def retarget_nodes(comm: CommSpec, world_size: int | None = None, nodes: int | N
         hop_e = inter_latency_us / 1000.0
     elif N0 == 1 and comm.inter is None and intra_latency_us is not None:
         hop_e = hop_i
-    intra = inter = None
-    if N == 1:
-        flat = ring_line(n, hop_i, bw_i)
-    elif G == 1:
-        flat = ring_line(n, hop_e, bw_e)
-    else:
-        flat = ring_line(n, max(hop_i, hop_e), min(bw_i, bw_e))
-        intra = CollectiveCost(*ring_line(G, hop_i, bw_i))
-        inter = CollectiveCost(*ring_line(N, hop_e, bw_e))
-    return CommSpec("analytic", n, flat[0], flat[1], (), comm.cpu_ms_per_block,
-                    comm.cpu_ms_per_mb, None, None, N, intra, inter)
+    return (hop_i, bw_i), (hop_e, bw_e)
 
 
 def retarget_warning(comm: CommSpec, world_size: int | None, nodes: int | None,

@@ -40,7 +40,7 @@ from .bounds import lower_bound
 from .cost import HierCost, retarget
 from .fastsim import scorer_for
 from .problem import Problem, UpdateRule
-from .sharded import state_bytes, state_slots
+from .sharded import sharded_lower_bound, sharded_time, state_bytes, state_slots
 from .strategies import NotApplicable, Plan, load_builtin, load_sharded
 
 #: ``progress(event, name, seconds)``: ``("start", name, 0.0)`` before a strategy (or the
@@ -288,9 +288,8 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
              update_rule: UpdateRule, shard: bool, optimizer: str | None,
              workers: int = 1, hierarchy: bool = True) -> Report:
     """:func:`compare` itself (which runs it with the garbage collector paused,
-    :func:`gc_paused`)."""
-    from .sharded import sharded_lower_bound
-
+    :func:`gc_paused`): the problem, the lower bound, then each strategy in turn
+    (:func:`_plan_one`), ``best`` last."""
     registry = load_sharded() if shard else load_builtin()
     names = list(strategies) if strategies is not None else list(registry)
     for n in names:
@@ -301,16 +300,13 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
     problem = Problem.from_profile(profile, update_rule=update_rule)
     if isinstance(problem.cost, HierCost) and (shard or not hierarchy):
         problem = problem.with_cost(problem.cost.flat_only())
-    # several nodes: every strategy but best is planned and scored on flat rings
-    hier = isinstance(problem.cost, HierCost)
-    flat = problem.with_cost(problem.cost.flat_only()) if isinstance(problem.cost, HierCost) else problem
     slots = state_slots(problem, optimizer)
-    child = None
     forked = [n for n in FORKED if n in names]
+    child = None
     if (workers > 1 and not shard and forked and problem.n >= FORK_TENSORS
             and sys.platform.startswith("linux") and (os.cpu_count() or 1) > 1):
         child = _Forked({n: (registry[n].plan, dict((options or {}).get(n, {}))) for n in forked},
-                        flat)
+                        _flat(problem))
     try:
         say("start", "lower bound", 0.0)
         t0 = time.perf_counter()
@@ -320,58 +316,91 @@ def _compare(profile: Profile, strategies: Sequence[str] | None,
         say("done", "lower bound", report.bound_s)
         if shard:
             report.reference = _result("ddp", load_builtin()["ddp"].plan(problem), problem, slots, 0.0)
-        options = options or {}
         best = "best-sharded" if shard else "best"
         ordered = [n for n in names if n != best] + ([best] if best in names else [])
-        if hier and best in names:
+        if isinstance(problem.cost, HierCost) and best in names:
             ordered.insert(-1, BEST_FLAT)
             names = names[:names.index(best)] + [BEST_FLAT] + names[names.index(best):]
         first_forked = next((n for n in ordered if n in forked), None)
+        run = _Planning(report, registry, options or {}, best, say, child, forked,
+                        first_forked if child is not None and best in names else None)
         for n in ordered:
-            kw = dict(options.get(best if n == BEST_FLAT else n, {}))
-            if n in (best, BEST_FLAT):
-                kw.setdefault("seeds", [r.plan for r in report.results.values()])
-                kw.setdefault("lower_bound_ms", report.lower_bound_ms)
-                if hier:       # best-flat and best share the budget of one
-                    kw["time_budget_s"] = 0.5 * float(kw.get("time_budget_s", BEST_BUDGET_S))
-            if child is not None and n == first_forked and best in names:
-                # before waiting for the child (in the default order, the strategies it plans come
-                # last before best), the candidates of best that its seeds do not change
-                from .strategies.best import prepare
-
-                prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
-            say("start", n, 0.0)
-            t0 = time.perf_counter()
-            on = problem if n == best else flat
-            try:
-                if child is not None and n in forked:
-                    plan, solve = child.result(n)
-                else:
-                    plan = registry[best if n == BEST_FLAT else n].plan(on, **kw)
-                    solve = time.perf_counter() - t0
-            except NotApplicable as e:
-                report.skipped[n] = str(e)
-                say("done", n, time.perf_counter() - t0)
-                continue
-            if n == BEST_FLAT:
-                plan.info["strategy"] = n
-            plan.info.setdefault("strategy", n)
-            result = _result(n, plan, on, slots, solve)
-            result.hier = hier and n == best
-            if result.hier and BEST_FLAT in report.results:
-                # best under the cheaper form is never slower than best-flat (its seed): kept so
-                # where the compute-cost charge would make it so
-                bf = report.results[BEST_FLAT]
-                if result.iteration_ms > bf.iteration_ms:
-                    result = dataclasses.replace(bf, name=n, solve_s=solve)
-            report.results[n] = result
-            say("done", n, solve)
+            _plan_one(run, n)
     finally:
         if child is not None:
             child.close()
     # Keep the report in registry order.
     report.results = {n: report.results[n] for n in names if n in report.results}
     return report
+
+
+def _flat(problem: Problem) -> Problem:
+    """``problem`` on flat rings only (several nodes: what every strategy but ``best`` runs)."""
+    return problem.with_cost(problem.cost.flat_only()) if isinstance(problem.cost, HierCost) else problem
+
+
+@dataclass(slots=True)
+class _Planning:
+    """One :func:`compare` under way: its report so far and how it plans each strategy."""
+
+    report: Report
+    registry: Mapping[str, Any]
+    options: Mapping[str, Mapping[str, Any]]
+    best: str
+    say: Progress
+    child: _Forked | None
+    """The forked child planning :data:`FORKED` (``workers=2``), if any."""
+    forked: list[str]
+    prepare_before: str | None
+    """The strategy before which ``best``'s seed-free candidates are prepared (the first the
+    child plans: this process does that work while the child runs)."""
+
+
+def _plan_one(run: _Planning, n: str) -> None:
+    """Plan strategy ``n`` (or :data:`BEST_FLAT`) into ``run.report``: ``best`` seeded with
+    the results so far, a forked strategy's plan from the child, a strategy without a plan
+    for the profile into ``report.skipped``."""
+    report, best, options, child, say = run.report, run.best, run.options, run.child, run.say
+    problem = report.problem
+    hier = isinstance(problem.cost, HierCost)
+    kw = dict(options.get(best if n == BEST_FLAT else n, {}))
+    if n in (best, BEST_FLAT):
+        kw.setdefault("seeds", [r.plan for r in report.results.values()])
+        kw.setdefault("lower_bound_ms", report.lower_bound_ms)
+        if hier:       # best-flat and best share the budget of one
+            kw["time_budget_s"] = 0.5 * float(kw.get("time_budget_s", BEST_BUDGET_S))
+    if n == run.prepare_before:
+        # before waiting for the child (in the default order, the strategies it plans come
+        # last before best), the candidates of best that its seeds do not change
+        from .strategies.best import prepare
+
+        prepare(problem, **{k: v for k, v in options.get(best, {}).items() if k == "modes"})
+    say("start", n, 0.0)
+    t0 = time.perf_counter()
+    on = problem if n == best else _flat(problem)
+    try:
+        if child is not None and n in run.forked:
+            plan, solve = child.result(n)
+        else:
+            plan = run.registry[best if n == BEST_FLAT else n].plan(on, **kw)
+            solve = time.perf_counter() - t0
+    except NotApplicable as e:
+        report.skipped[n] = str(e)
+        say("done", n, time.perf_counter() - t0)
+        return
+    if n == BEST_FLAT:
+        plan.info["strategy"] = n
+    plan.info.setdefault("strategy", n)
+    result = _result(n, plan, on, report.state_slots, solve)
+    result.hier = hier and n == best
+    if result.hier and BEST_FLAT in report.results:
+        # best under the cheaper form is never slower than best-flat (its seed): kept so
+        # where the compute-cost charge would make it so
+        bf = report.results[BEST_FLAT]
+        if result.iteration_ms > bf.iteration_ms:
+            result = dataclasses.replace(bf, name=n, solve_s=solve)
+    report.results[n] = result
+    say("done", n, solve)
 
 
 class _Forked:
@@ -462,8 +491,6 @@ class _Forked:
 def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -> StrategyResult:
     """``plan`` scored in its mode (and its blocks all-reduced in both others), with its
     optimizer state per rank."""
-    from .sharded import sharded_time
-
     sc = scorer_for(problem, plan.layout)
     stats = sc.stats(plan.blocks)
     ov, fe = sc.score(stats, Mode.OVERLAP, plan.runner), sc.score(stats, Mode.FENCE, plan.runner)
