@@ -208,3 +208,41 @@ def test_a_factory_breaking_the_contract_is_one_line(factory, expected, got, com
     assert len(lines) == 1 and lines[0].startswith("error: "), err
     assert f"'polish_factories:{factory}'" in lines[0] and expected in lines[0] and got in lines[0]
     assert "Traceback" not in err
+
+
+# -- a launch at another world size than planned ---------------------------------------------
+
+
+def test_launch_at_another_world_size_says_the_predicted_iteration_time(monkeypatch, capsys):
+    monkeypatch.chdir(ROOT)
+    code, _, err = run_cli(capsys, "launch", "--schedule", "schedules/resnet50.json",
+                           "--nproc-per-node", "2", "no-such-script.py")
+    assert code == 2    # the missing script: after the warning, before any rank starts
+    warning = next(ln for ln in err.splitlines() if ln.startswith("warning:"))
+    assert "planned for world size 8 (predicted 175.7 ms per iteration there), launching 2" in warning
+    assert re.search(r"predicted \d+\.\d ms per iteration at 2 \(re-predicted on "
+                     r"profiles/resnet50.json", warning), warning
+    assert "usbyte-opt optimize profiles/resnet50.json --world-size 2" in warning
+
+
+def test_world_size_line_re_predicts_from_the_profile_and_says_so_without_it(tmp_path, monkeypatch):
+    from usbyte_opt.cli.launch import world_size_line
+    from usbyte_opt.formats import load_profile, load_schedule
+    from usbyte_opt.planning.planner import retargeted
+    from usbyte_opt.planning.simulate import simulate
+
+    monkeypatch.chdir(ROOT)
+    sched = load_schedule("schedules/resnet50.json")
+    want = simulate(retargeted(load_profile("profiles/resnet50.json"), 16), sched).iteration_ms
+    line = world_size_line(sched, Path("schedules/resnet50.json"), 16, has_gpu=True)
+    assert f"predicted {want:.1f} ms per iteration at 16" in line and "no GPU" not in line
+    line = world_size_line(sched, Path("schedules/resnet50.json"), 2, has_gpu=False)
+    assert "this machine has no GPU, so expect iterations far longer" in line  # a GPU profile
+    # Without its profile at hand: the planned size's prediction, said not to be re-predicted.
+    alone = tmp_path / "elsewhere" / "s.json"
+    alone.parent.mkdir()
+    alone.write_text((ROOT / "schedules" / "resnet50.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    line = world_size_line(sched, alone, 2, has_gpu=True)
+    assert "predicted 175.7 ms per iteration there" in line and "not re-predicted" in line
+    assert f"usbyte-opt simulate PROFILE {alone} --world-size 2" in line

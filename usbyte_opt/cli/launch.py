@@ -102,6 +102,73 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
     return int(lo) * int(nproc)
 
 
+def _profile_of(schedule: Any, path: Path) -> tuple[Any, Path] | None:
+    """The profile ``schedule`` (read from ``path``) was planned from, found by its name and
+    checked by its digest: ``profiles/NAME.json`` here or beside the schedule's folder, or a
+    bench folder's ``profile.json``; ``None`` when none is at hand."""
+    from ..formats import load_profile
+
+    name = schedule.profile_name
+    here = path.resolve().parent
+    for candidate in (Path("profiles") / f"{name}.json", here.parent / "profiles" / f"{name}.json",
+                      here / f"{name}.json", here.parent / "profile.json", here / "profile.json"):
+        try:
+            if candidate.resolve() == path.resolve() or not candidate.is_file():
+                continue
+            profile = load_profile(candidate)
+        except Exception:  # noqa: BLE001 - not a profile, or unreadable: look further
+            continue
+        if profile.digest() == schedule.profile_digest:
+            return profile, candidate
+    return None
+
+
+def world_size_line(schedule: Any, path: Path, world_size: int,
+                    has_gpu: bool | None = None) -> str:
+    """The warning of a launch at another world size than ``schedule`` was planned for: the
+    iteration time it predicts there, re-predicted for ``world_size`` when its profile is at
+    hand (:func:`_profile_of`; the planner's ring model of the profile's links, torch-free,
+    well under a second), else the planned size's prediction, said not to be re-predicted.
+    A profile measured on a GPU launched on a machine without one (``has_gpu``, default:
+    whether torch sees one) is said to take far longer here."""
+    planned = (schedule.predicted or {}).get("iteration_ms")
+    at_plan = f" (predicted {planned:.1f} ms per iteration there)" if planned else ""
+    head = (f"{path}: planned for world size {schedule.world_size}{at_plan}, launching "
+            f"{world_size}: ")
+    found = _profile_of(schedule, path)
+    if found is not None:
+        from ..planning.planner import retargeted, single_rank
+        from ..planning.simulate import simulate
+
+        profile, where = found
+        try:
+            moved = single_rank(profile) if world_size == 1 else retargeted(profile, world_size)
+            now = simulate(moved, schedule, check=False).iteration_ms
+        except Exception as e:  # noqa: BLE001 - a schedule this size cannot run (hierarchy, ...)
+            head += f"not re-predicted ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+        else:
+            how = "nothing to communicate" if world_size == 1 else "its links' ring model"
+            head += (f"predicted {now:.1f} ms per iteration at {world_size} (re-predicted on "
+                     f"{where}, {how}); ")
+        device = str(profile.meta.get("device", ""))
+        if has_gpu is None:
+            import torch
+
+            has_gpu = torch.cuda.is_available()
+        if device.startswith("cuda") and not has_gpu:
+            head += (f"its compute was measured on {device} and this machine has no GPU, so "
+                     "expect iterations far longer; ")
+    elif not at_plan:
+        head += "no prediction at hand; "
+    else:
+        head += (f"not re-predicted (its profile {schedule.profile_name!r} is not in profiles/; "
+                 f"`usbyte-opt simulate PROFILE {path} --world-size {world_size}` re-predicts "
+                 "it); ")
+    fix = (f"; `usbyte-opt optimize {found[1] if found else 'PROFILE'} --world-size {world_size}` "
+           "plans for it" if world_size > 1 else "")
+    return head + "the block order stays valid" + fix
+
+
 def _rendezvous_host(args: Any) -> str | None:
     """The host every node meets at: ``--rdzv-endpoint``'s, else ``--master-addr``."""
     endpoint = str(getattr(args, "rdzv_endpoint", "") or "")
@@ -154,9 +221,7 @@ def launch(ctx: typer.Context) -> None:
                          f"got {args.nproc_per_node}")
     ws = _world_size(args.nnodes, args.nproc_per_node)
     if sched is not None and ws is not None and ws != sched.world_size:
-        console.warn(f"{args.schedule}: planned for world size {sched.world_size}, launching "
-                     f"{ws}: the block order stays valid, its timing was predicted for the other "
-                     "size")
+        console.warn(world_size_line(sched, Path(args.schedule), ws))
     nnodes = _preflight(args)
     wrapped = not (args.no_python or args.run_path)
     if wrapped and not args.module and not Path(args.training_script).is_file():
