@@ -6,9 +6,11 @@ ready, closing bucket ``i`` once it holds at least ``bucket_cap_mb_list[i]``; it
 the buckets in that order, and steps the optimizer after all of them (fence mode,
 docs/design.md §2.6). So a schedule whose blocks are whole tensors, contiguous in gradient-ready
 order, in one buffer, and in fence mode (the ``ddp-tuned`` strategy plans exactly those) is a
-list of bucket sizes: :func:`bucket_caps_mb` computes it, :func:`planned_ddp_kwargs` gives the
-keyword arguments for any place that builds DDP, :func:`wrap` builds the DDP model, and
-:func:`check_buckets` / :func:`watch_buckets` compare what DDP actually built with the plan.
+list of bucket sizes: :func:`bucket_caps_mb` computes it (torch-free, in
+:mod:`usbyte_opt.planning.ddp` with every other DDP bucket plan; importable from here too),
+:func:`planned_ddp_kwargs` gives the keyword arguments for any place that builds DDP,
+:func:`wrap` builds the DDP model, and :func:`check_buckets` / :func:`watch_buckets` compare
+what DDP actually built with the plan.
 
 Example (the caps of a schedule, no process group needed)::
 
@@ -26,12 +28,12 @@ import inspect
 from typing import TYPE_CHECKING, Any
 
 from .errors import MismatchError, UsbyteError
-from .formats import DTYPE_SIZES, Mode, Schedule
+from .formats import DTYPE_SIZES, Schedule
+from .planning.ddp import MIB as _MB
+from .planning.ddp import bucket_caps_mb, planned_buckets
 
 if TYPE_CHECKING:  # torch only where DDP is built: planning a schedule's caps needs none
     import torch
-
-_MB = 1024 * 1024
 
 
 def supports_bucket_list() -> bool:
@@ -39,65 +41,6 @@ def supports_bucket_list() -> bool:
     from torch.nn.parallel import DistributedDataParallel
 
     return "bucket_cap_mb_list" in inspect.signature(DistributedDataParallel.__init__).parameters
-
-
-def planned_buckets(schedule: Schedule, source: str = "<schedule>") -> list[list[str]]:
-    """The schedule's blocks as DDP buckets (tensor names, in gradient-ready order), or a
-    one-line :class:`~usbyte_opt.errors.UsbyteError` saying why DDP cannot express it."""
-    if schedule.mode != Mode.FENCE:
-        raise UsbyteError(f"{source}: mode: expected \"fence\" (DDP steps after every bucket), "
-                          f"got {schedule.mode!r}; plan with `usbyte-opt optimize --strategy "
-                          "ddp-tuned`")
-    if len(schedule.buffers) != 1:
-        raise UsbyteError(f"{source}: buffers: expected one buffer (one dtype): DDP sizes the "
-                          f"buckets of every dtype with the same list, got "
-                          f"{len(schedule.buffers)} ({', '.join(b.dtype for b in schedule.buffers)})")
-    shapes = schedule.shapes
-    if shapes is None:
-        raise UsbyteError(f"{source}: shapes: expected the per-tensor shapes (schedules written "
-                          "by `usbyte-opt optimize` record them)")
-    buf = schedule.buffers[0]
-    ends: dict[int, int] = {}     # element offset where each tensor ends -> its index
-    starts: dict[int, int] = {}
-    off = 0
-    for i, name in enumerate(buf.tensors):
-        n = 1
-        for d in shapes.get(name, ()):
-            n *= int(d)
-        starts[off] = i
-        off += n
-        ends[off] = i
-    pos = 0
-    buckets: list[list[str]] = []
-    for k, blk in enumerate(schedule.blocks):
-        if blk.start != pos:
-            raise UsbyteError(f"{source}: blocks[{k}]: expected a block starting at element "
-                              f"{pos}: DDP all-reduces its buckets in gradient-ready order, "
-                              f"so blocks must follow the buffer's order; got start {blk.start}")
-        if blk.start not in starts or blk.end not in ends:
-            raise UsbyteError(f"{source}: blocks[{k}]: expected whole tensors: DDP cannot cut a "
-                              f"tensor, got [{blk.start}, {blk.end}) which cuts one")
-        buckets.append(list(buf.tensors[starts[blk.start]: ends[blk.end] + 1]))
-        pos = blk.end
-    return buckets
-
-
-def bucket_caps_mb(schedule: Schedule, source: str = "<schedule>") -> list[float]:
-    """``bucket_cap_mb_list`` that makes DDP rebuild exactly the schedule's buckets: bucket
-    ``i`` of ``S`` bytes gets a cap of ``S - 1`` bytes, so it closes right after its last
-    tensor and not before (a tensor is at least 2 bytes)."""
-    shapes = schedule.shapes or {}
-    size = DTYPE_SIZES[schedule.buffers[0].dtype] if schedule.buffers else 4
-    caps = []
-    for names in planned_buckets(schedule, source):
-        total = 0
-        for n in names:
-            e = 1
-            for d in shapes[n]:
-                e *= int(d)
-            total += e * size
-        caps.append((total - 0.5) / _MB)
-    return caps
 
 
 def expressible(schedule: Schedule) -> str:

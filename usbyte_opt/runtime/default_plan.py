@@ -31,9 +31,9 @@ from collections.abc import Iterable
 import torch
 
 from ..formats import DTYPE_SIZES, Block, CommSpec, Mode, Profile, Schedule, TensorSpec
+from ..planning.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
+from ..planning.ddp import buckets as ddp_buckets
 from ..planning.problem import Layout, Problem
-from ..planning.strategies.ddp import BUCKET_CAP_BYTES, FIRST_BUCKET_BYTES
-from ..planning.strategies.ddp import buckets as ddp_buckets
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -98,7 +98,7 @@ def profile_from_model(model: torch.nn.Module, world_size: int = 1, name: str = 
 def default_schedule(model: torch.nn.Module, world_size: int = 1,
                      first_bucket_bytes: int = FIRST_BUCKET_BYTES,
                      bucket_cap_bytes: int = BUCKET_CAP_BYTES) -> Schedule:
-    """DDP-like schedule for ``model``: DDP's buckets (:func:`usbyte_opt.planning.strategies.ddp.buckets`,
+    """DDP-like schedule for ``model``: DDP's buckets (:func:`usbyte_opt.planning.ddp.buckets`,
     one rule for the planner's ``ddp`` strategy and this plan) of whole tensors in reverse
     registration order.
 

@@ -83,10 +83,10 @@ import numpy as np
 
 from ...formats import Block, Buffer, Mode
 from ..bounds import lower_bound
+from ..ddp import min_finish
 from ..fastsim import MODES, Scorer, Stats, scorer_for, tails
 from ..problem import Layout, Problem, UpdateRule
 from . import STRATEGIES, NotApplicable, Plan, register
-from .ddp_tuned import min_finish
 
 #: Grid of the constructive heuristic, in units of alpha/beta bytes.
 #: ``cut_min``: smallest piece a preemption may leave (inf: never cut a tensor).

@@ -21,10 +21,10 @@ Example::
 from __future__ import annotations
 
 from ...formats import Mode
+from ..ddp import buckets
 from ..problem import Problem
 from ..sharded import forward_gathers, sharded_time, sort_by_ready
 from . import Plan, register
-from .ddp import buckets
 
 
 @register("dear-like", sharded=True)
