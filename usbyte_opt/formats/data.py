@@ -4,8 +4,9 @@ Frozen dataclasses with slots: the planner reads their attributes in hot loops, 
 plain. How a *file* maps to them, both ways, with what it may hold (types, bounds, the JSON
 Schema), is defined once in :mod:`usbyte_opt.formats.schema`; objects built in code are
 checked when they are written. Digests and fingerprints are computed here, digests from the
-file value (:func:`~usbyte_opt.formats.schema.dump_profile`,
-:func:`~usbyte_opt.formats.schema.dump_schedule`).
+file value, which is built here too (:func:`profile_json`, :func:`schedule_json`; the schema
+checks it when writing, :func:`~usbyte_opt.formats.schema.dump_profile`), so this module
+imports nothing of the schema.
 """
 
 from __future__ import annotations

@@ -1,5 +1,10 @@
 """A lower bound on the iteration time of *any* schedule of a profile, in either mode.
 
+Not a model of an iteration: a proven floor under every schedule the iteration model
+(:mod:`usbyte_opt.planning.simulate`, :mod:`usbyte_opt.planning.fastsim`) can time, which
+``optimize`` reports each plan's gap to and ``best`` stops at. Sharded mode's bound is
+:func:`usbyte_opt.planning.sharded.sharded_lower_bound`.
+
 Notation (docs/design.md §2.5, and :mod:`usbyte_opt.planning.fastsim` for the closed form): tensor p has
 release ``r_p = ready_p``, transfer time ``w_p = bytes_p * beta`` and tail
 ``q_p = update_p + F - need_p``. ``alpha`` and ``beta`` are the cost model's linear bound

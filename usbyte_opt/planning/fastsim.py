@@ -1,7 +1,10 @@
-"""The one scorer: every strategy, ``best``'s search and the bench's refinement score plans here.
+"""The iteration model in closed form, O(blocks) per plan: the one scorer of overlap and fence mode.
 
-Same numbers as the step-by-step simulator of :mod:`usbyte_opt.planning.simulate` (tests check it on
-random schedules in both modes, with and without the compute-cost option), no timeline.
+Every strategy, ``best``'s search, the planner's predictions and the bench's refinement score
+plans here. It is a fast equivalent of :mod:`usbyte_opt.planning.simulate`, the step-by-step
+walk that defines the model: the same numbers (tests check it on random schedules in both
+modes, with and without the compute-cost option, host cost and the updates at the gates), no
+timeline. Sharded mode's closed form is :func:`usbyte_opt.planning.sharded.sharded_time`.
 
 **Closed form.** Unrolling the forward walk of docs/design.md §2.5 gives, for overlap mode,
 
@@ -83,7 +86,7 @@ from .problem import Layout, Problem, Runner, UpdateRule
 BlockStat = tuple[float, float, float]
 """``(ready_ms, cost_ms, tail_ms)`` of one block."""
 
-#: The modes the planner models (sharded mode is not costed yet: issue 20).
+#: The modes this closed form scores (sharded mode's is :func:`usbyte_opt.planning.sharded.sharded_time`).
 MODES = (Mode.OVERLAP, Mode.FENCE)
 
 

@@ -1,4 +1,11 @@
-"""The one simulator every strategy is scored by: docs/design.md §2, exactly.
+"""The iteration model, walked step by step: the reference definition (docs/design.md §2).
+
+What one iteration of a schedule takes, block by block and gate by gate, as a
+:class:`~usbyte_opt.planning.timeline.Timeline` (for traces, ``usbyte-opt simulate`` and the
+bench). This walk is the truth; the planner scores plans with
+:mod:`usbyte_opt.planning.fastsim`, its closed form, which gives the same numbers (tests check
+them against this walk on random schedules, in every mode and option). Sharded mode's walk is
+:func:`usbyte_opt.planning.sharded.simulate_sharded`, which :func:`simulate` dispatches to.
 
 Time origin is the start of backward; milliseconds and bytes.
 

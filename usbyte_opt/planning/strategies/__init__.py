@@ -4,7 +4,10 @@ A strategy module registers itself with :func:`register`; :data:`STRATEGIES` map
 :class:`Strategy` entries in the order they are reported. A strategy that has no plan for a
 profile raises :class:`NotApplicable`. All strategies emit blocks in the
 same language, and every candidate they weigh is scored by the one scorer
-(:class:`usbyte_opt.planning.fastsim.Scorer`, equal to the simulator of :mod:`usbyte_opt.planning.simulate`).
+(:class:`usbyte_opt.planning.fastsim.Scorer`, the closed form of the iteration model that
+:mod:`usbyte_opt.planning.simulate` walks), except where a strategy's own algorithm times its
+blocks as it builds them (US-Byte's phases, the DDP-tuned programme: their docstrings say how
+that relates to the scorer).
 """
 
 from __future__ import annotations
