@@ -246,3 +246,24 @@ def test_world_size_line_re_predicts_from_the_profile_and_says_so_without_it(tmp
     line = world_size_line(sched, alone, 2, has_gpu=True)
     assert "predicted 175.7 ms per iteration there" in line and "not re-predicted" in line
     assert f"usbyte-opt simulate PROFILE {alone} --world-size 2" in line
+
+
+def test_a_rank_at_another_world_size_says_the_planned_prediction():
+    """Without ``launch`` (a plain torchrun), rank 0's warning gives the schedule's own
+    prediction and how to re-predict and re-plan for this size."""
+    import warnings
+
+    from usbyte_opt.formats import load_schedule
+    from usbyte_opt.runtime.checks import check_world_size
+
+    sched = load_schedule(ROOT / "schedules" / "resnet50.json")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        check_world_size(sched, 2, 0)
+        check_world_size(sched, 2, 1)          # other ranks: silent
+        check_world_size(sched, 8, 0)          # the planned size: silent
+    assert len(caught) == 1
+    text = str(caught[0].message)
+    assert text.startswith("schedule was planned for world size 8, running with 2: predicted "
+                           "175.7 ms per iteration at 8, not re-predicted for 2"), text
+    assert "usbyte-opt optimize PROFILE --world-size 2" in text

@@ -273,11 +273,18 @@ def wrapped_now(model: torch.nn.Module, params: Mapping[str, torch.Tensor] | Non
 
 def check_world_size(schedule: Schedule, world_size: int, rank: int) -> None:
     """Warn (rank 0 only) when the schedule was planned for another world size: the order stays
-    valid, only the predicted timing does not carry over."""
+    valid, only the predicted timing does not carry over. The warning gives the schedule's
+    prediction at its planned size and how to re-predict (``usbyte-opt launch`` does it from
+    the profile when that is at hand)."""
     if schedule.world_size != world_size and rank == 0:
+        planned = (schedule.predicted or {}).get("iteration_ms")
+        there = (f"predicted {planned:.1f} ms per iteration at {schedule.world_size}, not "
+                 f"re-predicted for {world_size} (`usbyte-opt simulate PROFILE SCHEDULE "
+                 f"--world-size {world_size}` does)" if planned else "its timing was predicted "
+                 "for the other size")
         warnings.warn(f"schedule was planned for world size {schedule.world_size}, running with "
-                      f"{world_size}: the block order stays valid but its timing was predicted "
-                      "for the other size; re-plan with `usbyte-opt optimize` for best results",
+                      f"{world_size}: {there}; the block order stays valid; re-plan with "
+                      f"`usbyte-opt optimize PROFILE --world-size {world_size}` for this size",
                       UsbyteWarning, stacklevel=3)
 
 
