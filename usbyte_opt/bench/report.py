@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..collectives.sweep import median
+from ..console import plural
 from ..profiler.timing import quantile
 from ..verdict import Budget, Ratio
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP, TORCH_FSDP2
@@ -342,7 +343,7 @@ def markdown(result: dict[str, Any], notes: Sequence[str] = ()) -> str:
     c = result["comm"]
     host = result.get("host")
     lines = [
-        f"# usbyte-opt bench: {result['name']} on {result['world_size']} ranks, {net['description']}",
+        f"# usbyte-opt bench: {result['name']} on {plural(result['world_size'], 'rank')}, {net['description']}",
         "",
         *([f"- {result['single_rank']}"] if result.get("single_rank") else []),
         *([f"- one rank trains; its collectives occupy the emulated link `{result['emulated']}`, "
@@ -447,7 +448,7 @@ def _verdict(ratio: float) -> str:
 def _measured_verdict(s: str, pred: float, v: dict[str, Any]) -> str:
     """The verdict line of ``s`` against DDP from its paired windows ``v`` (``vs_ddp``)."""
     meas = (f"measured {v['ratio']:.2f}x ({round(100 * v['confidence'])}% CI "
-            f"{v['lo']:.2f}–{v['hi']:.2f}x, {v['pairs']} rounds)")
+            f"{v['lo']:.2f}–{v['hi']:.2f}x, {plural(v['pairs'], 'round')})")
     a = _verdict(pred)
     if v["lo"] > 1.0:
         b = "faster than DDP"
