@@ -1,7 +1,9 @@
 """The one output helper of the CLI: rich on a terminal, plain text when piped.
 
-Domain code never prints; commands render through these functions. Errors go to stderr on
-one line; ``--json`` output goes to stdout alone (:func:`emit_json`).
+Domain code never prints; commands render through these functions. Errors and warnings go to
+stderr on one line each; ``--json`` output goes to stdout alone (:func:`emit_json`); tables,
+titles, captions and paragraphs keep within :data:`TABLE_WIDTH` (80) columns, piped or not
+(:func:`table` splits a table whose columns cannot fit).
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ def warning_text(message: str) -> str:
 
 
 def info(message: str) -> None:
+    """One line on stderr as it is, with no prefix: progress, where the files went."""
     err.print(message, markup=False)
 
 
