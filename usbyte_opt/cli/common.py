@@ -195,7 +195,8 @@ Json = Annotated[bool, typer.Option("--json", help="Print only JSON on stdout.")
 Force = Annotated[bool, typer.Option(
     "--force", help="Replace the output even when it is one of the repository's shipped files.")]
 Wide = Annotated[bool, typer.Option(
-    "--wide", help="Show every column of the table (the default ones fit an 80-column terminal).")]
+    "--wide", help="Show every column of the table (the ones that do not fit 80 columns in a "
+                   "second table).")]
 
 
 def load_retargeted(path: Path, world_size: Optional[int], bandwidth_gbps: Optional[float],
