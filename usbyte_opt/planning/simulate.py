@@ -28,9 +28,10 @@ Time origin is the start of backward; milliseconds and bytes.
   mode the forward's compute between its waits); waiting costs nothing. The timeline without
   the charge gives what each phase paid; backward's and forward's times are lengthened by it
   (:meth:`Problem.stretched`) and the iteration is simulated again. The charge is read off
-  the timeline of the default update rule under both rules. This module reads the
-  overlaps off the timeline itself, interval by interval; :mod:`usbyte_opt.planning.fastsim` computes
-  the same in closed form (tests check they agree).
+  the timeline of the default update rule under both rules. The walk reads the overlaps off
+  the timeline itself, interval by interval
+  (:func:`~usbyte_opt.planning.timeline.with_compute_charge`, the same rule as sharded mode's);
+  :mod:`usbyte_opt.planning.fastsim` computes the same in closed form (tests check they agree).
 * Host cost (the profile's ``host`` section; docs/planner.md): the runner of the blocks (the
   runtime, or torch DDP for the ``ddp`` and ``ddp-tuned`` strategies) pays per tensor and per
   block on the host. Walking the blocks in issue order, block k is issued at ``P_k``, the
@@ -40,8 +41,9 @@ Time origin is the start of backward; milliseconds and bytes.
   at ``B`` plus every tensor's and every block's host time (or the larger). The compute-cost
   option stretches the compute, not the host's time.
 
-Deterministic, no torch import. :func:`chrome_trace` turns a :class:`Timeline` into a trace
-that Perfetto (ui.perfetto.dev) or ``chrome://tracing`` opens.
+Deterministic, no torch import. :func:`~usbyte_opt.planning.timeline.chrome_trace` (importable
+from here too, with the timeline's types) turns a :class:`Timeline` into a trace that Perfetto
+(ui.perfetto.dev) or ``chrome://tracing`` opens.
 
 Example (two tensors, one block each; alpha 1 ms, 1 GB/s)::
 
