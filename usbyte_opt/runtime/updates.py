@@ -198,6 +198,10 @@ class HostUpdates:
         self.n, self.m = n, m
         self.pending = [False] * n
         self.n_pending = 0
+        #: Pending tensors whose ``p.grad`` goes to ``None`` once their update has read it
+        #: (:meth:`none_after_update`), and how many.
+        self.drop = bytearray(n)
+        self.n_drop = 0
         self.nblocks = [len(ks) for ks in grads.tensor_blocks]
         self.t_incomplete = [0] * n     # blocks of t not waited for yet
         self.complete = [True] * m      # block waited for
@@ -233,6 +237,27 @@ class HostUpdates:
         self.done_ptr = 0
         self.ready = []
         self.waited = set()
+        if self.n_drop:   # (none left: every update ran before this step's backward)
+            self.drop[:] = bytes(self.n)
+            self.n_drop = 0
+
+    def none_after_update(self) -> None:
+        """``zero_grad(set_to_none=True)`` while updates are pending: a pending tensor whose
+        ``p.grad`` is its view keeps it until its update has read it, then loses it; every
+        other ``p.grad`` goes now. What user code reads is the same (a read of a pending
+        tensor's ``p.grad`` runs its update first, :mod:`.guard`), and the update writes
+        ``p.grad`` once instead of three times (to the view for the call, back to ``None``
+        after it, after ``None`` at ``zero_grad()``)."""
+        pending, drop, views = self.pending, self.drop, self.grads.views
+        n_drop = self.n_drop
+        for t, p in enumerate(self.grads.params):
+            if pending[t] and p.grad is views[t]:
+                if not drop[t]:
+                    drop[t] = 1
+                    n_drop += 1
+            else:
+                p.grad = None
+        self.n_drop = n_drop
 
     def _complete_block(self, k: int) -> None:
         w = self.works[k]
@@ -293,6 +318,13 @@ class HostUpdates:
             self.guard.disarm(ts)
         select = getattr(include, "select", None)
         self.stepper.step(select(ts) if select is not None else [t for t in ts if include(t)])
+        if self.n_drop:
+            drop, params = self.drop, self.grads.params
+            for t in ts:
+                if drop[t]:
+                    drop[t] = 0
+                    self.n_drop -= 1
+                    params[t].grad = None
         return ts
 
 
