@@ -103,8 +103,9 @@ def test_verify_decision_is_identical_on_every_rank_even_when_one_rank_is_skewed
 
 def wrapper_verify(rank: int, ws: int, skew_ms: float) -> dict:
     """The DDP loop with its one line changed to ``usbyte_opt.DistributedDataParallel`` and a
-    schedule given: the plan is timed against torch DDP itself (rank 1 sleeps in the plan's
-    windows, so DDP wins), and DDP runs from then on, the runtime's hooks off."""
+    schedule given: torch DDP trains until the optimizer's first step, which takes it over;
+    the plan is then timed against that DDP (rank 1 sleeps in the plan's windows, so DDP wins),
+    and DDP runs from then on, the runtime's hooks off."""
     import usbyte_opt
 
     ref, mod = twins(lambda: SmallCNN(bn=True))
@@ -126,14 +127,15 @@ def wrapper_verify(rank: int, ws: int, skew_ms: float) -> dict:
     return {"diff": max_diff(ref, mod), "switches": [i for i in range(1, len(sides))
                                                      if sides[i] != sides[i - 1]],
             "report": rt.report(), "on_ddp": model.runs_torch_ddp,
-            "hooks": len(rt._state.handles), "both": sides[:2 * WINDOW]}
+            "hooks": len(rt._state.handles), "both": sides[:2 * WINDOW + 1]}
 
 
 def test_wrapper_falls_back_to_torch_ddp_itself(outcomes):
     vals = check_same_on_every_rank(outcomes("wrapper_skewed"))
     rep = vals[0]["report"]
     assert rep["chosen"] == "fallback" and vals[0]["on_ddp"] and vals[0]["hooks"] == 0
-    assert vals[0]["both"] == [False] * WINDOW + [True] * WINDOW   # plan, then DDP's window
+    # DDP until the first step, then the plan's window, then DDP's
+    assert vals[0]["both"] == [True] + [False] * WINDOW + [True] * WINDOW
     assert rep["summary"].startswith("running torch DDP: the plan wfbp")
     assert vals[0]["diff"] == 0.0        # every window, the runtime's and DDP's: DDP's numbers
 

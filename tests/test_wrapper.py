@@ -64,20 +64,30 @@ def test_ddp_surface_and_training_equal_to_ddp(pg):
     assert model.require_backward_grad_sync
 
 
-def test_the_optimizer_is_named_or_found_once(pg):
+def test_the_optimizer_is_found_at_its_first_step_or_named(pg):
     mod = net()
     model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod))
-    with pytest.raises(UsbyteError, match="no optimizer over the model's parameters"):
-        model(batch(0)[0])
-    keep = [torch.optim.SGD(mod.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)]
-    with pytest.raises(UsbyteError, match="2 optimizers"):
-        model(batch(0)[0])
+    model(batch(0)[0]).sum().backward()     # no optimizer yet: torch DDP trains
+    assert model.runs_torch_ddp and model.optimizer is None
+    mod.zero_grad()
+    a, b = torch.optim.SGD(mod.parameters(), lr=0.1), torch.optim.SGD(mod.parameters(), lr=0.1)
+    model(batch(0)[0]).sum().backward()
+    a.step()                                 # the first to step is taken over, after its step
+    assert model.optimizer is not None and model.optimizer.optimizer is a
+    with pytest.raises(UsbyteError, match="2 optimizers over the model's parameters step"):
+        b.step()
     named = usbyte_opt.DistributedDataParallel(copy.deepcopy(mod), optimizer=None,
                                                schedule=default_schedule(mod))
     assert named.optimizer is None
     with pytest.raises(UsbyteError, match="register_comm_hook"):
         model.register_comm_hook(None, None)
-    del keep
+    other = copy.deepcopy(mod)
+    given = torch.optim.SGD(other.parameters(), lr=0.1)
+    now = usbyte_opt.DistributedDataParallel(other, optimizer=given,
+                                             schedule=default_schedule(other))
+    assert now.optimizer is not None and not now.runs_torch_ddp   # the runtime from the start
+    for rt in (model.optimizer, now.optimizer):
+        rt.close()
 
 
 def test_find_unused_parameters_false_is_dds_default_and_refuses_an_unused_one(pg):
@@ -90,8 +100,8 @@ def test_find_unused_parameters_false_is_dds_default_and_refuses_an_unused_one(p
             return self.used(x)
 
     mod = Unused()
-    model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod))
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
+    model = usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod), optimizer=opt)
     with pytest.raises(UsbyteError, match="'unused.(weight|bias)' and 1 more got no gradient"):
         model(batch(0)[0]).sum().backward()
     del opt

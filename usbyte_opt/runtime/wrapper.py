@@ -13,20 +13,24 @@ and keeps everything else: ``model.module``, ``model.no_sync()``,
 The schedule comes from ``schedule=`` or ``$USBYTE_SCHEDULE`` (what ``usbyte-opt launch
 --schedule`` sets). **Without one, torch's own DDP runs**, with the arguments given: there is
 nothing planned to win, so the run costs exactly what DDP costs. With one, the optimizer is
-*taken over*: at the first forward, the one optimizer over the model's parameters (created
-before or after wrapping, as DDP scripts do both) is found and wrapped in a
-:class:`~usbyte_opt.runtime.DistributedOptimizer` (an evaluation under ``torch.no_grad()``
-before that runs the plain module); the user's object keeps working, its
-``step()``, ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` now the runtime's.
-Pass ``optimizer=`` to name it instead (several optimizers over one model are refused).
+*taken over* at its first ``step()``: torch's DDP over the module (built with the arguments
+given) trains until then, and the first optimizer over the model's parameters to step (created
+before or after wrapping, as DDP scripts do both) is wrapped in a
+:class:`~usbyte_opt.runtime.DistributedOptimizer` right after that step; the runtime trains
+from the next iteration on. The user's object keeps its class and keeps working, its
+``step()``, ``zero_grad()``, ``state_dict()`` and ``load_state_dict()`` now the runtime's
+(:func:`take_over`: torch's public hooks and methods set on the object, as torch's LR
+scheduler sets ``step``; docs/design.md §5.4). Pass ``optimizer=`` to name it instead: the
+runtime then trains from the first iteration (a sharded schedule shards the optimizer state
+from the start). A second optimizer over the model's parameters stepping in the first
+optimizer's iteration is refused.
 
 **The fallback is DDP itself.** With verification on (the default for a schedule given, and
-for ``"auto"``), the plan is timed in alternating windows against torch's DDP over the same
-module (built beside it, with the arguments given: DDP's own buckets) and kept only when
-measurably faster; otherwise the runtime's hooks come off and DDP runs from then on
-(:meth:`~usbyte_opt.runtime.DistributedOptimizer.use_ddp_fallback`). The user's optimizer
-then steps as under DDP. DDP's gradient buckets cost one more gradient's worth of memory
-while both exist.
+for ``"auto"``), the plan is timed in alternating windows against that torch DDP (DDP's own
+buckets) and kept only when measurably faster; otherwise the runtime's hooks come off and DDP
+runs from then on (:meth:`~usbyte_opt.runtime.DistributedOptimizer.use_ddp_fallback`). The
+user's optimizer then steps as under DDP. DDP's gradient buckets cost one more gradient's
+worth of memory while both exist.
 
 DDP's contract holds (:mod:`.guard`): code that reads or changes a gradient between
 ``backward()`` and ``step()`` first waits for the averaged gradients, and code that touches a
@@ -36,13 +40,18 @@ parameter between ``step()`` and the next forward first sees its update.
 from __future__ import annotations
 
 import contextlib
-import gc
+import types
 import weakref
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+from torch.utils.hooks import RemovableHandle
 
 from ..errors import UsbyteError
 from .checks import broadcast_from_rank0, require_initialized
@@ -68,7 +77,8 @@ class DistributedDataParallel(torch.nn.Module):
         static_graph: accepted (the runtime needs no hint).
         schedule: a :class:`~usbyte_opt.formats.Schedule`, a schedule file, ``"auto"``; default
             ``$USBYTE_SCHEDULE``, else none: torch's DDP runs.
-        optimizer: the optimizer to take over; default: the one found at the first forward.
+        optimizer: the optimizer to take over now; default: the first over the model's
+            parameters to step (torch's DDP trains until its first ``step()``).
         **runtime: any other keyword of :class:`~usbyte_opt.runtime.DistributedOptimizer`
             (``verify``, ``zero_stage``, ``trace``, ``timeout``, ...).
 
@@ -86,8 +96,8 @@ class DistributedDataParallel(torch.nn.Module):
         ...     model(torch.randn(16, 4)).pow(2).mean().backward()
         ...     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # averaged grads
         ...     opt.step(); opt.zero_grad()
-        >>> model.module is net, type(model.optimizer).__name__
-        (True, 'DistributedOptimizer')
+        >>> model.module is net, type(model.optimizer).__name__, type(opt).__name__
+        (True, 'DistributedOptimizer', 'AdamW')
         >>> dist.destroy_process_group()
     """
 
@@ -116,6 +126,9 @@ class DistributedDataParallel(torch.nn.Module):
         self._schedule = schedule
         self._runtime_kwargs = runtime
         self._opt: DistributedOptimizer | None = None
+        #: Waiting for the optimizer's first step (and refusing a second optimizer in its
+        #: iteration): until the forward after the takeover.
+        self._watching = False
         self._ddp_kwargs: dict[str, Any] = {
             "device_ids": device_ids, "output_device": output_device, "dim": dim,
             "broadcast_buffers": broadcast_buffers, "process_group": process_group,
@@ -123,29 +136,37 @@ class DistributedDataParallel(torch.nn.Module):
             "check_reduction": check_reduction, "gradient_as_bucket_view": gradient_as_bucket_view,
             "static_graph": static_graph}
         # torch DDP over the module, outside the module tree (state_dict keys stay DDP's):
-        # what runs when nothing is planned, and the fallback of verification.
+        # what runs when nothing is planned, until the optimizer's first step, and the
+        # fallback of verification.
         self.__dict__["_ddp"] = None
-        if not requested(schedule).given:
-            self.__dict__["_ddp"] = self._torch_ddp()   # nothing planned: DDP itself
+        self._planned = requested(schedule).given
+        if not self._planned or optimizer is None:
+            # Nothing planned: DDP itself. Else DDP until the optimizer's first step (its
+            # construction broadcasts rank 0's parameters and buffers, DDP's starting point).
+            self.__dict__["_ddp"] = self._torch_ddp()
+            if self._planned:
+                self._watching = True
+                _watch(self)
             return
-        # DDP's starting point, at construction as DDP: rank 0's parameters and buffers (an
-        # evaluation before the optimizer is found already sees them).
+        # DDP's starting point, at construction as DDP: rank 0's parameters and buffers.
         broadcast_from_rank0([p.detach() for p in module.parameters()], process_group, None)
         if broadcast_buffers:
             broadcast_from_rank0(list(module.buffers()), process_group, None, "buffers")
-        if optimizer is not None:
-            self._attach(optimizer)
+        self._attach(optimizer)
 
     def _torch_ddp(self) -> torch.nn.Module:
         """torch's ``DistributedDataParallel`` over the module, with the arguments given."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(self.module, **self._ddp_kwargs)
+        kw = dict(self._ddp_kwargs)
+        if kw["broadcast_buffers"]:   # DDP's default (newer torch warns when it is passed)
+            del kw["broadcast_buffers"]
+        return DDP(self.module, **kw)
 
     @property
     def runs_torch_ddp(self) -> bool:
-        """Whether torch's DDP runs now: nothing was planned, or the plan was not measurably
-        faster than DDP (or is being timed against it)."""
+        """Whether torch's DDP runs now: nothing was planned, the optimizer has not stepped
+        yet, or the plan was not measurably faster than DDP (or is being timed against it)."""
         ddp = self.__dict__["_ddp"]
         return ddp is not None and (self._opt is None or self._opt.on_ddp)
 
@@ -172,28 +193,28 @@ class DistributedDataParallel(torch.nn.Module):
 
     @property
     def optimizer(self) -> DistributedOptimizer | None:
-        """The runtime driving the taken-over optimizer (``None`` before the first forward,
-        and when nothing is planned: then torch's DDP runs)."""
+        """The runtime driving the taken-over optimizer (``None`` before the optimizer's first
+        step, and when nothing is planned: then torch's DDP runs)."""
         return self._opt
 
     def _set_static_graph(self) -> None:
         """DDP's private switch (some trainers call it): nothing to do here."""
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
-        ddp = self.__dict__["_ddp"]
-        if ddp is not None and self._opt is None:
-            return ddp.register_comm_hook(state, hook)   # nothing planned: DDP's own
+        if not self._planned:
+            return self.__dict__["_ddp"].register_comm_hook(state, hook)   # DDP's own
         raise UsbyteError("register_comm_hook: usbyte-opt's schedule decides the communication; "
                           "use torch's DistributedDataParallel for a communication hook")
 
     def join(self, *args: Any, **kwargs: Any) -> Any:
-        ddp = self.__dict__["_ddp"]
-        if ddp is not None and self._opt is None:
-            return ddp.join(*args, **kwargs)
+        if not self._planned:
+            return self.__dict__["_ddp"].join(*args, **kwargs)
         raise UsbyteError("join() (uneven inputs) is not supported by usbyte-opt's runtime: give "
                           "every rank the same number of steps")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._watching and self._opt is not None:
+            self._stop_watching()   # the taken-over optimizer's first iteration is over
         if self.runs_torch_ddp:
             ddp = self.__dict__["_ddp"]
             ddp.require_backward_grad_sync = self._sync
@@ -201,11 +222,8 @@ class DistributedDataParallel(torch.nn.Module):
                 ddp.training = self.training
             return ddp(*inputs, **kwargs)
         opt = self._opt
-        if opt is None and torch.is_grad_enabled():   # the first forward that can train
-            self._attach(None)
-            opt = self._opt
-        if opt is not None:
-            opt._state.comm.no_sync = not self._sync
+        assert opt is not None
+        opt._state.comm.no_sync = not self._sync
         if self.device_ids:
             dev = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
@@ -214,164 +232,234 @@ class DistributedDataParallel(torch.nn.Module):
 
     # -- the optimizer -------------------------------------------------------------------------
 
-    def _attach(self, optimizer: torch.optim.Optimizer | None) -> None:
-        """Find (or take) the optimizer over the model's parameters and run it on the runtime."""
-        error: str | None = None
-        if optimizer is None:
-            found = _optimizers_over(self.module)
-            if len(found) != 1:
-                what = "no optimizer" if not found else f"{len(found)} optimizers"
-                error = (f"usbyte_opt.DistributedDataParallel: {what} over the model's parameters "
-                         "at its first forward; create the optimizer before the first forward, "
-                         "or pass it: DistributedDataParallel(model, ..., optimizer=opt)")
-            else:
-                optimizer = found[0]
-        if error is not None:
-            raise UsbyteError(error)
-        assert optimizer is not None
+    def _attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run ``optimizer`` on the runtime: build it, take the object over, and give the
+        runtime torch's DDP as its fallback while it verifies or plans."""
         kw = dict(self._runtime_kwargs)
         kw.setdefault("broadcast_buffers", self.broadcast_buffers)
         kw.setdefault("find_unused_parameters", self.find_unused_parameters)
-        schedule = self._schedule
-        rt = DistributedOptimizer(optimizer, self.module, schedule, self.process_group, **kw)
+        ddp = self.__dict__["_ddp"]
+        with _out_of_sight(ddp):
+            rt = DistributedOptimizer(optimizer, self.module, self._schedule, self.process_group,
+                                      **kw)
         take_over(optimizer, rt)
         self._opt = rt
         if rt._tuner is not None and rt._tuner.phase != "settled":   # verifying or planning
-            rt.use_ddp_fallback(self._torch_ddp())
+            rt.use_ddp_fallback(ddp if ddp is not None else self._torch_ddp())
             self.__dict__["_ddp"] = rt._fallback_ddp
+        else:
+            self.__dict__["_ddp"] = None   # the first iteration's DDP, not needed any more
+
+    def _over_model(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` steps some of the model's trainable parameters."""
+        ids = {id(p) for p in self.module.parameters() if p.requires_grad}
+        return any(id(p) in ids for g in optimizer.param_groups for p in g["params"])
+
+    def _before_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """An optimizer is about to step: once one over the model was taken over, another
+        over the model's parameters in the same iteration is refused (before it steps)."""
+        rt = self._opt
+        if rt is None or optimizer is rt.optimizer or not self._over_model(optimizer):
+            return
+        raise UsbyteError("usbyte_opt.DistributedDataParallel: 2 optimizers over the model's "
+                          f"parameters step ({type(rt.optimizer).__name__} was taken over at its "
+                          f"first step, then {type(optimizer).__name__} stepped); use one "
+                          "optimizer, or pass the one to run: DistributedDataParallel(model, "
+                          "..., optimizer=opt)")
+
+    def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The first optimizer over the model's parameters has stepped (as under DDP, which
+        averaged its gradients): take it over."""
+        if self._opt is None and self._over_model(optimizer):
+            self._attach(optimizer)
+
+    def _stop_watching(self) -> None:
+        self._watching = False
+        _unwatch(self)
 
 
-def _optimizers_over(model: torch.nn.Module) -> list[torch.optim.Optimizer]:
-    """The optimizers alive now whose parameters are the model's (a scan of live objects,
-    once, at the first forward)."""
-    ids = {id(p) for p in model.parameters() if p.requires_grad}
-    out = []
-    for o in gc.get_objects():
-        tp = type(o)   # (not isinstance: it would read __class__ of every live object)
-        if issubclass(tp, torch.optim.Optimizer) and not issubclass(tp, DistributedOptimizer):
-            ps = [p for g in o.param_groups for p in g["params"]]
-            if ps and any(id(p) in ids for p in ps):
-                out.append(o)
-    return out
+# -- finding the optimizer at its first step ----------------------------------------------------
+
+#: The wrappers waiting for their optimizer's first step (or watching its iteration).
+_WATCHING: weakref.WeakSet[DistributedDataParallel] = weakref.WeakSet()
+#: torch's global optimizer step hooks, registered while a wrapper watches.
+_HOOKS: list[RemovableHandle] = []
 
 
-_TAKEN: dict[type, type] = {}
+def _watch(wrapper: DistributedDataParallel) -> None:
+    _WATCHING.add(wrapper)
+    if not _HOOKS:
+        _HOOKS.extend((register_optimizer_step_pre_hook(_before_any_step),
+                       register_optimizer_step_post_hook(_after_any_step)))
 
+
+def _unwatch(wrapper: DistributedDataParallel) -> None:
+    """Stop watching (from the wrapper's forward, never from inside a step hook: torch is
+    iterating its hooks there)."""
+    _WATCHING.discard(wrapper)
+    if not _WATCHING:
+        for h in _HOOKS:
+            h.remove()
+        _HOOKS.clear()
+
+
+def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for w in list(_WATCHING):
+        w._before_step(optimizer)
+
+
+def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for w in list(_WATCHING):
+        w._after_step(optimizer)
+
+
+@contextlib.contextmanager
+def _out_of_sight(ddp: torch.nn.Module | None) -> Iterator[None]:
+    """The wrapper's own torch DDP, its module detached while the runtime's start-up looks for
+    a data-parallel wrapper around the model (one built before the optimizer would average the
+    gradients twice; this one runs instead of the runtime, never around it)."""
+    if ddp is None:
+        yield
+        return
+    modules = ddp._modules
+    module = modules.pop("module")
+    try:
+        yield
+    finally:
+        modules["module"] = module
+
+
+# -- the taken-over optimizer -------------------------------------------------------------------
 
 def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> None:
-    """Route the user's ``optimizer`` object through ``rt``: ``step()``, ``zero_grad()``,
-    ``state_dict()``, ``load_state_dict()`` and ``add_param_group()`` become the runtime's,
-    and ``GradScaler.step(optimizer)`` hands its verdict to the runtime. The runtime's own
-    calls of the wrapped optimizer reach the original methods."""
-    base = _base(optimizer) if getattr(type(optimizer), "_usbyte_taken", False) else type(optimizer)
-    cls = _TAKEN.get(base)
-    if cls is None:
-        cls = type(base.__name__, (base,), {
-            "_usbyte_taken": True, "_step_supports_amp_scaling": True,
-            "step": _step, "zero_grad": _zero_grad, "state_dict": _state_dict,
-            "load_state_dict": _load_state_dict, "add_param_group": _add_param_group,
-            "param_groups": property(_param_groups, _set_param_groups),
-            "__module__": base.__module__, "__qualname__": base.__qualname__,
-        })
-        _TAKEN[base] = cls
-    optimizer.__class__ = cls
-    # An LR scheduler built before this wrapped step() on the object itself, calling the
-    # original class's step: wrap the runtime's instead, as the scheduler would have.
-    step = optimizer.__dict__.get("step")
-    if step is not None and getattr(step, "_wrapped_by_lr_sched", False):
-        optimizer.__dict__["step"] = _lr_sched_step(optimizer)
-    optimizer.__dict__["_usbyte_rt"] = rt
+    """Route the user's ``optimizer`` object through ``rt``, its class unchanged:
+    ``step()``, ``zero_grad()``, ``load_state_dict()`` and ``add_param_group()`` become the
+    runtime's (methods set on the object, as torch's LR scheduler sets ``step``: each replaces
+    the optimizer's own call, which no hook can skip), ``state_dict()`` returns the runtime's
+    (a state-dict post-hook), ``GradScaler.step(optimizer)`` hands its verdict to the runtime
+    (``_step_supports_amp_scaling`` on the object), and in sharded mode a ``GradScaler``
+    reading ``param_groups`` after backward is shown the gradient shards (:class:`_Groups`).
+    The runtime's own calls of the optimizer (:func:`inner`) reach the optimizer's own
+    methods; after ``rt.close()`` every call is the optimizer's own again."""
+    d = optimizer.__dict__
+    step = d.get("step")
+    if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
+        raise UsbyteError(f"{type(optimizer).__name__}.step is replaced on the object "
+                          f"({step!r}): the runtime cannot take it over; pass the optimizer "
+                          "before replacing its step")
+    if "_usbyte_own_amp" not in d:   # (not taken over before)
+        d["_usbyte_own_amp"] = d.get("_step_supports_amp_scaling", _ABSENT)
+        d["_usbyte_state_hook"] = optimizer.register_state_dict_post_hook(_state_dict_hook)
+    for name, fn in (("step", _step), ("zero_grad", _zero_grad),
+                     ("load_state_dict", _load_state_dict), ("add_param_group", _add_param_group)):
+        d[name] = types.MethodType(fn, optimizer)
+    d["_step_supports_amp_scaling"] = True
+    if rt._state.sharded is not None and not isinstance(d["param_groups"], _Groups):
+        d["param_groups"] = _Groups(d["param_groups"], weakref.ref(optimizer))
+    d["_usbyte_rt"] = rt
 
 
-def _lr_sched_step(optimizer: torch.optim.Optimizer) -> Any:
-    """``step`` marked as an LR scheduler marks it (``_opt_called``, no order warning)."""
-    ref = weakref.ref(optimizer)
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        opt = ref()
-        assert opt is not None
-        opt._opt_called = True  # type: ignore[attr-defined]
-        return _step(opt, *args, **kwargs)
-
-    step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    return step
+_ABSENT = object()
 
 
 def _runtime(opt: torch.optim.Optimizer) -> DistributedOptimizer | None:
-    rt = opt.__dict__.get("_usbyte_rt")
-    if rt is None or opt.__dict__.get("_usbyte_inner"):
+    """The runtime ``opt`` is routed through, unless the runtime itself is calling it."""
+    d = opt.__dict__
+    rt = d.get("_usbyte_rt")
+    if rt is None or d.get("_usbyte_inner"):
         return None
     return rt
 
 
-def _base(opt: torch.optim.Optimizer) -> Any:
-    return type(opt).__mro__[1]
-
-
-def _step(self: torch.optim.Optimizer, closure: Any = None, **kw: Any) -> Any:
-    rt = _runtime(self)
+def _step(opt: torch.optim.Optimizer, closure: Any = None, **kw: Any) -> Any:
+    """``step`` through the runtime, each call marked as torch's LR scheduler marks the
+    ``step`` it wraps (``_opt_called``: no order warning; marked as wrapped, a scheduler built
+    later leaves it as it is). GradScaler's verdict, set on the optimizer, is the runtime's for
+    the call (the optimizer's own step, which the runtime calls, must not see it), back on the
+    optimizer for GradScaler to delete; meanwhile the optimizer's own
+    ``_step_supports_amp_scaling`` is back: the runtime reads it to know whether the optimizer
+    skips a step on the device (a fused one) or the runtime skips it."""
+    opt._opt_called = True  # type: ignore[attr-defined]
+    rt = _runtime(opt)
     if rt is None:
-        return _base(self).step(self, closure, **kw)
-    # GradScaler's verdict, set on this object: the runtime's for this call (the optimizer's
-    # own step, which the runtime calls, must not see it), back here for GradScaler to delete.
-    d = self.__dict__
+        return type(opt).step(opt, closure, **kw)
+    d = opt.__dict__
     verdict: dict[str, Any] = {k: d.pop(k) for k in ("grad_scale", "found_inf") if k in d}
     rt.__dict__.update(verdict)
+    own = d["_usbyte_own_amp"]
+    if own is _ABSENT:
+        del d["_step_supports_amp_scaling"]
+    else:
+        d["_step_supports_amp_scaling"] = own
     try:
         return rt.step(closure)
     finally:
+        d["_step_supports_amp_scaling"] = True
         for k in verdict:
             rt.__dict__.pop(k, None)
         d.update(verdict)
 
 
-def _zero_grad(self: torch.optim.Optimizer, set_to_none: bool = True) -> None:
-    rt = _runtime(self)
+_step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+
+
+def _zero_grad(opt: torch.optim.Optimizer, set_to_none: bool = True) -> None:
+    rt = _runtime(opt)
     if rt is None:
-        return _base(self).zero_grad(self, set_to_none)
+        return type(opt).zero_grad(opt, set_to_none)
     return rt.zero_grad(set_to_none)
 
 
-def _state_dict(self: torch.optim.Optimizer) -> dict[str, Any]:
-    rt = _runtime(self)
+def _state_dict_hook(opt: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any] | None:
+    """The runtime's state dict (pending updates applied first; in sharded mode the full
+    state gathered from the shards) instead of the optimizer's own."""
+    rt = _runtime(opt)
     if rt is None:
-        return _base(self).state_dict(self)
-    with inner(self):
+        return None
+    with inner(opt):
         return rt.state_dict()
 
 
-def _load_state_dict(self: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
-    rt = _runtime(self)
+def _load_state_dict(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
+    rt = _runtime(opt)
     if rt is None:
-        return _base(self).load_state_dict(self, state_dict)
-    with inner(self):
+        return type(opt).load_state_dict(opt, state_dict)
+    with inner(opt):
         rt.load_state_dict(state_dict)
 
 
-def _param_groups(self: torch.optim.Optimizer) -> list[dict[str, Any]]:
-    """The optimizer's own groups; in sharded mode, read by a GradScaler after backward, the
-    runtime's (which show it the gradient shards and every rank's non-finite flag)."""
-    d = self.__dict__
-    rt = d.get("_usbyte_rt")
-    if rt is None or d.get("_usbyte_pg") or rt._state.sharded is None:
-        return d["param_groups"]
-    d["_usbyte_pg"] = True
-    try:
-        return rt.param_groups
-    finally:
-        d["_usbyte_pg"] = False
-
-
-def _set_param_groups(self: torch.optim.Optimizer, value: list[dict[str, Any]]) -> None:
-    self.__dict__["param_groups"] = value
-
-
-def _add_param_group(self: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
-    if _runtime(self) is None:
-        return _base(self).add_param_group(self, param_group)
-    raise UsbyteError("add_param_group after the first forward of usbyte_opt."
+def _add_param_group(opt: torch.optim.Optimizer, param_group: dict[str, Any]) -> None:
+    if _runtime(opt) is None:
+        return type(opt).add_param_group(opt, param_group)
+    raise UsbyteError("add_param_group on an optimizer taken over by usbyte_opt."
                       "DistributedDataParallel: those parameters would not be averaged; add "
-                      "the group before the first forward")
+                      "the group before its first step (or before passing it as optimizer=)")
+
+
+class _Groups(list):  # type: ignore[type-arg]
+    """The optimizer's ``param_groups`` list in sharded mode: iterating it (as a
+    ``GradScaler`` looking for non-finite gradients does, after backward) first reads the
+    runtime's groups, which show a ``GradScaler`` the gradient shards and every rank's
+    non-finite flag (:meth:`.sharded.Sharded.expose`). Any other reader sees the groups as
+    they are."""
+
+    __slots__ = ("_ref", "_busy")
+
+    def __init__(self, groups: list[dict[str, Any]], ref: weakref.ref[torch.optim.Optimizer]):
+        super().__init__(groups)
+        self._ref = ref
+        self._busy = False
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        opt = self._ref()
+        rt = None if opt is None else _runtime(opt)
+        if rt is not None and not self._busy and rt._state.sharded is not None:
+            self._busy = True
+            try:
+                rt.param_groups   # noqa: B018 - read by a GradScaler: the shards shown
+            finally:
+                self._busy = False
+        return super().__iter__()
 
 
 @contextlib.contextmanager
