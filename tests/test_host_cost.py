@@ -171,8 +171,9 @@ def test_fast_scorer_equals_simulator_and_the_bound_holds_for_either_runner(seed
             full = simulate_blocks(pb, lay, blocks, mode, runner).iteration_ms
             assert evaluate(pb, lay, blocks, mode, runner) == pytest.approx(full, rel=1e-12, abs=1e-9)
             assert lb <= full + 1e-9
-            # host cost never makes an iteration faster
-            assert full >= simulate_blocks(bare, lay, blocks, mode).iteration_ms - 1e-9
+            # host cost never makes an iteration of the same runner faster (torch DDP steps
+            # after its last bucket, the runtime per tensor: either may be the faster one)
+            assert full >= simulate_blocks(bare, lay, blocks, mode, runner).iteration_ms - 1e-9
 
 
 @settings(max_examples=15, deadline=None)

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..console import plural
+
 
 def available() -> bool:
     """Whether matplotlib can be imported."""
@@ -65,7 +67,7 @@ def plot(result: dict[str, Any], path: Path, compare: dict[str, Any] | None = No
                         ha="center", va="bottom", fontsize=8, xytext=(0, 3), textcoords="offset points")
     ax.set_xticks(list(x), names, rotation=20)
     ax.set_ylabel("ms per iteration")
-    ax.set_title(f"{result['name']}, {result['world_size']} ranks, {result['network']['short']}",
+    ax.set_title(f"{result['name']}, {plural(result['world_size'], 'rank')}, {result['network']['short']}",
                  fontsize=10)
     ax.legend(fontsize=8, loc="lower right")
     if compare:

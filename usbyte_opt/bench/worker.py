@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..console import plural
 from ..formats import Mode
 from ..launcher import PROGRESS_PREFIX
 from .job import Job
@@ -371,7 +372,7 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
 
     if job.profile:
         return load_profile(job.profile), job.profile
-    say(f"profiling {job.name} on {world} ranks")
+    say(f"profiling {job.name} on {plural(world, 'rank')}")
     last: dict[str, int] = {}
 
     def progress(phase: str, done: int, total: int) -> None:

@@ -621,8 +621,10 @@ class Tuner:
             print(self.line(note), file=sys.stderr, flush=True)
 
     def _what(self) -> str:
+        from ..console import plural
+
         sched = self.plan[0]
-        return f"{sched.strategy} ({sched.mode}, {len(sched.blocks)} blocks)"
+        return f"{sched.strategy} ({sched.mode}, {plural(len(sched.blocks), 'block')})"
 
     def _predicted_ratio(self) -> str:
         """The prediction beside the measurement: the plan's time over DDP's as the planner
@@ -637,6 +639,8 @@ class Tuner:
         """One line: what runs now and why — the plan kept with its time against DDP's
         buckets' (interval) and the prediction, or DDP's buckets and why (the plan slower, not
         measurably faster, planning failed), or the state while still measuring."""
+        from ..console import plural
+
         i = self.info
         what = self._what()
         r = self.ratio
@@ -644,7 +648,7 @@ class Tuner:
         if self.phase != "settled":
             if self.phase == "verify":
                 return (f"verifying the plan {what} against {self.against} "
-                        f"({len(self.rounds)} rounds of windows so far)")
+                        f"({plural(len(self.rounds), 'round')} of windows so far)")
             return f"running {self.against} while measuring the run to plan it"
         if i.get("note") and self.ws < 2:
             return "one rank: nothing to plan or verify"
@@ -654,7 +658,7 @@ class Tuner:
         if r is None:
             return f"running {self.against}" + (f": {note}" if note else "") + self._fallback_cost()
         ms = (f"; {m['plan']:.1f} against {m['fallback']:.1f} ms per iteration over "
-              f"{r.pairs} rounds" if m else "")
+              f"{plural(r.pairs, 'round')}" if m else "")
         fig = f"{r.ratio:.2f}x their time ({round(100 * r.confidence)}% CI {r.interval()}{ms})"
         pred = self._predicted_ratio()
         if i["chosen"] == "plan":
@@ -678,8 +682,11 @@ class Tuner:
         extra = (n * (host.runtime_tensor_us - host.ddp_tensor_us)
                  + m * (host.runtime_block_us - host.ddp_bucket_us)) / 1e3
         hidden = "" if host.launch_bound else ", hidden where the GPU is busier than the host"
+        from ..console import plural
+
         return (f" (the runtime on DDP's buckets, not torch DDP itself: about {extra:.2f} ms "
-                f"more host time per iteration than torch DDP for {n} tensors in {m} blocks"
+                f"more host time per iteration than torch DDP for {plural(n, 'tensor')} in "
+                f"{plural(m, 'block')}"
                 f"{hidden}; usbyte_opt.DistributedDataParallel falls back to torch DDP)")
 
     def line(self, note: str = "") -> str:

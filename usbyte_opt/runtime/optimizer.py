@@ -411,8 +411,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._state.stepper.calls
 
     def __repr__(self) -> str:
+        from ..console import plural
+
         return (f"DistributedOptimizer({type(self._opt).__name__}, schedule={self.schedule_source}"
-                f" [{self.schedule.strategy}, {self._state.m} blocks, {self.mode}], world_size="
+                f" [{self.schedule.strategy}, {plural(self._state.m, 'block')}, {self.mode}], world_size="
                 f"{self._chan.world_size})")
 
     def __getattr__(self, name: str) -> Any:
