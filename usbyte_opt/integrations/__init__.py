@@ -18,6 +18,6 @@ Each imports its trainer only when imported itself (``pip install 'usbyte-opt[li
 or ``'usbyte-opt[transformers]'``, which leave torch as it is).
 """
 
-from ._common import Plan, log_plan, resolve, runtime_kwargs
+from ._common import Route, log_plan, resolve, runtime_kwargs
 
-__all__ = ["Plan", "log_plan", "resolve", "runtime_kwargs"]
+__all__ = ["Route", "log_plan", "resolve", "runtime_kwargs"]

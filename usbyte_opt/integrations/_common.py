@@ -17,7 +17,7 @@ log = logging.getLogger("usbyte_opt.integrations")
 
 
 @dataclass(frozen=True)
-class Plan:
+class Route:
     """Where a trainer runs a schedule.
 
     Attributes:
@@ -65,7 +65,7 @@ class Plan:
         return line
 
 
-def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
+def resolve(schedule: Schedule | str | os.PathLike | None) -> Route:
     """Decide the path of ``schedule``: a :class:`~usbyte_opt.formats.Schedule`, a path,
     ``"auto"``, or ``None`` (then ``$USBYTE_SCHEDULE``, as ``usbyte-opt launch`` sets it; unset:
     the runtime's default plan).
@@ -88,9 +88,9 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
 
     schedule = requested(schedule).schedule
     if schedule is None:
-        return Plan("runtime", None, "<default schedule>", "no schedule given")
+        return Route("runtime", None, "<default schedule>", "no schedule given")
     if isinstance(schedule, str) and schedule == AUTO:
-        return Plan("runtime", None, AUTO, "schedule auto is planned in the run")
+        return Route("runtime", None, AUTO, "schedule auto is planned in the run")
     if isinstance(schedule, Schedule):
         from ..runtime.checks import schedule_source
 
@@ -102,7 +102,7 @@ def resolve(schedule: Schedule | str | os.PathLike | None) -> Plan:
                           "(sharded mode keeps no averaged p.grad and gathers its optimizer state "
                           "on every rank; run it with DistributedOptimizer in your own loop)")
     why = expressible(sched)
-    return Plan("runtime" if why else "ddp", sched, source, why)
+    return Route("runtime" if why else "ddp", sched, source, why)
 
 
 def runtime_kwargs(options: dict[str, Any], trainer: str) -> dict[str, Any]:
@@ -166,7 +166,7 @@ def report_skipped_steps(accelerated: Any) -> None:
     accelerated._optimizer_patched_step_method = noting_step
 
 
-def log_plan(plan: Plan, trainer: str, rank: int) -> None:
+def log_plan(plan: Route, trainer: str, rank: int) -> None:
     """Say which path the run uses: one line on rank 0's stderr (and to the
     ``usbyte_opt.integrations`` logger at INFO)."""
     if rank != 0:

@@ -65,7 +65,7 @@ import torch
 
 from ..errors import UsbyteError
 from ..formats import Schedule
-from ._common import Plan, log_plan, report_skipped_steps, resolve, runtime_kwargs
+from ._common import Route, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 __all__ = ["prepare", "runtime_optimizer", "synchronize"]
 
@@ -166,7 +166,7 @@ def _check_setup(accelerator: Any) -> None:
                           "GradientAccumulationPlugin(sync_each_batch=False)")
 
 
-def _planned_handler(accelerator: Any, model: torch.nn.Module, plan: Plan) -> Any:
+def _planned_handler(accelerator: Any, model: torch.nn.Module, plan: Route) -> Any:
     """The user's ``DistributedDataParallelKwargs`` (or the default one) with the planned
     buckets: an instance of a subclass whose ``to_kwargs()`` adds
     :func:`~usbyte_opt.ddp.planned_ddp_kwargs` (so ``accelerator.prepare`` builds DDP with
@@ -213,7 +213,7 @@ def _planned_class() -> type:
 
 
 def _prepare_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 plan: Plan) -> tuple[Any, Any]:
+                 plan: Route) -> tuple[Any, Any]:
     """Accelerate's own DDP with the planned buckets: the planned handler stands in for the
     user's for this one ``accelerator.prepare`` call (other models keep the user's)."""
     from accelerate.utils import is_compiled_module
@@ -241,7 +241,7 @@ def _prepare_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.opti
 
 
 def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     plan: Plan, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+                     plan: Route, kwargs: dict[str, Any]) -> tuple[Any, Any]:
     """The runtime on the plain model, inside Accelerate's optimizer wrapper."""
     from ..runtime import DistributedOptimizer
 

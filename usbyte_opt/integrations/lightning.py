@@ -92,7 +92,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from ..errors import UsbyteError
 from ..formats import Schedule
-from ._common import Plan, log_plan, resolve, runtime_kwargs
+from ._common import Route, log_plan, resolve, runtime_kwargs
 
 TRAINER = "Lightning"
 
@@ -213,7 +213,7 @@ class UsbyteStrategy(DDPStrategy):
         FormatError: the schedule file is missing or malformed.
 
     Attributes:
-        plan: the :class:`~usbyte_opt.integrations.Plan` (``plan.path``: ``"ddp"`` or
+        plan: the :class:`~usbyte_opt.integrations.Route` (``plan.path``: ``"ddp"`` or
             ``"runtime"``).
         distributed_optimizers: on the runtime path during ``fit``, the
             :class:`~usbyte_opt.runtime.DistributedOptimizer` of each optimizer.
@@ -239,7 +239,7 @@ class UsbyteStrategy(DDPStrategy):
                 raise UsbyteError(f"{TRAINER}: ddp_kwargs {key}: the schedule gives the buckets; "
                                   f"do not pass {key}")
         self._runtime_options = runtime_kwargs(runtime_options, TRAINER)
-        self.plan: Plan = resolve(schedule)
+        self.plan: Route = resolve(schedule)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin,

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ..errors import UsbyteError
-from ._common import Plan, log_plan, report_skipped_steps, resolve, runtime_kwargs
+from ._common import Route, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 #: The name the integration gives itself in its log line and errors.
 TRAINER = "transformers"
@@ -139,7 +139,7 @@ class UsbyteTrainer(Trainer):
             when those are set.
 
     Attributes:
-        usbyte_plan: the :class:`~usbyte_opt.integrations.Plan`: ``usbyte_plan.path`` is
+        usbyte_plan: the :class:`~usbyte_opt.integrations.Route`: ``usbyte_plan.path`` is
             ``"ddp"`` or ``"runtime"``.
         usbyte_optimizer: on the runtime path, the
             :class:`~usbyte_opt.runtime.DistributedOptimizer` once ``train()`` has built it
@@ -157,7 +157,7 @@ class UsbyteTrainer(Trainer):
 
     def __init__(self, *args: Any, schedule: Any = None,
                  runtime_options: dict[str, Any] | None = None, **kwargs: Any):
-        self.usbyte_plan: Plan = resolve(schedule)
+        self.usbyte_plan: Route = resolve(schedule)
         self._runtime_kwargs = runtime_kwargs(dict(runtime_options or {}), TRAINER)
         self.usbyte_optimizer: Any = None
         self._distributed = False

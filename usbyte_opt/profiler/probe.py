@@ -46,7 +46,7 @@ def probe_sizes(total_bytes: int, points: int = 5) -> tuple[list[int], list[int]
 
 
 @dataclass(frozen=True, slots=True)
-class Probe:
+class CommProbe:
     """What :func:`comm_under_compute` measured."""
 
     samples: tuple[tuple[int, float], ...]
@@ -71,7 +71,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
                        group: Any = None, device: Any = "cpu", alone: int = 3,
                        issue: Callable[[Any], Any] | None = None,
                        parts: int | Sequence[int] = 1, max_seconds: float = 0.0,
-                       tail: Callable[[], Any] | None = None) -> Probe:
+                       tail: Callable[[], Any] | None = None) -> CommProbe:
     """All-reduce cost while the training thread computes: ``(bytes, ms)`` per size (median).
 
     The profiler's sweep times each all-reduce on idle ranks. In training, blocks run while
@@ -103,7 +103,7 @@ def comm_under_compute(step: Callable[[], None], sizes: Sequence[int], repeats: 
     Samples hit by a burst of load from elsewhere are dropped (:func:`.comm.robust`). After
     ``repeats`` passes over the sizes, passes are added while the last one moved the fit by
     more than :data:`STABLE`, up to ``max_seconds`` (the ranks agree on each pass), and the
-    fit's spread is stated (bootstrap, ``Probe.spread``).
+    fit's spread is stated (bootstrap, ``CommProbe.spread``).
     """
     dev = torch.device(device)
     # Buffers on the GPU when NCCL reduces GPU tensors on this group; else on the host.
@@ -217,7 +217,7 @@ class _Sampler:
             if more.item() == 0:
                 return passes
 
-    def result(self, passes: int) -> Probe:
+    def result(self, passes: int) -> CommProbe:
         """The samples (minimum over ranks, per block) and the fitted costs (maximum over ranks)."""
         flat = torch.tensor([t for ts in self.times for t in ts], dtype=torch.float64, device=self.dev)
         dist.all_reduce(flat, op=dist.ReduceOp.MIN, group=self.group)
@@ -235,7 +235,7 @@ class _Sampler:
                               dtype=torch.float64, device=self.dev)
         dist.all_reduce(mine_t, op=dist.ReduceOp.MAX, group=self.group)
         alone_ms, per_mb, per_block, b_lo, b_hi, m_lo, m_hi = mine_t.cpu().tolist()
-        return Probe(tuple(out), float(alone_ms), float(per_mb), float(per_block),
+        return CommProbe(tuple(out), float(alone_ms), float(per_mb), float(per_block),
                      {"cpu_ms_per_block": [b_lo, b_hi], "cpu_ms_per_mb": [m_lo, m_hi]}, passes)
 
 
@@ -357,4 +357,4 @@ def fit_cpu_cost(lost_ms: Sequence[float], blocks: Sequence[int], mb: Sequence[f
 
 
 
-__all__ = ["Probe", "SMALL_CHAIN", "comm_under_compute", "fit_cpu_cost", "probe_sizes"]
+__all__ = ["CommProbe", "SMALL_CHAIN", "comm_under_compute", "fit_cpu_cost", "probe_sizes"]

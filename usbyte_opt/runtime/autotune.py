@@ -110,7 +110,7 @@ class _Clock:
             torch.cuda.synchronize(self.device)
 
 
-class Probe:
+class IterationStamps:
     """One measured iteration's stamps (called from the runtime's hooks)."""
 
     def __init__(self, n: int, clock: _Clock):
@@ -245,7 +245,7 @@ class Tunable(Protocol):
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The trainable tensors, name and parameter, by runtime index."""
 
-    def set_probe(self, probe: Probe | None) -> None:
+    def set_probe(self, probe: IterationStamps | None) -> None:
         """Have the hooks stamp into ``probe`` from now on (``None``: stop)."""
 
     def hold_communication(self, hold: bool) -> None:
@@ -307,7 +307,7 @@ class Tuner:
         self.steps = 0
         self.phase = "idle"
         self.phase_step = 0
-        self.probes: list[Probe] = []
+        self.probes: list[IterationStamps] = []
         self.measured: dict[str, list[dict[str, Any]]] = {"clean": [], "overlap": []}
         self.windows: list[tuple[str, list[float]]] = []
         #: Each round's (plan, DDP's buckets) window medians, mean over the ranks.
@@ -345,7 +345,7 @@ class Tuner:
             self.opt.set_probe(None)
 
     def _arm(self) -> None:
-        p = Probe(self.opt.tensor_count, self.clock)
+        p = IterationStamps(self.opt.tensor_count, self.clock)
         self.probes.append(p)
         self.opt.set_probe(p)
 

@@ -65,7 +65,7 @@ from .start import ScheduleArg, requested, start_up
 from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, HostUpdates, inner_step
 
 if TYPE_CHECKING:
-    from .autotune import Probe, Tuner
+    from .autotune import IterationStamps, Tuner
 
 __all__ = ["DistributedOptimizer", "release_at_exit"]
 
@@ -914,7 +914,7 @@ class _Tuned:
         g = self._opt._state.grads
         return list(zip(g.names, g.params))
 
-    def set_probe(self, probe: Probe | None) -> None:
+    def set_probe(self, probe: IterationStamps | None) -> None:
         st = self._opt._state
         st.comm.probe = st.gates.probe = probe
 
