@@ -162,16 +162,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     stepper = SubsetStepper(optimizer, grads, device,
                             previous.stepper.calls if previous is not None else 0)
     in_opt = [gi >= 0 for gi in stepper.group_of]
-    trace: Recorder | None = None
-    # A trace file given (or $USBYTE_TRACE): a recorder of the measured timeline. Imported only
-    # then, so the runtime does not depend on it.
-    if options.trace_path:
-        from .trace import attach
-
-        trace = attach(options.trace_path, schedule, grads, chan)
-        if previous is not None and previous.trace is not None:
-            previous.trace.close()
-            trace.paused = previous.trace.paused  # record_trace() holds across a plan switch
+    trace = _recorder(options.trace_path, schedule, grads, chan, previous)
 
     # The step's callbacks into the updates and the gates, which are built below.
     def flush_for_backward() -> list[int]:
@@ -183,31 +174,13 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     comm.no_sync = previous is not None and previous.comm.no_sync
     sharded: Sharded | None = None
     if schedule.mode == Mode.SHARDED:
-        sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan, zero_stage)
-        comm.issue_block = sharded.reduce_scatter
-        comm.collective = "reduce-scatter"
-        sharded.trace = trace
-        comm.reaping = True   # finished reduce-scatters let go of their buffers during backward
-        sharded.reap = comm.reap
-        # Each gradient scaled as it is put in place, as the shards' layout wants it.
-        comm.block_scale, comm.put_scale = None, comm.scale
-        if zero_stage == 2:
-            comm.put = sharded.put
+        sharded = _sharded(schedule, grads, stepper, optimizer, chan, zero_stage, comm, trace)
     elif schedule.hierarchical:
         comm.issue_block = hier_issuer(schedule, grads, chan)
     comm.trace = trace
     comm.refresh()
-    updates: Updates
-    if sharded is not None:  # the pending updates are the parameters' all-gathers
-        updates = HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace,
-                              sharded.order())
-    elif device.type == "cuda" and schedule.mode == Mode.OVERLAP and chan.stream_waits:
-        # NCCL: the update stream waits for each block's collective, the host never does.
-        # (gloo carrying CUDA tensors waits on the host: its updates run at first use, below.)
-        updates = StreamUpdates(grads, stepper, chan.wait, comm.what, device,
-                                options.update_groups)
-    else:
-        updates = HostUpdates(grads, stepper, chan.wait, comm.what, trace)
+    updates = _updates(schedule, grads, stepper, comm, chan, sharded, trace,
+                       options.update_groups)
     gates = ForwardGates(model, grads.params, updates, chan, options.buffers,
                          comm.clear_flushed, comm.output_grad)
 
@@ -221,9 +194,71 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if sharded is not None:
         comm.keep_grad_guard = True
         guard.refuse_grads = sharded.refuse_grad_access
+    handles = _hooks(model, grads, comm, gates, zero_stage == 2, wrapper_check, settle)
+    if trace is not None:
+        trace.install(model)   # after the gates: its forward start runs before theirs
+    return Installed(schedule, source, grads, stepper, in_opt,
+                     [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
+                     trace, sharded, guard)
+
+
+def _recorder(trace_path: str | None, schedule: Schedule, grads: FlatGrads, chan: Channel,
+              previous: Installed | None) -> Recorder | None:
+    """A trace file given (or ``$USBYTE_TRACE``): a recorder of the measured timeline,
+    imported only then, so the runtime does not depend on it. The previous schedule's trace is
+    closed, and whether recording is paused carries over (``record_trace()``)."""
+    if not trace_path:
+        return None
+    from .trace import attach
+
+    trace = attach(trace_path, schedule, grads, chan)
+    if previous is not None and previous.trace is not None:
+        previous.trace.close()
+        trace.paused = previous.trace.paused  # record_trace() holds across a plan switch
+    return trace
+
+
+def _sharded(schedule: Schedule, grads: FlatGrads, stepper: SubsetStepper,
+             optimizer: torch.optim.Optimizer, chan: Channel, zero_stage: int, comm: StepComm,
+             trace: Recorder | None) -> Sharded:
+    """Sharded mode's state, and the step's communication turned to it: reduce-scatters that
+    let go of their buffers during backward, each gradient scaled as it is put in place."""
+    sharded = Sharded(schedule, grads, stepper.group_of, optimizer, chan, zero_stage)
+    comm.issue_block = sharded.reduce_scatter
+    comm.collective = "reduce-scatter"
+    sharded.trace = trace
+    comm.reaping = True   # finished reduce-scatters let go of their buffers during backward
+    sharded.reap = comm.reap
+    # Each gradient scaled as it is put in place, as the shards' layout wants it.
+    comm.block_scale, comm.put_scale = None, comm.scale
+    if zero_stage == 2:
+        comm.put = sharded.put
+    return sharded
+
+
+def _updates(schedule: Schedule, grads: FlatGrads, stepper: SubsetStepper, comm: StepComm,
+             chan: Channel, sharded: Sharded | None, trace: Recorder | None,
+             update_groups: int) -> HostUpdates | StreamUpdates:
+    """How the pending updates run: in sharded mode the parameters' all-gathers; on NCCL in
+    overlap mode queued on an update stream; else on the host at first use."""
+    if sharded is not None:  # the pending updates are the parameters' all-gathers
+        return HostUpdates(grads, GatherBack(sharded), chan.wait, sharded.what, trace,
+                           sharded.order())
+    if chan.device.type == "cuda" and schedule.mode == Mode.OVERLAP and chan.stream_waits:
+        # NCCL: the update stream waits for each block's collective, the host never does.
+        # (gloo carrying CUDA tensors waits on the host: its updates run at first use, below.)
+        return StreamUpdates(grads, stepper, chan.wait, comm.what, chan.device, update_groups)
+    return HostUpdates(grads, stepper, chan.wait, comm.what, trace)
+
+
+def _hooks(model: torch.nn.Module, grads: FlatGrads, comm: StepComm, gates: ForwardGates,
+           zero2: bool, wrapper_check: Callable[..., None], settle: Callable[..., None]
+           ) -> list[Any]:
+    """The schedule's hooks: each gradient's, the forward gates, the model's wrapper check
+    and its state-dict pre-hooks."""
     handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
                           for t, p in enumerate(grads.params)]
-    if zero_stage == 2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
+    if zero2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
         handles += [p.register_hook(comm.pre_hook(t)) for t, p in enumerate(grads.params)]
     handles += gates.install()
     handles.append(model.register_forward_pre_hook(_Hook(wrapper_check)))
@@ -231,8 +266,4 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     # only: a checkpoint may be written by rank 0 alone.
     handles.append(model.register_state_dict_pre_hook(_Hook(settle)))
     handles.append(model.register_load_state_dict_pre_hook(_Hook(settle)))
-    if trace is not None:
-        trace.install(model)   # after the gates: its forward start runs before theirs
-    return Installed(schedule, source, grads, stepper, in_opt,
-                     [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
-                     trace, sharded, guard)
+    return handles

@@ -285,17 +285,35 @@ class Sharded:
         #: *ZeRO-2*), as ``DistributedOptimizer(zero_stage=...)`` was given.
         self.zero_stage = zero_stage
         assert (zero_stage == 2) == (not grads.stored), "ZeRO-2 keeps no flat buffer"
-        dev = self.device = grads.device
+        self.device = grads.device
         #: Tensor indices in the model's parameter order (clip's grouping), set on first use.
         self.param_order: list[int] | None = None
-        ws, r = chan.world_size, chan.rank
-        self.ws, self.rank = ws, r
+        self.ws, self.rank = chan.world_size, chan.rank
         self._rs = reduce_scatter_issuer(chan.group, chan.serial)
         self._ag = all_gather_issuer(chan.group, chan.serial)
         #: The param groups' own parameter lists (what an unsharded optimizer steps).
         self.orig_params: list[list[torch.Tensor]] = [list(g["params"])
                                                       for g in optimizer.param_groups]
         full = optimizer.state_dict() if len(optimizer.state) else None
+        self._block_extents(schedule)
+        self._gather_buffers(schedule)
+        self._pieces(group_of, len(optimizer.param_groups))
+        self._count_pieces()
+        self._step_state(len(schedule.blocks))
+        self.refresh()
+        optimizer.state.clear()
+        for grp, members in zip(optimizer.param_groups, self.by_group):
+            grp["params"] = [sp for sp, _, _ in members]
+        #: The collective state-dict calls (a lone one fails on every rank in one line).
+        self.book = CallBook(chan)
+        chan.cause = self.book.cause
+        if full is not None:  # state loaded before wrapping: sharded like a loaded one
+            self.load_full(full)
+
+    def _block_extents(self, schedule: Schedule) -> None:
+        """Each block's start in its flat buffer, its length ``L``, its shard length ``S``
+        (``L / world_size`` rounded up) and its buffer."""
+        grads, ws = self.grads, self.ws
         self.lo: list[int] = []          # block start in its flat buffer
         self.length: list[int] = []      # block length L
         self.size: list[int] = []        # shard length S
@@ -307,6 +325,11 @@ class Sharded:
             self.length.append(view.numel())
             self.size.append(-(-view.numel() // ws))
             self.buffer.append(blk.buffer)
+
+    def _gather_buffers(self, schedule: Schedule) -> None:
+        """The all-gathers (``schedule.gather_groups()``), their inputs and outputs, the
+        parameter shards (views of the inputs) and the reduce-scatters' staging inputs."""
+        grads, ws, dev = self.grads, self.ws, self.device
         m = len(schedule.blocks)
         #: The all-gathers in issue order, each the blocks it gathers (``gather_groups()``).
         self.gathers: tuple[tuple[int, ...], ...] = schedule.gather_groups()
@@ -334,26 +357,38 @@ class Sharded:
                                                                 device=dev)
             self.g_out.append(out)
             for k in blocks:
-                off, sk = self.offset[k], self.size[k]
-                self.pshard[k] = gin[off:off + sk]
-                if out is not None and sk * ws != self.length[k]:
-                    # A padded block's reduce-scatter input: its own range of the all-gather's
-                    # output (disjoint per block; every gathered value is copied out before
-                    # the next backward writes a gradient there).
-                    self.stage[k] = out[ws * off:ws * (off + sk)]
-                elif sk * ws != self.length[k] and self.zero_stage != 2:
-                    self.stage[k] = torch.zeros(ws * sk, dtype=dtype, device=dev)
+                self._block_shards(k, gin, out, dtype)
+
+    def _block_shards(self, k: int, gin: torch.Tensor, out: torch.Tensor | None,
+                      dtype: torch.dtype) -> None:
+        """Block ``k``'s parameter shard (a view of its all-gather's input ``gin``) and, for
+        a padded block, its reduce-scatter's staging input."""
+        ws, off, sk = self.ws, self.offset[k], self.size[k]
+        self.pshard[k] = gin[off:off + sk]
+        if out is not None and sk * ws != self.length[k]:
+            # A padded block's reduce-scatter input: its own range of the all-gather's
+            # output (disjoint per block; every gathered value is copied out before
+            # the next backward writes a gradient there).
+            self.stage[k] = out[ws * off:ws * (off + sk)]
+        elif sk * ws != self.length[k] and self.zero_stage != 2:
+            self.stage[k] = torch.zeros(ws * sk, dtype=dtype, device=self.device)
+
+    def _pieces(self, group_of: Sequence[int], n_groups: int) -> None:
+        """This rank's pieces of the tensors (one per block and tensor its shard covers),
+        the reduce-scatter outputs, and a shard parameter per piece the optimizer steps,
+        by its param group (``group_of``: per tensor, -1 for none)."""
+        grads, r = self.grads, self.rank
         self.rs_out: list[torch.Tensor] = []
         #: This rank's pieces: (block, tensor, start, end), flat-buffer coordinates.
         self.pieces: list[tuple[int, int, int, int]] = []
         #: Per piece, its shard parameter (None: the tensor is not in the optimizer).
         self.shard_params: list[torch.nn.Parameter | None] = []
         by_group: list[list[tuple[torch.nn.Parameter, int, torch.Tensor]]] = [
-            [] for _ in optimizer.param_groups]
-        for k in range(m):
+            [] for _ in range(n_groups)]
+        for k in range(len(self.lo)):
             view = grads.block_views[k]
             lo, n, s = self.lo[k], self.length[k], self.size[k]
-            out = torch.zeros(s, dtype=view.dtype, device=dev)
+            out = torch.zeros(s, dtype=view.dtype, device=self.device)
             ps = self.pshard[k]
             self.rs_out.append(out)
             olo, ohi = lo + r * s, min(lo + (r + 1) * s, lo + n)
@@ -375,16 +410,23 @@ class Sharded:
         self.piece_grads = [self.rs_out[k][a - (self.lo[k] + r * self.size[k]):
                                            e - (self.lo[k] + r * self.size[k])]
                             for k, _, a, e in self.pieces]
-        #: Per tensor, how many pieces it is cut into over all ranks (1: one rank holds it
-        #: whole, and computes its norm as torch does).
+
+    def _count_pieces(self) -> None:
+        """Per tensor, how many pieces it is cut into over all ranks (1: one rank holds it
+        whole, and computes its norm as torch does)."""
+        grads = self.grads
         self.npieces = [0] * grads.n
-        for k in range(m):
+        for k in range(len(self.lo)):
             lo, n, s = self.lo[k], self.length[k], self.size[k]
             for t in grads.block_tensors[k]:
                 _, ts, te = grads.region[t]
-                for q in range(ws):
+                for q in range(self.ws):
                     if max(ts, lo + q * s) < min(te, lo + n, lo + (q + 1) * s):
                         self.npieces[t] += 1
+
+    def _step_state(self, m: int) -> None:
+        """What changes from step to step: staged gathers, ZeRO-2's block storage, the
+        transient memory count, GradScaler's view, the trace (``m`` blocks)."""
         #: Blocks gathered through a staging output, not yet copied into the flat buffer.
         self.unstaged = [False] * m
         #: ZeRO-2: per block, this step's gradient storage (``world_size * S`` elements, the
@@ -413,15 +455,6 @@ class Sharded:
         self.found_here: torch.Tensor | None = None
         #: The recorder of the measured timeline (set by ``install``), or None.
         self.trace: Any = None
-        self.refresh()
-        optimizer.state.clear()
-        for grp, members in zip(optimizer.param_groups, by_group):
-            grp["params"] = [sp for sp, _, _ in members]
-        #: The collective state-dict calls (a lone one fails on every rank in one line).
-        self.book = CallBook(chan)
-        chan.cause = self.book.cause
-        if full is not None:  # state loaded before wrapping: sharded like a loaded one
-            self.load_full(full)
 
     # -- the step ----------------------------------------------------------------------------
 
@@ -691,74 +724,93 @@ class Sharded:
         per-tensor norms, grouped by dtype in ``order`` (the model's parameter order). The
         shards' gradients are scaled by ``min(max_norm / (total + 1e-6), 1)``; returns the
         total norm. A collective: every rank calls it."""
-        g = self.grads
-        n = g.n
         norm_type = float(norm_type)
-        ts = [t for t in order if counted[t]]
-        dev = self.device
         inf = norm_type in (float("inf"), -float("inf"))
-        neg = norm_type == -float("inf")
-        whole = [self.npieces[t] == 1 for t in range(n)]
         mine: dict[int, list[int]] = {}
         for i, (_, t, _, _) in enumerate(self.pieces):
             if counted[t]:
                 mine.setdefault(t, []).append(i)
-        vec = torch.zeros(2 * n if inf else n, dtype=torch.float64, device=dev)
-        if neg:
-            vec[:n] = -float("inf")   # -min|x| under a max: no piece here is -inf
-        pg = self.piece_grads
         with torch.no_grad():
-            for t, idx in mine.items():
-                if inf:
-                    vals = torch.stack([(pg[i].abs().min() if neg else pg[i].abs().max())
-                                        .double() for i in idx])
-                    nan = vals.isnan()
-                    vals = -vals if neg else vals
-                    vec[t] = vals.masked_fill(nan, -float("inf")).max()
-                    vec[n + t] = nan.any().double()
-                elif whole[t]:
-                    vec[t] = torch.linalg.vector_norm(pg[idx[0]], norm_type).double()
-                else:
-                    acc = torch.zeros((), dtype=torch.float64, device=dev)
-                    for i in idx:
-                        x = pg[i].double()
-                        acc += (x != 0).sum() if norm_type == 0 else \
-                            torch.linalg.vector_norm(x, norm_type) ** norm_type
-                    vec[t] = acc
+            vec = self._norm_parts(mine, norm_type)
             # Issued whatever this rank counts (ranks that count differently get different
             # norms, as under DDP, but none waits alone).
             self.all_reduce(vec, dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
                             "all-reduce of the gradient norm's per-tensor parts")
+            ts = [t for t in order if counted[t]]
             if not ts:
                 return torch.tensor(0.0)
-            norms: dict[torch.dtype, list[torch.Tensor]] = {}
-            for t in ts:
-                v = vec[t]
-                if inf:
-                    v = torch.where(vec[n + t] > 0, float("nan"), -v if neg else v)
-                elif not whole[t] and norm_type != 0:
-                    v = v ** (1.0 / norm_type)
-                dt = g.views[t].dtype
-                norms.setdefault(dt, []).append(v.to(dt))
-            total = torch.linalg.vector_norm(
-                torch.stack([v for vs in norms.values() for v in vs]), norm_type)
+            total = self._total_norm(vec, ts, norm_type)
             if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is "
                     "non-finite, so it cannot be clipped. To disable this error and scale the "
                     "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
             coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-            by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-            for idx in mine.values():
-                for i in idx:
-                    by_dtype.setdefault(pg[i].dtype, []).append(pg[i])
-            for grads in by_dtype.values():
-                if foreach is False:
-                    for x in grads:
-                        x.mul_(coef)
-                else:
-                    torch._foreach_mul_(grads, coef)
+            self._scale_pieces(mine, coef, foreach)
         return total
+
+    def _norm_parts(self, mine: dict[int, list[int]], norm_type: float) -> torch.Tensor:
+        """This rank's part of each tensor's norm, from its pieces (``mine``: per tensor
+        counted, its piece indices), for the all-reduce: the sum of ``|x|^p`` in float64, a
+        tensor held whole here its norm; for ``inf`` / ``-inf`` the max of ``|x|`` (of
+        ``-min|x|``), then a NaN flag per tensor."""
+        n, pg = self.grads.n, self.piece_grads
+        inf = norm_type in (float("inf"), -float("inf"))
+        neg = norm_type == -float("inf")
+        vec = torch.zeros(2 * n if inf else n, dtype=torch.float64, device=self.device)
+        if neg:
+            vec[:n] = -float("inf")   # -min|x| under a max: no piece here is -inf
+        for t, idx in mine.items():
+            if inf:
+                vals = torch.stack([(pg[i].abs().min() if neg else pg[i].abs().max())
+                                    .double() for i in idx])
+                nan = vals.isnan()
+                vals = -vals if neg else vals
+                vec[t] = vals.masked_fill(nan, -float("inf")).max()
+                vec[n + t] = nan.any().double()
+            elif self.npieces[t] == 1:
+                vec[t] = torch.linalg.vector_norm(pg[idx[0]], norm_type).double()
+            else:
+                acc = torch.zeros((), dtype=torch.float64, device=self.device)
+                for i in idx:
+                    x = pg[i].double()
+                    acc += (x != 0).sum() if norm_type == 0 else \
+                        torch.linalg.vector_norm(x, norm_type) ** norm_type
+                vec[t] = acc
+        return vec
+
+    def _total_norm(self, vec: torch.Tensor, ts: Sequence[int], norm_type: float) -> torch.Tensor:
+        """torch's total from the all-reduced parts ``vec``: each tensor of ``ts`` (the
+        model's parameter order) its norm in its dtype, their vector norm, grouped by dtype."""
+        g, n = self.grads, self.grads.n
+        inf = norm_type in (float("inf"), -float("inf"))
+        neg = norm_type == -float("inf")
+        norms: dict[torch.dtype, list[torch.Tensor]] = {}
+        for t in ts:
+            v = vec[t]
+            if inf:
+                v = torch.where(vec[n + t] > 0, float("nan"), -v if neg else v)
+            elif self.npieces[t] != 1 and norm_type != 0:
+                v = v ** (1.0 / norm_type)
+            dt = g.views[t].dtype
+            norms.setdefault(dt, []).append(v.to(dt))
+        return torch.linalg.vector_norm(torch.stack([v for vs in norms.values() for v in vs]),
+                                        norm_type)
+
+    def _scale_pieces(self, mine: dict[int, list[int]], coef: torch.Tensor,
+                      foreach: bool | None) -> None:
+        """Scale the counted pieces' gradient shards by ``coef`` in place, by dtype."""
+        pg = self.piece_grads
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for idx in mine.values():
+            for i in idx:
+                by_dtype.setdefault(pg[i].dtype, []).append(pg[i])
+        for grads in by_dtype.values():
+            if foreach is False:
+                for x in grads:
+                    x.mul_(coef)
+            else:
+                torch._foreach_mul_(grads, coef)
 
     # -- GradScaler ------------------------------------------------------------------------
 
@@ -882,11 +934,16 @@ class Sharded:
         worth at a time, ``world_size * S`` elements) and copied to the host: the device
         never holds more than that beside the shards."""
         self.book.meet(what)
-        g = self.grads
-        n, m = g.n, len(self.pshard)
         keys = sorted(ELEMENTWISE)
-        # Per tensor: its step (-1: none), then 1 per elementwise key it has (-1: none).
-        info = torch.full((n, 1 + len(keys)), -1.0, dtype=torch.float64)
+        info, steps = self._state_info(keys)
+        full = self._gather_elementwise(keys, info)
+        return self._unsharded_state_dict(keys, info, steps, full)
+
+    def _state_info(self, keys: Sequence[str]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """What each tensor's state has on any rank, agreed by one host all-reduce on the
+        control group: per tensor its step (-1: none), then 1 per elementwise key of ``keys``
+        it has (-1: none); and this rank's own ``step`` tensors, by tensor."""
+        info = torch.full((self.grads.n, 1 + len(keys)), -1.0, dtype=torch.float64)
         steps: dict[int, torch.Tensor] = {}
         for (_, t, _, _), sp in zip(self.pieces, self.shard_params):
             st = self.opt.state.get(sp) if sp is not None else None
@@ -902,37 +959,59 @@ class Sharded:
         work = self.chan.control_all_reduce(info, dist.ReduceOp.MAX)
         if work is not None:
             self.chan.wait_host(work, "all-reduce of the optimizer state's keys and steps")
+        return info, steps
+
+    def _gather_elementwise(self, keys: Sequence[str], info: torch.Tensor
+                            ) -> dict[tuple[int, str], torch.Tensor]:
+        """Each elementwise key of each tensor, whole, on the host: gathered block by block
+        (one block's all-gather on the device at a time)."""
+        g, m = self.grads, len(self.pshard)
         mine: list[list[tuple[int, int, int, torch.nn.Parameter | None]]] = [[] for _ in range(m)]
         for (k, t, a, e), sp in zip(self.pieces, self.shard_params):
             mine[k].append((t, a, e, sp))
         full: dict[tuple[int, str], torch.Tensor] = {}
         for ki, key in enumerate(keys):
             for k in range(m):
-                ts_in = [t for t in self.grads.block_tensors[k] if info[t, 1 + ki] > 0]
+                ts_in = [t for t in g.block_tensors[k] if info[t, 1 + ki] > 0]
                 if not ts_in:
                     continue
-                lo, n_k, s = self.lo[k], self.length[k], self.size[k]
-                dtype = self.rs_out[k].dtype
-                olo = lo + self.rank * s
-                shard = torch.zeros(s, dtype=dtype, device=self.device)
-                for _, a, e, sp in mine[k]:
-                    v = self.opt.state.get(sp, {}).get(key) if sp is not None else None
-                    if v is not None:
-                        shard[a - olo:e - olo].copy_(v)
-                if self.ws > 1:
-                    out = torch.empty(s * self.ws, dtype=dtype, device=self.device)
-                    self.chan.wait(self._ag(out, shard), f"all-gather of block {k}'s {key}")
-                else:
-                    out = shard
-                host = out[:n_k].cpu()
-                del out, shard
+                host = self._gather_block_state(k, key, mine[k])
+                lo, n_k = self.lo[k], self.length[k]
                 for t in ts_in:
                     _, t0, t1 = g.region[t]
                     f = full.get((t, key))
                     if f is None:
-                        f = full[(t, key)] = torch.zeros(t1 - t0, dtype=dtype)
+                        f = full[(t, key)] = torch.zeros(t1 - t0, dtype=host.dtype)
                     a, e = max(t0, lo), min(t1, lo + n_k)
                     f[a - t0:e - t0] = host[a - lo:e - lo]
+        return full
+
+    def _gather_block_state(self, k: int, key: str,
+                            mine: Sequence[tuple[int, int, int, torch.nn.Parameter | None]]
+                            ) -> torch.Tensor:
+        """Block ``k``'s values of state ``key``, whole, on the host: this rank's pieces
+        (``mine``) put in its shard, the shards all-gathered."""
+        lo, n_k, s = self.lo[k], self.length[k], self.size[k]
+        dtype = self.rs_out[k].dtype
+        olo = lo + self.rank * s
+        shard = torch.zeros(s, dtype=dtype, device=self.device)
+        for _, a, e, sp in mine:
+            v = self.opt.state.get(sp, {}).get(key) if sp is not None else None
+            if v is not None:
+                shard[a - olo:e - olo].copy_(v)
+        if self.ws > 1:
+            out = torch.empty(s * self.ws, dtype=dtype, device=self.device)
+            self.chan.wait(self._ag(out, shard), f"all-gather of block {k}'s {key}")
+        else:
+            out = shard
+        return out[:n_k].cpu()
+
+    def _unsharded_state_dict(self, keys: Sequence[str], info: torch.Tensor,
+                              steps: dict[int, torch.Tensor],
+                              full: dict[tuple[int, str], torch.Tensor]) -> dict[str, Any]:
+        """The state dict of an unsharded optimizer over host stand-ins of the original
+        parameters, holding the gathered state (``full``, emptied) and the steps."""
+        g = self.grads
         plain, _ = self._plain(cpu=True)
         index = {id(p): t for t, p in enumerate(g.params)}
         from torch.optim import optimizer as optim_mod

@@ -182,9 +182,20 @@ class Recorder:
         us = tr.us
         tr.process(pid, self.label, {1: "compute", 2: "all-reduce"})
         recs = sorted(self.records, key=lambda r: r[-1] if r[0] != "G" else r[2])
-        f0s = [r[1] for r in recs if r[0] == "F0"]
-        f1s = [r[1] for r in recs if r[0] == "F1"]
-        steps = [r[1] for r in recs if r[0] == "S"]
+        self._compute_events(tr, pid, recs)
+        self._channel_events(tr, pid)
+        tr.other.update({"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
+                         "clock": ("CUDA events against a reference event, microseconds"
+                                   if self.clock is not None else "time.perf_counter, microseconds"),
+                         "forward_begin_us": [us(r[1]) for r in recs if r[0] == "F0"],
+                         "forward_end_us": [us(r[1]) for r in recs if r[0] == "F1"],
+                         "step_us": [us(r[1]) for r in recs if r[0] == "S"],
+                         "blocks": len(self.block_bytes)})
+        return tr
+
+    def _compute_events(self, tr: ChromeTrace, pid: int, recs: list[tuple[Any, ...]]) -> None:
+        """The compute thread (``recs`` in time order): forward, backward, and each update's
+        wait and run."""
         fwd_open: float | None = None
         bwd_open: float | None = None
         for r in recs:
@@ -205,8 +216,11 @@ class Recorder:
                     tr.complete(pid, 1, f"wait {label}", t0, t1 - t0,
                                 {"tensors": [self.names[t] for t in need]})
                 tr.complete(pid, 1, "update", t1, max(t2 - t1, 0.0))
-        # The channel: blocks (and all-gathers) in issue order; each starts when issued and
-        # the previous is done.
+
+    def _channel_events(self, tr: ChromeTrace, pid: int) -> None:
+        """The channel: blocks (and all-gathers) in issue order; each starts when issued and
+        the previous is done."""
+        us = tr.us
         issued = [(r[2], r[0], r[1]) for r in self.records if r[0] in ("I", "A")]
         done: dict[tuple[str, int], list[float]] = {}
         for r in self.records:
@@ -223,33 +237,27 @@ class Recorder:
             t_done = ds[i]
             start = max(t_issue, prev_done)
             prev_done = max(prev_done, t_done)
-            if kind == "A":
-                blocks = list(self.gathers[k]) if k < len(self.gathers) else []
-                tensors = sorted({t for b in blocks if b < len(self.block_tensors)
-                                  for t in self.block_tensors[b]})
-                name = f"all-gather {k} (blocks {', '.join(map(str, blocks))})"
-                nbytes: int | None = sum(self.block_bytes[b] for b in blocks
-                                         if b < len(self.block_bytes))
-                extra: dict[str, Any] = {"gather": k, "blocks": blocks}
-            else:
-                tensors = self.block_tensors[k] if k < len(self.block_tensors) else []
-                shown = ", ".join(self.names[t] for t in tensors[:3]) \
-                    + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
-                name = f"#{k} {shown}"
-                nbytes = self.block_bytes[k] if k < len(self.block_bytes) else None
-                extra = {}
+            name, tensors, nbytes, extra = self._collective(kind, k)
             tr.complete(pid, 2, name, start, max(t_done - start, 0.0),
                         {"bytes": nbytes, "issued_us": us(t_issue), "done_us": us(t_done),
                          "queued_ms": (start - t_issue) * 1e3,
                          "tensors": [self.names[t] for t in tensors], **extra})
-        tr.other.update({"source": "usbyte-opt runtime (USBYTE_TRACE)", "rank": self.rank,
-                         "clock": ("CUDA events against a reference event, microseconds"
-                                   if self.clock is not None else "time.perf_counter, microseconds"),
-                         "forward_begin_us": [us(t) for t in f0s],
-                         "forward_end_us": [us(t) for t in f1s],
-                         "step_us": [us(t) for t in steps],
-                         "blocks": len(self.block_bytes)})
-        return tr
+
+    def _collective(self, kind: str, k: int) -> tuple[str, list[int], int | None, dict[str, Any]]:
+        """An all-gather (``kind`` ``"A"``) or block's event: its name, tensors, bytes and
+        extra arguments."""
+        if kind == "A":
+            blocks = list(self.gathers[k]) if k < len(self.gathers) else []
+            tensors = sorted({t for b in blocks if b < len(self.block_tensors)
+                              for t in self.block_tensors[b]})
+            nbytes = sum(self.block_bytes[b] for b in blocks if b < len(self.block_bytes))
+            return (f"all-gather {k} (blocks {', '.join(map(str, blocks))})", tensors, nbytes,
+                    {"gather": k, "blocks": blocks})
+        tensors = list(self.block_tensors[k]) if k < len(self.block_tensors) else []
+        shown = ", ".join(self.names[t] for t in tensors[:3]) \
+            + (f" +{len(tensors) - 3}" if len(tensors) > 3 else "")
+        return (f"#{k} {shown}", tensors, self.block_bytes[k] if k < len(self.block_bytes)
+                else None, {})
 
     def save(self) -> Path | None:
         """Write the trace (atomically); ``None`` when nothing was recorded."""
