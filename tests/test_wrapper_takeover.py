@@ -6,6 +6,7 @@ tests/test_contract.py, tests/test_real_loop.py and tests/test_autotune.py)."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import gc
 import sys
@@ -84,6 +85,7 @@ def test_taken_over_at_the_first_step_class_unchanged_no_scan(pg, no_scan, mode)
     assert isinstance(rt, DistributedOptimizer) and rt.optimizer is opt
     assert type(opt) is torch.optim.AdamW and "usbyte" not in repr(type(opt))
     assert (rt.mode == Mode.SHARDED) == (mode == "sharded")
+    assert type(copy.copy(opt.param_groups)) is list    # (sharded mode: a list subclass)
     assert "usbyte_opt.runtime.wrapper" not in no_scan
     for a, b in zip(ref.parameters(), mod.parameters()):
         assert torch.equal(a, b)

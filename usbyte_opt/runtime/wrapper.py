@@ -461,6 +461,9 @@ class _Groups(list):  # type: ignore[type-arg]
                 self._busy = False
         return super().__iter__()
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (list, (list(self),))   # copied or pickled: the plain list
+
 
 @contextlib.contextmanager
 def inner(opt: torch.optim.Optimizer) -> Iterator[None]:
