@@ -23,7 +23,7 @@ Each run reports the median wall time per optimizer step (after warm-up) and a c
 the final parameters; the ratios baseline / path are taken within a round. Ranks are started
 as torchrun would (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``/``PORT``); with
 ``--bandwidth 200mbit`` (root) each rank runs in its own network namespace of the lab
-(``usbyte_opt.bench.lab``), joined by a shaped link.
+(``usbyte_opt.bench.netlab``), joined by a shaped link.
 
     python benchmarks/integrations.py                      # loopback -> benchmarks/integrations.md
     sudo python benchmarks/integrations.py --bandwidth 200mbit --trainers lightning
@@ -164,7 +164,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         lab, gbps = None, None
         if a.bandwidth:
-            from usbyte_opt.bench.lab import Lab, parse_rate
+            from usbyte_opt.bench.netlab import Lab, parse_rate
 
             gbps = parse_rate(a.bandwidth) / 1e9
         for trainer in a.trainers:

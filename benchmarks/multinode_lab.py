@@ -6,7 +6,7 @@
 
 Each run is one ``usbyte-opt bench --nodes 2 --nproc-per-node 2 --bandwidth 200mbit``
 (:func:`usbyte_opt.bench.run_bench`) of a lab model on this machine: the two-level lab of
-:mod:`usbyte_opt.bench.lab` (one network namespace per node, the node's two ranks over its
+:mod:`usbyte_opt.bench.netlab` (one network namespace per node, the node's two ranks over its
 loopback, the nodes joined by a veth pair shaped to 200 Mbit/s each way). It profiles in the
 lab, plans, then trains side by side, interleaved: PyTorch DDP (one flat ring over the 4
 ranks), ``best-flat`` (the planner's best with every block flat) and ``best`` (the planner's
@@ -79,7 +79,7 @@ def markdown(runs: list[dict], argv: str) -> str:
              + f" on {platform.node()}: {os.cpu_count()} cores, torch {first.get('torch', '?')}; "
              f"`{MODEL}`, batch {first.get('batch_size')} per rank, "
              f"{first.get('gradient_bytes', 0) / 1e6:.2f} MB of gradients; {NODES} nodes x "
-             f"{PER_NODE} ranks in the two-level lab of `usbyte_opt.bench.lab` (one network "
+             f"{PER_NODE} ranks in the two-level lab of `usbyte_opt.bench.netlab` (one network "
              "namespace per node: its two ranks talk over its loopback, the nodes over one veth "
              "pair with tbf at 200 Mbit/s on both ends), gloo. All 4 ranks share this machine's "
              "cores, so compute is slower than on 2 ranks.", "",

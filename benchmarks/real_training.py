@@ -7,7 +7,7 @@
 Cases: the three lab models of :mod:`usbyte_opt.models.lab` (``lab-cnn`` and ``lab-vgg``,
 communication about the size of compute at 200 Mbit/s; ``lab-transformer``) on 2 ranks of this
 machine (each pinned to its own core), at
-200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.bench.lab`: one network namespace per rank, tbf-shaped
+200 Mbit/s and 1 Gbit/s (:mod:`usbyte_opt.bench.netlab`: one network namespace per rank, tbf-shaped
 veth). Each case is one ``usbyte-opt bench`` run (:func:`usbyte_opt.bench.run_bench`): profile
 in the lab, plan, then train with DDP and with the runtime under wfbp, bytescheduler, usbyte
 and best, interleaved, plus a run without communication.
@@ -177,7 +177,7 @@ def markdown(cases: list[dict], all_runs: list[dict], argv: list[str]) -> str:
         f"`python benchmarks/real_training.py {' '.join(argv)}` on {platform.node() or 'this machine'}: "
         f"{os.cpu_count()} cores, {platform.machine()}, Linux {platform.release()}, torch "
         f"{cases[0]['torch'] if cases else '?'}; 2 ranks (one per core, 1 thread each), gloo over the "
-        "lab of `usbyte_opt.bench.lab` (one network namespace per rank, veth pair, tbf on both ends).",
+        "lab of `usbyte_opt.bench.netlab` (one network namespace per rank, veth pair, tbf on both ends).",
         "",
         "Measured: median iteration time over the timed iterations (forward start to forward "
         "start, mean of the two ranks), p10–p90 beside it; strategies take turns (interleaved "

@@ -7,7 +7,7 @@
 
 Each run is one ``usbyte-opt bench`` (:func:`usbyte_opt.bench.run_bench`) of a lab model
 (:mod:`usbyte_opt.models.lab`) on 2 ranks of this machine at 200 Mbit/s
-(:mod:`usbyte_opt.bench.lab`): profile in the lab (reduce-scatter and all-gather swept beside
+(:mod:`usbyte_opt.bench.netlab`): profile in the lab (reduce-scatter and all-gather swept beside
 all-reduce), plan, then train side by side, interleaved: PyTorch DDP, ``best`` (the all-reduce
 runtime), torch's FSDP2 (``fully_shard``), and the runtime in sharded mode (ZeRO-1) with
 ``fsdp-like``, ``dear-like`` and ``best-sharded``, and ``best-sharded`` again as ZeRO-2
@@ -68,7 +68,7 @@ def markdown(results: dict[str, list[dict]], argv: str) -> str:
     lines = ["# Sharded training in the lab", "",
              f"`python benchmarks/sharded_lab.py {argv}`".replace(" `", "`") + f" on {platform.node()}: "
              f"{os.cpu_count()} cores, torch {results[next(iter(results))][0].get('torch', '?')}; "
-             "2 ranks, gloo over the lab of `usbyte_opt.bench.lab` at 200 Mbit/s (one network "
+             "2 ranks, gloo over the lab of `usbyte_opt.bench.netlab` at 200 Mbit/s (one network "
              "namespace per rank, veth pair, tbf). Adam.", "",
              "Strategies, side by side in one bench run (interleaved rounds): `ddp` PyTorch DDP, "
              "`best` the all-reduce runtime, `fsdp2` torch's `fully_shard` (ZeRO-3: parameters "

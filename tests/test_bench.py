@@ -19,7 +19,7 @@ import torch
 from test_lab import SKIP as LAB_SKIP
 
 from usbyte_opt.bench import SHARDED_STRATEGIES, BenchConfig, ProfileOptions, run_bench
-from usbyte_opt.bench.lab import list_namespaces
+from usbyte_opt.bench.netlab import list_namespaces
 from usbyte_opt.bench.report import COLUMNS, compare_trace, markdown, stats, summarize, table_rows
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.launcher import run_local, values

@@ -16,8 +16,8 @@ import time
 
 import pytest
 
-from usbyte_opt.bench import lab as lab_mod
-from usbyte_opt.bench.lab import Lab, LabError, list_namespaces, parse_rate, preflight, remove_stale, shaping
+from usbyte_opt.bench import netlab as lab_mod
+from usbyte_opt.bench.netlab import Lab, LabError, list_namespaces, parse_rate, remove_stale, require_lab, shaping
 from usbyte_opt.errors import UsbyteError
 
 PREFIX = "usbytetest-"
@@ -73,7 +73,7 @@ def test_shaping_burst_and_queue():
 def test_without_root_a_clear_message(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 1000)
     with pytest.raises(LabError, match="needs root.*leave --bandwidth out"):
-        preflight()
+        require_lab()
     with pytest.raises(LabError, match="needs root"):
         Lab(2, "200mbit").__enter__()
 
@@ -82,7 +82,7 @@ def test_without_ip_a_clear_message(monkeypatch):
     monkeypatch.setattr(os, "geteuid", lambda: 0)
     monkeypatch.setattr(lab_mod.shutil, "which", lambda tool: None if tool == "tc" else "/sbin/" + tool)
     with pytest.raises(LabError, match="needs `tc`.*iproute2"):
-        preflight()
+        require_lab()
 
 
 def test_one_rank_is_refused():
@@ -162,7 +162,7 @@ def test_removed_when_the_body_raises():
 def test_removed_when_the_process_is_interrupted(sig):
     code = textwrap.dedent(f"""
         import sys, time
-        from usbyte_opt.bench.lab import Lab
+        from usbyte_opt.bench.netlab import Lab
         with Lab(2, "200mbit", prefix={PREFIX!r}):
             print("open", flush=True)
             time.sleep(60)

@@ -21,7 +21,7 @@ import torch
 from test_lab import PREFIX, SKIP, ours
 
 from usbyte_opt.bench import BenchConfig, default_out_dir, network_info, run_bench
-from usbyte_opt.bench.lab import IFNAME, Lab, LoopbackNodes, check_nodes, node_env, tx_bytes
+from usbyte_opt.bench.netlab import IFNAME, Lab, LoopbackNodes, check_nodes, node_env, tx_bytes
 from usbyte_opt.errors import UsbyteError
 from usbyte_opt.launcher import run_local, values
 
@@ -179,7 +179,7 @@ def test_bytes_per_iteration_sum_the_nodes_counted():
 RANK_SCRIPT = """
 import json, os, sys
 import torch, torch.distributed as dist
-from usbyte_opt.bench.lab import tx_bytes
+from usbyte_opt.bench.netlab import tx_bytes
 
 dist.init_process_group("gloo")
 r, n = dist.get_rank(), dist.get_world_size()

@@ -5,7 +5,7 @@ Every rank usbyte-opt starts is told its place as torchrun tells it (:func:`rank
 ``MASTER_PORT``), and on CUDA uses the GPU of its ``LOCAL_RANK``. Three ways to start them:
 
 - :func:`run_ranks`: a command as ``nproc`` processes on this host, on loopback or inside the
-  lab (:class:`usbyte_opt.bench.lab.Lab`: ``lab.command`` wraps each rank's command,
+  lab (:class:`usbyte_opt.bench.netlab.Lab`: ``lab.command`` wraps each rank's command,
   ``lab.env`` gives its address); :func:`run_command` runs ``usbyte-opt ARGS`` that way
   (``usbyte-opt profile --nproc-per-node``), the bench its workers.
 - :func:`run_local`: a Python function on ``world_size`` spawned processes, each with its
@@ -431,7 +431,7 @@ def run_ranks(argv: Sequence[str], nproc: int, *, logs: Path | None = None, term
     (:data:`~usbyte_opt.env.ERROR_FILE_ENV`, in a temporary folder), read back once it has
     ended: a rank's entry point under :func:`record_rank` leaves its one line there. On
     loopback the ranks meet
-    at a free port; with ``lab`` (an open :class:`usbyte_opt.bench.lab.Lab`) each rank runs as
+    at a free port; with ``lab`` (an open :class:`usbyte_opt.bench.netlab.Lab`) each rank runs as
     ``lab.command(rank, argv)`` with ``lab.env(rank)``, so that its bytes cross the lab's links.
 
     Args:

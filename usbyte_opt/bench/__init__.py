@@ -11,13 +11,13 @@ predicted beside measured) and ``logs/rank<r>.log``.
 
 Where the ranks run:
 
-* ``bandwidth`` given: in the lab (:mod:`usbyte_opt.bench.lab`), one network namespace per
+* ``bandwidth`` given: in the lab (:mod:`usbyte_opt.bench.netlab`), one network namespace per
   rank, links shaped with tbf — root only; with ``nodes`` > 1 the two-level lab: one
   namespace per node, ``nproc`` ranks in each over its loopback, the nodes joined by the
   shaped links;
 * otherwise on this machine's loopback (gloo, or NCCL with CUDA); with ``nodes`` > 1 the ranks
   are grouped into nodes there (torchrun's node variables, nothing shaped:
-  :class:`~usbyte_opt.bench.lab.LoopbackNodes`);
+  :class:`~usbyte_opt.bench.netlab.LoopbackNodes`);
 * under torchrun (``RANK`` set), on the ranks torchrun started: every rank calls
   :func:`run_bench`, rank 0 gets the result, the others ``None``.
 
@@ -57,7 +57,7 @@ from ..launcher import threads_per_rank
 from ..planning.strategies import load_sharded
 from ..profiler.options import ProfileOptions
 from .job import Job
-from .lab import IFNAME
+from .netlab import IFNAME
 from .worker import REFERENCE, TORCH_DDP, TORCH_FSDP2
 
 #: The planner's sharded strategies (schedules in ``Mode.SHARDED``, ZeRO-1 on the runtime)
@@ -139,7 +139,7 @@ def describe_link(spec: Any) -> str:
         >>> describe_link(parse_emulate("8x1gbit"))  # doctest: +ELLIPSIS
         'emulated link: 8 ranks at 1 Gbit/s, alpha 50 µs: every collective occupies one ...'
     """
-    from .lab import format_rate
+    from .netlab import format_rate
 
     return (f"emulated link: {spec.ranks} ranks at {format_rate(spec.bytes_per_s * 8)}, alpha "
             f"{spec.alpha_s * 1e6:g} µs: every collective occupies one serial channel for "
@@ -416,7 +416,7 @@ def network_info(lab: Any = None, emulate: Any = None) -> dict[str, Any]:
                 "link": {"spec": str(emulate), "ranks": emulate.ranks,
                          "rate_bps": emulate.bytes_per_s * 8, "alpha_us": emulate.alpha_s * 1e6}}
     if lab is not None and getattr(lab, "shaping", None) is not None:
-        from .lab import format_rate
+        from .netlab import format_rate
 
         s = lab.shaping
         nodes = {"nodes": lab.nodes, "ranks_per_node": lab.ranks_per_node} \
@@ -488,7 +488,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
     from ..formats import write_json
     from ..models import resolve
     from . import report
-    from .lab import LoopbackNodes, check_nodes
+    from .netlab import LoopbackNodes, check_nodes
     from .worker import run_rank
 
     t0 = time.perf_counter()
@@ -523,7 +523,7 @@ def run_bench(cfg: BenchConfig, progress: Callable[[str], None] | None = None) -
         if raw is None:
             return None
     else:
-        from .lab import Lab
+        from .netlab import Lab
 
         ctx: Any = contextlib.nullcontext()
         if cfg.bandwidth:

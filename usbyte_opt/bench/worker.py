@@ -577,7 +577,7 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
 def _link_counter(job: Job) -> Callable[[], int] | None:
     """The byte counter of this node's lab link (``job.link``), read by the first rank of
     each node only (the node's ranks share the link); ``None`` elsewhere."""
-    from .lab import tx_bytes
+    from .netlab import tx_bytes
 
     if job.link is None or int(os.environ.get("LOCAL_RANK", "0")) != 0 \
             or tx_bytes(job.link) is None:

@@ -139,11 +139,11 @@ def bench(
 
         check_emulate(emulate, nproc_per_node, nodes, bandwidth)
         cfg.strategy_list()
-        from ..bench.lab import check_nodes
+        from ..bench.netlab import check_nodes
 
         check_nodes(nodes, nproc_per_node)
         if bandwidth:
-            from ..bench.lab import parse_rate
+            from ..bench.netlab import parse_rate
 
             parse_rate(bandwidth)
     except UsageError:

@@ -231,7 +231,7 @@ def tx_bytes(ifname: str = IFNAME, table: str = "/proc/net/dev") -> int | None:
     return None
 
 
-def preflight() -> None:
+def require_lab() -> None:
     """Raise :class:`LabError` (one line, with what to do) unless the lab can be built here."""
     if os.name != "posix" or not os.path.exists("/proc/self/ns/net"):
         raise LabError("--bandwidth needs Linux network namespaces; leave --bandwidth out to use the "
@@ -408,7 +408,7 @@ class Lab:
     # -- life cycle --------------------------------------------------------------------------
 
     def __enter__(self) -> Lab:
-        preflight()
+        require_lab()
         remove_stale(self.prefix)
         self._install_signals()
         atexit.register(self.close)
@@ -559,4 +559,4 @@ class LoopbackNodes:
 
 
 __all__ = ["IFNAME", "Lab", "LabError", "LoopbackNodes", "PREFIX", "Shaping", "check_nodes", "format_rate",
-           "list_namespaces", "node_env", "parse_rate", "preflight", "remove_stale", "shaping", "tx_bytes"]
+           "list_namespaces", "node_env", "parse_rate", "require_lab", "remove_stale", "shaping", "tx_bytes"]
