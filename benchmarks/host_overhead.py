@@ -187,10 +187,9 @@ def run_once(n: int, rounds: int, iters: int, tree: str | None,
     env = dict(os.environ)
     if tree:
         env["PYTHONPATH"] = os.pathsep.join([tree, env.get("PYTHONPATH", "")])
-    code = (f"import json, sys; sys.path.insert(0, {str(HERE)!r}); import host_overhead as h; "
-            f"print('RESULT' + json.dumps(h.worker({n}, {rounds}, {iters}, {fsdp2_max})))")
-    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       cwd=tree or str(HERE.parent), timeout=1800)
+    p = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--worker",
+                        f"{n},{rounds},{iters},{fsdp2_max}"], env=env, capture_output=True,
+                       text=True, cwd=tree or str(HERE.parent), timeout=1800)
     line = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT")]
     if p.returncode != 0 or not line:
         raise SystemExit(f"worker failed ({tree or 'this tree'}, n={n}):\n{p.stderr[-3000:]}")
@@ -238,7 +237,12 @@ def main() -> None:
     ap.add_argument("--fsdp2-max", type=int, default=400,
                     help="run FSDP2 up to this many parameters (it is about 8x DDP's time)")
     ap.add_argument("--quick", action="store_true", help="1 run, 4 rounds, print only")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # N,ROUNDS,ITERS,FSDP2_MAX
     a = ap.parse_args()
+    if a.worker:   # one process of run_once(): the arms, a JSON line on stdout
+        n, rounds, iters, fsdp2_max = (int(v) for v in a.worker.split(","))
+        print("RESULT" + json.dumps(worker(n, rounds, iters, fsdp2_max)), flush=True)
+        return
     if a.quick:
         a.runs, a.rounds = 1, 4
     sizes = [int(s) for s in a.sizes.split(",")]
