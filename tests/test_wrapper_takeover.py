@@ -23,6 +23,7 @@ from usbyte_opt.errors import UsbyteError
 from usbyte_opt.formats import Mode
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule
 from usbyte_opt.runtime import wrapper as wrapper_mod
+from usbyte_opt.runtime.exit_hook import OPEN
 
 
 def net() -> nn.Module:
@@ -147,6 +148,8 @@ def test_a_step_replaced_on_the_object_is_refused(pg):
     mod = net()
     opt = torch.optim.SGD(mod.parameters(), lr=0.1)
     opt.step = lambda closure=None: None    # (not an LR scheduler's wrapper)
+    open_before = len(OPEN)
     with pytest.raises(UsbyteError, match="SGD.step is replaced on the object"):
         usbyte_opt.DistributedDataParallel(mod, schedule=default_schedule(mod), optimizer=opt,
                                            verify=False)
+    assert len(OPEN) == open_before          # refused before a runtime was built

@@ -239,6 +239,7 @@ class DistributedDataParallel(torch.nn.Module):
         kw.setdefault("broadcast_buffers", self.broadcast_buffers)
         kw.setdefault("find_unused_parameters", self.find_unused_parameters)
         ddp = self.__dict__["_ddp"]
+        check_routable(optimizer)
         with _out_of_sight(ddp):
             rt = DistributedOptimizer(optimizer, self.module, self._schedule, self.process_group,
                                       **kw)
@@ -341,12 +342,8 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
     reading ``param_groups`` after backward is shown the gradient shards (:class:`_Groups`).
     The runtime's own calls of the optimizer (:func:`inner`) reach the optimizer's own
     methods; after ``rt.close()`` every call is the optimizer's own again."""
+    check_routable(optimizer)
     d = optimizer.__dict__
-    step = d.get("step")
-    if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
-        raise UsbyteError(f"{type(optimizer).__name__}.step is replaced on the object "
-                          f"({step!r}): the runtime cannot take it over; pass the optimizer "
-                          "before replacing its step")
     if "_usbyte_own_amp" not in d:   # (not taken over before)
         d["_usbyte_own_amp"] = d.get("_step_supports_amp_scaling", _ABSENT)
         d["_usbyte_state_hook"] = optimizer.register_state_dict_post_hook(_state_dict_hook)
@@ -357,6 +354,17 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
     if rt._state.sharded is not None and not isinstance(d["param_groups"], _Groups):
         d["param_groups"] = _Groups(d["param_groups"], weakref.ref(optimizer))
     d["_usbyte_rt"] = rt
+
+
+def check_routable(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer whose ``step`` was replaced on the object by anything but an LR
+    scheduler (whose marking the runtime's ``step`` keeps): that call would bypass the
+    runtime, and replacing it would drop what it does."""
+    step = optimizer.__dict__.get("step")
+    if step is not None and not getattr(step, "_wrapped_by_lr_sched", False):
+        raise UsbyteError(f"{type(optimizer).__name__}.step is replaced on the object "
+                          f"({step!r}): the runtime cannot take it over; pass the optimizer "
+                          "before replacing its step")
 
 
 _ABSENT = object()
