@@ -163,10 +163,15 @@ def misuse(rank: int, ws: int, how: str) -> str:
     try:
         if how == "ddp":
             DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), DDP(m), schedule=sched)
-        elif how == "inside":
+        elif how == "inside":   # a DDP built first, the runtime after it, a forward through it
             d = DDP(m)
-            DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m, schedule=sched)
-            del d
+            opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
+                                       schedule=sched, verify=False)
+            x, y = batch(rank, 0)
+            try:
+                F.cross_entropy(d(x), y).backward()
+            finally:
+                opt.close()
         elif how == "later":   # a trainer wraps the model after the optimizer was built
             opt = DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1), m,
                                        schedule=sched, verify=False)
@@ -188,7 +193,7 @@ def misuse(rank: int, ws: int, how: str) -> str:
 
 MISUSES = [
     ("ddp", "the model is wrapped in DistributedDataParallel"),
-    ("inside", "sits inside a DistributedDataParallel"),
+    ("inside", "runs inside DistributedDataParallel"),
     ("later", "runs inside DistributedDataParallel"),
     ("fsdp2", "FSDP2"),
 ]

@@ -13,7 +13,6 @@
 
 from __future__ import annotations
 
-import gc
 import math
 import os
 import warnings
@@ -212,8 +211,11 @@ def _sharded_param(p: torch.Tensor) -> str | None:
 
 
 def check_not_wrapped(model: torch.nn.Module) -> None:
-    """Raise :class:`~usbyte_opt.errors.UsbyteError` if ``model`` is, contains, or sits inside
-    ``DistributedDataParallel`` or FSDP: the runtime averages the gradients itself.
+    """Raise :class:`~usbyte_opt.errors.UsbyteError` if ``model`` is or contains
+    ``DistributedDataParallel`` or FSDP, or holds parameters sharded by FSDP: the runtime
+    averages the gradients itself. A wrapper built around the model (before or after the
+    runtime) is found when it runs the model's forward (:func:`wrapped_now`): only a forward
+    through it would average the gradients twice, and no scan of live objects is needed.
 
     Example::
 
@@ -237,17 +239,6 @@ def check_not_wrapped(model: torch.nn.Module) -> None:
             raise UsbyteError(f"model: parameter {pname!r} is sharded by {kind}: the runtime "
                               "averages whole gradients of plain parameters; pass the unsharded "
                               "module")
-    # A wrapper that already holds the model (a trainer wrapped it first).
-    verdict: dict[type, bool] = {}
-    for obj in gc.get_objects():
-        t = type(obj)  # not isinstance: no __class__ of lazy or deprecated proxies is read
-        hit = verdict.get(t)
-        if hit is None:
-            hit = verdict[t] = issubclass(t, kinds)
-        if hit and obj is not model:
-            if any(m is model for m in obj.modules()):  # type: ignore[attr-defined]
-                raise UsbyteError(f"model: it sits inside a {name_of(obj)} built before this "
-                                  f"optimizer: {_HINT}")
 
 
 def wrapped_now(model: torch.nn.Module, params: Mapping[str, torch.Tensor] | None) -> str:

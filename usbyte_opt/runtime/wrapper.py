@@ -240,9 +240,7 @@ class DistributedDataParallel(torch.nn.Module):
         kw.setdefault("find_unused_parameters", self.find_unused_parameters)
         ddp = self.__dict__["_ddp"]
         check_routable(optimizer)
-        with _out_of_sight(ddp):
-            rt = DistributedOptimizer(optimizer, self.module, self._schedule, self.process_group,
-                                      **kw)
+        rt = DistributedOptimizer(optimizer, self.module, self._schedule, self.process_group, **kw)
         take_over(optimizer, rt)
         self._opt = rt
         if rt._tuner is not None and rt._tuner.phase != "settled":   # verifying or planning
@@ -312,22 +310,6 @@ def _before_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
 def _after_any_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for w in list(_WATCHING):
         w._after_step(optimizer)
-
-
-@contextlib.contextmanager
-def _out_of_sight(ddp: torch.nn.Module | None) -> Iterator[None]:
-    """The wrapper's own torch DDP, its module detached while the runtime's start-up looks for
-    a data-parallel wrapper around the model (one built before the optimizer would average the
-    gradients twice; this one runs instead of the runtime, never around it)."""
-    if ddp is None:
-        yield
-        return
-    modules = ddp._modules
-    module = modules.pop("module")
-    try:
-        yield
-    finally:
-        modules["module"] = module
 
 
 # -- the taken-over optimizer -------------------------------------------------------------------
