@@ -18,6 +18,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from .errors import plural  # noqa: F401  (the CLI's one home of counted words)
+
 #: Width that titles, captions, paragraphs and every table keep within (the terminal's when
 #: narrower): 80 columns, piped or not.
 TABLE_WIDTH = 80
@@ -62,17 +64,6 @@ def warning_text(message: str) -> str:
 def info(message: str) -> None:
     """One line on stderr as it is, with no prefix: progress, where the files went."""
     err.print(message, markup=False)
-
-
-def plural(n: int, noun: str, many: str | None = None) -> str:
-    """``n`` and ``noun``, in the plural unless ``n`` is 1.
-
-    Example::
-
-        >>> plural(1, "block"), plural(3, "block"), plural(2, "all-reduce"), plural(0, "rank")
-        ('1 block', '3 blocks', '2 all-reduces', '0 ranks')
-    """
-    return f"{n} {noun if n == 1 else (many or noun + 's')}"
 
 
 def emit_json(data: Any) -> None:

@@ -116,5 +116,16 @@ def with_rank(rank: int | str, message: str) -> str:
     return message if message.startswith(prefix) else f"{prefix} {message}"
 
 
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """``n`` and ``noun``, in the plural unless ``n`` is 1.
+
+    Example::
+
+        >>> plural(1, "block"), plural(3, "block"), plural(2, "all-reduce"), plural(0, "rank")
+        ('1 block', '3 blocks', '2 all-reduces', '0 ranks')
+    """
+    return f"{n} {noun if n == 1 else (many or noun + 's')}"
+
+
 __all__ = ["DistributedError", "ExitError", "FormatError", "MismatchError", "PeerFailure",
-           "UsageError", "UsbyteError", "first_line", "with_rank"]
+           "UsageError", "UsbyteError", "first_line", "plural", "with_rank"]

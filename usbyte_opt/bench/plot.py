@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from ..console import plural
+from ..errors import plural
 
 
 def available() -> bool:

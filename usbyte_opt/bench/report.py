@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from ..collectives.sweep import median
-from ..console import plural
+from ..errors import plural
 from ..profiler.timing import quantile
 from ..verdict import Budget, Ratio
 from .worker import DDP_TUNED, REFERENCE, TORCH_DDP, TORCH_FSDP2

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..console import plural
+from ..errors import plural
 from ..formats import Mode
 from ..launcher import PROGRESS_PREFIX
 from .job import Job

@@ -61,7 +61,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import AUTO_DIR_ENV, SUMMARY_FILE_ENV
-from ..errors import UsbyteError
+from ..errors import UsbyteError, plural
 from ..formats import CommSpec, HostCost, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
 from ..verdict import Budget, Ratio
 
@@ -621,8 +621,6 @@ class Tuner:
             print(self.line(note), file=sys.stderr, flush=True)
 
     def _what(self) -> str:
-        from ..console import plural
-
         sched = self.plan[0]
         return f"{sched.strategy} ({sched.mode}, {plural(len(sched.blocks), 'block')})"
 
@@ -639,8 +637,6 @@ class Tuner:
         """One line: what runs now and why — the plan kept with its time against DDP's
         buckets' (interval) and the prediction, or DDP's buckets and why (the plan slower, not
         measurably faster, planning failed), or the state while still measuring."""
-        from ..console import plural
-
         i = self.info
         what = self._what()
         r = self.ratio
@@ -682,8 +678,6 @@ class Tuner:
         extra = (n * (host.runtime_tensor_us - host.ddp_tensor_us)
                  + m * (host.runtime_block_us - host.ddp_bucket_us)) / 1e3
         hidden = "" if host.launch_bound else ", hidden where the GPU is busier than the host"
-        from ..console import plural
-
         return (f" (the runtime on DDP's buckets, not torch DDP itself: about {extra:.2f} ms "
                 f"more host time per iteration than torch DDP for {plural(n, 'tensor')} in "
                 f"{plural(m, 'block')}"

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from ..env import TRACE_ENV
-from ..errors import UsbyteError
+from ..errors import UsbyteError, plural
 from ..formats import Mode, Schedule
 from . import amp
 from .backward import Phase
@@ -411,8 +411,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._state.stepper.calls
 
     def __repr__(self) -> str:
-        from ..console import plural
-
         return (f"DistributedOptimizer({type(self._opt).__name__}, schedule={self.schedule_source}"
                 f" [{self.schedule.strategy}, {plural(self._state.m, 'block')}, {self.mode}], world_size="
                 f"{self._chan.world_size})")
