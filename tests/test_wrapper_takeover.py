@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from test_wrapper import batch, net
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import usbyte_opt
@@ -24,16 +25,6 @@ from usbyte_opt.formats import Mode
 from usbyte_opt.runtime import DistributedOptimizer, default_schedule
 from usbyte_opt.runtime import wrapper as wrapper_mod
 from usbyte_opt.runtime.exit_hook import OPEN
-
-
-def net() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
-
-
-def batch(i: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(i)
-    return torch.randn(6, 4, generator=g), torch.randn(6, 2, generator=g)
 
 
 def run(model: nn.Module, opt: torch.optim.Optimizer, sched, scaler, steps: int = 4) -> None:
