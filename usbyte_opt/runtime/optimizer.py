@@ -62,7 +62,7 @@ from .default_plan import fallback_schedule
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
 from .start import ScheduleArg, requested, start_up
-from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, HostUpdates, inner_step
+from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, inner_step
 
 if TYPE_CHECKING:
     from .autotune import IterationStamps, Tuner
@@ -562,12 +562,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if comm.phase is Phase.WAITED:
             comm.discard = set_to_none
         if set_to_none:
-            ups = st.updates
-            if st.sharded is None and ups.n_pending and isinstance(ups, HostUpdates):
-                ups.none_after_update()   # each pending p.grad goes once its update read it
-            else:
-                for p in g.params:
-                    p.grad = None
+            st.updates.drop_grads()   # (on the host: each pending p.grad once its update read it)
             if st.sharded is not None:
                 comm.zero_intent[:] = [False] * st.n
             return

@@ -53,6 +53,8 @@ class Updates(Protocol):
       ``need``; when it returns, their updated values are what the current stream reads;
     * :meth:`flush`: every pending update is done (for the current stream) when it returns;
       it returns the tensors no gate had covered (the stale-use check of the next backward);
+    * :meth:`drop_grads`, at ``zero_grad(set_to_none=True)``: every ``p.grad`` is ``None``
+      once nothing pending reads it (at once where nothing does);
     * :attr:`n_pending`: how many tensors are pending (0: the gates do nothing);
     * :attr:`pending`: per tensor, whether it is pending, or ``None`` when the
       implementation does not track it per tensor (then every gate calls :meth:`gate`).
@@ -69,6 +71,8 @@ class Updates(Protocol):
     def gate(self, need: Sequence[int]) -> None: ...
 
     def flush(self) -> list[int]: ...
+
+    def drop_grads(self) -> None: ...
 
 
 class Stepper(Protocol):
@@ -199,7 +203,7 @@ class HostUpdates:
         self.pending = [False] * n
         self.n_pending = 0
         #: Pending tensors whose ``p.grad`` goes to ``None`` once their update has read it
-        #: (:meth:`none_after_update`), and how many.
+        #: (:meth:`drop_grads`), and how many.
         self.drop = bytearray(n)
         self.n_drop = 0
         self.nblocks = [len(ks) for ks in grads.tensor_blocks]
@@ -241,10 +245,10 @@ class HostUpdates:
             self.drop[:] = bytes(self.n)
             self.n_drop = 0
 
-    def none_after_update(self) -> None:
-        """``zero_grad(set_to_none=True)`` while updates are pending: a pending tensor whose
-        ``p.grad`` is its view keeps it until its update has read it, then loses it; every
-        other ``p.grad`` goes now. What user code reads is the same (a read of a pending
+    def drop_grads(self) -> None:
+        """``zero_grad(set_to_none=True)``: a pending tensor whose ``p.grad`` is its view
+        keeps it until its update has read it, then loses it; every other ``p.grad`` goes
+        now. What user code reads is the same (a read of a pending
         tensor's ``p.grad`` runs its update first, :mod:`.guard`), and the update writes
         ``p.grad`` once instead of three times (to the view for the call, back to ``None``
         after it, after ``None`` at ``zero_grad()``)."""
@@ -424,6 +428,12 @@ class StreamUpdates:
         self.active = False
         self.n_pending = 0
         return late
+
+    def drop_grads(self) -> None:
+        """``zero_grad(set_to_none=True)``: every ``p.grad`` goes now (the queued updates
+        read the views, which they hold)."""
+        for p in self.grads.params:
+            p.grad = None
 
 
 def update_groups(last: Sequence[int], groups: int) -> list[int]:
