@@ -367,7 +367,6 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
 def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], None]) -> tuple[Any, str]:
     """Profile on this process group (rank 0 writes ``profile.json``), or load ``job.profile``."""
     from ..formats import load_profile, save_profile
-    from ..profiler.host import through_emulated_link
     from ..profiler.run import profile_model
 
     if job.profile:
@@ -395,9 +394,8 @@ def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], Non
             link = parse_emulate(job.emulate)
         # Under --emulate the host probe's collectives take the link too (its submission is
         # part of what each block costs this run).
-        with through_emulated_link(link):
-            prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
-                                 progress=progress)
+        prof = profile_model(job.model, job.batch_size, opts, name=job.name, device=dev,
+                             progress=progress, host_link=link)
     path = str(Path(job.out_dir) / "profile.json")
     if rank == 0:
         save_profile(prof, path)

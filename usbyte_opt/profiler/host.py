@@ -21,7 +21,7 @@ on their device and backend:
   the runner, such as its step's bookkeeping, is spread over the ``n`` tensors); the median
   over rounds, then the maximum over ranks (the slowest rank gates every block).
 
-Under ``usbyte-opt bench --emulate`` (:func:`through_emulated_link`) every arm's collectives
+Under ``usbyte-opt bench --emulate`` (``host_cost(link=)``) every arm's collectives
 also go through an emulated link of the same kind as the run's, with no link time: the run
 pays the link's own submission per block and per bucket (on CUDA events, a stream switch and
 a CUDA-aware future each), so the profile charges it too.
@@ -38,7 +38,6 @@ About 1–3 s on a 2-core CPU.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import os
 import statistics
 import time
@@ -63,31 +62,6 @@ WARMUP = 3
 
 #: The arms, in the order of the first round.
 ARMS = ("plain", "runtime-1", "runtime-n", "ddp-1", "ddp-n")
-
-#: The emulated link the probe's collectives go through (:func:`through_emulated_link`).
-_LINK: contextvars.ContextVar[Any] = contextvars.ContextVar("usbyte_host_link", default=None)
-
-
-@contextlib.contextmanager
-def through_emulated_link(spec: Any) -> Iterator[None]:
-    """Within it, :func:`host_cost` sends every arm's collectives through an emulated link of
-    ``spec``'s ranks (a :class:`~usbyte_opt.collectives.emulate.LinkSpec`, or ``None``: the
-    real collectives only) with no link time, as ``bench --emulate`` trains: the probe then
-    measures the link's own cost per block and per bucket with the rest.
-
-    Example::
-
-        >>> from usbyte_opt.collectives.emulate import parse_emulate
-        >>> with through_emulated_link(parse_emulate("8x1gbit")):
-        ...     p = host_cost(torch.device("cpu"), layers=4, rounds=1, per_round=1, warmup=1)
-        >>> p.emulated
-        '8 ranks'
-    """
-    token = _LINK.set(spec)
-    try:
-        yield
-    finally:
-        _LINK.reset(token)
 
 
 class ManyTiny(nn.Module):
@@ -124,7 +98,7 @@ class HostProbe:
     ddp_buckets_measured: bool = True
     seconds: float = 0.0
     #: ``"N ranks"`` when the arms' collectives went through an emulated link of N ranks
-    #: (:func:`through_emulated_link`), else ``None``.
+    #: (``host_cost(link=)``), else ``None``.
     emulated: str | None = None
 
 
@@ -200,11 +174,15 @@ def _probe_group(dev: torch.device, group: Any) -> Iterator[Any]:
 
 def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rounds: int = ROUNDS,
               per_round: int = PER_ROUND, warmup: int = WARMUP,
-              optimizer: Callable[[Any], torch.optim.Optimizer] | None = None) -> HostProbe:
+              optimizer: Callable[[Any], torch.optim.Optimizer] | None = None,
+              link: Any = None) -> HostProbe:
     """Measure this rank's host cost per tensor and per block of the runtime and of DDP (the
     module docstring), on ``dev``; ``group``: the profile's process group (default the world,
     or none). Every rank of ``group`` may call it at once (it runs no collective on
-    ``group``); the caller takes the maximum over ranks.
+    ``group``); the caller takes the maximum over ranks. ``link``: a
+    :class:`~usbyte_opt.collectives.emulate.LinkSpec` whose ranks every arm's collectives also
+    go through with no link time (``bench --emulate``: the link's submission is part of what
+    each block of the run costs), or ``None``.
 
     Example (CPU, one rank, no process group)::
 
@@ -213,6 +191,10 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
         (16, ['ddp-1', 'ddp-n', 'plain', 'runtime-1', 'runtime-n'])
         >>> p.runtime_tensor_us >= 0 and p.runtime_block_us >= 0
         True
+        >>> from usbyte_opt.collectives.emulate import parse_emulate
+        >>> host_cost(torch.device("cpu"), layers=4, rounds=1, per_round=1, warmup=1,
+        ...           link=parse_emulate("8x1gbit")).emulated
+        '8 ranks'
     """
     from ..ddp import supports_bucket_list
     from ..planning.problem import Problem
@@ -221,8 +203,7 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
     t0 = time.perf_counter()
     make_opt = optimizer or (lambda ps: torch.optim.SGD(ps, lr=1e-3))
     x = torch.randn(4, 8, device=dev)
-    spec = _LINK.get()
-    with _quiet(), _probe_group(dev, group) as pg, _emulation(spec, dev, pg) as (on_channel, on_ddp):
+    with _quiet(), _probe_group(dev, group) as pg, _emulation(link, dev, pg) as (on_channel, on_ddp):
         def model() -> nn.Module:
             torch.manual_seed(0)
             return ManyTiny(layers).to(dev)
@@ -280,7 +261,7 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
     costs = fit(per, n)
     return HostProbe(n, {k: [round(v, 3) for v in xs] for k, xs in per.items()}, **costs,
                      ddp_buckets_measured=ddp_n, seconds=time.perf_counter() - t0,
-                     emulated=None if spec is None else f"{spec.ranks} ranks")
+                     emulated=None if link is None else f"{link.ranks} ranks")
 
 
 @contextlib.contextmanager
@@ -418,4 +399,4 @@ def to_host_cost(probes: Sequence[HostProbe], bound: Sequence[bool | None], dev:
 
 
 __all__ = ["ARMS", "HostProbe", "LAYERS", "ManyTiny", "fit", "host_cost", "launch_bound",
-           "through_emulated_link", "to_host_cost"]
+           "to_host_cost"]

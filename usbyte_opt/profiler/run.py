@@ -94,7 +94,7 @@ class Measured:
 def profile_model(model: str | Factory, batch_size: int | None = None,
                   options: ProfileOptions | None = None, *, name: str | None = None,
                   device: str | torch.device | None = None, group: Any = None,
-                  progress: Progress | None = None) -> Profile:
+                  progress: Progress | None = None, host_link: Any = None) -> Profile:
     """Profile ``model`` on this rank and, when a process group is initialised, on all ranks.
 
     Every rank of ``group`` must call this with the same arguments (it runs collectives).
@@ -120,6 +120,9 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         device: ``"cpu"`` or ``"cuda"``; default CUDA when available.
         group: process group; default the world.
         progress: ``progress(phase, done, total)`` after each step, for a progress bar.
+        host_link: the emulated link (a :class:`~usbyte_opt.collectives.emulate.LinkSpec`)
+            the host-cost probe's collectives also go through (``bench --emulate``), or
+            ``None``.
 
     Returns:
         The profile, identical on every rank.
@@ -173,7 +176,7 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
         measured = _analytic(opts)
     timings.steady_ms += timer.steady(ROUND)
     host, host_rec = _host(opts, dev, group, world, progress,
-                           lambda: (net, inputs, loss_fn, opt), measured.notes)
+                           lambda: (net, inputs, loss_fn, opt), measured.notes, host_link)
     # Steady-state iterations spread over the profile's phases (after the timed ones, the
     # all-reduce sweep and the host probe), so that a spell of load elsewhere during one
     # phase does not set the compute alone; every rank's medians again.
@@ -196,7 +199,7 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
 
 def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,
           progress: Progress | None, training: Callable[[], tuple[Any, Any, Any, Any]],
-          notes: list[str]) -> tuple[HostCost | None, dict[str, Any]]:
+          notes: list[str], link: Any = None) -> tuple[HostCost | None, dict[str, Any]]:
     """The profile's ``host`` section (:mod:`.host`): every rank measures its own, every rank
     gets the maximum over ranks; on CUDA with the real model's launch-bound verdict. Where
     any rank failed (the runtime or DDP could not be built here), no section, a note that
@@ -210,7 +213,7 @@ def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,
         progress("host cost", 0, 1)
     mine: tuple[Any, Any, Any] | str
     try:
-        probe = host_cost(dev, group)
+        probe = host_cost(dev, group, link=link)
         bound: Any = None
         bound_rec: dict[str, Any] = {}
         if dev.type == "cuda":

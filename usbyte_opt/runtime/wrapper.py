@@ -323,8 +323,8 @@ def take_over(optimizer: torch.optim.Optimizer, rt: DistributedOptimizer) -> Non
     (``_step_supports_amp_scaling`` on the object), and in sharded mode a ``GradScaler``
     reading ``param_groups`` after backward is shown the gradient shards (:class:`_Groups`).
     The runtime's own calls of the optimizer (:func:`inner`) reach the optimizer's own
-    methods; after ``rt.close()`` every call is the optimizer's own again."""
-    check_routable(optimizer)
+    methods; after ``rt.close()`` every call is the optimizer's own again. The caller has
+    checked it can be routed (:func:`check_routable`, before the runtime was built)."""
     d = optimizer.__dict__
     if "_usbyte_own_amp" not in d:   # (not taken over before)
         d["_usbyte_own_amp"] = d.get("_step_supports_amp_scaling", _ABSENT)
