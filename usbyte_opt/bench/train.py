@@ -10,8 +10,9 @@ weights and swapped in around every iteration it runs), so that dropout draws th
 in every trainee however their iterations interleave. After the same number of steps every
 trainee must hold the same parameters (the runtime's guarantee; DDP is the reference; FSDP2
 reduce-scatters, so it may differ in the last bits beyond 2 ranks). With
-:data:`DETERMINISTIC_ENV` set, the trainees run deterministic kernels
-(:func:`deterministic_kernels`), so that the comparison can be exact on CUDA too.
+:data:`DETERMINISTIC_ENV` set, the bench's rank runs deterministic kernels from its start, the
+profile included (:func:`deterministic_kernels`, called by ``worker.run_rank``), so that the
+comparison can be exact on CUDA too.
 
 Each trainee also reports its optimizer state on this rank (:meth:`Trainee.state_bytes`): the
 whole model's under DDP, about ``1 / world_size`` of it under FSDP2 and the runtime's sharded
@@ -237,8 +238,6 @@ class Trainee:
                  rank: int = 0, verify: bool = False, trace: str | None = None,
                  zero_stage: int = 1, emulate: tuple[Any, Any] | None = None):
         self.name, self.kind = name, kind
-        if os.environ.get(DETERMINISTIC_ENV, "") not in ("", "0"):
-            deterministic_kernels()
         # Every trainee from the same weights, whether or not the factory seeds itself.
         torch.manual_seed(SEED)
         model, inputs, self.loss_fn = build(spec, batch_size, device)
