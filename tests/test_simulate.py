@@ -13,6 +13,7 @@ from usbyte_opt.errors import MismatchError
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec
 from usbyte_opt.planning.bounds import lower_bound
 from usbyte_opt.planning.fastsim import evaluate
+from usbyte_opt.planning.planner import compare
 from usbyte_opt.planning.problem import Problem, UpdateRule
 from usbyte_opt.planning.simulate import chrome_trace, simulate, simulate_blocks
 from usbyte_opt.planning.synthetic import random_profile
@@ -148,6 +149,31 @@ def test_updates_at_the_gates_hand_computed():
     # fence mode runs the whole step before the forward under both rules
     assert simulate_blocks(gated, lay, blocks, "fence").iteration_ms == \
         simulate_blocks(pb, lay, blocks, "fence").iteration_ms == evaluate(gated, lay, blocks, "fence")
+
+
+@pytest.mark.parametrize("device, backend, rule", [
+    ("cpu", "gloo", UpdateRule.GATE),                 # the runtime's HostUpdates
+    ("cuda", "gloo", UpdateRule.GATE),                # gloo carrying CUDA tensors waits on the host
+    ("cuda", "nccl", UpdateRule.AVAIL),               # a CUDA update stream waits for the blocks
+    ("cuda (V100-class, rescaled)", "analytic", UpdateRule.AVAIL),   # the shipped profiles
+    (None, "analytic", UpdateRule.AVAIL),             # no device named
+])
+def test_the_update_rule_is_the_runtimes_on_the_profiles_device(device, backend, rule):
+    base = gate_toy().profile
+    prof = dataclasses.replace(base, comm=dataclasses.replace(base.comm, backend=backend),
+                               meta={} if device is None else {"device": device})
+    assert UpdateRule.of(prof) == rule
+    pb = Problem.from_profile(prof)
+    assert pb.update_rule == rule
+    # the planner, simulate() of a profile and an explicit override agree with it
+    report = compare(prof, ["wfbp", "best"])
+    assert report.problem.update_rule == rule
+    lay = pb.layout()
+    blocks = [lay.whole(0), lay.whole(1)]
+    assert simulate_blocks(pb, lay, blocks).iteration_ms == (14.0 if rule == UpdateRule.GATE else 13.0)
+    wfbp = report.results["wfbp"]
+    assert simulate(prof, report.schedule("wfbp")).iteration_ms == pytest.approx(wfbp.iteration_ms)
+    assert compare(prof, ["wfbp"], update_rule=UpdateRule.AVAIL).problem.update_rule == UpdateRule.AVAIL
 
 
 @settings(max_examples=40, deadline=None)

@@ -17,6 +17,7 @@ from ..console import plural
 from ..errors import UsageError, UsbyteError
 from ..formats import Mode, Schedule, save_schedule
 from ..planning.planner import BEST_FLAT, Progress, compare, gc_paused
+from ..planning.problem import UpdateRule
 from ..planning.simulate import simulate
 from ..planning.strategies import load_builtin
 from . import common
@@ -329,7 +330,9 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
                    "the nodes, inside again) of all; every strategy but best runs flat rings"
                    if report.hierarchical else
                    "; every block flat (--hierarchy off)" if c.hierarchical else "")
-                + f"; host cost: {common.host_line(prof.host)}",
+                + f"; host cost: {common.host_line(prof.host)}"
+                + ("; overlap mode's updates on the training thread at the forward's gates "
+                   "(CPU ranks)" if report.problem.update_rule == UpdateRule.GATE else ""),
     )
     if w.caps is not None:
         console.paragraph(f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "

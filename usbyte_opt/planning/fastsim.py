@@ -55,7 +55,7 @@ launch-bound) the host's cost shows only where it exceeds the compute: ``max(P_k
 lengthens the compute (``stretch P_k + D_k``), reading what communication cost it off the
 host-charged timeline. The closed form is unchanged.
 
-**Updates at the gates (an option of the iteration model, off by default).** With the
+**Updates at the gates (the rule of a profile of CPU ranks, :meth:`UpdateRule.of`).** With the
 problem's :class:`~usbyte_opt.planning.problem.UpdateRule` ``GATE``, overlap mode runs each
 update on the training thread at the first forward gate that finds its blocks finished (or
 at its own gate), as the runtime does, instead of as a delay of its availability: walking

@@ -227,7 +227,7 @@ def single_rank(profile: Profile) -> Profile:
 def compare(profile: Profile, strategies: Sequence[str] | None = None,
             options: Mapping[str, Mapping[str, Any]] | None = None,
             progress: Progress | None = None,
-            update_rule: UpdateRule = UpdateRule.AVAIL, shard: bool = False,
+            update_rule: UpdateRule | None = None, shard: bool = False,
             optimizer: str | None = None, workers: int = 1, hierarchy: bool = True) -> Report:
     """Plan ``profile`` with each strategy (default: all registered, ``best`` last).
 
@@ -240,8 +240,10 @@ def compare(profile: Profile, strategies: Sequence[str] | None = None,
     strategy name to keyword arguments of its plan; ``progress`` is told when each strategy
     starts and ends (:data:`Progress`). ``update_rule``: where
     the iteration model puts the optimizer updates (:class:`~usbyte_opt.planning.problem.UpdateRule`);
-    every plan is scored and chosen under it, and ``GATE`` plans for the runtime's optimizer
-    step on the training thread, as the bench's refined prediction scores it. A strategy that has no
+    every plan is scored and chosen under it. The default is the rule the runtime follows on
+    the profile's device (:meth:`~usbyte_opt.planning.problem.UpdateRule.of`): ``GATE``, the
+    optimizer step on the training thread at the forward's gates, for a profile of CPU ranks;
+    ``AVAIL`` on NCCL and for a profile that names no device. A strategy that has no
     plan for the profile (:class:`~usbyte_opt.planning.strategies.NotApplicable`) is left out
     of ``results`` and named in ``skipped``.
 
@@ -285,7 +287,7 @@ BEST_BUDGET_S = 0.6
 
 def _compare(profile: Profile, strategies: Sequence[str] | None,
              options: Mapping[str, Mapping[str, Any]] | None, progress: Progress | None,
-             update_rule: UpdateRule, shard: bool, optimizer: str | None,
+             update_rule: UpdateRule | None, shard: bool, optimizer: str | None,
              workers: int = 1, hierarchy: bool = True) -> Report:
     """:func:`compare` itself (which runs it with the garbage collector paused,
     :func:`gc_paused`): the problem, the lower bound, then each strategy in turn

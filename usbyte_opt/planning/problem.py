@@ -55,6 +55,31 @@ class UpdateRule(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    @classmethod
+    def of(cls, profile: Profile) -> UpdateRule:
+        """The rule the runtime follows on the ranks ``profile`` was taken on: ``GATE`` where
+        it applies the updates on the host (a profile of CPU ranks, ``meta.device`` "cpu",
+        or of CUDA tensors carried by gloo), ``AVAIL`` on NCCL, where a CUDA update stream
+        waits for each block and the host never does, and on a profile that names no device
+        (analytic and synthetic ones).
+
+        Example::
+
+            >>> from usbyte_opt.formats import Profile, TensorSpec, CommSpec
+            >>> prof = Profile("t", 2.0, 4.0, (TensorSpec("a", (10,), "float32", 1.0, 1.5),),
+            ...                CommSpec("gloo", 2, 0.1, 1.0), {"device": "cpu"})
+            >>> UpdateRule.of(prof), UpdateRule.of(dataclasses.replace(prof, meta={}))
+            (<UpdateRule.GATE: 'gate'>, <UpdateRule.AVAIL: 'avail'>)
+        """
+        device = profile.meta.get("device")
+        if not isinstance(device, str):
+            return cls.AVAIL
+        if device.startswith("cpu"):
+            return cls.GATE
+        if device.startswith("cuda") and profile.comm.backend == "gloo":
+            return cls.GATE
+        return cls.AVAIL
+
 
 class Runner(str, Enum):
     """What runs a plan's blocks, and so what host cost it pays (docs/planner.md, "Host
@@ -198,9 +223,10 @@ class Problem:
 
     @classmethod
     def from_profile(cls, profile: Profile, cost: CostModel | None = None,
-                     update_rule: UpdateRule = UpdateRule.AVAIL) -> Problem:
+                     update_rule: UpdateRule | None = None) -> Problem:
         """Compile ``profile``; ``cost`` defaults to the model of its ``comm``
-        (:func:`usbyte_opt.planning.cost.cost_model`)."""
+        (:func:`usbyte_opt.planning.cost.cost_model`), ``update_rule`` to the one the runtime
+        follows on the profile's device (:meth:`UpdateRule.of`)."""
         ts = profile.tensors
         numel = [t.numel for t in ts]
         itemsize = [t.itemsize for t in ts]
@@ -228,7 +254,7 @@ class Problem:
             cpu_ms_per_block=profile.comm.cpu_ms_per_block,
             cpu_ms_per_mb=profile.comm.cpu_ms_per_mb,
             total_bytes=sum(n * b for n, b in zip(numel, itemsize)),
-            update_rule=UpdateRule(update_rule),
+            update_rule=UpdateRule.of(profile) if update_rule is None else UpdateRule(update_rule),
             host=host,
             host_hidden=h is not None and not h.launch_bound,
         )
