@@ -368,3 +368,25 @@ def test_trainees_of_a_factory_that_does_not_seed_start_from_the_same_weights():
     torch.randn(100)   # whatever ran in between
     b = Trainee("y", "local", unseeded_factory, 4, torch.device("cpu"), "sgd")
     assert all(torch.equal(p, q) for p, q in zip(a.plain.parameters(), b.plain.parameters()))
+
+
+def test_no_comm_time_is_the_slowest_ranks_and_coupled_runs_the_mean_over_ranks():
+    from types import SimpleNamespace
+
+    from usbyte_opt.bench.worker import REFERENCE, TORCH_DDP, _runs
+
+    def rank(durations, windows):
+        return {"durations_ms": durations, "windows_ms": windows, "max_param_diff": None,
+                "losses": [1.0], "steps": len(durations), "state_bytes": 0, "runtime": None}
+
+    fast = rank([100.0, 102.0, 98.0], [[100.0, 102.0], [98.0]])
+    slow = rank([110.0, 111.0, 109.0], [[110.0, 111.0], [109.0]])
+    every = [{REFERENCE: fast, TORCH_DDP: fast}, {REFERENCE: slow, TORCH_DDP: slow}]
+    runs = _runs([REFERENCE, TORCH_DDP], every, 2, SimpleNamespace(predicted={}))
+    # uncoupled ranks: the slowest one, as the profile states compute
+    assert runs[REFERENCE]["durations_ms"] == [110.0, 111.0, 109.0]
+    assert runs[REFERENCE]["windows_ms"] == [110.5, 109.0]
+    assert runs[REFERENCE]["durations_by_rank_ms"] == [fast["durations_ms"], slow["durations_ms"]]
+    # coupled by collectives: the mean over ranks, iteration by iteration
+    assert runs[TORCH_DDP]["durations_ms"] == [105.0, 106.5, 103.5]
+    assert runs[TORCH_DDP]["windows_ms"] == [105.75, 103.5]
