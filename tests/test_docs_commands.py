@@ -90,6 +90,7 @@ SKIP: dict[str, str] = {
     "python benchmarks/runtime_overhead.py": "benchmark: long run",
     "python benchmarks/host_overhead.py": "benchmark: long run",
     "python benchmarks/gpu_lab.py": "benchmark: long run",
+    "python benchmarks/demo_prediction.py": "benchmark: long run",
     "usbyte-opt bench lab-cnn --nproc-per-node 1 --device cpu --emulate 8x1gbit --strategies "
     "ddp,best": "long run: trains 2 strategies on an emulated link (tests/test_bench_emulate.py "
                 "runs bench --emulate)",
