@@ -146,9 +146,27 @@ def test_updates_at_the_gates_hand_computed():
         ("inp", 2.0, 2.0, 10.0), ("out", 0.0, 0.0, 13.0)]
     assert evaluate(gated, lay, blocks) == 14.0
     assert refined_overlap(pb, lay, blocks) == 14.0
+    assert lower_bound(gated) <= 14.0
     # fence mode runs the whole step before the forward under both rules
     assert simulate_blocks(gated, lay, blocks, "fence").iteration_ms == \
         simulate_blocks(pb, lay, blocks, "fence").iteration_ms == evaluate(gated, lay, blocks, "fence")
+
+
+def test_the_bound_counts_the_step_on_the_thread_under_gate():
+    # a fast link, 3 ms of update per tensor: under GATE the thread runs backward, forward and
+    # the whole step one after another (claim 0: 6 + 4 + 6); under AVAIL an update is a tail
+    pb = Problem.from_profile(Profile(
+        "toy", forward_ms=4.0, backward_ms=6.0,
+        tensors=(TensorSpec("out", (250,), "float32", 2.0, 3.0, update_ms=3.0),
+                 TensorSpec("inp", (250,), "float32", 6.0, 0.0, update_ms=3.0)),
+        comm=CommSpec("analytic", 2, alpha_ms=0.01, algbw_gbs=100.0)))
+    gated = pb.with_update_rule(UpdateRule.GATE)
+    lay = pb.layout()
+    assert lower_bound(pb) < 13.5
+    assert lower_bound(gated) == pytest.approx(16.0)
+    for blocks in ([lay.whole(0), lay.whole(1)], [lay.whole(1), lay.whole(0)]):
+        for mode in ("overlap", "fence"):
+            assert evaluate(gated, lay, blocks, mode) >= 16.0 - 1e-9
 
 
 @pytest.mark.parametrize("device, backend, rule", [
