@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from usbyte_opt.errors import FormatError
-from usbyte_opt.formats import CommSpec, Profile, TensorSpec, dump_profile, load_profile, save_profile
+from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, dump_profile, load_profile, save_profile
 from usbyte_opt.planning.bounds import lower_bound
 from usbyte_opt.planning.fastsim import evaluate
 from usbyte_opt.planning.planner import compare, retargeted
@@ -87,6 +87,15 @@ def test_hand_computed_one_rule_in_both_modes():
         for mode in ("overlap", "fence"):
             assert evaluate(pb, lay, blocks, mode) == pytest.approx(
                 simulate_blocks(pb, lay, blocks, mode).iteration_ms)
+    # Claim 3 of the bound: one block of all 2 MB is W = 3 ms on the wire and C = 21 ms on the
+    # thread, so T >= B + F + W C / (W + C) = 10 + 63 / 24, under every plan (the least is 14);
+    # the smallest rate of any block (1 ms per ms, a tiny block's) would give 10 + 1.5 only.
+    assert lower_bound(pb) == pytest.approx(10.0 + 63.0 / 24.0)
+    b, s0, e = lay.pos[1]
+    thirds = [Block(b, s0 + k * (e - s0) // 3, s0 + (k + 1) * (e - s0) // 3) for k in range(3)]
+    for blocks in (out_first, inp_first, [lay.whole(0), *thirds], [*thirds[::-1], lay.whole(0)]):
+        for mode in ("overlap", "fence"):
+            assert lower_bound(pb) <= evaluate(pb, lay, blocks, mode) + 1e-9
     plain = Problem.from_profile(two_tensors())
     assert simulate_blocks(plain, lay, out_first).iteration_ms == pytest.approx(12.0)
     assert "cpu_charge_ms" not in simulate_blocks(plain, lay, out_first).meta

@@ -129,19 +129,23 @@ the iteration, and what claims 1, 2 and 4, which see an update only as a tail, l
 ``c_k = cpu_ms_per_block + cpu_ms_per_mb * MB_k`` over its wire time ``d_k = alpha +
 bytes_k * beta``, and the thread pays ``rho_k O_k`` where ``rho_k = c_k / d_k`` and ``O_k`` is
 the part of ``d_k`` that overlaps its compute in the timeline without the charge. Then for
-every schedule, with ``W = alpha + beta * (all gradient bytes)`` and ``rho`` the smallest rate
-any block can have,
+every schedule, with ``W = alpha + beta * (all gradient bytes)`` and ``C`` the charge of one
+block of all of them,
 
-    T >= B + F + W * rho / (1 + rho).
+    T >= B + F + W * C / (W + C).
 
-*Proof.* Let ``O = sum_k O_k`` and ``D = sum_k d_k >= W`` (at least one block carries all
-bytes). (a) The charged iteration lengthens backward and forward by what they paid, so
-``T >= B + F + sum_k rho_k O_k >= B + F + rho O``. (b) The uncharged timeline is no longer
-than the charged one; in it the thread computes for at least ``B + F`` within ``[0, T]``, the
-wire's intervals are disjoint and within ``[0, T]``, and ``D - O`` of wire time falls outside
-compute, so ``T >= B + F + D - O >= B + F + W - O``. The larger of (a) and (b) is smallest when
-``rho O = W - O``. ``rho_k`` is a ratio of two affine functions of the bytes, so monotone in
-them: ``rho = min(cpu_ms_per_block / alpha, rate of one block of every byte)``. ∎
+*Proof.* (a) The charged iteration lengthens backward and forward by what they paid, so
+``T >= B + F + sum_k c_k O_k / d_k``. (b) The uncharged timeline is no longer than the charged
+one; in it the thread computes for at least ``B + F`` within ``[0, T]``, the wire's intervals
+are disjoint and within ``[0, T]``, and ``d_k - O_k`` of each falls outside compute, so
+``T >= B + F + sum_k (d_k - O_k)``. For any ``lambda`` in ``[0, 1]`` the larger of (a) and (b)
+is at least their mix, ``sum_k [lambda c_k O_k / d_k + (1 - lambda)(d_k - O_k)]``, and over
+``O_k`` in ``[0, d_k]`` each term is at least ``f(b_k) = min((1 - lambda) d_k, lambda c_k)``,
+a concave function of the block's bytes with ``f(0) >= 0``, hence subadditive: the blocks'
+sum is at least ``f`` of all bytes in one block, ``min((1 - lambda) W, lambda C)``. At
+``lambda = W / (W + C)`` that is ``W C / (W + C)``. ∎ (The same as ``W rho / (1 + rho)`` with
+the whole gradient's rate ``rho = C / W``: many small blocks do not escape it, since each pays
+its alpha on the wire where it does not pay the thread.)
 
 **Host cost.** Every plan, run by either runner (:class:`~usbyte_opt.planning.problem.Runner`),
 pays per tensor and per block at least the smaller of the two runners' costs,
@@ -191,6 +195,7 @@ forward): 16 ms, and claim 4 proves it::
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -280,14 +285,30 @@ def _compute_cost_bound(problem: Problem, B: float | None = None) -> float:
     alpha, beta = problem.cost.linear_bound()
     total = float(problem.total_bytes)
     W = alpha + beta * total
-    whole = problem.block_cpu_ms(total) / W if W > 0 else np.inf
-    if alpha > 0:
-        small = problem.cpu_ms_per_block / alpha
-    else:
-        small = np.inf if problem.cpu_ms_per_block > 0 else problem.cpu_ms_per_mb / (1e6 * beta)
-    rho = min(small, whole)
-    share = 1.0 if rho == np.inf else rho / (1.0 + rho)
-    return (problem.B if B is None else B) + problem.F + W * share
+    return (problem.B if B is None else B) + problem.F + charge_floor([W], problem.block_cpu_ms(total))
+
+
+def charge_floor(wires: Sequence[float], C: float) -> float:
+    """``max over lambda in [0, 1] of sum_j min((1 - lambda) wires[j], lambda C)``: claim 3's
+    least extra time (module docstring) for collectives each carrying every byte once, ``wires``
+    their wire times as one block, ``C`` the thread's charge of one block of every byte. The
+    function of ``lambda`` is concave and piecewise linear, so its maximum is at a breakpoint
+    ``wires[j] / (wires[j] + C)``.
+
+    Example::
+
+        >>> charge_floor([3.0], 21.0)          # W C / (W + C)
+        2.625
+        >>> round(charge_floor([3.0, 3.0], 21.0), 3)   # two collectives: 2 W C / (W + C)
+        5.25
+    """
+    best = 0.0
+    for w in wires:
+        if w + C <= 0:
+            continue
+        lam = w / (w + C)
+        best = max(best, sum(min((1.0 - lam) * d, lam * C) for d in wires))
+    return best
 
 
 def _batching_bound(r: np.ndarray, q: np.ndarray, w: np.ndarray, alpha: float,

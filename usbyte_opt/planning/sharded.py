@@ -58,15 +58,15 @@ exactly (:func:`gather_grouping`). The compute-cost option only lengthens comput
 nondecreasing in every compute time, so the bound without it holds with it. ∎
 
 With the compute-cost option and collectives that cost exactly their lines, also
-``T >= B + F + u + D * rho / (1 + rho)``, with ``D`` the wire time of one reduce-scatter and
-one all-gather of every byte and ``rho`` the smallest rate (training-thread ms per wire ms)
-any block of either collective can have. *Proof*, as claim 3 of
-:mod:`usbyte_opt.planning.bounds`: with ``O`` the collectives' wire time overlapping compute
-in the uncharged timeline, the charged iteration is at least ``B + F + u + rho O`` (each phase
-lengthened by what it paid), and the uncharged one, no longer, at least ``B + F + u + D - O``
-(the thread computes ``B + u + F``, the channel's wire time outside compute adds, and the
-blocks together carry every byte once in each collective, so their wire time is at least
-``D``); the larger of the two is smallest at ``rho O = D - O``. ∎
+``T >= B + F + u + max_lambda sum_j min((1 - lambda) D_j, lambda C)``, with ``D_j`` the wire
+time of one reduce-scatter (j = 1) and one all-gather (j = 2) of every byte and ``C`` the
+thread's charge of one block of every byte (:func:`usbyte_opt.planning.bounds.charge_floor`).
+*Proof*, as claim 3 of :mod:`usbyte_opt.planning.bounds`: the charged iteration is at least
+``B + F + u`` plus what the collectives' overlap with compute charged, the uncharged one, no
+longer, at least ``B + F + u`` plus their wire time outside compute; a mix of the two is at
+least, per collective, a concave function of each block's bytes that is not negative at zero,
+so at least its value for one block of every byte, since the blocks of each collective carry
+every byte once. ∎
 
 No torch import.
 
@@ -99,7 +99,7 @@ import numpy as np
 
 from ..errors import MismatchError
 from ..formats import Block, Mode
-from .bounds import _batch_makespan
+from .bounds import _batch_makespan, charge_floor
 from .problem import Layout, Problem
 from .timeline import BlockTiming, ForwardGate, GatherTiming, Timeline, with_compute_charge
 
@@ -398,18 +398,8 @@ def _compute_cost_bound(problem: Problem, u: float) -> float:
     if not problem.charges_cpu or not problem.cost.is_linear:
         return -math.inf
     total = float(problem.total_bytes)
-    D, rho = 0.0, math.inf
-    for alpha, beta in problem.cost.shard_bounds():
-        d = alpha + beta * total
-        D += d
-        if d > 0:
-            rho = min(rho, problem.block_cpu_ms(total) / d)
-        if alpha > 0:
-            rho = min(rho, problem.cpu_ms_per_block / alpha)
-        elif beta > 0:
-            rho = min(rho, problem.cpu_ms_per_mb / (1e6 * beta))
-    share = 1.0 if rho == math.inf else rho / (1.0 + rho)
-    return problem.B + problem.F + u + D * share
+    wires = [alpha + beta * total for alpha, beta in problem.cost.shard_bounds()]
+    return problem.B + problem.F + u + charge_floor(wires, problem.block_cpu_ms(total))
 
 
 def one_dtype_each(layout: Layout, blocks: Sequence[Block],
