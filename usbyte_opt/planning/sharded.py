@@ -354,7 +354,8 @@ def _fewest_groups(P: np.ndarray, q: np.ndarray, alpha: float,
     lim = target + 1e-9
     for j in range(1, n + 1):
         cand = f[:j] + 1
-        ok = cand * alpha + P[j] + q[:j] <= lim
+        reach = np.isfinite(cand)   # (with alpha 0, inf * 0 would be nan: unreachable either way)
+        ok = reach & (np.where(reach, cand, 0.0) * alpha + P[j] + q[:j] <= lim)
         if not ok.any():
             continue
         cand = np.where(ok, cand, np.inf)
