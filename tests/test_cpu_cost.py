@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 from usbyte_opt.errors import FormatError
 from usbyte_opt.formats import Block, CommSpec, Profile, TensorSpec, dump_profile, load_profile, save_profile
-from usbyte_opt.planning.bounds import lower_bound
+from usbyte_opt.planning.bounds import charge_floor, lower_bound
 from usbyte_opt.planning.fastsim import evaluate
 from usbyte_opt.planning.planner import compare, retargeted
-from usbyte_opt.planning.problem import Problem
+from usbyte_opt.planning.problem import Problem, UpdateRule
 from usbyte_opt.planning.simulate import simulate_blocks
 from usbyte_opt.planning.synthetic import random_profile
 
@@ -96,9 +96,42 @@ def test_hand_computed_one_rule_in_both_modes():
     for blocks in (out_first, inp_first, [lay.whole(0), *thirds], [*thirds[::-1], lay.whole(0)]):
         for mode in ("overlap", "fence"):
             assert lower_bound(pb) <= evaluate(pb, lay, blocks, mode) + 1e-9
+    # Under GATE the thread also runs the step (1 ms per tensor here): claims 0 and 3 together
+    # give B + F + W (u + C) / (W + C) = 10 + 3 x 23 / 24, above claim 0's 10 + 2.
+    stepped = dataclasses.replace(two_tensors(per_block=1.0, per_mb=10.0), tensors=tuple(
+        dataclasses.replace(t, update_ms=1.0) for t in two_tensors().tensors))
+    gated = Problem.from_profile(stepped, update_rule=UpdateRule.GATE)
+    assert charge_floor([3.0], 21.0, 2.0) == pytest.approx(69.0 / 24.0)
+    assert lower_bound(gated) >= 10.0 + 69.0 / 24.0 - 1e-9
+    for blocks in (out_first, inp_first, [lay.whole(0), *thirds], [*thirds[::-1], lay.whole(0)]):
+        for mode in ("overlap", "fence"):
+            assert lower_bound(gated) <= evaluate(gated, lay, blocks, mode) + 1e-9
     plain = Problem.from_profile(two_tensors())
     assert simulate_blocks(plain, lay, out_first).iteration_ms == pytest.approx(12.0)
     assert "cpu_charge_ms" not in simulate_blocks(plain, lay, out_first).meta
+
+
+
+def test_the_compute_cost_bound_counts_the_step_under_gate():
+    # A 2 MB tensor ready early and a tiny one ready last: the wire claims stay near 12, and
+    # claim 3 binds: B + F + W C / (W + C) under AVAIL; under GATE, with the step on the
+    # thread (1 ms per tensor), B + F + W (u + C) / (W + C), above claim 0's B + F + u = 12.
+    prof = Profile("toy", 4.0, 6.0,
+                   (TensorSpec("out", (500_000,), "float32", 2.0, 3.0, update_ms=1.0),
+                    TensorSpec("inp", (250,), "float32", 6.0, 0.0, update_ms=1.0)),
+                   CommSpec("analytic", 2, 1.0, 1.0, cpu_ms_per_block=1.0, cpu_ms_per_mb=10.0))
+    W, C = 1.0 + 2.001, 1.0 + 10.0 * 2.001
+    avail = Problem.from_profile(prof)
+    gated = Problem.from_profile(prof, update_rule=UpdateRule.GATE)
+    assert lower_bound(avail) == pytest.approx(10.0 + W * C / (W + C))
+    assert lower_bound(gated) == pytest.approx(10.0 + W * (2.0 + C) / (W + C))
+    lay = avail.layout()
+    rng = random.Random(3)
+    for _ in range(40):
+        blocks = random_blocks(rng, lay, rng.randint(0, 12))
+        for mode in ("overlap", "fence"):
+            assert lower_bound(gated) <= evaluate(gated, lay, blocks, mode) + 1e-9
+            assert lower_bound(avail) <= evaluate(avail, lay, blocks, mode) + 1e-9
 
 
 costs = st.tuples(st.sampled_from([0.0, 0.1, 0.7, 3.0]) | st.floats(0.0, 3.0),

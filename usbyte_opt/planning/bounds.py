@@ -143,7 +143,13 @@ is at least their mix, ``sum_k [lambda c_k O_k / d_k + (1 - lambda)(d_k - O_k)]`
 ``O_k`` in ``[0, d_k]`` each term is at least ``f(b_k) = min((1 - lambda) d_k, lambda c_k)``,
 a concave function of the block's bytes with ``f(0) >= 0``, hence subadditive: the blocks'
 sum is at least ``f`` of all bytes in one block, ``min((1 - lambda) W, lambda C)``. At
-``lambda = W / (W + C)`` that is ``W C / (W + C)``. ∎ (The same as ``W rho / (1 + rho)`` with
+``lambda = W / (W + C)`` that is ``W C / (W + C)``. ∎ Under ``GATE`` (a) gains the step:
+the thread runs backward, the forward's compute and every update one after another, each
+lengthened by what it paid, so ``T >= B + F + sum(update) + sum_k c_k O_k / d_k`` with the
+same ``O_k`` (the charge is read off the ``AVAIL`` timeline, and ``GATE`` is never faster than
+it, so (b) holds as it is); the mix then adds ``lambda sum(update)``, and the largest value,
+at ``lambda = W / (W + C)`` or 1, is ``max(sum(update), W (sum(update) + C) / (W + C))``
+(:func:`charge_floor`). (The same as ``W rho / (1 + rho)`` with
 the whole gradient's rate ``rho = C / W``: many small blocks do not escape it, since each pays
 its alpha on the wire where it does not pay the thread.)
 
@@ -285,15 +291,18 @@ def _compute_cost_bound(problem: Problem, B: float | None = None) -> float:
     alpha, beta = problem.cost.linear_bound()
     total = float(problem.total_bytes)
     W = alpha + beta * total
-    return (problem.B if B is None else B) + problem.F + charge_floor([W], problem.block_cpu_ms(total))
+    # Under GATE the thread also runs the whole step (claims 0 and 3 together, module docstring).
+    u = float(sum(problem.update)) if problem.update_rule == UpdateRule.GATE else 0.0
+    return (problem.B if B is None else B) + problem.F + charge_floor([W], problem.block_cpu_ms(total), u)
 
 
-def charge_floor(wires: Sequence[float], C: float) -> float:
-    """``max over lambda in [0, 1] of sum_j min((1 - lambda) wires[j], lambda C)``: claim 3's
-    least extra time (module docstring) for collectives each carrying every byte once, ``wires``
-    their wire times as one block, ``C`` the thread's charge of one block of every byte. The
-    function of ``lambda`` is concave and piecewise linear, so its maximum is at a breakpoint
-    ``wires[j] / (wires[j] + C)``.
+def charge_floor(wires: Sequence[float], C: float, thread: float = 0.0) -> float:
+    """``max over lambda in [0, 1] of lambda * thread + sum_j min((1 - lambda) wires[j],
+    lambda C)``: claim 3's least extra time (module docstring) for collectives each carrying
+    every byte once, ``wires`` their wire times as one block, ``C`` the thread's charge of one
+    block of every byte, ``thread`` what else the training thread runs beside compute (under
+    ``GATE``: the step). The function of ``lambda`` is concave and piecewise linear, so its
+    maximum is at a breakpoint ``wires[j] / (wires[j] + C)`` or at 1.
 
     Example::
 
@@ -301,13 +310,15 @@ def charge_floor(wires: Sequence[float], C: float) -> float:
         2.625
         >>> round(charge_floor([3.0, 3.0], 21.0), 3)   # two collectives: 2 W C / (W + C)
         5.25
+        >>> charge_floor([3.0], 21.0, 2.0), charge_floor([3.0], 21.0, 5.0)   # W (u + C) / (W + C); u
+        (2.875, 5.0)
     """
-    best = 0.0
+    best = max(0.0, thread)
     for w in wires:
         if w + C <= 0:
             continue
         lam = w / (w + C)
-        best = max(best, sum(min((1.0 - lam) * d, lam * C) for d in wires))
+        best = max(best, lam * thread + sum(min((1.0 - lam) * d, lam * C) for d in wires))
     return best
 
 
