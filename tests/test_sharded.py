@@ -935,8 +935,9 @@ def test_compiled_inductor() -> None:
         assert r.value["diff"] == 0.0 and r.value["compiled_calls"] == 4, r.value
 
 
-def test_batchnorm_buffers_follow_rank0(results: list[dict[str, dict]]) -> None:
-    assert all(r["batchnorm"]["buffers_equal_rank0"] for r in results)
+def test_batchnorm_buffers_equal_ddps_on_every_rank(results: list[dict[str, dict]]) -> None:
+    for r in results:
+        assert r["batchnorm"]["buffers_equal_ddp"] and r["batchnorm"]["buffers_equal_ddp_after_eval"]
 
 
 def test_refusals_on_every_rank(results: list[dict[str, dict]]) -> None:

@@ -16,4 +16,8 @@ def __getattr__(name: str):  # the runtime (and torch) only when asked for
         from .runtime.wrapper import DistributedDataParallel
 
         return DistributedDataParallel
+    if name == "per_parameter":   # declare an optimizer class per-parameter (runtime/semantics.py)
+        from .runtime.semantics import per_parameter
+
+        return per_parameter
     raise AttributeError(f"module 'usbyte_opt' has no attribute {name!r}")

@@ -12,13 +12,13 @@
   overridden tensors and would leave it). While the tuner measures an iteration
   (``probe``), a pre-hook on each module that owns trainable tensors notes when the forward
   first needs them.
-* **Buffers** (BatchNorm statistics), as DDP's ``broadcast_buffers=True``: after every
-  training forward with grad enabled, rank 0's buffers are broadcast (async, ordered before
-  that iteration's gradient blocks), grouped by dtype and device, through the channel's
-  device, and installed at the start of the next forward or at ``synchronize()``.
+* **Buffers** (BatchNorm statistics): DDP's rule, :class:`.semantics.BufferSync`, run by
+  the root hooks when the model's own forward is the forward through DDP (the
+  Horovod-style optimizer); under :class:`usbyte_opt.DistributedDataParallel` the wrapper's
+  forward runs it instead, and forwards of the bare module are not synced, as under DDP.
 * **torch.compile.** The root pre-hook runs eagerly before the compiled graph (a graph break
-  at its very start) and applies every pending update there. Communication still overlaps
-  backward; updates do not overlap a compiled forward.
+  at its very start) and applies every pending update there. Updates do not overlap a
+  compiled forward.
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from .comm import Channel
+from .semantics import BufferSync
 from .updates import Updates
 
 
@@ -40,20 +40,26 @@ class ForwardGates:
         model: the root module.
         params: the trainable tensors, by runtime index.
         updates: the pending updates.
-        chan: the channel (buffer broadcasts).
-        buffers: the module buffers to broadcast from rank 0 (empty: none).
+        chan: the channel.
+        buffer_sync: DDP's buffer rule, run at the start and end of each root forward; None
+            where the wrapper's forward runs it (or nothing is synced).
         clear_flushed: called at the start of each forward (the stale-use check).
         output_grad: the gradient hook put on the outputs of each training forward.
+        grad_sync: whether the backward of the forward now running communicates (not
+            ``no_sync()``, the last of ``backward_passes_per_step``): DDP's
+            ``require_backward_grad_sync`` for the buffer rule.
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  updates: Updates, chan: Channel,
-                 buffers: list[torch.Tensor], clear_flushed: Callable[[], None],
-                 output_grad: Callable[[torch.Tensor], None] | None = None):
-        self.model, self.updates, self.chan, self.buffers = model, updates, chan, buffers
+                 buffer_sync: BufferSync | None, clear_flushed: Callable[[], None],
+                 output_grad: Callable[[torch.Tensor], None] | None = None,
+                 grad_sync: Callable[[], bool] = lambda: True):
+        self.model, self.updates, self.chan = model, updates, chan
+        self.buffer_sync = buffer_sync
+        self.grad_sync = grad_sync
         self.clear_flushed = clear_flushed
         self.output_grad = output_grad
-        self.buf_pending: list[tuple[dist.Work, list[torch.Tensor], torch.Tensor]] = []
         self._probe: Any = None
         self._probe_handles: list[Any] = []
         index = {id(p): t for t, p in enumerate(params)}
@@ -135,8 +141,8 @@ class ForwardGates:
         if self._probe is not None and training:
             self._probe.forward_begin()
             self._probe.need(self.root_owned)
-        if self.buf_pending:
-            self.wait_buffers()
+        if self.buffer_sync is not None:
+            self.buffer_sync.pre_forward()
         self.clear_flushed()
         if self.updates.n_pending and not training:
             self.updates.flush()
@@ -146,10 +152,11 @@ class ForwardGates:
         if torch.compiler.is_compiling():
             return torch._dynamo.disable(_compiled_post)(self, module, output)
         if self.depth > 1:
-            return None  # an inner root forward: buffers go out once, after the outer one
+            return None  # an inner root forward: the outer one is the forward through DDP
         if self._probe is not None and module.training and torch.is_grad_enabled():
             self._probe.forward_end()
-        self.broadcast_buffers(module)
+        if self.buffer_sync is not None:
+            self.buffer_sync.post_forward(self.grad_sync())
         self.hook_outputs(module, output)
         return None
 
@@ -161,33 +168,6 @@ class ForwardGates:
         for t in _output_tensors(output):
             if t.requires_grad:
                 t.register_hook(self.output_grad)
-
-    def broadcast_buffers(self, module: torch.nn.Module) -> None:
-        """Broadcast rank 0's buffers after a training forward, one collective per dtype and
-        device, each through the channel's device (a CPU buffer of a CUDA model goes to NCCL
-        as a CUDA tensor and is copied back when installed)."""
-        if self.buffers and module.training and torch.is_grad_enabled():
-            self.wait_buffers()
-            groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
-            for b in self.buffers:
-                groups.setdefault((b.dtype, b.device), []).append(b)
-            dev = self.chan.device
-            for bufs in groups.values():
-                flat = torch.cat([b.detach().reshape(-1) for b in bufs])
-                if flat.device != dev:
-                    flat = flat.to(dev)
-                self.buf_pending.append((self.chan.broadcast(flat), bufs, flat))
-
-    def wait_buffers(self) -> None:
-        pend, self.buf_pending = self.buf_pending, []
-        for work, bufs, flat in pend:
-            self.chan.wait(work, "broadcast of module buffers from rank 0")
-            if self.chan.rank != 0:
-                off = 0
-                with torch.no_grad():
-                    for b in bufs:
-                        b.copy_(flat[off: off + b.numel()].view_as(b))
-                        off += b.numel()
 
 
 class _Removes:
@@ -203,14 +183,16 @@ class _Removes:
 
 
 def _compiled_pre(gates: ForwardGates) -> None:
-    gates.wait_buffers()
+    if gates.buffer_sync is not None:
+        gates.buffer_sync.pre_forward()
     gates.clear_flushed()
     if gates.updates.n_pending:
         gates.updates.flush()
 
 
 def _compiled_post(gates: ForwardGates, module: torch.nn.Module, output: Any = None) -> None:
-    gates.broadcast_buffers(module)
+    if gates.buffer_sync is not None:
+        gates.buffer_sync.post_forward(gates.grad_sync())
     gates.hook_outputs(module, output)
 
 

@@ -24,6 +24,7 @@ from .checks import check_hierarchy, whole_world
 from .comm import Channel
 from .forward import ForwardGates, _Hook
 from .guard import Guard
+from .semantics import BufferSync, declared, steps_per_parameter
 from .sharded import GatherBack, Sharded
 from .updates import HostUpdates, StreamUpdates, SubsetStepper, Updates
 
@@ -40,7 +41,8 @@ class Options:
         find_unused: exchange the usage map each step.
         update_groups: optimizer calls per step of :class:`~.updates.StreamUpdates`.
         wait_in_backward: DDP's gradient contract (wait at the end of backward).
-        buffers: the module buffers broadcast from rank 0 after each training forward.
+        buffer_sync: DDP's buffer rule run by the model's root forward (the Horovod-style
+            optimizer), or None (the wrapper's forward runs it, or nothing is synced).
         trace_path: the Chrome trace to record (:mod:`.trace`), or None.
         align_bytes: where each tensor of the flat buffers starts (:class:`~.buffers.FlatGrads`).
         zero_stage: 2: sharded mode keeps no flat gradient buffer (ZeRO-2, :mod:`.sharded`).
@@ -50,7 +52,7 @@ class Options:
     find_unused: bool
     update_groups: int
     wait_in_backward: bool
-    buffers: list[torch.Tensor]
+    buffer_sync: BufferSync | None
     trace_path: str | None
     align_bytes: int = 0
     zero_stage: int = 1
@@ -90,13 +92,18 @@ class Installed:
     trace: Recorder | None
     sharded: Sharded | None = None
     guard: Guard | None = None
+    #: An overlap schedule whose optimizer is not per-parameter: it is stepped whole, once,
+    #: after the step's last block, as under DDP (:mod:`.semantics`), so the step runs in
+    #: fence mode.
+    whole_step: bool = False
     #: Runtime indices in ``model.parameters()`` order (computed when first needed).
     model_order: list[int] | None = None
 
     @property
     def mode(self) -> Mode:
-        """The schedule's :class:`~usbyte_opt.formats.Mode`."""
-        return self.schedule.mode
+        """The mode the step runs in: the schedule's :class:`~usbyte_opt.formats.Mode`, or
+        fence mode for an optimizer stepped whole (:attr:`whole_step`)."""
+        return Mode.FENCE if self.whole_step else self.schedule.mode
 
     @property
     def n(self) -> int:
@@ -159,8 +166,10 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     device = chan.device
     zero_stage = options.zero_stage if schedule.mode == Mode.SHARDED else 1
     grads = FlatGrads(schedule, params, device, options.align_bytes, stored=zero_stage != 2)
+    per_param = steps_per_parameter(optimizer)
     stepper = SubsetStepper(optimizer, grads, device,
-                            previous.stepper.calls if previous is not None else 0)
+                            previous.stepper.calls if previous is not None else 0,
+                            per_parameter=per_param, declared=per_param and declared(optimizer))
     in_opt = [gi >= 0 for gi in stepper.group_of]
     trace = _recorder(options.trace_path, schedule, grads, chan, previous)
 
@@ -181,8 +190,9 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     comm.refresh()
     updates = _updates(schedule, grads, stepper, comm, chan, sharded, trace,
                        options.update_groups)
-    gates = ForwardGates(model, grads.params, updates, chan, options.buffers,
-                         comm.clear_flushed, comm.output_grad)
+    gates = ForwardGates(model, grads.params, updates, chan, options.buffer_sync,
+                         comm.clear_flushed, comm.output_grad,
+                         lambda: not comm.no_sync and comm.passes + 1 >= comm.k)
 
     def settle_param(ts: list[int]) -> None:
         """A tensor with a pending update was touched: run its update first."""
@@ -199,7 +209,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
         trace.install(model)   # after the gates: its forward start runs before theirs
     return Installed(schedule, source, grads, stepper, in_opt,
                      [t for t in range(grads.n) if in_opt[t]], updates, comm, gates, handles,
-                     trace, sharded, guard)
+                     trace, sharded, guard,
+                     whole_step=not per_param and schedule.mode == Mode.OVERLAP)
 
 
 def _recorder(trace_path: str | None, schedule: Schedule, grads: FlatGrads, chan: Channel,

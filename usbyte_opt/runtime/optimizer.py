@@ -61,6 +61,7 @@ from .comm import Channel
 from .default_plan import fallback_schedule
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
+from .semantics import BufferSync
 from .start import ScheduleArg, requested, start_up
 from .updates import GROUPS_CHANGED, STREAM_UPDATE_GROUPS, inner_step
 
@@ -124,8 +125,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         backward_passes_per_step: backward passes per ``step()`` (gradient accumulation);
             communication starts in the last one. Passes inside :meth:`no_sync` are not
             counted as the last.
-        broadcast_buffers: broadcast rank 0's module buffers after each training forward (as
-            DDP's ``broadcast_buffers``).
+        broadcast_buffers: DDP's ``broadcast_buffers``: rank 0's module buffers at the start,
+            and at the start of each forward of the model that follows one with grad enabled
+            and gradient sync on (:class:`.semantics.BufferSync`).
         find_unused_parameters: exchange per-tensor usage each step so that tensors no rank
             gave a gradient are not updated. ``False`` saves that one small all-reduce per step;
             use it only when every rank produces every gradient every step.
@@ -231,7 +233,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._device = device
         self._options = Options(backward_passes_per_step, find_unused_parameters, update_groups,
                                 bool(wait_in_backward),
-                                list(model.buffers()) if broadcast_buffers and ws > 1 else [],
+                                BufferSync(model, process_group, True) if broadcast_buffers
+                                else None,
                                 self._trace_path,
                                 (16 if device.type == "cuda" else 0) if align_bytes is None
                                 else int(align_bytes), zero_stage)
@@ -708,11 +711,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._settle()
 
     def _settle(self) -> None:
-        """Apply pending updates and install broadcast buffers: waits only, no new collective."""
+        """Apply pending updates: waits only, no new collective. (Module buffers are DDP's
+        business alone, :mod:`.semantics`: nothing to install here.)"""
         st = self._state
         if st.updates.n_pending:
             st.updates.flush()
-        st.gates.wait_buffers()
 
     def state_dict(self) -> dict[str, Any]:
         """The wrapped optimizer's state dict, in its own format (pending updates applied
@@ -803,7 +806,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Wait for every collective of this optimizer, drop the works and close the channel.
         With ``grace_s``, give up (and change nothing) if they have not all finished by then."""
         st = self._state
-        works = st.comm.in_flight() + [w for w, *_ in st.gates.buf_pending]
+        works = st.comm.in_flight()
         if grace_s is not None:
             deadline = time.monotonic() + grace_s
             while not all(w.is_completed() for w in works):
@@ -814,7 +817,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._chan.wait(w, "a collective in flight at close()")
         st.comm.works = [None] * st.m
         st.comm.usage_work = None
-        st.gates.buf_pending = []
         self._chan.close()
         self._closed = True
         OPEN.discard(self)

@@ -52,6 +52,7 @@ from .checks import (
     whole_world,
 )
 from .default_plan import fallback_schedule, model_tensors, trainable_parameters
+from .semantics import check_module, module_buffers
 from .sharded import check_sharded
 
 ScheduleArg = Schedule | str | os.PathLike | None
@@ -145,7 +146,7 @@ def start_up(optimizer: torch.optim.Optimizer, model: torch.nn.Module, request: 
     check_world_size(sched, ws, rank)
     broadcast_from_rank0([p.detach() for p in model.parameters()], process_group, timeout)
     if broadcast_buffers:
-        broadcast_from_rank0(list(model.buffers()), process_group, timeout, "buffers")
+        broadcast_from_rank0(module_buffers(model), process_group, timeout, "buffers")
     verify = verify and request.given and sched.mode != Mode.SHARDED
     return Start(sched, source, request.auto, verify, params, device, zero_stage, rank, ws)
 
@@ -164,6 +165,7 @@ def _local_checks(optimizer: torch.optim.Optimizer, model: torch.nn.Module, sche
                           "device per rank")
     sched, source = resolve_schedule(schedule, model, ws, warn=rank == 0)
     check_not_wrapped(model)
+    check_module(model)
     check_model(sched, model_tensors(model), source)
     check_hierarchy(sched, ws, source, whole_world=whole_world(process_group))
     check_optimizer(optimizer, model)

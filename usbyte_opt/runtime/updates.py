@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..errors import UsbyteError
 from .buffers import FlatGrads
+from .semantics import group_changed
 
 if TYPE_CHECKING:
     from .trace import Recorder
@@ -93,16 +94,25 @@ class SubsetStepper:
     the same group dicts. The hyperparameters recorded by :meth:`snapshot` (at ``step()``) are
     put back into the groups for the call, so an LR scheduler stepped right after ``step()``
     does not change this iteration's update. For the call, ``p.grad`` is the tensor's view
-    (the averaged gradient); whatever the user left in ``p.grad`` is put back afterwards. The
-    optimizer must update each parameter independently of the others (SGD, Adam, AdamW,
-    RMSprop, Adagrad, ... do).
+    (the averaged gradient); whatever the user left in ``p.grad`` is put back afterwards.
+
+    Only an optimizer that updates each parameter independently of the others is stepped on
+    subsets (``per_parameter``: :func:`.semantics.steps_per_parameter`); any other is stepped
+    whole, once per step, inside ``step()`` (:attr:`Installed.mode` is then fence mode), its
+    groups and hyperparameters untouched: the tensors not stepped have ``p.grad = None`` for
+    the call, as the plain optimizer under DDP sees them. A class the user declared
+    per-parameter whose step changes a param group's value is refused in one line.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, grads: FlatGrads, device: torch.device,
-                 calls: int = 0):
+                 calls: int = 0, per_parameter: bool = True, declared: bool = False):
         self.opt = optimizer
         self.grads = grads
         self.device = device
+        #: Whether the optimizer may be stepped on subsets of its tensors.
+        self.per_parameter = per_parameter
+        #: Per-parameter by the user's declaration (each subset step is checked).
+        self.declared = declared
         where = {id(p): gi for gi, grp in enumerate(optimizer.param_groups)
                  for p in grp["params"]}
         #: Param group of each tensor (-1: the optimizer does not step it).
@@ -135,6 +145,9 @@ class SubsetStepper:
         groups = self.opt.param_groups
         if len(groups) != len(self.hp):
             raise UsbyteError(GROUPS_CHANGED)
+        if not self.per_parameter:
+            self._step_whole(ts)
+            return
         params, views = g.params, g.views
         # For the call, p.grad is the view; a tensor whose p.grad is something else (None
         # after zero_grad(), a tensor of the user's) gets it back afterwards.
@@ -161,15 +174,21 @@ class SubsetStepper:
                         grp[key] = val
             for k, v in self.attrs.items():
                 setattr(self.opt, k, v)
+            versions = [{k: v._version for k, v in hp.items() if torch.is_tensor(v)}
+                        for hp in self.hp] if self.declared else []
             with torch.inference_mode(False), _no_autocast(self.device):
                 inner_step(self.opt)
             self.calls += 1
+            for gi, grp in enumerate(groups[:len(versions)]):
+                changed = group_changed(self.hp[gi], grp, versions[gi])
+                if changed is not None:
+                    raise UsbyteError(
+                        f"{type(self.opt).__name__}.step() changed param_groups[{gi}][{changed!r}]: "
+                        "an optimizer declared with usbyte_opt.per_parameter must leave its "
+                        "groups as they are (it is stepped on subsets of its tensors); drop "
+                        "the declaration (it is then stepped whole, once per step)")
         finally:
-            for k in self.attrs:
-                try:
-                    delattr(self.opt, k)
-                except AttributeError:
-                    pass
+            self._del_attrs()
             if not whole:
                 for grp, ps in zip(groups, old_params):
                     grp["params"] = ps
@@ -177,6 +196,40 @@ class SubsetStepper:
                 grp[key] = cur
             for p, grad in saved:
                 p.grad = grad
+
+    def _step_whole(self, ts: Sequence[int]) -> None:
+        """One call of the optimizer's own ``step()`` over all its groups, as the user's code
+        makes it under DDP: the tensors ``ts`` hold their averaged gradient, the others of the
+        model ``None``; groups and hyperparameters as they are now."""
+        g = self.grads
+        chosen = bytearray(g.n)
+        for t in ts:
+            chosen[t] = 1
+        saved: list[tuple[torch.nn.Parameter, torch.Tensor | None]] = []
+        for t, p in enumerate(g.params):
+            if self.group_of[t] < 0:
+                continue
+            want = g.views[t] if chosen[t] else None
+            if p.grad is not want:
+                saved.append((p, p.grad))
+                p.grad = want
+        try:
+            for k, v in self.attrs.items():
+                setattr(self.opt, k, v)
+            with torch.inference_mode(False), _no_autocast(self.device):
+                inner_step(self.opt)
+            self.calls += 1
+        finally:
+            self._del_attrs()
+            for p, grad in saved:
+                p.grad = grad
+
+    def _del_attrs(self) -> None:
+        for k in self.attrs:
+            try:
+                delattr(self.opt, k)
+            except AttributeError:
+                pass
 
 
 class HostUpdates:

@@ -40,6 +40,7 @@ parameter between ``step()`` and the next forward first sees its update.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import types
 import weakref
 from collections.abc import Iterator
@@ -56,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from ..errors import UsbyteError
 from .checks import broadcast_from_rank0, require_initialized
 from .optimizer import DistributedOptimizer
+from .semantics import UNSUPPORTED_OPTIONS, BufferSync, check_ddp_arguments, module_buffers
 from .start import ScheduleArg, requested
 
 __all__ = ["DistributedDataParallel"]
@@ -68,7 +70,8 @@ class DistributedDataParallel(torch.nn.Module):
     Args:
         module: the model (on this rank's device; a ``torch.compile``'d model works).
         device_ids, output_device, dim: as DDP's (inputs are moved to ``device_ids[0]``).
-        broadcast_buffers: as DDP's (rank 0's buffers after each training forward).
+        broadcast_buffers, forward_sync_buffers, init_sync, bucket_cap_mb_list: as DDP's (module
+            buffers follow DDP's rule exactly, :mod:`.semantics`).
         process_group: the data-parallel group (default: the world).
         bucket_cap_mb, gradient_as_bucket_view, check_reduction: accepted for DDP's signature;
             the schedule decides the blocks.
@@ -102,21 +105,29 @@ class DistributedDataParallel(torch.nn.Module):
     """
 
     def __init__(self, module: torch.nn.Module, device_ids: list[Any] | None = None,
-                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool | None = None,
                  process_group: dist.ProcessGroup | None = None, bucket_cap_mb: float | None = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
                  schedule: ScheduleArg = None, optimizer: torch.optim.Optimizer | None = None,
-                 **runtime: Any):
+                 forward_sync_buffers: bool | None = None, init_sync: bool = True,
+                 bucket_cap_mb_list: list[int] | None = None, **runtime: Any):
         super().__init__()
         require_initialized()
         if device_ids is not None and len(device_ids) != 1:
             raise UsbyteError(f"device_ids: expected one device per process, got {device_ids!r}")
+        # DDP's newer options: passed on to torch's DDP where this torch has them; those the
+        # runtime does not reproduce are refused when a schedule runs (below).
+        ddp_extra = {k: runtime.pop(k) for k in list(runtime) if k in UNSUPPORTED_OPTIONS
+                     or k == "batched_grad_copy"}
         self.module = module
         self.device_ids = device_ids
         self.output_device = output_device
         self.dim = dim
-        self.broadcast_buffers = broadcast_buffers
+        # DDP's resolution of the two names of the forward buffer sync.
+        sync_buffers = (forward_sync_buffers if forward_sync_buffers is not None
+                        else broadcast_buffers if broadcast_buffers is not None else True)
+        self.broadcast_buffers = sync_buffers
         self.process_group = process_group
         self.find_unused_parameters = find_unused_parameters
         self.static_graph = static_graph
@@ -134,12 +145,17 @@ class DistributedDataParallel(torch.nn.Module):
             "broadcast_buffers": broadcast_buffers, "process_group": process_group,
             "bucket_cap_mb": bucket_cap_mb, "find_unused_parameters": find_unused_parameters,
             "check_reduction": check_reduction, "gradient_as_bucket_view": gradient_as_bucket_view,
-            "static_graph": static_graph}
+            "static_graph": static_graph, "forward_sync_buffers": forward_sync_buffers,
+            "init_sync": init_sync, "bucket_cap_mb_list": bucket_cap_mb_list, **ddp_extra}
         # torch DDP over the module, outside the module tree (state_dict keys stay DDP's):
         # what runs when nothing is planned, until the optimizer's first step, and the
         # fallback of verification.
         self.__dict__["_ddp"] = None
         self._planned = requested(schedule).given
+        #: DDP's buffer rule, in force across torch's DDP and the runtime (:mod:`.semantics`).
+        self._buffer_sync = BufferSync(module, process_group, sync_buffers)
+        if self._planned:
+            check_ddp_arguments(self._ddp_kwargs)
         if not self._planned or optimizer is None:
             # Nothing planned: DDP itself. Else DDP until the optimizer's first step (its
             # construction broadcasts rank 0's parameters and buffers, DDP's starting point).
@@ -148,19 +164,30 @@ class DistributedDataParallel(torch.nn.Module):
                 self._watching = True
                 _watch(self)
             return
-        # DDP's starting point, at construction as DDP: rank 0's parameters and buffers.
+        # DDP's starting point, at construction as DDP: rank 0's parameters and buffers
+        # (buffers unless broadcast_buffers=False; forward_sync_buffers=False keeps it).
         broadcast_from_rank0([p.detach() for p in module.parameters()], process_group, None)
-        if broadcast_buffers:
-            broadcast_from_rank0(list(module.buffers()), process_group, None, "buffers")
+        if sync_buffers or forward_sync_buffers is not None:
+            broadcast_from_rank0(module_buffers(module), process_group, None, "buffers")
         self._attach(optimizer)
 
     def _torch_ddp(self) -> torch.nn.Module:
-        """torch's ``DistributedDataParallel`` over the module, with the arguments given."""
+        """torch's ``DistributedDataParallel`` over the module, with the arguments given
+        (those this torch's DDP has; the defaults of the others need nothing)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        kw = dict(self._ddp_kwargs)
-        if kw["broadcast_buffers"]:   # DDP's default (newer torch warns when it is passed)
-            del kw["broadcast_buffers"]
+        accepted = inspect.signature(DDP.__init__).parameters
+        kw: dict[str, Any] = {}
+        for k, v in self._ddp_kwargs.items():
+            if k in accepted:
+                if accepted[k].default is not inspect.Parameter.empty and v is accepted[k].default:
+                    continue   # (newer torch warns when some defaults are passed)
+                kw[k] = v
+            elif v is not None and v is not False and not (k == "init_sync" and v is True):
+                raise UsbyteError(f"DistributedDataParallel({k}={v!r}): this torch's DDP has "
+                                  f"no such option")
+        if kw.get("broadcast_buffers") is True and "forward_sync_buffers" in accepted:
+            del kw["broadcast_buffers"]   # the default, under its deprecated name
         return DDP(self.module, **kw)
 
     @property
@@ -215,20 +242,24 @@ class DistributedDataParallel(torch.nn.Module):
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         if self._watching and self._opt is not None:
             self._stop_watching()   # the taken-over optimizer's first iteration is over
+        sync = self._buffer_sync
         if self.runs_torch_ddp:
             ddp = self.__dict__["_ddp"]
             ddp.require_backward_grad_sync = self._sync
             if ddp.training != self.training:
                 ddp.training = self.training
-            return ddp(*inputs, **kwargs)
+            return sync.run_ddp(ddp, lambda: ddp(*inputs, **kwargs))
         opt = self._opt
         assert opt is not None
         opt._state.comm.no_sync = not self._sync
+        sync.pre_forward()   # DDP's _pre_forward: rank 0's buffers, when its rule says so
         if self.device_ids:
             dev = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _to(inputs, dev), _to(kwargs, dev)
-        return self.module(*inputs, **kwargs)
+        out = self.module(*inputs, **kwargs)
+        sync.post_forward(self._sync)   # DDP's _post_forward
+        return out
 
     # -- the optimizer -------------------------------------------------------------------------
 
@@ -236,7 +267,10 @@ class DistributedDataParallel(torch.nn.Module):
         """Run ``optimizer`` on the runtime: build it, take the object over, and give the
         runtime torch's DDP as its fallback while it verifies or plans."""
         kw = dict(self._runtime_kwargs)
-        kw.setdefault("broadcast_buffers", self.broadcast_buffers)
+        # The buffer rule is the wrapper's (its forward is the forward through DDP), and the
+        # starting point was broadcast at construction (by torch's DDP or above): the runtime
+        # broadcasts no buffer of its own.
+        kw["broadcast_buffers"] = False
         kw.setdefault("find_unused_parameters", self.find_unused_parameters)
         ddp = self.__dict__["_ddp"]
         check_routable(optimizer)
