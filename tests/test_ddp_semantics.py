@@ -138,11 +138,23 @@ class DeclaredWrongly(Unknown):
         super().step()
 
 
+def hooked_sgd(params: Any) -> torch.optim.Optimizer:
+    """SGD with a step post-hook that counts its calls (under DDP: once per step)."""
+    opt = torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    opt.hook_calls = 0  # type: ignore[attr-defined]
+
+    def count(o: Any, args: Any, kwargs: Any) -> None:
+        o.hook_calls += 1
+
+    opt.register_step_post_hook(count)
+    return opt
+
+
 OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
     "adamw": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
     "lamb": Lamb, "tensor_step": TensorStep, "unknown": Unknown, "sign_sgd": SignSGD,
-    "declared_wrongly": DeclaredWrongly,
+    "declared_wrongly": DeclaredWrongly, "hooked_sgd": hooked_sgd,
 }
 
 # -- comparing ----------------------------------------------------------------------------------
@@ -272,7 +284,20 @@ def side_by_side(rank: int, ws: int, loop: str, optimizer: str = "sgd",
     out["seen_equal"] = state_equal(seen_ref, seen_usb)
     out["optimizer_state_equal"] = state_equal(o_ref.state_dict(), o_usb.state_dict())
     out["calls"] = usb.optimizer.optimizer_calls
+    out["seen_equal"] &= getattr(o_ref, "hook_calls", 0) == getattr(o_usb, "hook_calls", 0)
     return out
+
+
+def hook_after_wrapping(rank: int, ws: int) -> dict[str, Any]:
+    """A step hook registered on an optimizer the runtime steps per block: refused."""
+    mod = make_net()
+    opt = torch.optim.SGD(mod.parameters(), lr=0.05)
+    usb = usbyte_opt.DistributedDataParallel(mod, schedule=overlap_schedule(mod), verify=False,
+                                             optimizer=opt)
+    train_step(usb, opt, rank, 0)
+    opt.register_step_post_hook(lambda o, a, k: None)
+    train_step(usb, opt, rank, 1)
+    return {}
 
 
 def horovod_accumulation(rank: int, ws: int) -> dict[str, Any]:
@@ -322,7 +347,8 @@ SCENARIOS = {
     "no_broadcast_buffers": (no_broadcast_buffers, ()),
     "horovod_accumulation": (horovod_accumulation, ()),
     **{f"optimizer_{name}": (side_by_side, ("plain", name)) for name in
-       ("lamb", "tensor_step", "unknown", "sign_sgd", "declared_wrongly")},
+       ("lamb", "tensor_step", "unknown", "sign_sgd", "declared_wrongly", "hooked_sgd")},
+    "hook_after_wrapping": (hook_after_wrapping, ()),
     "optimizer_lamb_takeover": (side_by_side, ("plain", "lamb", overlap_schedule, True)),
 }
 
@@ -332,7 +358,7 @@ def outcome() -> Callable[[str], list[Any]]:
     return played(run_local(play, 2, args=(SCENARIOS,), timeout_s=300, pg_timeout_s=60))
 
 
-EQUAL_CASES = [n for n in SCENARIOS if n != "optimizer_declared_wrongly"]
+EQUAL_CASES = [n for n in SCENARIOS if n not in ("optimizer_declared_wrongly", "hook_after_wrapping")]
 
 
 @pytest.mark.parametrize("name", EQUAL_CASES)
@@ -346,7 +372,8 @@ def test_equal_to_ddp_on_every_rank(outcome: Callable[[str], list[Any]], name: s
         assert got["optimizer_state_equal"], f"rank {r.rank}: optimizer state differs"
 
 
-@pytest.mark.parametrize("name", ["optimizer_lamb", "optimizer_tensor_step", "optimizer_unknown"])
+@pytest.mark.parametrize("name", ["optimizer_lamb", "optimizer_tensor_step", "optimizer_unknown",
+                                  "optimizer_hooked_sgd"])
 def test_not_per_parameter_is_stepped_whole_once(outcome: Callable[[str], list[Any]],
                                                  name: str) -> None:
     """One optimizer call per step (the overlap plan's per-block calls would be several)."""
@@ -362,6 +389,12 @@ def test_declared_wrongly_is_refused_on_every_rank(outcome: Callable[[str], list
     for r in outcome("optimizer_declared_wrongly"):
         assert not r.ok and r.error_type == "usbyte_opt.errors.UsbyteError", (r.error_type, r.error)
         assert "changed param_groups[0]['calls']" in r.error and "\n" not in r.error
+
+
+def test_step_hook_after_wrapping_is_refused_on_every_rank(
+        outcome: Callable[[str], list[Any]]) -> None:
+    for r in outcome("hook_after_wrapping"):
+        assert not r.ok and "step hook was registered on SGD" in r.error, (r.error_type, r.error)
 
 
 def test_per_parameter_classes() -> None:

@@ -32,18 +32,16 @@ one on rank 0's stderr:
   either path (or of Lightning's DDP) resumes on either.
 
 **Where the runtime's hooks go.** The runtime's root hooks (updates of the tensors used
-before or outside their modules, the broadcast of rank 0's BatchNorm statistics after the
-training forward, their installation before the next one) must run exactly once around the
-whole ``training_step``. Lightning calls ``training_step``, not the LightningModule's
-``forward``; and a ``training_step`` that calls ``self(x)`` would run the forward hooks of
-the LightningModule once per call, nested inside the step. So the runtime is given a
-private root module that holds the LightningModule's own parameters, buffers and submodules
-(same names, so a schedule profiled on the LightningModule fits) and whose ``forward`` is the
-``training_step``; the strategy calls the step through it. (Giving the runtime the
-LightningModule and the step through its ``forward`` nests the root hooks when the step calls
-``self(x)``: the outer forward's end then installs rank 0's BatchNorm statistics, in place,
-on the other ranks, between the forward and the backward that needs them: autograd's
-in-place error in BatchNorm's backward on rank 1.)
+before or outside their modules, DDP's rule for rank 0's module buffers at the start of a
+forward through DDP) must run exactly once around the whole ``training_step``, as
+Lightning's DDP runs the step through DDP's forward once. Lightning calls
+``training_step``, not the LightningModule's ``forward``; and a ``training_step`` that calls
+``self(x)`` would run the forward hooks of the LightningModule once per call, nested inside
+the step. So the runtime is given a private root module that holds the LightningModule's own
+parameters, buffers and submodules (same names, so a schedule profiled on the
+LightningModule fits) and whose ``forward`` is the ``training_step``; the strategy calls the
+step through it. Validation, test and predict steps, which Lightning's DDP also runs through
+DDP's forward, run under the same buffer rule (:meth:`UsbyteStrategy._through_ddp`).
 
 With manual optimization, the backward passes that only accumulate must run inside
 ``with self.trainer.strategy.block_backward_sync():`` (the optimizer's ``no_sync()``; under DDP
@@ -72,7 +70,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -316,8 +314,8 @@ class UsbyteStrategy(DDPStrategy):
         self.synchronize()
 
     def synchronize(self) -> None:
-        """Apply every pending update and install rank 0's module buffers (runtime path; local,
-        no collective). Lightning's checkpoints, validation and the end of ``fit`` call it.
+        """Apply every pending update (runtime path; local, no collective). Lightning's
+        checkpoints, validation and the end of ``fit`` call it.
 
         Between the passes of an accumulation (a validation every N batches, N not a multiple
         of ``accumulate_grad_batches``) it does nothing: the step's first backward applied every
@@ -338,6 +336,27 @@ class UsbyteStrategy(DDPStrategy):
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
             return self._root(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._through_ddp(super().validation_step, *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._through_ddp(super().test_step, *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._through_ddp(super().predict_step, *args, **kwargs)
+
+    def _through_ddp(self, step: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """An evaluation step, which Lightning's DDP runs through DDP's forward: on the
+        runtime path it runs under DDP's buffer rule (rank 0's buffers at its start when the
+        forward before it trained; :mod:`usbyte_opt.runtime.semantics`)."""
+        sync = self.distributed_optimizers[0].buffer_sync if self.distributed_optimizers else None
+        if sync is None:
+            return step(*args, **kwargs)
+        sync.pre_forward()
+        out = step(*args, **kwargs)
+        sync.post_forward(grad_sync=not self._accumulating)
+        return out
 
     @contextlib.contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:

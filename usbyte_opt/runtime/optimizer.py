@@ -403,6 +403,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._opt.defaults
 
     @property
+    def buffer_sync(self) -> BufferSync | None:
+        """DDP's buffer rule run by this optimizer's model forwards (None with
+        ``broadcast_buffers=False``); a trainer whose evaluation steps went through DDP's
+        forward without calling the model runs them through it too
+        (:mod:`usbyte_opt.integrations.lightning`)."""
+        return self._options.buffer_sync
+
+    @property
     def optimizer(self) -> torch.optim.Optimizer:
         """The wrapped optimizer."""
         return self._opt

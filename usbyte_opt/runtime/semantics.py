@@ -21,7 +21,8 @@ here, and nowhere else:
   subset of the model's tensors (each as soon as its blocks have arrived) only when the
   optimizer updates every parameter independently of the others: torch.optim's
   per-parameter classes (not subclasses that define their own ``step``), and classes the
-  user declares with :func:`per_parameter`. Any other optimizer (a global gradient norm
+  user declares with :func:`per_parameter`, with no step hook (which would run once per
+  subset; one registered later is refused). Any other optimizer (a global gradient norm
   inside ``step()`` as LAMB-style optimizers compute it, state shared across parameters,
   counters kept in the param group) is stepped whole, once, after its last block, as under
   DDP.
@@ -200,15 +201,43 @@ def per_parameter(cls: _OptimizerClass) -> _OptimizerClass:
     return cls
 
 
+def step_hooks(optimizer: torch.optim.Optimizer) -> int:
+    """How many step hooks would run around each call of ``optimizer.step()``: its own
+    (``register_step_pre_hook``/``post_hook``) and torch's global ones, less the runtime's
+    own (the wrapper's, while it waits for the optimizer's first step)."""
+    from torch.optim import optimizer as torch_optimizer
+
+    own = sum(len(getattr(optimizer, k, None) or ())
+              for k in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"))
+    glob = [h for d in (torch_optimizer._global_optimizer_pre_hooks,
+                        torch_optimizer._global_optimizer_post_hooks) for h in d.values()
+            if getattr(h, "__module__", "") != "usbyte_opt.runtime.wrapper"]
+    return own + len(glob)
+
+
 def steps_per_parameter(optimizer: torch.optim.Optimizer) -> bool:
     """Whether the runtime may step ``optimizer`` on subsets of its parameters: its class is
     one of torch.optim's per-parameter classes (or a subclass that keeps that class's
-    ``step``), or was declared with :func:`per_parameter`."""
+    ``step``), or was declared with :func:`per_parameter`, and no step hook would run once
+    per subset (:func:`step_hooks`: under DDP each runs once per step)."""
+    if step_hooks(optimizer):
+        return False
     cls: Any = type(optimizer)
     if any(issubclass(cls, d) and cls.step is getattr(d, "step", None) for d in _DECLARED):
         return True
     return any(issubclass(cls, k) and cls.step is getattr(k, "step", None)
                for k in _known_classes())
+
+
+def check_no_new_hooks(optimizer: torch.optim.Optimizer) -> None:
+    """Refuse, in one line, step hooks registered after the runtime chose to step
+    ``optimizer`` per block: each would run once per block instead of once per step."""
+    if step_hooks(optimizer):
+        raise UsbyteError(
+            f"a step hook was registered on {type(optimizer).__name__} (or globally) after "
+            "usbyte-opt's runtime took it over: the runtime steps it per block, so the hook "
+            "would run several times per step; register step hooks before wrapping (the "
+            "optimizer is then stepped whole, once per step, as under DDP)")
 
 
 def declared(optimizer: torch.optim.Optimizer) -> bool:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..errors import UsbyteError
 from .buffers import FlatGrads
-from .semantics import group_changed
+from .semantics import check_no_new_hooks, group_changed
 
 if TYPE_CHECKING:
     from .trace import Recorder
@@ -130,7 +130,10 @@ class SubsetStepper:
         self.calls = calls
 
     def snapshot(self) -> None:
-        """Record the hyperparameters in force now (at ``step()``)."""
+        """Record the hyperparameters in force now (at ``step()``); a step hook registered
+        since the optimizer was found per-parameter is refused here."""
+        if self.per_parameter:
+            check_no_new_hooks(self.opt)
         self.hp = [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in grp.items()
                     if k != "params"} for grp in self.opt.param_groups]
 
