@@ -15,7 +15,7 @@ import typer
 from .. import console
 from ..console import plural
 from ..errors import UsageError, UsbyteError
-from ..formats import Mode, Schedule, save_schedule
+from ..formats import Mode, Runner, Schedule, save_schedule
 from ..planning.planner import BEST_FLAT, Progress, compare, gc_paused
 from ..planning.problem import UpdateRule
 from ..planning.simulate import simulate
@@ -228,7 +228,7 @@ class Written:
     path: Path
     trace: Path | None
     caps: list[float] | None
-    """DDP's ``bucket_cap_mb_list`` for ``ddp-tuned``."""
+    """DDP's ``bucket_cap_mb_list`` for ``ddp-tuned``, and for ``best`` where torch DDP runs it."""
 
 
 def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | None) -> Written:
@@ -236,10 +236,9 @@ def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | N
     sched = dataclasses.replace(report.schedule(strategy, profile_digest=original.digest()),
                                 model=planned_model(original))
     caps = None
-    if strategy == "ddp-tuned":
-        from ..ddp import bucket_caps_mb
-
-        caps = bucket_caps_mb(sched, str(out))
+    if strategy == "ddp-tuned" or (sched.runner is Runner.DDP and strategy != "ddp"):
+        # stock DDP with the planned buckets (ddp-tuned, or best where torch DDP runs it)
+        caps = sched.bucket_cap_mb_list(str(out))
     save_schedule(sched, out)
     if trace is not None:
         common.write_trace(trace, simulate(report.problem, sched, check=False),
@@ -277,6 +276,8 @@ def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
         **({"nodes": prof.comm.nodes, "ranks_per_node": prof.comm.ranks_per_node}
            if prof.comm.nodes > 1 else {}),
         "strategies": {n: {"iteration_ms": r.iteration_ms, "mode": r.mode,
+                           "runner": str(r.plan.runner),
+                           "speedup_vs_ddp": _speedup(report, r.iteration_ms),
                            "overlap_ms": r.overlap_ms, "fence_ms": r.fence_ms,
                            "blocks": r.blocks, "solve_s": r.solve_s,
                            **({"blocks_hier": report.hier_blocks(n)} if report.hierarchical else {}),
@@ -288,11 +289,41 @@ def _document(report: Any, w: Written, prof: Any, name: str) -> dict[str, Any]:
         "gap": w.schedule.predicted["gap"],
         "chosen": w.strategy,
         "mode": w.schedule.mode,
+        "runner": str(w.schedule.runner),
         "output": str(w.path),
         "trace": str(w.trace) if w.trace else None,
         **({"bucket_cap_mb_list": w.caps} if w.caps is not None else {}),
         **({"skipped": report.skipped} if report.skipped else {}),
     }
+
+
+def _speedup(report: Any, ms: float) -> float | None:
+    """Speedup over ``ddp``'s predicted time (``> 1``: faster than DDP); ``None`` without it."""
+    ddp = report.results.get("ddp")
+    return ddp.iteration_ms / ms if ddp is not None and ms > 0 else None
+
+
+def slower_than_a_row(report: Any, strategy: str) -> str | None:
+    """The warning line ``optimize`` prints when ``strategy``'s plan is predicted slower than
+    another row of the table (``None`` when it is not): which row, both times, both speedups
+    over DDP, and which ``--strategy`` writes the faster plan."""
+    res = report.results
+    chosen = res[strategy].iteration_ms
+    faster = [(r.iteration_ms, n) for n, r in res.items()
+              if n != strategy and r.iteration_ms < chosen * (1 - 1e-9)]
+    if not faster:
+        return None
+    ms, fastest = min(faster)
+    ddp = res["ddp"].iteration_ms
+    several = fastest == "ddp" and len(res["ddp"].plan.layout.buffers) > 1
+    why = ("torch DDP's own buckets of several dtypes are not a bucket list a schedule can give "
+           "it: keep torch DDP" if strategy == "best" and several else
+           "best weighs every row's blocks on both runners, so this is a planner fault: please "
+           "report it" if strategy == "best" else "best is never slower than any row"
+           + (" but ddp's own buckets of several dtypes" if several else ""))
+    return (f"{strategy} is predicted slower than {fastest}: {chosen:.2f} ms against {ms:.2f} "
+            f"({ddp / chosen:.3f}x against {ddp / ms:.3f}x speedup over ddp); {why} "
+            f"(--strategy {fastest if strategy == 'best' else 'best'})")
 
 
 def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
@@ -324,7 +355,9 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
         columns,
         rows,
         justify_right_from=2,
-        caption=f"lower bound {report.lower_bound_ms:.2f} ms; {w.strategy} ({w.schedule.mode} mode) "
+        caption=f"vs ddp: speedup over ddp's predicted time (>1 is faster); lower bound "
+                f"{report.lower_bound_ms:.2f} ms (per runner, in the modes it runs); {w.strategy} "
+                f"({w.schedule.mode} mode, run by {_runner_name(w.schedule.runner)}) "
                 f"is {100 * w.schedule.predicted['gap']:.2f}% above it"
                 + ("; hier/blocks: blocks all-reduced hierarchically (inside each node, across "
                    "the nodes, inside again) of all; every strategy but best runs flat rings"
@@ -335,25 +368,22 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
                    "(CPU ranks)" if report.problem.update_rule == UpdateRule.GATE else ""),
     )
     if w.caps is not None:
-        console.paragraph(f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "
+        console.paragraph(("" if w.strategy == "ddp-tuned" else f"{w.strategy} runs on torch DDP: ")
+                          + f"Stock PyTorch DDP with these {plural(len(w.caps), 'bucket')}: "
                           f"DistributedDataParallel(model, bucket_cap_mb_list={short_caps(w.caps)})")
         console.paragraph(f'or usbyte_opt.ddp.wrap(model, "{w.path}"), which also checks the model '
                           "against the schedule (docs/runtime.md)")
     for skipped, why in report.skipped.items():
         console.warn(f"{skipped}: no plan: {why}")
-    chosen = res[w.strategy]
-    if chosen.iteration_ms > ddp * (1 + 1e-9):
-        best = res.get("best")
-        if best is not None and best.iteration_ms > ddp * (1 + 1e-9):
-            console.warn(f"torch DDP is predicted faster than every plan on the usbyte-opt "
-                         f"runtime ({w.strategy}: {chosen.iteration_ms / ddp:.2f}x DDP's time): "
-                         "DDP's host cost per tensor and per bucket is lower, and communication "
-                         "leaves less than that to win here; keep DDP, or give stock DDP "
-                         "ddp-tuned's buckets (--strategy ddp-tuned)")
-        else:
-            console.warn(f"{w.strategy} is predicted {chosen.iteration_ms / ddp:.2f}x DDP's "
-                         "time; best is not slower than ddp here (--strategy best)")
+    line = slower_than_a_row(report, w.strategy)
+    if line is not None:
+        console.warn(line)
     console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
+
+
+def _runner_name(runner: Runner) -> str:
+    """How the caption names a runner."""
+    return "torch DDP's reducer" if runner is Runner.DDP else "the usbyte-opt runtime"
 
 
 def _levels_note(c: Any) -> str:

@@ -31,6 +31,7 @@ from .data import (
                    PROFILE_FORMAT,
                    SCHEDULE_FORMAT,
                    SCHEDULE_MODES,
+                   SCHEDULE_RUNNERS,
                    VERSION,
                    Block,
                    Buffer,
@@ -39,10 +40,13 @@ from .data import (
                    HostCost,
                    Mode,
                    Profile,
+                   Runner,
                    Schedule,
                    TensorSpec,
                    check_against,
                    check_coverage,
+                   check_runner,
+                   ddp_buckets,
                    fingerprint,
 )
 from .files import load_profile, load_schedule, read_json, save_profile, save_schedule, write_json
@@ -65,8 +69,9 @@ from .schema import (
 __all__ = [
     "COMM_BACKENDS", "DEFAULT_HOST_US", "DTYPE_SIZES", "MAX_ALGBW_GBS", "MAX_ELEMENTS", "MAX_GRADIENT_BYTES",
     "MAX_HOST_US", "MAX_MS", "MAX_WORLD_SIZE", "MIN_ALGBW_GBS", "PROFILE_FORMAT", "SCHEDULE_FORMAT",
-    "SCHEDULE_MODES", "VERSION", "Block", "Buffer", "CollectiveCost", "CommSpec", "HostCost", "Mode",
-    "Profile", "Schedule", "TensorSpec", "check_against", "check_coverage", "dump_profile", "dump_schedule",
+    "SCHEDULE_MODES", "SCHEDULE_RUNNERS", "VERSION", "Block", "Buffer", "CollectiveCost", "CommSpec",
+    "HostCost", "Mode", "Profile", "Runner", "Schedule", "TensorSpec", "check_against", "check_coverage",
+    "check_runner", "ddp_buckets", "dump_profile", "dump_schedule",
     "fingerprint", "load_profile", "load_schedule", "parse_profile", "parse_schedule",
     "profile_schema", "read_json", "save_profile", "save_schedule", "schedule_schema",
     "write_json",

@@ -87,6 +87,46 @@ class Mode(str, Enum):
 SCHEDULE_MODES = tuple(m.value for m in Mode)
 
 
+class Runner(str, Enum):
+    """What runs a schedule's blocks, and so what host cost it pays (docs/planner.md, "Host
+    cost"): the usbyte-opt runtime (``RUNTIME``, the default: a file without ``runner`` is
+    read as it) or torch DDP's reducer with the planned buckets (``DDP``: the schedule's blocks
+    are DDP's buckets, given to DDP as :meth:`Schedule.bucket_cap_mb_list`). Only a schedule
+    that DDP can express may name ``DDP`` (:func:`ddp_buckets`): fence mode, one buffer (one
+    dtype), whole tensors, blocks in the buffer's (gradient-ready) order. A runner is its file
+    value as a string, as :class:`Mode` is.
+
+    Example::
+
+        >>> Runner("ddp") is Runner.DDP, str(Runner.RUNTIME), [str(r) for r in Runner]
+        (True, 'runtime', ['runtime', 'ddp'])
+    """
+
+    note: str
+
+    RUNTIME = "runtime", "the usbyte-opt runtime (DistributedOptimizer)"
+    DDP = "ddp", ("torch DDP's reducer with the planned buckets (bucket_cap_mb_list): fence "
+                  "mode, one dtype, whole tensors, blocks in the buffer's order")
+
+    def __new__(cls, value: str, note: str = "") -> Runner:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.note = note
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+#: The runners' file values, in :class:`Runner` order.
+SCHEDULE_RUNNERS = tuple(r.value for r in Runner)
+#: Bytes in a MiB, DDP's unit of ``bucket_cap_mb``.
+MIB = 1 << 20
+
+
 # --------------------------------------------------------------------------------------------
 # Types
 # --------------------------------------------------------------------------------------------
@@ -353,12 +393,17 @@ class Schedule:
     """Nodes of :attr:`world_size` ranks, ``world_size // nodes`` on each (optional field
     ``nodes``): what the hierarchical blocks (:attr:`Block.hier`) group ranks by. ``1``: one
     node, every block flat."""
+    runner: Runner = Runner.RUNTIME
+    """What runs it (optional field ``runner``, default ``"runtime"``): the usbyte-opt runtime,
+    or torch DDP's reducer with the planned buckets (:class:`Runner`); a file naming ``"ddp"``
+    also holds :meth:`bucket_cap_mb_list` as ``bucket_cap_mb_list``."""
     path: str | None = field(default=None, compare=False, repr=False)
     """The file it was read from (:func:`~usbyte_opt.formats.load_schedule`), for messages;
     not part of the file."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", Mode(self.mode))
+        object.__setattr__(self, "runner", Runner(self.runner))
         if self.gathers is not None:
             object.__setattr__(self, "gathers", tuple(tuple(int(k) for k in g)
                                                       for g in self.gathers))
@@ -389,7 +434,31 @@ class Schedule:
             agreed["gathers"] = d["gathers"]
         if self.hierarchical:  # left out without hierarchy: such a digest is as before
             agreed["nodes"] = self.nodes
+        if self.runner is not Runner.RUNTIME:  # likewise: a runtime schedule's digest is as before
+            agreed["runner"] = str(self.runner)
         return _digest(agreed)
+
+    def bucket_cap_mb_list(self, source: str = "<schedule>") -> list[float]:
+        """The ``bucket_cap_mb_list`` that makes torch DDP rebuild exactly this schedule's
+        blocks as its buckets, in DDP's bucket order (the blocks' order): bucket ``i`` of
+        ``S`` bytes gets a cap of ``S - 1/2`` bytes in MiB, which DDP reads as ``S - 1``
+        bytes (``int(cap * 1024 * 1024)``), so it closes right after its last tensor and not
+        before (a tensor is at least 2 bytes). A one-line
+        :class:`~usbyte_opt.errors.FormatError` where DDP cannot express the schedule
+        (:func:`ddp_buckets`).
+
+        Example::
+
+            >>> s = Schedule("t", "p", "0" * 16, "f" * 16, 2, (Buffer("float32", ("a", "b")),),
+            ...              (Block(0, 0, 4), Block(0, 4, 12)), mode="fence",
+            ...              shapes={"a": (4,), "b": (8,)}, runner="ddp")
+            >>> [int(c * MIB) for c in s.bucket_cap_mb_list()]     # 16 and 32 bytes, less one
+            [15, 31]
+        """
+        size = DTYPE_SIZES[self.buffers[0].dtype] if self.buffers else 4
+        return [(nbytes - 0.5) / MIB for nbytes in
+                (sum(_numel(self.shapes or {}, n) for n in names) * size
+                 for names in ddp_buckets(self, source))]
 
     @property
     def hierarchical(self) -> bool:
@@ -408,6 +477,105 @@ class Schedule:
     def ranks_per_node(self) -> int:
         """Ranks on each node (``world_size // nodes``)."""
         return self.world_size // max(self.nodes, 1)
+
+
+def _numel(shapes: Mapping[str, Sequence[int]], name: str) -> int:
+    n = 1
+    for d in shapes.get(name, ()):
+        n *= int(d)
+    return n
+
+
+def ddp_buckets(schedule: Schedule, source: str = "<schedule>", field: str = "runner") -> list[list[str]]:
+    """The schedule's blocks as torch DDP's buckets (tensor names, in gradient-ready order),
+    or a one-line :class:`~usbyte_opt.errors.FormatError` naming ``source`` and the field
+    that says why DDP cannot express it: DDP steps after its last bucket (fence mode), sizes
+    every dtype's buckets with one list (one buffer), adds tensors whole and all-reduces its
+    buckets in the order their gradients become ready (each block starts where the one
+    before it ended, on a tensor boundary; the buffer holds its tensors in ready order). The
+    errors of the mode and the buffers name ``field`` (the runner that asks for DDP).
+
+    Example::
+
+        >>> s = Schedule("t", "p", "0" * 16, "f" * 16, 2, (Buffer("float32", ("a", "b")),),
+        ...              (Block(0, 0, 6), Block(0, 6, 12)), mode="fence",
+        ...              shapes={"a": (4,), "b": (8,)})
+        >>> ddp_buckets(s, "s.json")
+        Traceback (most recent call last):
+        ...
+        usbyte_opt.errors.FormatError: s.json: blocks[0]: expected whole tensors (DDP cannot ...), got [0, 6) ...
+    """
+    if schedule.mode != Mode.FENCE:
+        raise FormatError(source, field, f"\"{Runner.RUNTIME}\" in {schedule.mode} mode (torch DDP "
+                          "steps after its last bucket: fence mode only)", str(Runner.DDP))
+    if len(schedule.buffers) != 1:
+        raise FormatError(source, field, f"\"{Runner.RUNTIME}\" with {len(schedule.buffers)} buffers "
+                          f"({', '.join(b.dtype for b in schedule.buffers)}): torch DDP sizes every "
+                          "dtype's buckets with one list, so it runs one buffer", str(Runner.DDP))
+    shapes = schedule.shapes
+    if shapes is None:
+        raise FormatError(source, "shapes", "the per-tensor shapes, which say where DDP's buckets "
+                          "end (schedules written by `usbyte-opt optimize` record them)")
+    buf = schedule.buffers[0]
+    ends: dict[int, int] = {}     # element offset where each tensor ends -> its index
+    starts: dict[int, int] = {}
+    off = 0
+    for i, name in enumerate(buf.tensors):
+        starts[off] = i
+        off += _numel(shapes, name)
+        ends[off] = i
+    pos = 0
+    out: list[list[str]] = []
+    for k, blk in enumerate(schedule.blocks):
+        if blk.start != pos:
+            raise FormatError(source, f"blocks[{k}]", f"a block starting at element {pos} (torch "
+                              "DDP all-reduces its buckets in gradient-ready order, so blocks "
+                              "follow the buffer's order)", _Raw(f"start {blk.start}"))
+        if blk.start not in starts or blk.end not in ends:
+            raise FormatError(source, f"blocks[{k}]", "whole tensors (DDP cannot cut a tensor)",
+                              _Raw(f"[{blk.start}, {blk.end}) which cuts one"))
+        if blk.hier:
+            raise FormatError(source, f"blocks[{k}].hier", "false (torch DDP all-reduces its "
+                              "buckets on the whole group)", True)
+        out.append(list(buf.tensors[starts[blk.start]: ends[blk.end] + 1]))
+        pos = blk.end
+    return out
+
+
+class _Raw(str):
+    """A value shown in a :class:`~usbyte_opt.errors.FormatError` as it is (no quotes)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+def check_runner(schedule: Schedule, caps: Sequence[Any] | None, source: str) -> None:
+    """A schedule that names torch DDP as its runner is one DDP can express
+    (:func:`ddp_buckets`), and ``caps``, the file's ``bucket_cap_mb_list`` if it has one, gives
+    DDP exactly its blocks: each cap, in bytes as DDP reads it (``int(cap * 1024 * 1024)``),
+    at least the bucket's bytes less its last tensor's and below its bytes, so that the bucket
+    closes after its last tensor and not before. ``caps`` without that runner is refused."""
+    if schedule.runner is not Runner.DDP:
+        if caps is not None:
+            raise FormatError(source, "bucket_cap_mb_list", f"no bucket list unless runner is "
+                              f"\"{Runner.DDP}\" (runner \"{schedule.runner}\")")
+        return
+    buckets = ddp_buckets(schedule, source)
+    if caps is None:
+        return
+    if len(caps) != len(buckets):
+        raise FormatError(source, "bucket_cap_mb_list", f"one cap per block ({len(buckets)})",
+                          _Raw(f"{len(caps)} caps"))
+    shapes = schedule.shapes or {}
+    size = DTYPE_SIZES[schedule.buffers[0].dtype]
+    for i, (cap, names) in enumerate(zip(caps, buckets)):
+        nbytes = [_numel(shapes, n) * size for n in names]
+        total = sum(nbytes)
+        got = int(cap * MIB) if isinstance(cap, (int, float)) and math.isfinite(cap) else -1
+        if not total - nbytes[-1] <= got < total:
+            raise FormatError(source, f"bucket_cap_mb_list[{i}]", f"a cap that closes block {i} "
+                              f"after its last tensor ({total - nbytes[-1]} to {total - 1} bytes, "
+                              f"e.g. {(total - 0.5) / MIB!r})", cap)
 
 
 # --------------------------------------------------------------------------------------------
@@ -575,6 +743,12 @@ def schedule_json(schedule: Schedule) -> dict[str, Any]:
         out["shapes"] = {n: list(s) for n, s in schedule.shapes.items()}
     if schedule.gathers is not None:
         out["gathers"] = [list(g) for g in schedule.gathers]
+    if schedule.runner is not Runner.RUNTIME:   # left out for the runtime: such a file is as before
+        out["runner"] = str(schedule.runner)
+        try:
+            out["bucket_cap_mb_list"] = schedule.bucket_cap_mb_list()
+        except FormatError:      # a schedule DDP cannot express: the check names it when written
+            pass
     for k, v in schedule.extra.items():
         out.setdefault(k, v)
     return out

@@ -44,6 +44,7 @@ from .data import (
     PROFILE_FORMAT,
     SCHEDULE_FORMAT,
     SCHEDULE_MODES,
+    SCHEDULE_RUNNERS,
     VERSION,
     Block,
     Buffer,
@@ -52,9 +53,11 @@ from .data import (
     HostCost,
     Mode,
     Profile,
+    Runner,
     Schedule,
     TensorSpec,
     check_coverage,
+    check_runner,
     profile_json,
     schedule_json,
 )
@@ -108,6 +111,7 @@ if TYPE_CHECKING:  # a type checker sees the plain types; the records, the allow
     Dtype: TypeAlias = str
     Backend: TypeAlias = str
     ModeName: TypeAlias = str
+    RunnerName: TypeAlias = str
     ProfileFormat: TypeAlias = str
     ScheduleFormat: TypeAlias = str
     Version: TypeAlias = int
@@ -115,6 +119,7 @@ else:
     Dtype = Literal[tuple(DTYPE_SIZES)]
     Backend = Literal[COMM_BACKENDS]
     ModeName = Literal[SCHEDULE_MODES]
+    RunnerName = Literal[SCHEDULE_RUNNERS]
     ProfileFormat = Literal[PROFILE_FORMAT]
     ScheduleFormat = Literal[SCHEDULE_FORMAT]
     Version = Literal[VERSION]
@@ -298,6 +303,8 @@ class PredictedEntry(TypedDict, total=False):
 
 #: What the schema says of ``mode``: each mode's file value and what it does (one per :class:`Mode`).
 _MODE_NOTE = "; ".join(f"{m}: {m.note}" for m in Mode)
+#: What the schema says of ``runner`` (one per :class:`Runner`).
+_RUNNER_NOTE = "what runs the schedule; " + "; ".join(f"{r}: {r.note}" for r in Runner)
 
 
 @_record("usbyte-opt schedule", extra="allow")
@@ -318,6 +325,11 @@ class ScheduleFile(TypedDict):
         description="nodes of world_size / nodes ranks each, as hierarchical blocks group "
                     "them; divides world_size")]]
     mode: NotRequired[Annotated[ModeName, Rule(default=str(Mode.OVERLAP), description=_MODE_NOTE)]]
+    runner: NotRequired[Annotated[RunnerName, Rule(default=str(Runner.RUNTIME),
+                                                   description=_RUNNER_NOTE)]]
+    bucket_cap_mb_list: NotRequired[Annotated[list[Annotated[float, Rule(gt=0)]], Rule(
+        description="runner ddp: torch DDP's bucket_cap_mb_list, MiB, one cap per block in "
+                    "block order, each closing its bucket right after the block's last tensor")]]
     buffers: Annotated[list[BufferEntry], Rule(min_length=1)]
     blocks: Annotated[list[BlockEntry], Rule(description="issue order; together they cover "
                                              "every buffer exactly once")]
@@ -961,6 +973,7 @@ def dump_schedule(schedule: Schedule, source: str | None = None) -> dict[str, An
         numels = _check_schedule(out, source)
         if numels:
             check_coverage(schedule, numels, source)
+        check_runner(schedule, out.get("bucket_cap_mb_list"), source)
     return out
 
 
@@ -992,7 +1005,8 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
 
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
 _SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "model", "fingerprint", "world_size",
-                  "nodes", "mode", "buffers", "blocks", "predicted", "shapes", "gathers"}
+                  "nodes", "mode", "buffers", "blocks", "predicted", "shapes", "gathers",
+                  "runner", "bucket_cap_mb_list"}
 
 
 def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
@@ -1008,9 +1022,10 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
                      {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
                      None if shapes is None else {n: tuple(s) for n, s in shapes.items()},
                      None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]),
-                     d.get("model"), d["nodes"])
+                     d.get("model"), d["nodes"], d["runner"])
     if numels:
         check_coverage(sched, numels, source)
+    check_runner(sched, d.get("bucket_cap_mb_list"), source)
     return sched
 
 

@@ -153,16 +153,19 @@ at ``lambda = W / (W + C)`` or 1, is ``max(sum(update), W (sum(update) + C) / (W
 the whole gradient's rate ``rho = C / W``: many small blocks do not escape it, since each pays
 its alpha on the wire where it does not pay the thread.)
 
-**Host cost.** Every plan, run by either runner (:class:`~usbyte_opt.planning.problem.Runner`),
-pays per tensor and per block at least the smaller of the two runners' costs,
-``tensor_ms`` and ``block_ms``; so a block holding tensor p starts no earlier than
-``r_p + tensor_ms #{q : r_q <= r_p} + block_ms`` (the hooks of the tensors ready by then, and
-at least its own issue) and backward ends no earlier than ``B + n tensor_ms + block_ms``
-(at least one block), or, where the host runs ahead of the device, the larger of each pair of
-terms. The iteration never gets shorter when releases or backward's end grow, so the claims
-above, on these raised releases and ``B`` (:meth:`Problem.host_floor`), bound every plan:
-what :func:`lower_bound` computes. It is the bound of the cheaper runner's floor: a runtime
-plan pays more than it where the runtime's host cost exceeds DDP's.
+**Host cost.** Every plan run by a runner (:class:`~usbyte_opt.planning.problem.Runner`)
+pays per tensor and per block at least that runner's ``tensor_ms`` and ``block_ms``; so a block
+holding tensor p starts no earlier than ``r_p + tensor_ms #{q : r_q <= r_p} + block_ms`` (the
+hooks of the tensors ready by then, and at least its own issue) and backward ends no earlier
+than ``B + n tensor_ms + block_ms`` (at least one block), or, where the host runs ahead of the
+device, the larger of each pair of terms. The iteration never gets shorter when releases or
+backward's end grow, so the claims above, on these raised releases and ``B``
+(:meth:`Problem.host_floor` of the runner), bound every plan of that runner.
+
+**Per runner and mode.** The runtime runs both modes; torch DDP runs fence mode only, where
+also (claim 5, :func:`fence_bound`) ``T >= max(B, C*) + sum(update) + F``, ``C*`` claim 2's
+least time to all-reduce every gradient. :func:`lower_bound` is the smaller of the two runners'
+bounds, each on its own floor and in its own modes: valid for every plan either runner can run.
 
 With ``S = {the last-ready tensor}`` this gives the classic bound
 ``B + alpha + w_first + F - need_first`` when the input layer is ready last (backward must
@@ -206,7 +209,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .problem import Problem, UpdateRule
+from ..formats import Mode
+from .problem import Problem, Runner, UpdateRule
 
 #: Claim 1 evaluates at most this many release thresholds (rows) and this many row x tensor
 #: cells: 256 rows up to 4,000 tensors, fewer beyond (64 at 16,000), never under 32.
@@ -216,23 +220,67 @@ CELLS = 1 << 20
 GROUPS = 512
 
 
-def lower_bound(problem: Problem) -> float:
+#: The modes each runner runs a schedule in: the runtime both, torch DDP fence mode only.
+RUNNER_MODES: dict[Runner, tuple[Mode, ...]] = {Runner.RUNTIME: (Mode.OVERLAP, Mode.FENCE),
+                                                Runner.DDP: (Mode.FENCE,)}
+
+
+def lower_bound(problem: Problem, runner: Runner | str | None = None) -> float:
     """The lower bound of the module docstring, in ms: claims 1, 2 and 4 on the problem without
-    the compute-cost option, claim 3 with it, and claim 0 under the update rule ``GATE``.
-    Valid for every schedule in both modes, run by either runner: with host cost, on
-    :meth:`Problem.host_floor` (the least host cost any plan pays, module docstring)."""
+    the compute-cost option, claim 3 with it, claim 0 under the update rule ``GATE``, and
+    claim 5 where the runner runs fence mode only. With host cost it is the bound per runner
+    (*Per runner and mode*): the claims on :meth:`Problem.host_floor` of ``runner``, in the
+    modes it runs (:data:`RUNNER_MODES`); ``runner`` ``None``: the smaller of the two, valid
+    for every plan of either runner in its modes. Without host cost the runners differ only in
+    their modes, and the runtime, which runs both, gives the bound."""
+    if runner is None:
+        if not problem.host:
+            return _bound(problem, Runner.RUNTIME)
+        rt = _bound(problem, Runner.RUNTIME)
+        return min(rt, _bound(problem, Runner.DDP, enough=rt))
+    return _bound(problem, Runner(runner))
+
+
+def _bound(problem: Problem, runner: Runner, enough: float = np.inf) -> float:
+    """:func:`lower_bound` of one runner; it stops early, at a valid bound of at least
+    ``enough``, once its claims reach that (the caller takes the smaller of two)."""
     # claim 3 reads backward's end as compute that the charge lengthens: where the host runs
     # ahead of the device, its time is not, so claim 3 takes the compute alone
     B3 = problem.B if problem.host_hidden else None
-    problem = problem.host_floor()
+    problem = problem.host_floor(runner)
     r, q, w, alpha = _arrays(problem)
     best = problem.B + problem.F
     if problem.update_rule == UpdateRule.GATE:   # claim 0: the step on the training thread
         best += float(sum(problem.update))
-    best = max(best, _set_bound(r, q, w, alpha))
-    best = max(best, _batching_bound(r, q, w, alpha))
+    if Mode.OVERLAP not in RUNNER_MODES[runner]:
+        best = max(best, fence_bound(problem))
+    for claim in (_set_bound, _batching_bound):
+        if best >= enough:
+            return best
+        best = max(best, claim(r, q, w, alpha))
+    if best >= enough:
+        return best
     best = max(best, nested_bound(problem, floor=best))
     return max(best, _compute_cost_bound(problem, B3))
+
+
+def fence_bound(problem: Problem) -> float:
+    """Claim 5: every schedule in fence mode takes at least ``max(B, C*) + sum(update) + F``,
+    ``C*`` the least time to all-reduce every gradient when a block may carry any released
+    bytes (claim 2's programme over all tensors).
+
+    Example (two 1 ms tensors ready at 1 and 3 ms, alpha 1 ms: one block at 3 ends at 5)::
+
+        >>> from usbyte_opt.planning.synthetic import chain_profile
+        >>> pb = Problem.from_profile(chain_profile([250_000, 250_000], forward_ms=4.0,
+        ...     backward_ms=3.0, alpha_ms=1.0, algbw_gbs=1.0, compute=[2, 1]))
+        >>> fence_bound(pb)          # max(3, 5) + 0 + 4
+        9.0
+    """
+    r, _, w, alpha = _arrays(problem)
+    order = np.argsort(r, kind="stable")
+    C = _batch_makespan(r[order].tolist(), w[order].tolist(), alpha) if len(r) else 0.0
+    return max(problem.B, C) + float(sum(problem.update)) + problem.F
 
 
 def _arrays(problem: Problem) -> tuple[np.ndarray, np.ndarray, np.ndarray, float]:

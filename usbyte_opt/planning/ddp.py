@@ -258,6 +258,39 @@ def bucket_caps_mb(schedule: Schedule, source: str = "<schedule>") -> list[float
     return caps
 
 
+def expressible(problem: Problem, layout: Layout, blocks: Sequence[Block], ties: bool = True) -> bool:
+    """Whether torch DDP can run ``blocks`` of ``layout`` as its buckets with a
+    ``bucket_cap_mb_list`` (:meth:`usbyte_opt.formats.Schedule.bucket_cap_mb_list`): one buffer
+    holding the tensors in ready order, blocks of whole tensors that follow it from its start,
+    and with ``ties`` no boundary between tensors of the same ready time (DDP may see them in
+    either order: the module docstring's *Ties*). What ``best`` may hand to the DDP runner.
+
+    Example::
+
+        >>> from usbyte_opt.planning.synthetic import chain_profile
+        >>> pb = Problem.from_profile(chain_profile([100, 100, 100], compute=[1, 1, 1]))
+        >>> lay = pb.layout()
+        >>> expressible(pb, lay, [Block(0, 0, 100), Block(0, 100, 300)])
+        True
+        >>> expressible(pb, lay, [Block(0, 0, 150), Block(0, 150, 300)])   # cuts a tensor
+        False
+    """
+    if len(layout.buffers) != 1 or layout.members[0] != problem.ready_order():
+        return False
+    members, starts, ready = layout.members[0], layout.starts[0], problem.ready
+    at = {o: j for j, o in enumerate(starts)}
+    pos = 0
+    for k in blocks:
+        if k.buffer != 0 or k.start != pos or k.end <= k.start:
+            return False
+        if k.end != layout.numel[0]:
+            j = at.get(k.end)
+            if j is None or (ties and ready[members[j]] == ready[members[j - 1]]):
+                return False
+        pos = k.end
+    return pos == layout.numel[0]
+
+
 #: Work (partial plans built plus dominance tests) the compute-cost programme may spend before
 #: it settles for the best plan found (a few tenths of a second).
 MAX_WORK = 100_000

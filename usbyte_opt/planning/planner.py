@@ -34,8 +34,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import UsbyteError
-from ..formats import Block, Mode, Profile, Schedule
+from ..errors import FormatError, UsbyteError
+from ..formats import Block, Mode, Profile, Runner, Schedule, ddp_buckets
 from .bounds import lower_bound
 from .cost import HierCost, retarget
 from .fastsim import scorer_for
@@ -161,6 +161,15 @@ class Report:
         sched = self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
                                       mode=r.mode, profile_digest=profile_digest,
                                       gathers=r.plan.gathers, hier=hier)
+        if r.plan.runner is Runner.DDP:
+            # torch DDP runs it with the planned buckets where it can express them (one dtype:
+            # DDP's own buckets of several dtypes are left to the runtime's file)
+            try:
+                ddp_buckets(sched)
+            except FormatError:
+                pass
+            else:
+                sched = dataclasses.replace(sched, runner=Runner.DDP)
         if self.hierarchical:
             n_hier = sum(k.hier for k in sched.blocks)
             sched = dataclasses.replace(sched, predicted={
@@ -393,8 +402,10 @@ def _plan_one(run: _Planning, n: str) -> None:
     if n == BEST_FLAT:
         plan.info["strategy"] = n
     plan.info.setdefault("strategy", n)
+    if plan.runner is Runner.DDP:
+        on = _flat(problem)          # torch DDP all-reduces its buckets flat
     result = _result(n, plan, on, report.state_slots, solve)
-    result.hier = hier and n == best
+    result.hier = hier and n == best and plan.runner is not Runner.DDP
     if result.hier and BEST_FLAT in report.results:
         # best under the cheaper form is never slower than best-flat (its seed): kept so
         # where the compute-cost charge would make it so

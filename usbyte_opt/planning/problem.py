@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from ..formats import Block, Buffer, Mode, Profile, Schedule, check_against
+from ..formats import Block, Buffer, Mode, Profile, Runner, Schedule, check_against, check_runner
 from .cost import CostModel, cost_model
 
 
@@ -81,32 +81,22 @@ class UpdateRule(str, Enum):
         return cls.AVAIL
 
 
-class Runner(str, Enum):
-    """What runs a plan's blocks, and so what host cost it pays (docs/planner.md, "Host
-    cost"): the usbyte-opt runtime (``RUNTIME``, every strategy's schedule) or torch DDP's
-    reducer (``DDP``: the ``ddp`` strategy, stock DDP's buckets, and ``ddp-tuned``, stock DDP
-    with the planned buckets, :data:`DDP_STRATEGIES`).
+#: The strategies whose schedules torch DDP runs (:class:`Runner` ``DDP``).
+DDP_STRATEGIES = ("ddp", "ddp-tuned")
+
+
+def runner_of(strategy: str) -> Runner:
+    """The :class:`~usbyte_opt.formats.Runner` of a strategy's plans (what runs the schedule,
+    and so what host cost it pays, docs/planner.md "Host cost"): torch DDP's reducer for
+    :data:`DDP_STRATEGIES` (stock DDP's buckets, and stock DDP with the planned buckets),
+    else the usbyte-opt runtime (``best`` picks either and says which in its plan and
+    schedule). ``Runner`` is the schedule format's, re-exported here.
 
     Example::
 
         >>> runner_of("ddp-tuned"), runner_of("best"), str(Runner.DDP)
         (<Runner.DDP: 'ddp'>, <Runner.RUNTIME: 'runtime'>, 'ddp')
     """
-
-    RUNTIME = "runtime"
-    DDP = "ddp"
-
-    def __str__(self) -> str:
-        return self.value
-
-
-#: The strategies whose schedules torch DDP runs (:class:`Runner` ``DDP``).
-DDP_STRATEGIES = ("ddp", "ddp-tuned")
-
-
-def runner_of(strategy: str) -> Runner:
-    """The :class:`Runner` of a strategy's schedule: torch DDP for :data:`DDP_STRATEGIES`,
-    else the runtime."""
     return Runner.DDP if strategy in DDP_STRATEGIES else Runner.RUNTIME
 
 
@@ -366,23 +356,26 @@ class Problem:
         D = self.n * h.tensor_ms + blocks * h.block_ms
         return max(B, D) if self.host_hidden else B + D
 
-    def host_floor(self) -> Problem:
+    def host_floor(self, runner: Runner | str | None = None) -> Problem:
         """This problem with each tensor's ready time and backward's end raised by the least
-        host cost any plan pays, by any runner, and no host cost left: each runner's cost per
-        tensor and per block, the smaller of the two runners' (a runner without cost: 0); the
-        tensor ready at ``r`` raised by ``tensor_ms * #{p : ready_p <= r} + block_ms`` (its
-        block is issued after those hooks and at least its own issue), backward's end by
-        ``n * tensor_ms + block_ms`` (at least one block); with :attr:`host_hidden`, each the
-        larger of the time and the host's. Every plan's host-charged releases and backward
-        end are at least these, and the iteration never gets shorter when they grow, so the
-        lower bound of the result bounds every plan (:func:`usbyte_opt.planning.bounds.lower_bound`).
-        Kept in :attr:`cache`; the problem itself without host cost."""
+        host cost any plan of ``runner`` pays (``None``: of either runner, each cost per
+        tensor and per block the smaller of the two runners'; a runner without cost: 0), and
+        no host cost left: the tensor ready at ``r`` raised by
+        ``tensor_ms * #{p : ready_p <= r} + block_ms`` (its block is issued after those hooks
+        and at least its own issue), backward's end by ``n * tensor_ms + block_ms`` (at least
+        one block); with :attr:`host_hidden`, each the larger of the time and the host's.
+        Every such plan's host-charged releases and backward end are at least these, and the
+        iteration never gets shorter when they grow, so the lower bound of the result bounds
+        every such plan (:func:`usbyte_opt.planning.bounds.lower_bound`). Kept in
+        :attr:`cache`; the problem itself without host cost."""
         if not self.host:
             return self
-        hit = self.cache.get("host-floor")
+        key = ("host-floor", None if runner is None else Runner(runner))
+        hit = self.cache.get(key)
         if hit is not None:
             return hit
-        lines = [self.host.get(r, HostLine(0.0, 0.0)) for r in Runner]
+        lines = [self.host.get(r, HostLine(0.0, 0.0))
+                 for r in (Runner if runner is None else (Runner(runner),))]
         t = min(h.tensor_ms for h in lines)
         b = min(h.block_ms for h in lines)
         r = np.asarray(self.ready, dtype=float)
@@ -392,7 +385,7 @@ class Problem:
         B = max(self.B, DB) if self.host_hidden else self.B + DB
         floor = dataclasses.replace(self, ready=ready, B=B, host={}, cache={},
                                     _ready_order=None, _need_order=None)
-        self.cache["host-floor"] = floor
+        self.cache[key] = floor
         return floor
 
     @property
@@ -455,7 +448,8 @@ class Problem:
                  check: bool = True, mode: Mode = Mode.OVERLAP,
                  profile_digest: str | None = None, align_bytes: int | None = None,
                  gathers: Sequence[Sequence[int]] | None = None,
-                 hier: Callable[[int], bool] | None = None) -> Schedule:
+                 hier: Callable[[int], bool] | None = None,
+                 runner: Runner = Runner.RUNTIME) -> Schedule:
         """Build (and by default validate) a :class:`Schedule` for this problem, to run in
         ``mode`` (a :class:`~usbyte_opt.formats.Mode`).
 
@@ -475,6 +469,9 @@ class Problem:
         hierarchically (:attr:`Block.hier`); the schedule then records the profile's nodes
         (:attr:`Schedule.nodes`).
         Without it every block is flat and the schedule is as before.
+
+        ``runner``: what runs it (:attr:`Schedule.runner`); torch DDP only for a schedule
+        that DDP can express (checked with the schedule, one line otherwise).
         """
         as_blocks: tuple[Block, ...] = tuple(k if isinstance(k, Block) else Block(*k) for k in blocks)
         if align_bytes is None:
@@ -511,7 +508,9 @@ class Problem:
             shapes={t.name: t.shape for t in prof.tensors},
             gathers=None if gathers is None else tuple(tuple(g) for g in gathers),
             nodes=nodes,
+            runner=runner,
         )
         if check:
             check_against(sched, prof, f"<{strategy} schedule>")
+            check_runner(sched, None, f"<{strategy} schedule>")
         return sched

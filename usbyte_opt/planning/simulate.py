@@ -236,8 +236,9 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
              runner: Runner | str | None = None) -> Timeline:
     """Score ``schedule`` on ``profile`` (or a compiled :class:`Problem`, e.g. retargeted), in
     ``mode`` (default: the schedule's own, the one the runtime runs it in), run by ``runner``
-    (default: torch DDP for the ``ddp`` and ``ddp-tuned`` strategies' schedules, else the
-    runtime: :func:`~usbyte_opt.planning.problem.runner_of`), whose host cost it pays.
+    (default: the schedule's own, :attr:`~usbyte_opt.formats.Schedule.runner`; a file written
+    before schedules named their runner is torch DDP's for the ``ddp`` and ``ddp-tuned``
+    strategies, :func:`~usbyte_opt.planning.problem.runner_of`), whose host cost it pays.
 
     On several nodes (:class:`~usbyte_opt.planning.cost.HierCost`) a schedule without
     hierarchical blocks runs flat rings only; one with them is costed block by block at the
@@ -252,7 +253,14 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
     if mode == Mode.SHARDED:
         return simulate_sharded(problem, layout, schedule.blocks, schedule.gather_groups())
     return simulate_blocks(problem, layout, schedule.blocks, mode,
-                           runner_of(schedule.strategy) if runner is None else runner)
+                           _runner(schedule) if runner is None else runner)
+
+
+def _runner(schedule: Schedule) -> Runner:
+    """The runner that :func:`simulate` charges ``schedule`` by default."""
+    if schedule.runner is not Runner.RUNTIME:
+        return schedule.runner
+    return runner_of(schedule.strategy)
 
 
 __all__ = ["MODES", "BlockTiming", "ForwardGate", "GatherTiming", "Timeline", "chrome_trace",

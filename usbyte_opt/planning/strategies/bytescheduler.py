@@ -61,7 +61,7 @@ import numpy as np
 
 from ...formats import Block, Mode
 from ..fastsim import scorer_for, tails
-from ..problem import Layout, Problem
+from ..problem import Layout, Problem, Runner
 from . import Plan, register
 
 M = 1_000_000
@@ -188,16 +188,19 @@ def replay(parts: _Parts, credit: float, stats: dict | None = None) -> list[int]
     return out
 
 
-def _lower(problem: Problem, ready: np.ndarray, cost: np.ndarray, tail_min: float) -> float:
-    """A lower bound on the time of every issue order of blocks with these ``ready`` times and
-    ``cost`` (per block, or per tensor summed over its blocks): the channel sends every block
-    that becomes ready at or after ``r`` after ``r``, and the last block's tail is at least the
-    smallest (the compute-cost option only lengthens this). The caller's costs are the cost
-    model's linear bound, which no block costs less than."""
+def _lower(problem: Problem, ready: np.ndarray, cost: np.ndarray, tail_min: float,
+           blocks: int = 1) -> float:
+    """A lower bound on the time of every issue order of ``blocks`` blocks with these ``ready``
+    times and ``cost`` (per block, or per tensor summed over its blocks), run by the runtime:
+    the channel sends every block that becomes ready at or after ``r`` after ``r``, and the
+    last block's tail is at least the smallest (the compute-cost option only lengthens this).
+    The caller's costs are the cost model's linear bound, which no block costs less than; the
+    ``ready`` times are the runtime's host floor's (:meth:`Problem.host_floor`, no earlier than
+    any block's issue) and backward ends no earlier than its hooks and ``blocks`` issues."""
     order = np.argsort(ready, kind="stable")
     R, C = ready[order], cost[order]
     after = np.cumsum(C[::-1])[::-1]
-    return max(problem.B + problem.F, float((R + after).max()) + tail_min)
+    return max(problem.host_backward(blocks) + problem.F, float((R + after).max()) + tail_min)
 
 
 @register("bytescheduler")
@@ -243,11 +246,12 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
         distinct.setdefault(pieces.tobytes(), (P, pieces))
     # A lower bound per partition size (:func:`_lower`, from each tensor's piece count, before
     # building the partitions); the most promising first, so that the bound prunes the rest.
-    ready = np.asarray(problem.ready, dtype=float)
+    ready = np.asarray(problem.host_floor(Runner.RUNTIME).ready, dtype=float)
     alpha, beta = problem.cost.linear_bound()    # each block costs at least this line
     tensor_cost = beta * np.asarray([problem.nbytes(i) for i in range(problem.n)], dtype=float)
     tail_min = float(min(tail))
-    lows = sorted((_lower(problem, ready, pieces * alpha + tensor_cost, tail_min), -P)
+    lows = sorted((_lower(problem, ready, pieces * alpha + tensor_cost, tail_min,
+                          int(pieces.sum())), -P)
                   for P, pieces in distinct.values())
     for low, negP in lows:
         P = -negP
