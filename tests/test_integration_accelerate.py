@@ -158,11 +158,9 @@ def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
 
 
 def diff(a: dict, b: dict, rank: int) -> float:
-    """Max difference of parameters (every rank) and buffers (rank 0: DDP's other ranks keep
-    their own statistics)."""
+    """Max difference of parameters and buffers (each rank's own statistics, as under DDP)."""
     ds = [(p - q).abs().max().item() for p, q in zip(a["params"], b["params"])]
-    if rank == 0:
-        ds += [(p.float() - q.float()).abs().max().item() for p, q in zip(a["buffers"], b["buffers"])]
+    ds += [(p.float() - q.float()).abs().max().item() for p, q in zip(a["buffers"], b["buffers"])]
     return max(ds)
 
 

@@ -335,7 +335,15 @@ class UsbyteStrategy(DDPStrategy):
         if self._root is None:
             return super().training_step(*args, **kwargs)
         with self.precision_plugin.train_step_context():
-            return self._root(*args, **kwargs)
+            out = self._root(*args, **kwargs)
+        module = self.lightning_module
+        sync = self.distributed_optimizers[0].buffer_sync if self.distributed_optimizers else None
+        if sync is not None and module is not None and not module.automatic_optimization:
+            # Lightning's DDP turns gradient sync off inside DDP's forward under manual
+            # optimization (its backward is the user's), so that forward leaves the next one
+            # unsynced: DDP's buffer rule sees the same.
+            sync.post_forward(grad_sync=False)
+        return out
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._through_ddp(super().validation_step, *args, **kwargs)
