@@ -27,6 +27,7 @@ import typer
 from .. import console
 from ..env import AUTO, AUTO_DIR_ENV, DEBUG_ENV, SCHEDULE_ENV
 from ..errors import ExitError, UsageError
+from ..voice import wrap
 
 USAGE = """\
 Usage: usbyte-opt launch --schedule SCHEDULE|auto [--auto-dir DIR]
@@ -239,17 +240,21 @@ def launch(ctx: typer.Context) -> None:
         args.training_script, args.module = "usbyte_opt.cli.rank", True
     # On stdout, with the ranks' own output: stderr is kept for warnings and the one error line.
     what = ("auto (planned in the run)" if sched is None else
-            f"{args.schedule} ({sched.strategy}, {console.plural(len(sched.blocks), 'block')}, world size "
-            f"{sched.world_size})")
-    console.out.print(f"usbyte-opt: {what} -> {script}", markup=False)
+            f"{args.schedule} ({sched.strategy}: " + (
+                f"torch DDP, {console.plural(len(sched.blocks), 'planned bucket')}"
+                if str(sched.runner) == "ddp" else
+                f"usbyte-opt runtime, {sched.mode} mode, {console.plural(len(sched.blocks), 'block')}")
+            + f", world size {sched.world_size})")
+    console.out.print(wrap(f"usbyte-opt: {what} -> {script}"), markup=False, highlight=False)
     from ..launcher import run_summary, run_torchrun
 
     board = _board(args, nnodes)   # before torchrun: node 0 hosts it for the whole run
     try:
         with run_summary() as said:   # the runtime's last word: what it kept, against DDP's buckets
             failures = run_torchrun(args, quiet=not debug)
-        if said:
-            console.out.print(f"usbyte-opt: {said[0]}", markup=False, highlight=False)
+        if said:   # the run's summary (rank 0 wrote it at exit, usbyte_opt.voice)
+            line = said[0] if said[0].startswith("usbyte-opt") else f"usbyte-opt: {said[0]}"
+            console.out.print(wrap(line), markup=False, highlight=False, soft_wrap=True)
         if failures is not None:
             nproc = int(args.nproc_per_node) if str(args.nproc_per_node).isdigit() else None
             raise _failure(failures, script, nnodes, nproc,

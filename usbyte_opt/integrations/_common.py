@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -167,10 +166,18 @@ def report_skipped_steps(accelerated: Any) -> None:
 
 
 def log_plan(plan: Route, trainer: str, rank: int) -> None:
-    """Say which path the run uses: one line on rank 0's stderr (and to the
-    ``usbyte_opt.integrations`` logger at INFO)."""
+    """Say which path the run uses: the run's start line on rank 0's stderr
+    (:mod:`usbyte_opt.voice`; and to the ``usbyte_opt.integrations`` logger at
+    INFO)."""
     if rank != 0:
         return
+    from .. import voice
+
     line = plan.describe(trainer)
     log.info(line)
-    print(line, file=sys.stderr, flush=True)
+    voice.start(line, rank, under_launch=True)
+    if plan.path == "ddp":   # (on the runtime path the optimizer says what it did)
+        assert plan.schedule is not None
+        n = len(plan.schedule.blocks)
+        voice.closing(lambda: f"usbyte-opt ({trainer}): stock DistributedDataParallel ran with "
+                              f"the schedule's {n} planned bucket{'s' if n != 1 else ''}", rank)

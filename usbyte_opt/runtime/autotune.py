@@ -30,10 +30,12 @@ from the paired windows, with its 95% interval; rounds are added (at least
 :data:`MIN_ROUNDS`, at most :data:`MAX_ROUNDS`, none once :data:`VERIFY_S` seconds have gone)
 until the interval excludes 1. The plan is kept only when its interval lies below 1 (measurably
 faster); slower, or not distinguishable on this machine, the run goes on with DDP's buckets.
-Rank 0 logs one line, the ``summary`` of :meth:`Tuner.report` (what runs, its time against
-DDP's buckets' with the interval, and the prediction); the report holds the figures, and
-with :data:`~usbyte_opt.env.SUMMARY_FILE_ENV` set rank 0 also writes that line to the file
-it names (``usbyte-opt launch`` prints it when the run ends). Afterwards,
+A round is :data:`WINDOW` iterations of each side, so the first verdict can come after
+``MIN_ROUNDS * 2 * WINDOW`` iterations (:meth:`Tuner.needed`). The run's summary
+(:mod:`usbyte_opt.voice`, printed once when the run ends) is :meth:`Tuner.summary`: what runs, its
+speed against DDP's buckets' (>1 is faster) with the interval, and the prediction, how many
+iterations ran on each side, or how far verification got when the run ended before a
+verdict; :meth:`Tuner.report` holds the figures. Afterwards,
 every ``check_every`` iterations the measured median is compared with the prediction; more than
 :data:`DRIFT` apart, rank 0 warns once, and ``replan()`` (or ``replan_on_drift``) plans again.
 The check costs no host wait: on CUDA it reads only the step events that have completed
@@ -51,7 +53,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import sys
 import time
 import warnings
 from collections.abc import Sequence
@@ -60,7 +61,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from ..env import AUTO_DIR_ENV, SUMMARY_FILE_ENV
+from ..env import AUTO_DIR_ENV
 from ..errors import UsbyteError, plural
 from ..formats import CommSpec, HostCost, Profile, Schedule, TensorSpec, dump_schedule, parse_schedule
 from ..verdict import Budget, Ratio
@@ -71,8 +72,8 @@ WARMUP = 2
 CLEAN = 5
 #: Iterations measured with communication as usual.
 OVERLAP = 4
-#: Iterations per verification window.
-WINDOW = 4
+#: Iterations per verification window (the first interval of each dropped: the switch).
+WINDOW = 3
 #: Rounds of (plan, DDP's buckets) windows: at least, at most, and no round started after
 #: this many seconds of verification (:class:`usbyte_opt.verdict.Budget`).
 MIN_ROUNDS = 4
@@ -305,6 +306,10 @@ class Tuner:
         #: torch DDP itself (:meth:`~usbyte_opt.runtime.DistributedOptimizer.use_ddp_fallback`).
         self.against = DDP_BUCKETS
         self.steps = 0
+        #: Iterations run on each side so far (the whole run: the summary says them), and the
+        #: side running now.
+        self.ran = {"plan": 0, "fallback": 0}
+        self.on = "plan"
         self.phase = "idle"
         self.phase_step = 0
         self.probes: list[IterationStamps] = []
@@ -318,6 +323,8 @@ class Tuner:
         self.recent: list[float] = []
         self.warned = False
         self.replan_asked = False
+        #: Why the run settled on DDP's buckets without a verdict (a planning failure), if so.
+        self.note = ""
         #: The drift check's all-reduce in flight (sent at one check, read at the next).
         self.drift_work: tuple[Any, torch.Tensor] | None = None
         self.info: dict[str, Any] = {"auto": auto, "verify": verify, "chosen": None,
@@ -331,7 +338,8 @@ class Tuner:
             self._begin_verify()
         else:
             self.phase = "settled"
-        self._write_summary(ended=True)
+        if auto:
+            self.on = "fallback"
 
     # -- the state machine -----------------------------------------------------------------
 
@@ -360,6 +368,7 @@ class Tuner:
     def after_step(self) -> None:
         """Called at the end of every ``step()`` (same count on every rank)."""
         self.steps += 1
+        self.ran[self.on] += 1
         self.phase_step += 1
         ph = self.phase
         if ph != "settled" or (self.check_every and not self.replan_asked):
@@ -410,6 +419,7 @@ class Tuner:
 
     def _run(self, which: str, measure: bool = False) -> None:
         sched, source = (self.fallback, "<DDP's buckets>") if which == "fallback" else self.plan
+        self.on = which
         if self.opt.schedule is not sched or measure:
             self.opt.switch(sched, source, measure)
 
@@ -575,8 +585,6 @@ class Tuner:
         self.verify_t0 = time.perf_counter()
         self.timer.take()
         self._run(_side(0))
-        if self.steps:   # at construction, the constructor writes it
-            self._write_summary(ended=True)
 
     def _round_done(self) -> bool:
         """A round of windows has ended: agree on its medians over the ranks, and say whether
@@ -615,56 +623,91 @@ class Tuner:
         self.info["chosen"] = which
         self.info["settled_at_step"] = self.steps
         self.info["summary"] = self.summary(note)
+        self.note = note
         self.timer.take()
-        self._write_summary()
-        if self.rank == 0:
-            print(self.line(note), file=sys.stderr, flush=True)
 
     def _what(self) -> str:
         sched = self.plan[0]
+        if str(getattr(sched, "runner", "runtime")) == "ddp":
+            return f"{sched.strategy} (torch DDP, {plural(len(sched.blocks), 'planned bucket')})"
         return f"{sched.strategy} ({sched.mode}, {plural(len(sched.blocks), 'block')})"
 
     def _predicted_ratio(self) -> str:
-        """The prediction beside the measurement: the plan's time over DDP's as the planner
-        predicted them (the schedule's ``baselines``), else the plan's predicted ms."""
+        """The prediction beside the measurement: the plan's speedup over DDP as the planner
+        predicted it (the schedule's ``baselines``), else the plan's predicted ms."""
         pred = self.info.get("predicted_ms") or self.plan[0].predicted.get("iteration_ms")
         ddp = (self.plan[0].predicted.get("baselines") or {}).get("ddp")
         if pred and ddp:
-            return f"predicted {pred / ddp:.2f}x"
+            return f"predicted {ddp / pred:.2f}x"
         return f"predicted {pred:.1f} ms per iteration" if pred else "no prediction"
 
-    def summary(self, note: str = "") -> str:
-        """One line: what runs now and why — the plan kept with its time against DDP's
-        buckets' (interval) and the prediction, or DDP's buckets and why (the plan slower, not
-        measurably faster, planning failed), or the state while still measuring."""
+    def _counts(self) -> str:
+        """How many iterations ran on each side, so far."""
+        return (f"{plural(self.ran['plan'], 'iteration')} on the plan, {self.ran['fallback']} "
+                f"on {self.against}")
+
+    def final_summary(self) -> str:
+        """The summary when the run ends (:mod:`usbyte_opt.voice`): counts up to date, and how far the
+        run got if it ended before a verdict."""
+        return self.summary(self.note, ended=True)
+
+    def needed(self) -> int:
+        """Iterations verification takes at the least before a verdict."""
+        return MIN_ROUNDS * 2 * WINDOW
+
+    def summary(self, note: str = "", ended: bool = False) -> str:
+        """One line: what runs and why, in speedups over DDP (>1 is faster) — the plan kept
+        with its speed against DDP's buckets' (interval) and the prediction, or DDP's buckets
+        and why (the plan slower, not measurably faster, planning failed), or, before that,
+        how far the run got (``ended``: the run is over) — and how many iterations ran on
+        each side."""
         i = self.info
         what = self._what()
         r = self.ratio
         m = i.get("measured_ms") or {}
+        counts = self._counts()
         if self.phase != "settled":
             if self.phase == "verify":
+                if ended:
+                    head = (f"no verdict: the run ended after {plural(self.steps, 'iteration')}, "
+                            f"while timing the plan {what} against {self.against} in turns "
+                            f"({counts}); ")
+                    if self.steps < self.needed() or r is None:
+                        return head + (f"a verdict needs at least {self.needed()} (verify=False "
+                                       "runs the plan without timing it)")
+                    return head + (f"not distinguishable yet ({r.noise()} on this machine after "
+                                   f"{plural(len(self.rounds), 'round')}); verification goes on "
+                                   f"for up to {MAX_ROUNDS * 2 * WINDOW} iterations")
                 return (f"verifying the plan {what} against {self.against} "
-                        f"({plural(len(self.rounds), 'round')} of windows so far)")
+                        f"({plural(len(self.rounds), 'round')} of windows so far; {counts})")
+            if ended:
+                return (f"the run ended on {self.against} after {plural(self.steps, 'iteration')}, "
+                        f"before the plan was made (planning in the run measures its first "
+                        f"{WARMUP + CLEAN + OVERLAP})")
             return f"running {self.against} while measuring the run to plan it"
         if i.get("note") and self.ws < 2:
             return "one rank: nothing to plan or verify"
         if r is None and i["chosen"] != "fallback":
             how = "as planned in the run" if self.auto else "as given"
-            return f"running the plan {what} {how} (verify=False: not timed against {self.against})"
+            return (f"ran the plan {what} {how} (verify=False: not timed against {self.against}; "
+                    f"{counts})")
         if r is None:
-            return f"running {self.against}" + (f": {note}" if note else "") + self._fallback_cost()
+            return (f"running {self.against}" + (f": {note}" if note else "") + self._fallback_cost()
+                    + f" ({counts})")
+        s = r.inverse()
         ms = (f"; {m['plan']:.1f} against {m['fallback']:.1f} ms per iteration over "
               f"{plural(r.pairs, 'round')}" if m else "")
-        fig = f"{r.ratio:.2f}x their time ({round(100 * r.confidence)}% CI {r.interval()}{ms})"
+        fig = (f"{s.ratio:.2f}x {_possessive(self.against)} speed "
+               f"({round(100 * s.confidence)}% CI {s.interval()}{ms})")
         pred = self._predicted_ratio()
         if i["chosen"] == "plan":
-            return (f"kept the plan {what}: {r.ratio:.2f}x {_possessive(self.against)} time "
-                    f"({round(100 * r.confidence)}% CI {r.interval()}{ms}), {pred}")
+            return f"kept the plan {what}: {fig}, {pred}; {counts}"
         if r.lo > 1.0:
             return (f"running {self.against}: the plan {what} was slower: {fig}, {pred}"
-                    + self._fallback_cost())
+                    + self._fallback_cost() + f"; {counts}")
         return (f"running {self.against}: the plan {what} was not measurably faster "
-                f"({r.noise()} on this machine): {fig}, {pred}" + self._fallback_cost())
+                f"({r.noise()} on this machine): {fig}, {pred}" + self._fallback_cost()
+                + f"; {counts}")
 
     def _fallback_cost(self) -> str:
         """What the fallback is, where it is not torch DDP itself: the runtime on DDP's
@@ -682,32 +725,6 @@ class Tuner:
                 f"more host time per iteration than torch DDP for {plural(n, 'tensor')} in "
                 f"{plural(m, 'block')}"
                 f"{hidden}; usbyte_opt.DistributedDataParallel falls back to torch DDP)")
-
-    def line(self, note: str = "") -> str:
-        """The one line rank 0 logs when it settles."""
-        return "usbyte-opt: " + (self.info.get("summary") or self.summary(note))
-
-    def _write_summary(self, ended: bool = False) -> None:
-        """Rank 0: the summary into the file :data:`~usbyte_opt.env.SUMMARY_FILE_ENV` names
-        (``usbyte-opt launch`` prints it at the end). ``ended``: written before settling, in
-        words that hold if the run ends before it settles."""
-        path = os.environ.get(SUMMARY_FILE_ENV)
-        if self.rank != 0 or not path:
-            return
-        text = self.summary()
-        if ended and self.phase == "verify":
-            text = (f"the run ended before the plan {self._what()} was verified against "
-                    f"{self.against} (it ran both in turns)")
-        elif ended and self.phase != "settled":
-            text = (f"the run ended on {self.against} before the plan was made (planning in the "
-                    f"run measures its first {WARMUP + CLEAN + OVERLAP} iterations)")
-        try:
-            tmp = f"{path}.{os.getpid()}.tmp"
-            with open(tmp, "w") as f:
-                f.write(text + "\n")
-            os.replace(tmp, path)
-        except OSError:
-            pass   # the run's own line on stderr still says it
 
     # -- later -------------------------------------------------------------------------------
 

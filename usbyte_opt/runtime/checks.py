@@ -29,6 +29,7 @@ from ..env import SCHEDULE_ENV
 from ..errors import MismatchError, UsbyteError
 from ..formats import Mode, Schedule, fingerprint, load_schedule
 from ..models.registry import MODEL_NAME_ATTR
+from ..voice import launched
 from .default_plan import default_schedule
 
 #: Bytes of the record every rank all-gathers at start-up (digest plus a truncated error).
@@ -266,8 +267,8 @@ def check_world_size(schedule: Schedule, world_size: int, rank: int) -> None:
     """Warn (rank 0 only) when the schedule was planned for another world size: the order stays
     valid, only the predicted timing does not carry over. The warning gives the schedule's
     prediction at its planned size and how to re-predict (``usbyte-opt launch`` does it from
-    the profile when that is at hand)."""
-    if schedule.world_size != world_size and rank == 0:
+    the profile when that is at hand, and under it the ranks leave the warning to it)."""
+    if schedule.world_size != world_size and rank == 0 and not launched():
         planned = (schedule.predicted or {}).get("iteration_ms")
         there = (f"predicted {planned:.1f} ms per iteration at {schedule.world_size}, not "
                  f"re-predicted for {world_size} (`usbyte-opt simulate PROFILE SCHEDULE "

@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from .. import voice
 from ..env import TRACE_ENV
 from ..errors import UsbyteError, plural
 from ..formats import Mode, Schedule
@@ -258,6 +259,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if auto or verify:
             self._start_tuner(sched if auto else fallback_schedule(model, ws), auto, verify,
                               auto_dir, check_every, replan_on_drift)
+        voice.start(self._start_line(auto), self._chan.rank)
+        voice.closing(self._final_summary, self._chan.rank)
+
+    def _start_line(self, auto: bool) -> str:
+        """The run's start line (:mod:`usbyte_opt.voice`): the schedule, runner, mode and blocks, and
+        whether it is planned or verified in the run."""
+        sched = self.schedule
+        if auto:
+            return ("schedule auto: DDP's buckets on the usbyte-opt runtime while the run is "
+                    "measured, then the plan made from it")
+        what = (f"{self.schedule_source} ({sched.strategy}: usbyte-opt runtime, {self.mode} mode, "
+                f"{plural(len(sched.blocks), 'block')})")
+        tuner = self._tuner
+        if tuner is not None and tuner.phase == "verify":
+            what += (f"; timed against DDP's buckets in turns for at least "
+                     f"{tuner.needed()} iterations (verify=False skips it)")
+        return what
+
+    def _final_summary(self) -> str:
+        """The run's summary when it ends (:mod:`usbyte_opt.voice`)."""
+        if self._tuner is not None:
+            return self._tuner.final_summary()
+        sched = self.schedule
+        return (f"ran {self.schedule_source} ({sched.strategy}: usbyte-opt runtime, {self.mode} "
+                f"mode, {plural(len(sched.blocks), 'block')}) for {plural(self._steps, 'step')}")
 
     def _start_tuner(self, fallback: Schedule, auto: bool, verify: bool,
                      auto_dir: str | os.PathLike | None, check_every: int,

@@ -54,8 +54,12 @@ from torch.optim.optimizer import (
 )
 from torch.utils.hooks import RemovableHandle
 
-from ..errors import UsbyteError
-from .checks import broadcast_from_rank0, require_initialized
+from .. import voice
+from ..errors import UsbyteError, plural
+from ..formats import Runner, Schedule
+from .checks import broadcast_from_rank0, check_model, check_world_size, require_initialized, resolve_schedule
+from .ddp_runner import DEFAULT_BUCKETS, DDPRunner
+from .default_plan import model_tensors
 from .optimizer import DistributedOptimizer
 from .semantics import UNSUPPORTED_OPTIONS, BufferSync, check_ddp_arguments, module_buffers
 from .start import ScheduleArg, requested
@@ -151,11 +155,21 @@ class DistributedDataParallel(torch.nn.Module):
         # what runs when nothing is planned, until the optimizer's first step, and the
         # fallback of verification.
         self.__dict__["_ddp"] = None
-        self._planned = requested(schedule).given
+        req = requested(schedule)
+        self._planned = req.given
         #: DDP's buffer rule, in force across torch's DDP and the runtime (:mod:`.semantics`).
         self._buffer_sync = BufferSync(module, process_group, sync_buffers)
+        #: A schedule whose runner is torch DDP: the planned DDP (and its verification).
+        self._runner: DDPRunner | None = None
+        rank = dist.get_rank(process_group)
         if self._planned:
             check_ddp_arguments(self._ddp_kwargs)
+        plan = None if req.auto or not req.given else _read_plan(req.schedule, module, process_group)
+        if plan is not None and plan[0].runner is Runner.DDP:
+            self._start_runner(plan[0], plan[1], runtime)
+            return
+        voice.start(_start_line(plan, req.auto), rank)
+        voice.closing(lambda: _before_takeover(self._planned), rank)
         if not self._planned or optimizer is None:
             # Nothing planned: DDP itself. Else DDP until the optimizer's first step (its
             # construction broadcasts rank 0's parameters and buffers, DDP's starting point).
@@ -171,14 +185,50 @@ class DistributedDataParallel(torch.nn.Module):
             broadcast_from_rank0(module_buffers(module), process_group, None, "buffers")
         self._attach(optimizer)
 
-    def _torch_ddp(self) -> torch.nn.Module:
+    def _start_runner(self, schedule: Schedule, source: str, runtime: dict[str, Any]) -> None:
+        """A schedule whose runner is torch DDP: torch DDP with its planned buckets, no
+        runtime, verified against DDP's default buckets (:mod:`.ddp_runner`)."""
+        verify = runtime.pop("verify", True)
+        if runtime:
+            raise UsbyteError(f"{source}: runs on torch DDP (runner \"ddp\"): the runtime "
+                              f"option {sorted(runtime)[0]!r} does not apply; drop it")
+        runner = self._runner = DDPRunner(
+            self.module, schedule, source, self._torch_ddp, self.find_unused_parameters,
+            self.static_graph, self.process_group, verify=bool(verify))
+        self.__dict__["_ddp"] = runner.active
+        if runner.verifying:
+            self._watching = True
+            _watch(self)
+        rank = dist.get_rank(self.process_group)
+        line = (f"{source} ({schedule.strategy}: torch DDP, "
+                f"{plural(len(schedule.blocks), 'planned bucket')})")
+        if runner.tuner is not None:
+            line += (f"; timed against {DEFAULT_BUCKETS} in turns for at least "
+                     f"{runner.tuner.needed()} iterations (verify=False skips it)")
+        voice.start(line, rank)
+        voice.closing(lambda: runner.tuner.final_summary() if runner.tuner is not None else
+                      f"ran {source} ({schedule.strategy}) on torch DDP with its "
+                      f"{plural(len(schedule.blocks), 'planned bucket')}", rank)
+
+    def report(self) -> dict[str, Any]:
+        """What runs: the runtime's :meth:`~usbyte_opt.runtime.DistributedOptimizer.report`,
+        torch DDP's planned buckets and their verification (a schedule whose runner is DDP), or
+        torch DDP as given (nothing planned, or before the optimizer's first step)."""
+        if self._runner is not None:
+            return self._runner.report()
+        if self._opt is not None:
+            return self._opt.report()
+        return {"runner": "ddp", "schedule": None if not self._planned else "not started yet"}
+
+    def _torch_ddp(self, extra: dict[str, Any] | None = None) -> torch.nn.Module:
         """torch's ``DistributedDataParallel`` over the module, with the arguments given
-        (those this torch's DDP has; the defaults of the others need nothing)."""
+        (those this torch's DDP has; the defaults of the others need nothing), and ``extra``
+        on top (the planned buckets)."""
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         accepted = inspect.signature(DDP.__init__).parameters
         kw: dict[str, Any] = {}
-        for k, v in self._ddp_kwargs.items():
+        for k, v in {**self._ddp_kwargs, **(extra or {})}.items():
             if k in accepted:
                 if accepted[k].default is not inspect.Parameter.empty and v is accepted[k].default:
                     continue   # (newer torch warns when some defaults are passed)
@@ -194,6 +244,8 @@ class DistributedDataParallel(torch.nn.Module):
     def runs_torch_ddp(self) -> bool:
         """Whether torch's DDP runs now: nothing was planned, the optimizer has not stepped
         yet, or the plan was not measurably faster than DDP (or is being timed against it)."""
+        if self._runner is not None:
+            return True
         ddp = self.__dict__["_ddp"]
         return ddp is not None and (self._opt is None or self._opt.on_ddp)
 
@@ -240,11 +292,12 @@ class DistributedDataParallel(torch.nn.Module):
                           "every rank the same number of steps")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if self._watching and self._opt is not None:
+        if self._watching and (self._opt is not None or (
+                self._runner is not None and not self._runner.verifying)):
             self._stop_watching()   # the taken-over optimizer's first iteration is over
         sync = self._buffer_sync
         if self.runs_torch_ddp:
-            ddp = self.__dict__["_ddp"]
+            ddp = self._runner.active if self._runner is not None else self.__dict__["_ddp"]
             ddp.require_backward_grad_sync = self._sync
             if ddp.training != self.training:
                 ddp.training = self.training
@@ -292,7 +345,8 @@ class DistributedDataParallel(torch.nn.Module):
         """An optimizer is about to step: once one over the model was taken over, another
         over the model's parameters in the same iteration is refused (before it steps)."""
         rt = self._opt
-        if rt is None or optimizer is rt.optimizer or not self._over_model(optimizer):
+        if (self._runner is not None or rt is None or optimizer is rt.optimizer
+                or not self._over_model(optimizer)):
             return
         raise UsbyteError("usbyte_opt.DistributedDataParallel: 2 optimizers over the model's "
                           f"parameters step ({type(rt.optimizer).__name__} was taken over at its "
@@ -302,13 +356,48 @@ class DistributedDataParallel(torch.nn.Module):
 
     def _after_step(self, optimizer: torch.optim.Optimizer) -> None:
         """The first optimizer over the model's parameters has stepped (as under DDP, which
-        averaged its gradients): take it over."""
+        averaged its gradients): take it over (with a DDP-runner schedule: time the step)."""
+        if self._runner is not None:
+            if self._runner.verifying and self._over_model(optimizer):
+                self._runner.after_step(optimizer)
+            return
         if self._opt is None and self._over_model(optimizer):
             self._attach(optimizer)
 
     def _stop_watching(self) -> None:
         self._watching = False
         _unwatch(self)
+
+
+def _read_plan(schedule: Any, module: torch.nn.Module, group: dist.ProcessGroup | None
+               ) -> tuple[Schedule, str] | None:
+    """The schedule asked for, read and checked against the model (every rank reads the same
+    file and raises alike), or None when it is not at hand in this form."""
+    ws, rank = dist.get_world_size(group), dist.get_rank(group)
+    sched, source = resolve_schedule(schedule, module, ws, warn=False)
+    if sched.runner is Runner.DDP:   # (the runtime's own start-up checks the others)
+        check_model(sched, model_tensors(module), source)
+        check_world_size(sched, ws, rank)
+    return sched, str(source)
+
+
+def _start_line(plan: tuple[Schedule, str] | None, auto: bool) -> str:
+    """The wrapper's start line (:mod:`usbyte_opt.voice`) for a run that is not DDP-runner's."""
+    if auto:
+        return ("schedule auto: torch DDP until the optimizer's first step, then DDP's buckets "
+                "on the usbyte-opt runtime while the run is measured, then the plan made from it")
+    if plan is None:
+        return "no schedule given (schedule= or $USBYTE_SCHEDULE): torch DDP runs as given"
+    sched, source = plan
+    return (f"{source} ({sched.strategy}: usbyte-opt runtime, {sched.mode} mode, "
+            f"{plural(len(sched.blocks), 'block')}), from the optimizer's first step on")
+
+
+def _before_takeover(planned: bool) -> str:
+    """The summary of a run the runtime never took over (:mod:`usbyte_opt.voice`)."""
+    if not planned:
+        return "torch DDP ran as given (no schedule)"
+    return "torch DDP ran throughout: the optimizer over the model never stepped"
 
 
 # -- finding the optimizer at its first step ----------------------------------------------------
