@@ -1,0 +1,734 @@
+"""Public DDP trainers, as published and with only their DDP line changed to usbyte-opt's.
+
+Each trainer runs on 2 gloo ranks (CPU) in each configuration three times: with torch's DDP,
+with torch's DDP again (the control: the configuration is deterministic when both are equal
+bitwise), and with its DDP line changed to ``usbyte_opt.DistributedDataParallel`` and a
+schedule in ``$USBYTE_SCHEDULE``. Compared, tensor by tensor with ``torch.equal``: every
+rank's final model (weights and buffers), optimizer state, EMA model and gradient scaler, the
+checkpoints the trainer wrote and the metrics it logged. The verdict per configuration is
+"equal", "refused (message)" (a ``UsbyteError`` on every rank) or "DIFFERS: what, max abs
+diff". See benchmarks/real_clients.md.
+
+The trainers' code is never part of this repository: it is obtained at run time, at a pinned
+commit, into a cache (``$USBYTE_RC_CACHE``, default ``~/.cache/usbyte-opt/real_clients``):
+from a local checkout or git directory (``--source NAME=PATH`` or ``$USBYTE_RC_SRC_<NAME>``),
+else by ``git clone`` of its public repository. Their Python dependencies that are not
+installed (Pillow) are installed into the cache with pip. torchvision, which has no build
+beside a CPU torch, is satisfied by ``benchmarks/real_clients_shims/torchvision`` (imports
+only; what runs follows torchvision). ``benchmarks/real_clients_shims/observe`` records and
+saves the final state (observation only). Data are synthetic and made here; no weights.
+
+    python benchmarks/real_clients.py                       # every trainer and configuration
+    python benchmarks/real_clients.py --trainers nanogpt --configs plain,noclip --iterations 6
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+SHIMS = HERE / "real_clients_shims"
+DEFAULT_CACHE = Path(os.environ.get("USBYTE_RC_CACHE") or Path.home() / ".cache" / "usbyte-opt" / "real_clients")
+
+
+@dataclasses.dataclass
+class Trainer:
+    name: str
+    repo: str                        # owner/name of the public repository
+    commit: str
+    script: str                      # the training script, relative to the source tree
+    #: Applied to both runs: what torch's DDP needs to run at all on CPU/gloo (file, old, new).
+    port: list[tuple[str, str, str]]
+    #: The one-line change to usbyte-opt (file, old, new), applied on top of the port.
+    patch: tuple[str, str, str]
+    configs: dict[str, list[str]]
+    slow: set[str]
+    #: (run dir, configuration arguments, iterations) -> (command-line arguments, cwd).
+    argv: Callable[[Path, Path, list[str], int], tuple[list[str], Path]]
+    #: (source tree, run dir, rank logs) -> {label: path or text}: what the trainer wrote and logged
+    #: (written under the tree's out/, at the same relative path in every run, moved to the run dir).
+    outputs: Callable[[Path, Path, dict[int, str]], dict[str, Any]]
+    needs_pil: bool = False          # imports torchvision and PIL: the stand-in, and Pillow
+    #: The environment of both runs, and what the usbyte run sets on top of it.
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    usbyte_env: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: Only these paths of the repository are taken (default: all of it).
+    paths: list[str] = dataclasses.field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# timm (pytorch-image-models): train.py, its ImageNet trainer
+
+def _timm_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    data = _image_folder(run.parent.parent / "data-images", per_class=iterations)
+    # 2 ranks x batch 4 over 4 classes x `iterations` images: iterations // 2 steps in each of 2 epochs.
+    args = [str(data), "--model", "test_efficientnet", "--num-classes", "4", "--input-size", "3", "32", "32",
+            "--crop-pct", "1.0", "-b", "4", "--epochs", "2", "--warmup-epochs", "0", "--sched", "cosine",
+            "--no-aug", "--no-prefetcher", "-j", "1", "--device", "cpu", "--log-interval", "1", "--seed", "0",
+            "--lr", "0.05", "--output", "out", "--experiment", "run", "--checkpoint-hist", "2"]
+    return args + config, tree
+
+
+def _timm_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _move_out(tree, run)
+    for f in sorted((run / "out" / "run").glob("*")):
+        if f.name == "summary.csv":
+            out["summary.csv (logged metrics)"] = f.read_text()
+        elif f.suffix in (".tar", ".pth"):
+            out[f"checkpoint {f.name}"] = f
+    return out
+
+
+TIMM = Trainer(
+    name="timm",
+    repo="huggingface/pytorch-image-models",
+    commit="aa4b5850c1543fa488abf260f18390eda46cf85d",
+    script="train.py",
+    port=[("train.py", "task.prepare_distributed(device_ids=[device],",
+           "task.prepare_distributed(device_ids=None if device.type == 'cpu' else [device],")],
+    patch=("timm/task/classification.py",
+           "from torch.nn.parallel import DistributedDataParallel as DDP",
+           "from usbyte_opt import DistributedDataParallel as DDP"),
+    configs={
+        "plain": ["--opt", "sgd"],
+        "clip": ["--opt", "sgd", "--clip-grad", "1.0"],
+        "adamw": ["--opt", "adamw", "--lr", "1e-3"],
+        "bf16": ["--opt", "sgd", "--amp", "--amp-dtype", "bfloat16"],
+        "accum2": ["--opt", "sgd", "--grad-accum-steps", "2"],
+        "ema": ["--opt", "sgd", "--model-ema", "--model-ema-decay", "0.9"],
+        "lamb": ["--opt", "lamb", "--lr", "1e-3"],
+        "distbn-none": ["--opt", "sgd", "--dist-bn", ""],
+        "distbn-broadcast": ["--opt", "sgd", "--dist-bn", "broadcast"],
+        "no-ddp-bb": ["--opt", "sgd", "--no-ddp-bb"],
+    },
+    slow=set(),
+    argv=_timm_argv,
+    outputs=_timm_outputs,
+    needs_pil=True,
+)
+
+
+def _move_out(tree: Path, run: Path) -> None:
+    if (tree / "out").exists():
+        shutil.rmtree(run / "out", ignore_errors=True)
+        shutil.move(str(tree / "out"), str(run / "out"))
+
+
+def _image_folder(root: Path, per_class: int) -> Path:
+    """A tiny ImageFolder of 32x32 PNGs (4 classes), the same for every run."""
+    root = root.with_name(f"{root.name}-{per_class}")
+    if (root / ".done").exists():
+        return root
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    for split, n in (("train", per_class), ("validation", 2)):
+        for c in range(4):
+            d = root / split / f"class{c}"
+            d.mkdir(parents=True, exist_ok=True)
+            for i in range(n):
+                a = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+                a[..., c % 3] //= 2
+                Image.fromarray(a).save(d / f"{i:03d}.png")
+    (root / ".done").write_text("")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# nanoGPT: train.py
+
+def _nanogpt_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    import pickle
+
+    import numpy as np
+
+    d = tree / "data" / "synth"            # train.py reads data/<dataset> and configurator.py from its cwd
+    d.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 64, 4096, dtype=np.uint16).tofile(d / "train.bin")
+    rng.integers(0, 64, 1024, dtype=np.uint16).tofile(d / "val.bin")
+    with open(d / "meta.pkl", "wb") as f:
+        pickle.dump({"vocab_size": 64}, f)
+    half = max(1, iterations // 2)
+    args = ["--dataset=synth", "--device=cpu", "--backend=gloo", "--dtype=float32", "--compile=False",
+            "--n_layer=2", "--n_head=2", "--n_embd=32", "--block_size=32", "--batch_size=4", "--dropout=0.0",
+            f"--max_iters={iterations}", f"--eval_interval={half}", "--eval_iters=2", "--log_interval=1",
+            "--warmup_iters=2", f"--lr_decay_iters={iterations}", "--learning_rate=0.001",
+            "--gradient_accumulation_steps=4", "--out_dir=out"]
+    return args + config, tree
+
+
+_NANOGPT_LINE = re.compile(r"^(step \d+: train loss \S+ val loss \S+|iter \d+: loss \S+)")
+
+
+def _nanogpt_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _move_out(tree, run)
+    lines = [m.group(1).rstrip(",") for line in logs.get(0, "").splitlines()
+             if (m := _NANOGPT_LINE.match(line.replace(",", "")))]
+    out["logged losses (rank 0)"] = "\n".join(lines)
+    ck = run / "out" / "ckpt.pt"
+    if ck.exists():
+        out["checkpoint ckpt.pt"] = ck
+    return out
+
+
+NANOGPT = Trainer(
+    name="nanogpt",
+    repo="karpathy/nanoGPT",
+    commit="3adf61e154c3fe3fca428ad6bc3818b27a3b8291",
+    script="train.py",
+    port=[("train.py", "    device = f'cuda:{ddp_local_rank}'\n    torch.cuda.set_device(device)\n",
+           "    device = f'cuda:{ddp_local_rank}' if backend == 'nccl' else 'cpu'\n"
+           "    torch.cuda.set_device(device) if backend == 'nccl' else None\n"),
+          ("train.py", "model = DDP(model, device_ids=[ddp_local_rank])",
+           "model = DDP(model, device_ids=[ddp_local_rank] if backend == 'nccl' else None)")],
+    patch=("train.py", "from torch.nn.parallel import DistributedDataParallel as DDP",
+           "from usbyte_opt import DistributedDataParallel as DDP"),
+    configs={
+        "plain": [],                                       # accumulation 2 per rank, clipping 1.0
+        "noclip": ["--grad_clip=0.0"],
+        "accum1": ["--gradient_accumulation_steps=2"],
+        "float16": ["--dtype=float16"],                    # the GradScaler path (torch disables it on CPU)
+        "compile": ["--compile=True"],
+    },
+    slow={"compile"},
+    argv=_nanogpt_argv,
+    outputs=_nanogpt_outputs,
+)
+
+# ---------------------------------------------------------------------------------------------
+# Lightning: examples/pytorch/basics/transformer.py (the installed lightning runs it)
+
+def _lightning_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    # Both runs in one folder: Lightning's checkpoints hold their absolute paths.
+    cwd = tree.parent / "lightning-cwd"
+    shutil.rmtree(cwd, ignore_errors=True)
+    (cwd / "data").mkdir(parents=True)
+    import numpy as np
+
+    # WikiText2 reads ./data/wikitext-2.txt (and downloads it only when missing). The example
+    # splits off 2 x 2000 sequences of 35 tokens for validation and test; the rest is training:
+    # `iterations` batches of 20 per rank and epoch... kept to 2 (the example trains 20 epochs).
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(50)]
+    n_tokens = (4000 + 2 * 2 * 20 + 1) * 35 + 35
+    toks = rng.integers(0, 50, n_tokens)
+    lines = [" ".join(words[t] for t in toks[i:i + 34]) for i in range(0, n_tokens, 35)]
+    (cwd / "data" / "wikitext-2.txt").write_text("\n".join(lines) + "\n")
+    return config, cwd
+
+
+def _lightning_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    cwd = tree.parent / "lightning-cwd"
+    out: dict[str, Any] = {}
+    if (cwd / "lightning_logs").exists():
+        shutil.move(str(cwd / "lightning_logs"), str(run / "lightning_logs"))
+    for f in sorted((run / "lightning_logs").rglob("*")):
+        if f.suffix == ".ckpt":
+            out[f"checkpoint {f.name}"] = f
+        elif f.name == "metrics.csv":
+            out["metrics.csv (logged metrics)"] = f.read_text()
+    rows = [line for line in logs.get(0, "").splitlines() if re.match(r"^\W*\s*test_loss\s", line)]
+    out["test results (rank 0)"] = "\n".join(rows)
+    return out
+
+
+LIGHTNING = Trainer(
+    name="lightning",
+    repo="Lightning-AI/pytorch-lightning",
+    commit="7f0c3436cd3f6ad3753125672024fc415cbcb414",
+    script="examples/pytorch/basics/transformer.py",
+    port=[],
+    patch=("examples/pytorch/basics/transformer.py", "import lightning as L\n",
+           "import lightning as L; import usbyte_opt.integrations.lightning  # registers the strategy \"usbyte\"\n"),
+    configs={
+        "plain": [],                                                 # SGD, gradient_clip_val=0.25
+        "bf16": ["env:PL_TRAINER_PRECISION=bf16-mixed"],
+        "accum2": ["env:PL_TRAINER_ACCUMULATE_GRAD_BATCHES=2"],
+    },
+    slow=set(),
+    argv=_lightning_argv,
+    outputs=_lightning_outputs,
+    # The Trainer's arguments that the example does not set, from Lightning's own PL_TRAINER_*.
+    env={"PL_TRAINER_ACCELERATOR": "cpu", "PL_TRAINER_DEVICES": "2", "PL_TRAINER_STRATEGY": "ddp",
+         "PL_TRAINER_ENABLE_PROGRESS_BAR": "False"},
+    usbyte_env={"PL_TRAINER_STRATEGY": "usbyte"},
+    paths=["examples/pytorch/basics", "LICENSE"],
+)
+
+TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Obtaining the sources
+
+class Unobtainable(Exception):
+    """A trainer's source (or a dependency) could not be had here: the run is skipped."""
+
+
+def _git(*args: str, cwd: Path | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+
+
+def _git_dir(path: Path) -> Path | None:
+    for cand in (path / ".git", path / "repo", path):
+        if (cand / "objects").is_dir() and (cand / "HEAD").exists():
+            return cand
+    return None
+
+
+def source_tree(t: Trainer, cache: Path, source: str | None = None, clone_timeout: float = 300) -> Path:
+    """The trainer's files at its pinned commit, unmodified, in the cache."""
+    dest = cache / "src" / f"{t.name}-{t.commit[:12]}"
+    if (dest / ".complete").exists():
+        return dest
+    source = source or os.environ.get(f"USBYTE_RC_SRC_{t.name.upper()}")
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    gd: Path | None = None
+    why = ""
+    if source:
+        gd = _git_dir(Path(source))
+        if gd is None and (Path(source) / t.script).exists():   # a plain tree: taken as the commit
+            shutil.copytree(source, tmp, dirs_exist_ok=True, ignore=shutil.ignore_patterns(".git"))
+    else:
+        clone = cache / "git" / t.name
+        if not _git_dir(clone):
+            shutil.rmtree(clone, ignore_errors=True)
+            try:
+                r = _git("clone", "--bare", "--filter=blob:none", f"https://github.com/{t.repo}", str(clone),
+                         timeout=clone_timeout)
+                why = r.stderr.strip().splitlines()[-1] if r.returncode else ""
+            except (OSError, subprocess.TimeoutExpired) as e:
+                why = str(e)
+        gd = _git_dir(clone)
+    if gd is not None:
+        paths = " ".join(f"'{p}'" for p in t.paths)
+        a = subprocess.run(f"git --git-dir '{gd}' archive {t.commit} {paths} | tar -x -C '{tmp}'", shell=True,
+                           capture_output=True, text=True)
+        if a.returncode:
+            why = a.stderr.strip()
+    if not (tmp / t.script).exists():
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise Unobtainable(f"{t.name}: {t.repo}@{t.commit[:12]} not obtainable ({why or 'no source'}); "
+                           f"give a checkout with --source {t.name}=PATH or $USBYTE_RC_SRC_{t.name.upper()}")
+    (tmp / ".complete").write_text(t.commit)
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    return dest
+
+
+def _replace(text: str, old: str, new: str, where: str) -> str:
+    if text.count(old) != 1:
+        raise RuntimeError(f"{where}: expected the line {old!r} once, found {text.count(old)}")
+    return text.replace(old, new)
+
+
+def patched_trees(t: Trainer, src: Path, cache: Path, tag: str = "bench") -> dict[str, Path]:
+    """Two working copies: "ddp" (the CPU port only) and "usbyte" (the port and the one line)."""
+    trees = {}
+    for arm in ("ddp", "usbyte"):
+        d = cache / "work" / f"{t.name}-{t.commit[:12]}-{tag}-{arm}"
+        shutil.rmtree(d, ignore_errors=True)
+        shutil.copytree(src, d)
+        edits = list(t.port) + ([t.patch] if arm == "usbyte" else [])
+        for rel, old, new in edits:
+            p = d / rel
+            p.write_text(_replace(p.read_text(), old, new, f"{t.name}:{rel}"))
+        trees[arm] = d
+    return trees
+
+
+def python_deps(t: Trainer, cache: Path) -> list[str]:
+    """Extra entries for PYTHONPATH: the observer, and for a trainer that imports torchvision the
+    stand-in and, where missing, Pillow installed into the cache."""
+    paths = [str(SHIMS / "observe")]
+    if t.needs_pil:
+        paths.append(str(SHIMS))
+        try:
+            import PIL  # noqa: F401
+        except ImportError:
+            target = cache / "pydeps"
+            if not (target / "PIL").is_dir():
+                r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                    "--target", str(target), "pillow"], capture_output=True, text=True)
+                if r.returncode:
+                    raise Unobtainable(f"{t.name}: Pillow could not be installed: {r.stderr.strip()[-200:]}") from None
+            paths.append(str(target))
+            if str(target) not in sys.path:
+                sys.path.append(str(target))    # the synthetic images are written with it here too
+    return paths
+
+
+# ---------------------------------------------------------------------------------------------
+# Running and comparing
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass
+class Run:
+    rc: int
+    logs: dict[int, str]
+    state: dict[int, Any]
+    outputs: dict[str, Any]
+    seconds: float
+    dir: Path
+
+
+def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: int, pypath: list[str],
+             schedule: str | None, timeout: float = 900) -> Run:
+    import torch
+
+    shutil.rmtree(run, ignore_errors=True)
+    shutil.rmtree(tree / "out", ignore_errors=True)
+    run.mkdir(parents=True)
+    cfg_env = dict(c[4:].split("=", 1) for c in config if c.startswith("env:"))
+    args, cwd = t.argv(tree, run, [c for c in config if not c.startswith("env:")], iterations)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("USBYTE_", "TORCHELASTIC_", "PL_"))}
+    env.update(t.env)
+    env.update(cfg_env)
+    env.update(PYTHONPATH=os.pathsep.join(pypath + [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                                                  else [])),
+               USBYTE_RC_DUMP=str(run / "dump"), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
+               HF_HUB_OFFLINE="1", TORCHINDUCTOR_CACHE_DIR=str(run.parent / "inductor"))
+    if schedule:
+        env.update(t.usbyte_env)
+        env["USBYTE_SCHEDULE"] = schedule
+        env["USBYTE_AUTO_DIR"] = str(run / "auto")
+    logdir = run / "logs"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "--log-dir", str(logdir), "--redirects", "3",
+           str(tree / t.script), *args]
+    t0 = time.perf_counter()
+    try:
+        p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc = p.returncode
+    except subprocess.TimeoutExpired:
+        rc = -9
+    secs = time.perf_counter() - t0
+    logs: dict[int, str] = {}
+    for rank in (0, 1):
+        parts = []
+        for name in ("stdout.log", "stderr.log"):
+            for f in glob.glob(str(logdir / "**" / str(rank) / name), recursive=True):
+                parts.append(Path(f).read_text(errors="replace"))
+        logs[rank] = "\n".join(parts)
+    state = {}
+    for rank in (0, 1):
+        f = run / "dump" / f"rank{rank}.pt"
+        if f.exists():
+            state[rank] = torch.load(f, weights_only=False)
+    return Run(rc, logs, state, t.outputs(tree, run, logs) if rc == 0 else {}, secs, run)
+
+
+def _diffs(a: Any, b: Any, path: str, out: list[tuple[str, float]]) -> None:
+    import torch
+
+    if isinstance(a, argparse.Namespace) and isinstance(b, argparse.Namespace):
+        a, b = vars(a), vars(b)
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        if a.shape != b.shape or a.dtype != b.dtype:
+            out.append((f"{path} (shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype})", math.inf))
+        elif not torch.equal(a, b):
+            if a.is_floating_point() or a.is_complex():
+                d = (a.double() - b.double()).abs()
+                d = torch.nan_to_num(d, nan=math.inf)
+                out.append((path, float(d.max()) if d.numel() else 0.0))
+            else:
+                out.append((path, float((a.long() - b.long()).abs().max())))
+    elif isinstance(a, dict) and isinstance(b, dict):
+        for k in sorted(set(a) | set(b), key=str):
+            if k not in a or k not in b:
+                out.append((f"{path}.{k} (only in {'the first' if k in a else 'the second'})", math.inf))
+            else:
+                _diffs(a[k], b[k], f"{path}.{k}" if path else str(k), out)
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if len(a) != len(b):
+            out.append((f"{path} (length {len(a)} vs {len(b)})", math.inf))
+        for i, (x, y) in enumerate(zip(a, b)):
+            _diffs(x, y, f"{path}[{i}]", out)
+    elif isinstance(a, float) and isinstance(b, float) and not (a == b or (a != a and b != b)):
+        out.append((path, abs(a - b)))
+    elif type(a) is not type(b) or (not isinstance(a, float) and a != b):
+        if not (isinstance(a, (int, float)) and isinstance(b, (int, float)) and a == b):
+            out.append((f"{path} ({_short(a)} vs {_short(b)})", math.inf))
+
+
+def _short(v: Any) -> str:
+    s = repr(v)
+    return s if len(s) < 40 else s[:37] + "..."
+
+
+def _text_diff(a: str, b: str) -> tuple[str, float] | None:
+    if a == b:
+        return None
+    la, lb = a.splitlines(), b.splitlines()
+    for i, (x, y) in enumerate(zip(la, lb)):
+        if x != y:
+            nx = [float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", x)]
+            ny = [float(v) for v in re.findall(r"-?\d+\.\d+(?:e-?\d+)?", y)]
+            m = max((abs(p - q) for p, q in zip(nx, ny)), default=math.inf)
+            return f"line {i + 1}: {x.strip()[:60]!r} vs {y.strip()[:60]!r}", m
+    return f"{len(la)} vs {len(lb)} lines", math.inf
+
+
+def compare(a: Run, b: Run) -> list[tuple[str, float]]:
+    """What differs between two finished runs: (what, max abs diff)."""
+    import torch
+
+    out: list[tuple[str, float]] = []
+    for rank in (0, 1):
+        sa, sb = a.state.get(rank), b.state.get(rank)
+        if sa is None or sb is None:
+            out.append((f"rank {rank}: final state not saved", math.inf))
+            continue
+        labels = {"models": "model", "optimizers": "optimizer", "ema": "EMA model", "scalers": "GradScaler"}
+        for key, label in labels.items():
+            xa, xb = sa.get(key, []), sb.get(key, [])
+            if len(xa) != len(xb):
+                out.append((f"rank {rank}: {len(xa)} vs {len(xb)} {label}(s) found", math.inf))
+            for i, (x, y) in enumerate(zip(xa, xb)):
+                _diffs(x, y, f"rank {rank} {label}{'' if len(xa) == 1 else i}", out)
+    for k in sorted(set(a.outputs) | set(b.outputs)):
+        va, vb = a.outputs.get(k), b.outputs.get(k)
+        if va is None or vb is None:
+            out.append((f"{k}: written by one run only", math.inf))
+        elif isinstance(va, str):
+            d = _text_diff(va, vb)
+            if d:
+                out.append((f"{k}: {d[0]}", d[1]))
+        else:
+            _diffs(torch.load(va, weights_only=False), torch.load(vb, weights_only=False), k, out)
+    return out
+
+
+_REFUSAL = re.compile(r"usbyte_opt\.errors\.\w+: (.*)|^(?:\[rank\d\]: )?(\w*UsbyteError\w*: .*)$|^usbyte-opt: (.*)$",
+                      re.M)
+
+
+def refusal(run: Run) -> tuple[str, list[int]]:
+    """A failed usbyte run's message and the ranks that printed one."""
+    msgs = {}
+    for rank, log in run.logs.items():
+        ms = [next(g for g in m.groups() if g) for m in _REFUSAL.finditer(log)]
+        if ms:
+            msgs[rank] = ms[-1].strip()
+    msg = next(iter(msgs.values()), "")
+    return msg, sorted(msgs)
+
+
+def _last_error(log: str) -> str:
+    lines = [line for line in log.splitlines() if re.search(r"Error|error:|Exception", line)]
+    return lines[-1].strip()[:200] if lines else "(no error line)"
+
+
+def _usbyte_lines(log: str) -> list[str]:
+    """What usbyte-opt said on a rank (its lines start with "usbyte-opt", continued indented)."""
+    out: list[str] = []
+    inside = False
+    for line in log.splitlines():
+        if line.startswith("usbyte-opt"):
+            out.append(line.strip())
+            inside = True
+        elif inside and line.startswith("  "):
+            out[-1] += " " + line.strip()
+        else:
+            inside = False
+    return out[:8]
+
+
+def summarize(diffs: list[tuple[str, float]], limit: int = 6) -> str:
+    if not diffs:
+        return "equal"
+    # Group tensors by rank and kind, and give the largest.
+    groups: dict[str, tuple[int, float, str]] = {}
+    for what, m in diffs:
+        head = " ".join(what.split(" ")[:3]) if what.startswith("rank") else what.split(":")[0]
+        n, best, ex = groups.get(head, (0, -1.0, what))
+        groups[head] = (n + 1, max(best, m), what if m > best else ex)
+    parts = [f"{h}: {n} differ, max {m:.3g} ({ex})" for h, (n, m, ex) in groups.items()]
+    return "; ".join(parts[:limit]) + (f"; +{len(parts) - limit} more" if len(parts) > limit else "")
+
+
+def run_config(t: Trainer, trees: dict[str, Path], pypath: list[str], config: str, iterations: int,
+               work: Path, schedule: str, control: bool = True, ddp: Run | None = None) -> dict[str, Any]:
+    """One configuration: its DDP run (or ``ddp``, one already made), the control, the usbyte run."""
+    base = work / t.name / config
+    args = t.configs[config]
+    if ddp is None:
+        ddp = run_once(t, trees["ddp"], base / "ddp", args, iterations, pypath, None)
+    row: dict[str, Any] = {"trainer": t.name, "config": config, "args": args, "iterations": iterations,
+                           "schedule": schedule, "seconds": {"ddp": round(ddp.seconds, 1)}, "_ddp": ddp}
+    if ddp.rc != 0:
+        row.update(control="n/a", result=f"not run: its own DDP run failed ({_last_error(ddp.logs.get(0, ''))})",
+                   status="ddp-failed")
+        return row
+    if control:
+        ctl = run_once(t, trees["ddp"], base / "ddp2", args, iterations, pypath, None)
+        row["seconds"]["control"] = round(ctl.seconds, 1)
+        cd = compare(ddp, ctl) if ctl.rc == 0 else [("control run failed", math.inf)]
+        row["control"] = "equal" if not cd else "NONDETERMINISTIC: " + summarize(cd)
+    us = run_once(t, trees["usbyte"], base / "usbyte", args, iterations, pypath, schedule)
+    row["seconds"]["usbyte"] = round(us.seconds, 1)
+    wrappers = sorted({w for s in us.state.values() for w in s.get("wrapper", [])})
+    row["usbyte_wrapper"] = wrappers
+    row["usbyte_lines"] = _usbyte_lines(us.logs.get(0, ""))
+    if us.rc != 0:
+        msg, ranks = refusal(us)
+        if msg and ranks == [0, 1]:
+            row.update(result=f"refused ({msg})", status="refused")
+        elif msg:
+            row.update(result=f"FAILED: refused on rank(s) {ranks} only ({msg})", status="failed")
+        else:
+            err = _last_error(us.logs.get(0, "") + us.logs.get(1, ""))
+            row.update(result=f"FAILED without a refusal (exit {us.rc}): {err}", status="failed")
+        return row
+    diffs = compare(ddp, us)
+    row["diffs"] = [[w, m if math.isfinite(m) else "inf"] for w, m in diffs[:200]]
+    if not diffs:
+        row.update(result="equal", status="equal")
+    else:
+        row.update(result="DIFFERS: " + summarize(diffs), status="differs")
+    return row
+
+
+#: Iterations of the run that plans a schedule (``auto`` measures 2 + 5 + 4 before it plans).
+PLAN_ITERATIONS = 16
+
+
+def planned_schedule(t: Trainer, trees: dict[str, Path], pypath: list[str], work: Path) -> Path:
+    """A schedule planned for the trainer's model as a user gets one: its patched run with
+    ``USBYTE_SCHEDULE=auto`` writes it to ``$USBYTE_AUTO_DIR/schedule.json``."""
+    run = work / t.name / "_plan"
+    keep = work / t.name / "schedule.json"
+    if keep.exists():
+        return keep
+    r = run_once(t, trees["usbyte"], run, t.configs[next(iter(t.configs))], PLAN_ITERATIONS, pypath, "auto")
+    f = run / "auto" / "schedule.json"
+    if r.rc != 0 or not f.exists():
+        raise RuntimeError(f"{t.name}: the auto run wrote no schedule (exit {r.rc}): "
+                           f"{_last_error(r.logs.get(0, ''))}")
+    shutil.copy(f, keep)
+    return keep
+
+
+def markdown_table(doc: dict[str, Any]) -> str:
+    """The matrix of a --json file as a Markdown table."""
+    lines = ["| trainer | configuration | schedule | DDP vs DDP (control) | usbyte-opt vs DDP | s (DDP / usbyte) |",
+             "|---|---|---|---|---|---|"]
+    for r in doc["rows"]:
+        args = " ".join(a if a else "''" for a in r["args"]) or "(as published)"
+        sec = r.get("seconds", {})
+        res = r["result"].replace("|", "\\|")
+        lines.append(f"| {r['trainer']} | {r['config']} (`{args}`) | {r['schedule']} | {r.get('control', '-')} | "
+                     f"{'**' + res + '**' if r['status'] in ('differs', 'failed') else res} | "
+                     f"{sec.get('ddp', '-')} / {sec.get('usbyte', '-')} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trainers", default=",".join(TRAINERS))
+    ap.add_argument("--configs", default="", help="comma-separated (default: all but the slow ones)")
+    ap.add_argument("--all", action="store_true", help="the slow configurations too")
+    ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--schedules", default="auto,planned",
+                    help="USBYTE_SCHEDULE of the usbyte runs: auto (planned inside the run: a run this short "
+                         "trains on the runtime's DDP-like fallback), planned (a schedule.json an auto run of "
+                         f"{PLAN_ITERATIONS} iterations wrote: verification alternates it with DDP's buckets), "
+                         "or a schedule file")
+    ap.add_argument("--source", action="append", default=[], metavar="NAME=PATH")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--work", type=Path, default=None, help="run directories (default: CACHE/runs)")
+    ap.add_argument("--no-control", action="store_true", help="skip the DDP-vs-DDP control run")
+    ap.add_argument("--json", type=Path, default=HERE / "real_clients.json")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the rows of the existing --json file that this run does not redo")
+    ap.add_argument("--table", action="store_true", help="print the --json file's matrix as Markdown and exit")
+    a = ap.parse_args(argv)
+    if a.table:
+        print(markdown_table(json.loads(a.json.read_text())))
+        return 0
+    sources = dict(s.split("=", 1) for s in a.source)
+    work = a.work or a.cache / "runs"
+    rows: list[dict[str, Any]] = []
+    meta: dict[str, Any] = {}
+    print(f"{'trainer':8} {'schedule':8} {'configuration':17} {'control':9} usbyte vs DDP", flush=True)
+    for name in a.trainers.split(","):
+        t = TRAINERS[name]
+        try:
+            src = source_tree(t, a.cache, sources.get(name))
+            pypath = python_deps(t, a.cache)
+        except Unobtainable as e:
+            print(f"{name:8} skipped: {e}", flush=True)
+            meta[name] = {"skipped": str(e)}
+            continue
+        trees = patched_trees(t, src, a.cache)
+        meta[name] = {"repo": t.repo, "commit": t.commit, "script": t.script,
+                      "port": [list(p) for p in t.port], "patch": list(t.patch)}
+        configs = a.configs.split(",") if a.configs else [c for c in t.configs if a.all or c not in t.slow]
+        ddp_runs: dict[str, Run] = {}
+        for sched in a.schedules.split(","):
+            if sched == "planned":
+                try:
+                    sched = str(planned_schedule(t, trees, pypath, work))
+                except RuntimeError as e:
+                    print(f"{name:8} planned schedule: {e}", flush=True)
+                    meta[name]["planned"] = str(e)
+                    continue
+                meta[name]["planned"] = sched
+            label = "auto" if sched == "auto" else "planned" if sched.endswith("schedule.json") else sched
+            for c in configs:
+                if c not in t.configs:
+                    continue
+                row = run_config(t, trees, pypath, c, a.iterations, work / label, sched,
+                                 control=not a.no_control and c not in ddp_runs, ddp=ddp_runs.get(c))
+                ddp_runs[c] = row.pop("_ddp")
+                row["schedule"] = label
+                if "control" not in row:
+                    row["control"] = next((r["control"] for r in rows if r["trainer"] == name
+                                           and r["config"] == c and "control" in r), "-")
+                rows.append(row)
+                print(f"{name:8} {label:8} {c:17} {row.get('control', '-'):9} {row['result']}", flush=True)
+    import torch
+
+    doc = {"torch": torch.__version__, "python": sys.version.split()[0], "iterations": a.iterations,
+           "schedules": a.schedules, "trainers": meta, "rows": rows,
+           "usbyte_opt_commit": _git("rev-parse", "--short", "HEAD", cwd=ROOT).stdout.strip()}
+    if a.json and a.merge and a.json.exists():
+        old = json.loads(a.json.read_text())
+        redone = {(r["trainer"], r["config"], r["schedule"]) for r in rows}
+        doc["rows"] = [r for r in old.get("rows", []) if (r["trainer"], r["config"], r["schedule"]) not in redone]
+        doc["rows"] += rows
+        doc["trainers"] = {**old.get("trainers", {}), **meta}
+    if a.json:
+        a.json.write_text(json.dumps(doc, indent=1) + "\n")
+    return 1 if any(r["status"] in ("differs", "failed") for r in rows) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
