@@ -76,7 +76,6 @@ def drain_gloo_workers(max_s: float = DRAIN_S, slice_s: float = 0.002) -> None:
     threads cannot be read (no ``/proc``), a few slices. Does nothing without gloo workers."""
     if "torch.distributed" not in sys.modules:
         return
-    busy = _gloo_workers_busy()
     deadline = time.monotonic() + max_s
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:
