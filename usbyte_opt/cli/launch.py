@@ -104,15 +104,18 @@ def _world_size(nnodes: str, nproc: str) -> int | None:
 
 
 def _profile_of(schedule: Any, path: Path) -> tuple[Any, Path] | None:
-    """The profile ``schedule`` (read from ``path``) was planned from, found by its name and
-    checked by its digest: ``profiles/NAME.json`` here or beside the schedule's folder, or a
-    bench folder's ``profile.json``; ``None`` when none is at hand."""
+    """The profile ``schedule`` (read from ``path``) was planned from, checked by its digest:
+    where ``optimize`` recorded it (``profile_path``), else found by its name,
+    ``profiles/NAME.json`` here or beside the schedule's folder, or a bench folder's
+    ``profile.json``; ``None`` when none is at hand."""
     from ..formats import load_profile
 
     name = schedule.profile_name
     here = path.resolve().parent
-    for candidate in (Path("profiles") / f"{name}.json", here.parent / "profiles" / f"{name}.json",
-                      here / f"{name}.json", here.parent / "profile.json", here / "profile.json"):
+    recorded = (schedule.extra or {}).get("profile_path")   # where optimize read it
+    for candidate in ((*([here / str(recorded)] if isinstance(recorded, str) else []),
+                       Path("profiles") / f"{name}.json", here.parent / "profiles" / f"{name}.json",
+                       here / f"{name}.json", here.parent / "profile.json", here / "profile.json")):
         try:
             if candidate.resolve() == path.resolve() or not candidate.is_file():
                 continue

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -148,7 +149,7 @@ def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int
                          "with --hierarchy on (this profile: "
                          f"{plural(prof.comm.nodes, 'node')} of {prof.comm.ranks_per_node}); "
                          "expected best")
-    written = _write(report, strategy, original, out, trace)
+    written = _write(report, strategy, original, out, trace, profile)
     if as_json:
         console.emit_json(_document(report, written, prof, original.name))
     else:
@@ -178,7 +179,7 @@ def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_s
         report = compare(prof, shard=True, progress=say, optimizer=optimizer)
     if strategy in report.skipped:
         raise UsbyteError(report.skipped[strategy])
-    written = _write(report, strategy, original, out, trace)
+    written = _write(report, strategy, original, out, trace, profile)
     ref = report.reference
     assert ref is not None
     if as_json:
@@ -231,10 +232,16 @@ class Written:
     """DDP's ``bucket_cap_mb_list`` for ``ddp-tuned``, and for ``best`` where torch DDP runs it."""
 
 
-def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | None) -> Written:
-    """Write the schedule of ``strategy`` (and its predicted trace, when asked)."""
+def _write(report: Any, strategy: str, original: Any, out: Path, trace: Path | None,
+           profile: Path | None = None) -> Written:
+    """Write the schedule of ``strategy`` (and its predicted trace, when asked). The schedule
+    records where its profile is (``profile_path``, relative to the schedule's folder), so
+    that ``launch`` finds it under any name to re-predict another world size."""
     sched = dataclasses.replace(report.schedule(strategy, profile_digest=original.digest()),
                                 model=planned_model(original))
+    if profile is not None:
+        where = os.path.relpath(Path(profile).resolve(), out.resolve().parent)
+        sched = dataclasses.replace(sched, extra={**sched.extra, "profile_path": where})
     caps = None
     if strategy == "ddp-tuned" or (sched.runner is Runner.DDP and strategy != "ddp"):
         # stock DDP with the planned buckets (ddp-tuned, or best where torch DDP runs it)
@@ -335,16 +342,16 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
     for n, r in res.items():
         mark = " *" if n == w.strategy else ""
         blocks = f"{report.hier_blocks(n)}/{r.blocks}" if report.hierarchical else r.blocks
-        row = [n + mark, r.mode, f"{r.iteration_ms:.2f}", f"{ddp / r.iteration_ms:.3f}x", blocks,
-               f"{r.solve_s:.3f}"]
+        row = [n + mark, r.mode, _runner_cell(r.plan.runner), f"{r.iteration_ms:.2f}",
+               f"{ddp / r.iteration_ms:.3f}x", blocks, f"{r.solve_s:.3f}"]
         if wide:
-            row[4:4] = [f"{r.overlap_ms:.2f}", f"{r.fence_ms:.2f}", f"{wfbp / r.iteration_ms:.3f}x",
+            row[5:5] = [f"{r.overlap_ms:.2f}", f"{r.fence_ms:.2f}", f"{wfbp / r.iteration_ms:.3f}x",
                         f"{r.iteration_ms - report.compute_ms:.2f}"]
         rows.append(row)
-    columns = ["strategy", "mode", "predicted ms", "vs ddp",
+    columns = ["strategy", "mode", "runner", "predicted ms", "vs ddp",
                "hier/blocks" if report.hierarchical else "blocks", "solve s"]
     if wide:
-        columns[4:4] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
+        columns[5:5] = ["overlap ms", "fence ms", "vs wfbp", "exposed ms"]
     c = prof.comm
     console.table(
         f"{name}: {plural(len(prof.tensors), 'tensor')}, compute {report.compute_ms:.2f} ms "
@@ -354,8 +361,10 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
         + _levels_note(c) + common.cpu_cost_note(c),
         columns,
         rows,
-        justify_right_from=2,
-        caption=f"vs ddp: speedup over ddp's predicted time (>1 is faster); lower bound "
+        justify_right_from=3,
+        caption=f"runner: what runs the plan (DDP: torch DDP's reducer with the planned buckets; "
+                f"runtime: the usbyte-opt runtime); "
+                f"vs ddp: speedup over ddp's predicted time (>1 is faster); lower bound "
                 f"{report.lower_bound_ms:.2f} ms (per runner, in the modes it runs); {w.strategy} "
                 f"({w.schedule.mode} mode, run by {_runner_name(w.schedule.runner)}) "
                 f"is {100 * w.schedule.predicted['gap']:.2f}% above it"
@@ -379,6 +388,11 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
     if line is not None:
         console.warn(line)
     console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))
+
+
+def _runner_cell(runner: Runner) -> str:
+    """How the table's ``runner`` column names a runner."""
+    return "DDP" if runner is Runner.DDP else "runtime"
 
 
 def _runner_name(runner: Runner) -> str:

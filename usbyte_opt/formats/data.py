@@ -38,7 +38,26 @@ DTYPE_SIZES: dict[str, int] = {
 
 COMM_BACKENDS = ("nccl", "gloo", "analytic", "mpi", "ucc")
 
-class Mode(str, Enum):
+class _FileValue(str, Enum):
+    """A value of a file's field: the member is its string (``str(m)`` and ``f"{m}"`` give
+    it), with a ``note`` that says what it means."""
+
+    note: str
+
+    def __new__(cls, value: str, note: str = "") -> _FileValue:
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.note = note
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+
+class Mode(_FileValue):
     """How the runtime applies a schedule's updates.
 
     ``OVERLAP``: each tensor's update right before its first use in the next forward, so
@@ -62,32 +81,18 @@ class Mode(str, Enum):
         'all blocks, then all updates (as DDP)'
     """
 
-    note: str
-
     OVERLAP = "overlap", "each update right before its first use in the next forward"
     FENCE = "fence", "all blocks, then all updates (as DDP)"
     SHARDED = "sharded", ("ZeRO-1: blocks reduce-scattered, each rank steps its shard, "
                           "parameters all-gathered, each before its first use in the next "
                           "forward")
 
-    def __new__(cls, value: str, note: str = "") -> Mode:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.note = note
-        return member
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
-
 
 #: The modes' file values, in :class:`Mode` order.
 SCHEDULE_MODES = tuple(m.value for m in Mode)
 
 
-class Runner(str, Enum):
+class Runner(_FileValue):
     """What runs a schedule's blocks, and so what host cost it pays (docs/planner.md, "Host
     cost"): the usbyte-opt runtime (``RUNTIME``, the default: a file without ``runner`` is
     read as it) or torch DDP's reducer with the planned buckets (``DDP``: the schedule's blocks
@@ -102,23 +107,9 @@ class Runner(str, Enum):
         (True, 'runtime', ['runtime', 'ddp'])
     """
 
-    note: str
-
     RUNTIME = "runtime", "the usbyte-opt runtime (DistributedOptimizer)"
     DDP = "ddp", ("torch DDP's reducer with the planned buckets (bucket_cap_mb_list): fence "
                   "mode, one dtype, whole tensors, blocks in the buffer's order")
-
-    def __new__(cls, value: str, note: str = "") -> Runner:
-        member = str.__new__(cls, value)
-        member._value_ = value
-        member.note = note
-        return member
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __format__(self, spec: str) -> str:
-        return format(self.value, spec)
 
 
 #: The runners' file values, in :class:`Runner` order.

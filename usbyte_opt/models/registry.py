@@ -171,7 +171,7 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
         usbyte_opt.errors.UsageError: unknown model 'nope': expected a built-in name (mlp, ...
     """
     if callable(spec):
-        return spec, 32
+        return spec, factory_batch(spec)
     if not isinstance(spec, str) or not spec:
         raise UsageError(f"model spec: expected a name or package.module:factory, got {spec!r}")
     if spec in BUILTIN:
@@ -210,7 +210,26 @@ def resolve(spec: str | Factory) -> tuple[Factory, int]:
         raise UsageError(f"model spec {spec!r}: {attr!r} is a {type(factory).__name__}, not callable; "
                           f"expected {PROTOCOL}")
     check_signature(factory, spec)
-    return factory, 32
+    return factory, factory_batch(factory)
+
+
+def factory_batch(factory: Callable) -> int:
+    """A user's factory's own default batch size: the default of its first parameter
+    (``def build(batch_size=16)``), else 32.
+
+    Example::
+
+        >>> factory_batch(lambda batch_size=16: None), factory_batch(lambda batch_size: None)
+        (16, 32)
+    """
+    try:
+        params = list(inspect.signature(factory).parameters.values())
+    except (TypeError, ValueError):
+        return 32
+    if params and isinstance(params[0].default, int) and not isinstance(params[0].default, bool) \
+            and params[0].default >= 1:
+        return int(params[0].default)
+    return 32
 
 
 def check_signature(factory: Callable, label: str) -> None:

@@ -29,6 +29,7 @@ from ..formats import Schedule
 from .autotune import IterationStamps, Tuner
 from .comm import Channel
 from .default_plan import fallback_schedule
+from .exit_hook import OPEN
 
 #: What the planned buckets are timed against, in what users read.
 DEFAULT_BUCKETS = "DDP's default buckets"
@@ -77,6 +78,7 @@ class DDPRunner:
             self.tuner = Tuner(self, self.fallback, auto=False, verify=True, auto_dir=None,
                                check_every=0)
             self.tuner.against = DEFAULT_BUCKETS
+            OPEN.add(self)   # its gloo group released at exit if the run ends while verifying
 
     # -- what the wrapper asks ---------------------------------------------------------------
 
@@ -100,9 +102,15 @@ class DDPRunner:
             self.default = None
         else:
             self.planned = None
+        self._release()
+
+    def _release(self, grace_s: float | None = None) -> None:
+        """Close the control group (nothing of it is in flight between steps); also at exit
+        (:mod:`.exit_hook`)."""
         if self.chan is not None:
             self.chan.close()
             self.chan = None
+        OPEN.discard(self)
 
     def report(self) -> dict[str, Any]:
         """What runs and what verification measured (the tuner's figures)."""

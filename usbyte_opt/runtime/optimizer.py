@@ -271,6 +271,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     "measured, then the plan made from it")
         what = (f"{self.schedule_source} ({sched.strategy}: usbyte-opt runtime, {self.mode} mode, "
                 f"{plural(len(sched.blocks), 'block')})")
+        if str(sched.runner) == "ddp":
+            what += ("; planned for torch DDP, run here on the usbyte-opt runtime at its own host "
+                     "cost (usbyte_opt.DistributedDataParallel runs it on torch DDP)")
         tuner = self._tuner
         if tuner is not None and tuner.phase == "verify":
             what += (f"; timed against DDP's buckets in turns for at least "
