@@ -198,7 +198,7 @@ def test_hierarchy_off_and_sharded_plan_flat():
 
 # Digests of the schedules that main planned for the shipped profiles of one node before
 # several nodes were modelled (sha256 of the sorted JSON dump, 16 hex digits); best's local
-# search has a wall-clock budget, so it is left out here (its candidates are the same).
+# search has a time budget, so it is left out here (its candidates are the same).
 BEFORE = {
     "resnet50/wfbp": "a0b98a8650d8aa6e",
     "resnet50/ddp": "f1871cda0ea7aead",

@@ -53,8 +53,8 @@ def optimize(
         "--bucket-cap-mb", min=0.001, help="Bucket size of the ddp strategy, MiB (PyTorch's "
                                            "default 25).")] = 25.0,
     time_budget: Annotated[float, typer.Option(
-        "--time-budget", min=0.0, help="Seconds of local search for best, at most (it stops "
-                                       "earlier when no move helps).")] = 0.6,
+        "--time-budget", min=0.0, help="Seconds of local search for best, at most, in processor "
+                                       "time (it stops earlier when no move helps).")] = 0.6,
     mode: Annotated[Optional[str], typer.Option(
         "--mode", help="Plan best in this mode only: fence (every block done by the end of "
                        "backward: what runs in a trainer, whose clipping waits for the averaged "

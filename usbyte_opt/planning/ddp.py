@@ -275,10 +275,10 @@ def expressible(problem: Problem, layout: Layout, blocks: Sequence[Block], ties:
         >>> expressible(pb, lay, [Block(0, 0, 150), Block(0, 150, 300)])   # cuts a tensor
         False
     """
-    if len(layout.buffers) != 1 or layout.members[0] != problem.ready_order():
+    at = _starts_at(problem, layout)
+    if at is None:
         return False
-    members, starts, ready = layout.members[0], layout.starts[0], problem.ready
-    at = {o: j for j, o in enumerate(starts)}
+    members, ready = layout.members[0], problem.ready
     pos = 0
     for k in blocks:
         if k.buffer != 0 or k.start != pos or k.end <= k.start:
@@ -289,6 +289,20 @@ def expressible(problem: Problem, layout: Layout, blocks: Sequence[Block], ties:
                 return False
         pos = k.end
     return pos == layout.numel[0]
+
+
+def _starts_at(problem: Problem, layout: Layout) -> dict[int, int] | None:
+    """Where each tensor of ``layout``'s one buffer starts (offset to its place), if the layout
+    is one buffer in ready order, else ``None``; once per problem and layout (kept in
+    ``problem.cache``: :func:`expressible` is asked about many plans of one layout)."""
+    key = ("ddp-starts", id(layout))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not layout:
+        at = None
+        if len(layout.buffers) == 1 and layout.members[0] == problem.ready_order():
+            at = {o: j for j, o in enumerate(layout.starts[0])}
+        hit = problem.cache[key] = (layout, at)
+    return hit[1]
 
 
 #: Work (partial plans built plus dominance tests) the compute-cost programme may spend before

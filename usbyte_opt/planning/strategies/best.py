@@ -103,6 +103,11 @@ FULL_GRID_TENSORS = 2000
 #: Candidates the local search starts from, best first, while its time budget lasts.
 STARTS = 3
 
+#: The clock of the local search's budget: this process's processor time, not the wall clock,
+#: so that other jobs on a shared machine do not cut the search short (and change the plan):
+#: on an idle core the two run alike.
+clock = time.process_time
+
 #: Baselines cheap enough to recompute inside ``best`` when the caller passed none.
 CHEAP_SEEDS = ("wfbp", "ddp", "ddp-tuned", "mgwfbp")
 
@@ -182,6 +187,18 @@ class _Remainders:
 
     @staticmethod
     def of(problem: Problem, layout: Layout) -> _Remainders:
+        """Nothing sent yet: every tensor's whole range. The fixed lists are built once per
+        problem and layout (kept in ``problem.cache``) and shared; ``lo``, which
+        :func:`construct` moves, is a fresh copy."""
+        key = ("remainders", id(layout))
+        hit = problem.cache.get(key)
+        if hit is None or hit[0] is not layout:
+            hit = problem.cache[key] = (layout, _Remainders._build(problem, layout))
+        rs: _Remainders = hit[1]
+        return _Remainders(list(rs.lo), rs.end, rs.start, rs.isz, rs.prev_of, rs.next_of)
+
+    @staticmethod
+    def _build(problem: Problem, layout: Layout) -> _Remainders:
         n = problem.n
         pos = layout.pos
         lo = [pos[i][1] for i in range(n)]
@@ -834,7 +851,8 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     """Local search in ``mode``: moves on the critical block (:func:`_critical`, overlap mode),
     then a first-improvement sweep of merge / swap / split over consecutive blocks within
     :func:`_window` (everywhere with the compute-cost option or the updates at the gates,
-    where a move anywhere can change T); repeated to a fixed point or the deadline."""
+    where a move anywhere can change T); repeated to a fixed point or the deadline (on
+    :func:`clock`)."""
     sc = scorer if scorer is not None else scorer_for(problem, layout)
     blocks = list(blocks)
     st = sc.stats(blocks)
@@ -848,9 +866,9 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
     if not every and cur <= floor + eps:
         return blocks
     improved = True
-    while improved and time.perf_counter() < deadline:
+    while improved and clock() < deadline:
         improved = False
-        while mode == Mode.OVERLAP and time.perf_counter() < deadline:
+        while mode == Mode.OVERLAP and clock() < deadline:
             move = _critical(sc, layout, blocks, st, cur)
             if move is None:
                 break
@@ -858,7 +876,7 @@ def improve(problem: Problem, layout: Layout, blocks: list[Block], deadline: flo
             improved = True
         a, b = (0, len(blocks) - 1) if every else _window(sc, st, mode)
         k = a
-        while k <= min(b, len(blocks) - 1) and time.perf_counter() < deadline:
+        while k <= min(b, len(blocks) - 1) and clock() < deadline:
             moved = (_pair_move(sc, blocks, st, k, mode, cur - eps)
                      or _split_move(sc, layout, blocks, st, k, mode, cur - eps))
             if moved:
@@ -1006,7 +1024,8 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     Args:
         seeds: plans of other strategies to start from; without them the cheap baselines
             (wfbp, ddp, ddp-tuned, mgwfbp) are computed here.
-        time_budget_s: wall-clock budget of the local search (it stops earlier at a fixed point).
+        time_budget_s: budget of the local search, seconds of this process's processor time
+            (:func:`clock`; it stops earlier at a fixed point).
         exact_max_tensors: also solve the exact unit-grid MILP up to this many tensors.
         lower_bound_ms: the problem's lower bound when the caller has it (else computed).
         modes: the modes to plan in (default both; ``(Mode.FENCE,)`` for a run that waits for
@@ -1176,9 +1195,9 @@ def _searched(problem: Problem, candidates: list[Candidate], modes: tuple[Mode, 
         if other is not None:
             starts.insert(1, other)
     finals = []
-    deadline = time.perf_counter() + time_budget_s
+    deadline = clock() + time_budget_s
     for j, c in enumerate(starts):
-        if j and time.perf_counter() >= deadline:
+        if j and clock() >= deadline:
             break
         scorer = scorer_for(problem, c.layout)
         blocks = improve(problem, c.layout, c.blocks, deadline, c.mode, scorer)

@@ -52,8 +52,8 @@ Example::
 
 from __future__ import annotations
 
-import heapq
 import math
+from bisect import bisect_right
 from collections import deque
 from collections.abc import Sequence
 
@@ -105,84 +105,159 @@ def partition_tensor(numel: int, rows: int, partition: int) -> list[int]:
 
 
 class _Parts:
-    """The partitions of every tensor for one partition size, with what the replay needs."""
+    """The partitions of every tensor for one partition size, with what the replay needs.
 
-    __slots__ = ("blocks", "ready", "key", "size", "cost", "stat", "by_ready", "by_key", "key_rank")
+    Partition ``p`` (tensors in profile order, each tensor's pieces in row order) is element
+    range ``[start[p], end[p])`` of buffer ``buf[p]``; built with numpy (only the tensors
+    larger than the partition are cut in Python), each distinct size costed once by the cost
+    model's own :meth:`allreduce_ms`."""
+
+    __slots__ = ("buf", "start", "end", "size", "cost", "ready", "by_key", "by_key_array",
+                 "ready_sorted", "rank_by_ready", "rank_by_ready_array", "_blocks")
 
     def __init__(self, problem: Problem, layout: Layout, partition: int, tail: Sequence[float]):
-        need_rank = {t: r for r, t in enumerate(problem.need_order())}
-        shapes = [t.shape for t in problem.profile.tensors]
-        self.blocks: list[Block] = []
-        self.ready: list[float] = []
-        self.key: list[int] = []
-        self.size: list[int] = []
-        self.cost: list[float] = []
-        self.stat: list[tuple[float, float, float]] = []
+        n = problem.n
+        need_rank, numel, tbuf, tstart = _tensor_arrays(problem, layout)
+        counts = np.ones(n, dtype=np.int64)
+        cut: dict[int, list[int]] = {}
+        for i in np.flatnonzero(numel > partition).tolist():
+            shape = problem.profile.tensors[i].shape
+            cut[i] = partition_tensor(problem.numel[i], shape[0] if shape else 1, partition)
+            counts[i] = len(cut[i])
+        tensor = np.repeat(np.arange(n), counts) if cut else np.arange(n)
+        first = np.cumsum(counts) - counts                      # each tensor's first partition
+        size = numel[tensor]
+        for i, sizes in cut.items():
+            size[first[i]:first[i] + len(sizes)] = sizes
+        j = np.arange(len(size)) - first[tensor]                # the partition's index in its tensor
+        within = np.cumsum(size) - size                         # elements before, over all tensors
+        buf = tbuf[tensor]
+        self.buf = buf
+        self.start = tstart[tensor] + within - within[first][tensor]
+        self.end = self.start + size
+        nbytes = size * np.asarray(layout.itemsize, dtype=np.int64)[buf]
+        uniq, inv = np.unique(nbytes, return_inverse=True)
         cost = problem.cost
-        for i in range(problem.n):
-            b, s, _ = layout.pos[i]
-            rows = shapes[i][0] if shapes[i] else 1
-            off = s
-            for j, cnt in enumerate(partition_tensor(problem.numel[i], rows, partition)):
-                c = cost.allreduce_ms(cnt * layout.itemsize[b])
-                self.blocks.append(Block(b, off, off + cnt))
-                self.ready.append(problem.ready[i])
-                # forward order first, then the partition index (ByteScheduler: rank*1000 + i)
-                self.key.append(need_rank[i] * (1 << 32) + j)
-                self.size.append(cnt)
-                self.cost.append(c)
-                self.stat.append((problem.ready[i], c, tail[i]))
-                off += cnt
-        self.by_ready = sorted(range(len(self.blocks)), key=lambda p: (self.ready[p], self.key[p]))
-        #: Partitions by priority, and each one's place there: the replay's heap holds places,
-        #: plain ints (the keys are distinct), not (key, partition) pairs.
-        self.by_key = sorted(range(len(self.blocks)), key=self.key.__getitem__)
-        self.key_rank = [0] * len(self.blocks)
-        for r, p in enumerate(self.by_key):
-            self.key_rank[p] = r
+        self.cost: list[float] = np.asarray([cost.allreduce_ms(int(b)) for b in uniq.tolist()],
+                                            dtype=float)[inv].tolist()
+        ready = np.asarray(problem.ready, dtype=float)[tensor]
+        # forward order first, then the partition index (ByteScheduler: rank*1000 + i)
+        key = need_rank[tensor] * (1 << 32) + j
+        self.size: list[int] = size.tolist()
+        self.ready: list[float] = ready.tolist()
+        #: Partitions by priority (the keys are distinct), and each one's place there: the
+        #: replay's queue holds places.
+        by_key = np.argsort(key, kind="stable")
+        self.by_key_array = by_key
+        self.by_key: list[int] = by_key.tolist()
+        rank = np.empty(len(key), dtype=np.int64)
+        rank[by_key] = np.arange(len(key))
+        by_ready = np.lexsort((key, ready))                     # the keys are distinct
+        #: The releases in ready order (ties by priority), and each one's place in ``by_key``.
+        self.ready_sorted: list[float] = ready[by_ready].tolist()
+        self.rank_by_ready_array = rank[by_ready]
+        self.rank_by_ready: list[int] = self.rank_by_ready_array.tolist()
+        self._blocks: list[Block] | None = None
+
+    def __len__(self) -> int:
+        return len(self.size)
+
+    @property
+    def blocks(self) -> list[Block]:
+        """The partitions as blocks (built on first use)."""
+        if self._blocks is None:
+            self._blocks = [Block(b, s, e) for b, s, e in
+                            zip(self.buf.tolist(), self.start.tolist(), self.end.tolist())]
+        return self._blocks
+
+
+def _tensor_arrays(problem: Problem, layout: Layout) -> tuple[np.ndarray, ...]:
+    """Per tensor: its place in the need order, its elements, its buffer and its first element
+    in ``layout``; once per problem and layout (kept in ``problem.cache``)."""
+    key = ("bytescheduler-tensors", id(layout))
+    hit = problem.cache.get(key)
+    if hit is None or hit[0] is not layout:
+        n = problem.n
+        need_rank = np.empty(n, dtype=np.int64)
+        need_rank[np.asarray(problem.need_order(), dtype=np.int64)] = np.arange(n)
+        pos = np.asarray(layout.pos, dtype=np.int64).reshape(n, 3)
+        hit = problem.cache[key] = (layout, need_rank, np.asarray(problem.numel, dtype=np.int64),
+                                    pos[:, 0].copy(), pos[:, 1].copy())
+    return hit[1:]
 
 
 def replay(parts: _Parts, credit: float, stats: dict | None = None) -> list[int]:
     """Issue order (indices into ``parts``) of ByteScheduler's credit loop on one channel.
     ``stats["held"]`` is set to whether the credit ever held back a ready partition (if not,
-    every larger credit gives this order too)."""
-    ready, size, cost = parts.ready, parts.size, parts.cost
-    by_ready, by_key, key_rank = parts.by_ready, parts.by_key, parts.key_rank
-    n = len(by_ready)
-    heap: list[int] = []                              # places in by_key of the ready partitions
+    every larger credit gives this order too).
+
+    Event-driven, with two shortcuts that give the same order as stepping through every
+    event: while the credit is spent nothing is dispatched before the next finish gives some
+    back, so the releases up to it join the priority queue at once; and once every partition
+    is released nothing joins it any more, so the credit decides only when the rest is
+    dispatched, not in which order: the queue's priority order, appended whole. The queue is
+    a flag per place in the priority order (``bytearray.find`` gives its head; a numpy view
+    of the same bytes sets a batch of releases at once)."""
+    size, cost = parts.size, parts.cost
+    by_key = parts.by_key
+    R, KR, KRa = parts.ready_sorted, parts.rank_by_ready, parts.rank_by_ready_array
+    n = len(R)
+    queued = bytearray(n)                             # by place in by_key: released, not sent
+    flags = np.frombuffer(queued, dtype=np.uint8)
+    find = queued.find
+    head = 0                                          # no queued place is below this one
     outstanding: deque[tuple[float, int]] = deque()   # (finish, elements), FIFO = finish order
     out: list[int] = []
-    push, pop, send, back, issue = heapq.heappush, heapq.heappop, outstanding.append, \
-        outstanding.popleft, out.append
+    send, back, issue = outstanding.append, outstanding.popleft, out.append
     left = credit
     last_fin = 0.0
     t = 0.0
-    j = 0
+    j = 0                                             # releases so far (in ready order)
     issued = 0
     inf = math.inf
     held = False
-    r_next = ready[by_ready[0]] if n else inf          # release of by_ready[j]
+    r_next = R[0] if n else inf                       # the next release
     while issued < n:
-        while r_next <= t and j < n:
-            push(heap, key_rank[by_ready[j]])
-            j += 1
-            r_next = ready[by_ready[j]] if j < n else inf
+        if r_next <= t:
+            k = bisect_right(R, t, j)
+            if k == j + 1:
+                r = KR[j]
+                queued[r] = 1
+            else:
+                batch = KRa[j:k]
+                flags[batch] = 1
+                r = int(batch.min())
+            if r < head:
+                head = r
+            j = k
+            r_next = R[j] if j < n else inf
         while outstanding and outstanding[0][0] <= t:
             left += back()[1]
             if left > credit:
                 left = credit
-        while heap and left > 0:
-            p = by_key[pop(heap)]
+        while issued < j and left > 0:
+            head = find(1, head)
+            queued[head] = 0
+            p = by_key[head]
             sz = size[p]
             left -= sz
             last_fin = (last_fin if last_fin > t else t) + cost[p]
             send((last_fin, sz))
             issue(p)
             issued += 1
-        if heap:
+        if issued < j:
             held = True
+            if j >= n:                   # all released: the rest goes in priority order
+                out.extend(parts.by_key_array[np.flatnonzero(flags)].tolist())
+                break
         nf = outstanding[0][0] if outstanding else inf
-        t = r_next if r_next < nf else nf
+        if left <= 0 and nf < inf:
+            # credit spent: nothing is dispatched before a finish; a release before it waits
+            if r_next < nf:
+                held = True
+            t = nf
+        else:
+            t = r_next if r_next < nf else nf
     if stats is not None:
         stats["held"] = held
     return out
@@ -258,7 +333,7 @@ def plan(problem: Problem, *, partition: int | None = None, credit: float | None
         if best is not None and low > best[0] + 1e-12:
             break             # no issue order of these partitions (or later ones) beats the best
         parts = _Parts(problem, layout, P, tail)
-        st = sc.stats(parts.blocks)
+        st = sc.stats_arrays(parts.buf, parts.start, parts.end)
         orders: set[tuple[int, ...]] = set()
         above = False
         info: dict = {}
