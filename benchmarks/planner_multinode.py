@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -47,9 +48,10 @@ def run(profile: Path) -> list[dict]:
             prof = retargeted(prof0, nodes=nodes, ranks_per_node=RANKS_PER_NODE,
                               intra_gbps=intra, intra_latency_us=INTRA_HOP_US,
                               inter_gbps=inter, inter_latency_us=INTER_HOP_US)
-            t0 = time.perf_counter()
+            load = os.getloadavg()[0]
+            t0, c0 = time.perf_counter(), time.process_time()
             rep = compare(prof)
-            took = time.perf_counter() - t0
+            took, cpu = time.perf_counter() - t0, time.process_time() - c0
             res = rep.results
             cost = rep.problem.cost
             rows.append({
@@ -62,7 +64,7 @@ def run(profile: Path) -> list[dict]:
                 "mode": {k: str(r.mode) for k, r in res.items()},
                 "blocks": {k: r.blocks for k, r in res.items()},
                 "blocks_hier": {k: rep.hier_blocks(k) for k in res},
-                "compare_s": took,
+                "compare_s": took, "compare_cpu_s": cpu, "load1": load,
             })
             r = rows[-1]
             print(f"{prof0.name} {nodes:>2} x {RANKS_PER_NODE} {intra:>5g}/{inter:>5g} Gb/s  "
@@ -150,8 +152,12 @@ def render(rows: list[dict], meta: dict) -> str:
           f"hierarchical blocks (best), up to {top['ms']['usbyte'] / top['ms']['best']:.2f}x over "
           f"US-Byte at {top['nodes']} x 8 and {top['inter_gbps']:g} Gbit/s."]
     slow = max(r["compare_s"] for r in rows)
+    cpu = max(r.get("compare_cpu_s", slow) for r in rows)
+    loads = [r["load1"] for r in rows if "load1" in r]
     L += ["", f"Planning each setting (every strategy, both best searches, the lower bound) took "
-          f"at most {slow:.2f} s.", ""]
+          f"at most {cpu:.2f} s of processor time ({slow:.2f} s of wall time"
+          + (f", at a 1-minute load average of {min(loads):.1f}–{max(loads):.1f} on "
+             f"{os.cpu_count()} cores shared with other jobs" if loads else "") + ").", ""]
     return "\n".join(L)
 
 
