@@ -43,6 +43,8 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 SHIMS = HERE / "real_clients_shims"
+#: The usbyte-opt the runs import (``--usbyte``: another checkout, for example an older commit's).
+USBYTE_ROOT = ROOT
 DEFAULT_CACHE = Path(os.environ.get("USBYTE_RC_CACHE") or Path.home() / ".cache" / "usbyte-opt" / "real_clients")
 
 
@@ -217,9 +219,13 @@ NANOGPT = Trainer(
 # ---------------------------------------------------------------------------------------------
 # Lightning: examples/pytorch/basics/transformer.py (the installed lightning runs it)
 
+def _lightning_cwd(tree: Path) -> Path:
+    return tree.parent / (tree.name.rsplit("-", 1)[0] + "-cwd")      # the same for both copies of a tag
+
+
 def _lightning_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
     # Both runs in one folder: Lightning's checkpoints hold their absolute paths.
-    cwd = tree.parent / "lightning-cwd"
+    cwd = _lightning_cwd(tree)
     shutil.rmtree(cwd, ignore_errors=True)
     (cwd / "data").mkdir(parents=True)
     import numpy as np
@@ -237,7 +243,7 @@ def _lightning_argv(tree: Path, run: Path, config: list[str], iterations: int) -
 
 
 def _lightning_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
-    cwd = tree.parent / "lightning-cwd"
+    cwd = _lightning_cwd(tree)
     out: dict[str, Any] = {}
     if (cwd / "lightning_logs").exists():
         shutil.move(str(cwd / "lightning_logs"), str(run / "lightning_logs"))
@@ -411,7 +417,7 @@ def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: i
     env = {k: v for k, v in os.environ.items() if not k.startswith(("USBYTE_", "TORCHELASTIC_", "PL_"))}
     env.update(t.env)
     env.update(cfg_env)
-    env.update(PYTHONPATH=os.pathsep.join(pypath + [str(ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+    env.update(PYTHONPATH=os.pathsep.join(pypath + [str(USBYTE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                                   else [])),
                USBYTE_RC_DUMP=str(run / "dump"), OMP_NUM_THREADS="1", PYTHONHASHSEED="0",
                HF_HUB_OFFLINE="1", TORCHINDUCTOR_CACHE_DIR=str(run.parent / "inductor"))
@@ -506,7 +512,7 @@ def compare(a: Run, b: Run) -> list[tuple[str, float]]:
         if sa is None or sb is None:
             out.append((f"rank {rank}: final state not saved", math.inf))
             continue
-        labels = {"models": "model", "optimizers": "optimizer", "ema": "EMA model", "scalers": "GradScaler"}
+        labels = {"models": "model", "optimizers": "optimizer", "ema": "ema", "scalers": "scaler"}
         for key, label in labels.items():
             xa, xb = sa.get(key, []), sb.get(key, [])
             if len(xa) != len(xb):
@@ -561,16 +567,35 @@ def _usbyte_lines(log: str) -> list[str]:
     return out[:8]
 
 
-def summarize(diffs: list[tuple[str, float]], limit: int = 6) -> str:
+_CKPT = re.compile(r"^(checkpoint \S+?\.(?:pth\.tar|pth|pt|ckpt))\.(.*)$")
+
+
+def summarize(diffs: list[tuple[str, float]], limit: int = 8) -> str:
+    """The differences grouped by rank (or file), object and kind of tensor, each with its largest."""
     if not diffs:
         return "equal"
-    # Group tensors by rank and kind, and give the largest.
     groups: dict[str, tuple[int, float, str]] = {}
     for what, m in diffs:
-        head = " ".join(what.split(" ")[:3]) if what.startswith("rank") else what.split(":")[0]
-        n, best, ex = groups.get(head, (0, -1.0, what))
-        groups[head] = (n + 1, max(best, m), what if m > best else ex)
-    parts = [f"{h}: {n} differ, max {m:.3g} ({ex})" for h, (n, m, ex) in groups.items()]
+        ck = _CKPT.match(what)
+        if ck:
+            lead, path = ck.group(1), ck.group(2)
+        elif what.startswith("rank ") and what.count(" ") == 2:
+            lead, path = what.rsplit(" ", 1)
+        else:                                                   # a text or a structural difference
+            lead, path = "", what
+        if lead and path.count(".") > 1 and " " not in path:
+            head = f"{lead} {path.split('.')[0]}.*.{path.split('.')[-1]}"
+        else:
+            head = f"{lead} {path}".strip()
+        n, best, ex = groups.get(head, (0, -1.0, path))
+        groups[head] = (n + 1, max(best, m), path if m > best else ex)
+    parts = []
+    for h, (n, m, ex) in groups.items():
+        size = "" if math.isinf(m) else f"max abs diff {m:.3g}"
+        if h.endswith(ex):
+            parts.append(f"{h} ({size})" if size else h)
+        else:
+            parts.append(f"{h}: {n} tensor(s), {size or 'structure'} (largest: {ex})")
     return "; ".join(parts[:limit]) + (f"; +{len(parts) - limit} more" if len(parts) > limit else "")
 
 
@@ -638,14 +663,15 @@ def planned_schedule(t: Trainer, trees: dict[str, Path], pypath: list[str], work
 
 def markdown_table(doc: dict[str, Any]) -> str:
     """The matrix of a --json file as a Markdown table."""
-    lines = ["| trainer | configuration | schedule | DDP vs DDP (control) | usbyte-opt vs DDP | s (DDP / usbyte) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| trainer | configuration | schedule | DDP vs DDP (control) | usbyte-opt vs DDP | usbyte-opt at | "
+             "s (DDP / usbyte) |", "|---|---|---|---|---|---|---|"]
     for r in doc["rows"]:
         args = " ".join(a if a else "''" for a in r["args"]) or "(as published)"
         sec = r.get("seconds", {})
         res = r["result"].replace("|", "\\|")
         lines.append(f"| {r['trainer']} | {r['config']} (`{args}`) | {r['schedule']} | {r.get('control', '-')} | "
                      f"{'**' + res + '**' if r['status'] in ('differs', 'failed') else res} | "
+                     f"{r.get('usbyte_opt_commit', doc.get('usbyte_opt_commit', ''))} | "
                      f"{sec.get('ddp', '-')} / {sec.get('usbyte', '-')} |")
     return "\n".join(lines)
 
@@ -668,12 +694,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, default=HERE / "real_clients.json")
     ap.add_argument("--merge", action="store_true",
                     help="keep the rows of the existing --json file that this run does not redo")
+    ap.add_argument("--usbyte", type=Path, default=ROOT, help="the usbyte-opt checkout the runs import")
+    ap.add_argument("--tag", default="bench", help="names the working copies (two runs at once need two tags)")
     ap.add_argument("--table", action="store_true", help="print the --json file's matrix as Markdown and exit")
     a = ap.parse_args(argv)
     if a.table:
         print(markdown_table(json.loads(a.json.read_text())))
         return 0
     sources = dict(s.split("=", 1) for s in a.source)
+    global USBYTE_ROOT
+    USBYTE_ROOT = a.usbyte.resolve()
     work = a.work or a.cache / "runs"
     rows: list[dict[str, Any]] = []
     meta: dict[str, Any] = {}
@@ -687,7 +717,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:8} skipped: {e}", flush=True)
             meta[name] = {"skipped": str(e)}
             continue
-        trees = patched_trees(t, src, a.cache)
+        trees = patched_trees(t, src, a.cache, tag=a.tag)
         meta[name] = {"repo": t.repo, "commit": t.commit, "script": t.script,
                       "port": [list(p) for p in t.port], "patch": list(t.patch)}
         configs = a.configs.split(",") if a.configs else [c for c in t.configs if a.all or c not in t.slow]
@@ -701,7 +731,7 @@ def main(argv: list[str] | None = None) -> int:
                     meta[name]["planned"] = str(e)
                     continue
                 meta[name]["planned"] = sched
-            label = "auto" if sched == "auto" else "planned" if sched.endswith("schedule.json") else sched
+            label = "auto" if sched == "auto" else "planned" if sched.endswith("schedule.json") else Path(sched).stem
             for c in configs:
                 if c not in t.configs:
                     continue
@@ -716,9 +746,12 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name:8} {label:8} {c:17} {row.get('control', '-'):9} {row['result']}", flush=True)
     import torch
 
+    commit = _git("rev-parse", "--short", "HEAD", cwd=USBYTE_ROOT).stdout.strip()
+    for r in rows:
+        r["usbyte_opt_commit"] = commit
     doc = {"torch": torch.__version__, "python": sys.version.split()[0], "iterations": a.iterations,
            "schedules": a.schedules, "trainers": meta, "rows": rows,
-           "usbyte_opt_commit": _git("rev-parse", "--short", "HEAD", cwd=ROOT).stdout.strip()}
+           "usbyte_opt_commit": commit}
     if a.json and a.merge and a.json.exists():
         old = json.loads(a.json.read_text())
         redone = {(r["trainer"], r["config"], r["schedule"]) for r in rows}

@@ -7,7 +7,8 @@ optimizer state, EMA model, the checkpoints written and the metrics logged. The 
 source is obtained at run time (benchmarks/real_clients.py's cache, ``$USBYTE_RC_SRC_<NAME>``
 or a clone of its public repository); the case is skipped, saying why, when it cannot be had.
 The DDP-vs-DDP control runs in the benchmark, not here (every configuration below was bitwise
-deterministic there). One case is fast; the others are marked slow (about a minute each).
+deterministic there: benchmarks/real_clients.md). One case is fast (two torchruns of nanoGPT,
+about a minute on 2 idle cores); the others are marked slow (one to six minutes each).
 """
 
 from __future__ import annotations

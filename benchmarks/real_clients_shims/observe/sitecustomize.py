@@ -49,12 +49,23 @@ if _DIR:
             return type(obj)(_cpu(v) for v in obj)
         return obj
 
+    def _of(kinds):
+        """The live objects of these types (skipping dead weak proxies, which compile leaves)."""
+        out = []
+        for o in gc.get_objects():
+            try:
+                if isinstance(o, kinds):
+                    out.append(o)
+            except ReferenceError:
+                continue
+        return out
+
     def _wrappers():
         kinds = [torch.nn.parallel.DistributedDataParallel]
         mod = sys.modules.get("usbyte_opt.runtime.wrapper")
         if mod is not None:
             kinds.insert(0, mod.DistributedDataParallel)
-        found = [o for o in gc.get_objects() if isinstance(o, tuple(kinds))]
+        found = _of(tuple(kinds))
         for kind in kinds:                       # the outermost kind the run built
             of_kind = [o for o in found if type(o) is kind]
             if of_kind:
@@ -78,21 +89,16 @@ if _DIR:
             out["models"].append(_cpu(w.module.state_dict()))
         pl = sys.modules.get("lightning.pytorch")
         if pl is not None:       # a Lightning run: the LightningModule (under DDP, or on the runtime path)
-            out["models"] = [_cpu(m.state_dict()) for m in gc.get_objects() if isinstance(m, pl.LightningModule)]
+            out["models"] = [_cpu(m.state_dict()) for m in _of(pl.LightningModule)]
         for r in _optimizers:
             opt = r()
             if opt is not None:
                 out["optimizers"].append(_cpu(opt.state_dict()))
-        for o in gc.get_objects():
-            try:
-                name = type(o).__name__
-                if isinstance(o, torch.nn.Module) and name.lower().startswith("modelema"):
-                    inner = getattr(o, "module", o)
-                    out["ema"].append(_cpu(inner.state_dict()))
-                elif isinstance(o, torch.amp.GradScaler):
-                    out["scalers"].append(_cpu(o.state_dict()))
-            except ReferenceError:
-                continue
+        for o in _of((torch.nn.Module, torch.amp.GradScaler)):
+            if isinstance(o, torch.amp.GradScaler):
+                out["scalers"].append(_cpu(o.state_dict()))
+            elif type(o).__name__.lower().startswith("modelema"):
+                out["ema"].append(_cpu(getattr(o, "module", o).state_dict()))
         os.makedirs(_DIR, exist_ok=True)
         torch.save(out, os.path.join(_DIR, f"rank{rank}.pt"))
 
