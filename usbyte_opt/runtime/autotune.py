@@ -681,9 +681,9 @@ class Tuner:
                 return (f"verifying the plan {what} against {self.against} "
                         f"({plural(len(self.rounds), 'round')} of windows so far; {counts})")
             if ended:
-                return (f"the run ended on {self.against} after {plural(self.steps, 'iteration')}, "
-                        f"before the plan was made (planning in the run measures its first "
-                        f"{WARMUP + CLEAN + OVERLAP})")
+                return (f"no plan yet: the run ended after {plural(self.steps, 'iteration')} on "
+                        f"DDP's buckets, before the plan was made (planning in the run measures "
+                        f"its first {WARMUP + CLEAN + OVERLAP} iterations)")
             return f"running {self.against} while measuring the run to plan it"
         if i.get("note") and self.ws < 2:
             return "one rank: nothing to plan or verify"
