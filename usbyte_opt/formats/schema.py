@@ -505,6 +505,9 @@ def _validate(kind: str, data: Any, source: str) -> dict[str, Any]:
     """``data`` validated by pydantic, defaults filled in; its first error as one line."""
     from pydantic import ValidationError
 
+    if isinstance(data, dict) and isinstance(data.get("version"), bool):
+        # (a JSON true equals 1 to Python's Literal check; JSON Schema's const does not)
+        raise FormatError(source, "version", f"{VERSION} ({_VERSION_NOTE})", data["version"])
     try:
         return _adapter(kind).validate_python(data)  # type: ignore[no-any-return]
     except ValidationError as e:

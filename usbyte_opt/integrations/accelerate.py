@@ -252,6 +252,7 @@ def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.
     # does them for training, but no DDP; the model is marked prepared (a later
     # accelerator.prepare(model) returns it unchanged) and saved by save_state.
     model = accelerator.prepare_model(model, evaluation_mode=True)
+    log_plan(plan, TRAINER, accelerator.process_index)   # the run's start line, before the runtime's
     dopt = DistributedOptimizer(optimizer, model, schedule=plan.runtime_schedule, **kwargs)
     # accelerator.accumulate(model) / no_sync(model) call getattr(model, "no_sync") when
     # distributed: the runtime's, DDP's accumulation protocol.
@@ -265,5 +266,4 @@ def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.
     # marks what it returns (so that passing it to accelerator.prepare again wraps nothing).
     opt = accelerator.prepare(dopt)
     report_skipped_steps(opt)   # step_was_skipped on an fp16 overflow, as under DDP
-    log_plan(plan, TRAINER, accelerator.process_index)
     return model, opt
