@@ -161,7 +161,7 @@ def said(stderr: str) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("kind", ["ddp_runner", "none"])
+@pytest.mark.parametrize("kind", ["ddp_runner", pytest.param("none", marks=pytest.mark.slow)])
 def test_plain_torchrun_run_speaks_once_at_start_and_end(tmp_path: Path, kind: str) -> None:
     env = {}
     if kind == "ddp_runner":

@@ -116,8 +116,12 @@ FRAGMENTS: dict[str, str] = {
     "usbyte-opt launch --schedule auto": "an option of launch, quoted without its script",
 }
 
-#: The trainer examples' three steps (README and docs/integrations.md): run with ``-m slow``.
-SLOW_MARK = re.compile(r"(lightning|hf|accelerate)_train\b|profiles/(pl|hf|acc)\.json")
+#: The trainer examples' three steps (README and docs/integrations.md) and the README's
+#: ``launch --schedule auto``: run with ``-m slow``.
+SLOW_MARK = re.compile(r"(lightning|hf|accelerate)_train\b|profiles/(pl|hf|acc)\.json"
+                       # planning in the run (about 45 s): tests/test_launch.py runs launch
+                       # --schedule auto in the default suite
+                       r"|launch --schedule auto")
 
 _SUBCOMMANDS = {"profile", "optimize", "simulate", "launch", "bench", "demo", "schema"}
 

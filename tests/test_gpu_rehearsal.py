@@ -112,6 +112,7 @@ def _bundle(dest: Path) -> None:
                 (dest / top).symlink_to(root / top)
 
 
+@pytest.mark.slow   # about 50 s: run before a GPU is lent (docs/gpu.md), with -m slow
 def test_gpu_check_smoke_runs_from_a_clean_copy_with_only_the_image_and_the_bundle(tmp_path):
     repo, bundle, out = tmp_path / "repo", tmp_path / "site", tmp_path / "out"
     repo.mkdir()

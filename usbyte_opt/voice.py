@@ -60,11 +60,12 @@ def say(line: str) -> None:
               flush=True)
 
 
-def start(line: str, rank: int, under_launch: bool = False) -> None:
+def start(line: str, rank: int, under_launch: bool = False, each: bool = False) -> None:
     """The run's start line, once per process, on rank 0; under ``usbyte-opt launch``, which
     prints its own, only with ``under_launch`` (a line launch cannot know: which path a
-    trainer takes)."""
-    if rank != 0 or _state["started"]:
+    trainer takes). ``each``: said for every set-up that calls it (a trainer integration's
+    path, one per trainer built), and the runtime's own start line is then not said."""
+    if rank != 0 or (_state["started"] and not each):
         return
     _state["started"] = True
     if under_launch or not launched():

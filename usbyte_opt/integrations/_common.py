@@ -175,7 +175,7 @@ def log_plan(plan: Route, trainer: str, rank: int) -> None:
 
     line = plan.describe(trainer)
     log.info(line)
-    voice.start(line, rank, under_launch=True)
+    voice.start(line, rank, under_launch=True, each=True)
     if plan.path == "ddp":   # (on the runtime path the optimizer says what it did)
         assert plan.schedule is not None
         n = len(plan.schedule.blocks)
