@@ -58,6 +58,7 @@ def emulated(tmp_path_factory):
     return json.loads(p.stdout), out
 
 
+@pytest.mark.slow   # a bench run on the emulated link, about 45 s; test_emulate covers the link
 def test_emulated_bench_trains_one_rank_equal_to_ddp_and_says_the_link(emulated):
     res, out = emulated
     assert res["world_size"] == 1 and res["single_rank"] is None
@@ -79,6 +80,7 @@ def test_emulated_bench_trains_one_rank_equal_to_ddp_and_says_the_link(emulated)
     assert prof.host is not None and "through an emulated link of 8 ranks" in prof.host.method
 
 
+@pytest.mark.slow   # a bench run on the emulated link, about 45 s; test_emulate covers the link
 def test_predictions_and_measurements_carry_the_links_time(emulated):
     res, out = emulated
     spec = parse_emulate(LINK)

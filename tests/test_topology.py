@@ -65,6 +65,7 @@ def two_nodes(tmp_path_factory) -> tuple[Path, list[subprocess.CompletedProcess]
     return out, done
 
 
+@pytest.mark.slow   # two torchrun nodes, about 40 s; the world's topology without them below
 def test_two_nodes_of_two_ranks_record_their_topology_and_three_lines(two_nodes):
     path, runs = two_nodes
     assert [r.returncode for r in runs] == [0, 0], runs[0].stderr[-2000:] + runs[1].stderr[-2000:]
@@ -80,6 +81,7 @@ def test_two_nodes_of_two_ranks_record_their_topology_and_three_lines(two_nodes)
     assert "local rank 0" in sweep["inter"]["group"]
 
 
+@pytest.mark.slow   # two torchrun nodes, about 40 s; the world's topology without them below
 def test_the_summary_shows_the_nodes_and_the_lines_per_level(two_nodes):
     _, runs = two_nodes
     shown = runs[0].stdout + runs[0].stderr
