@@ -87,7 +87,7 @@ class BufferSync:
     """
 
     __slots__ = ("module", "group", "enabled", "require_forward_param_sync", "world_size",
-                 "syncs")
+                 "syncs", "bufs")
 
     def __init__(self, module: torch.nn.Module, group: dist.ProcessGroup | None, enabled: bool):
         self.module = module
@@ -98,6 +98,9 @@ class BufferSync:
         self.world_size = dist.get_world_size(group)
         #: How many broadcasts ran (tests and reports).
         self.syncs = 0
+        #: The buffers as last read (DDP's ``modules_buffers``): a model without any at the
+        #: last read is not walked again at each forward, as DDP's ``will_sync_module_buffers``.
+        self.bufs = module_buffers(module)
 
     def buffers(self) -> list[torch.Tensor]:
         """The buffers DDP syncs now: ``named_buffers()`` less the ignored names."""
@@ -106,14 +109,14 @@ class BufferSync:
     def pre_forward(self) -> bool:
         """The start of a forward through DDP: broadcast rank 0's buffers if DDP would.
         Returns whether it did (on one rank: whether DDP would)."""
-        if not (self.enabled and self.require_forward_param_sync):
+        if not (self.enabled and self.require_forward_param_sync and self.bufs):
             return False
         if torch.compiler.is_compiling():
             return bool(torch._dynamo.disable(self._broadcast)())
         return self._broadcast()
 
     def _broadcast(self) -> bool:
-        bufs = self.buffers()
+        bufs = self.bufs = self.buffers()   # read again, as DDP's _assign_modules_buffers
         if not bufs:
             return False
         self.syncs += 1
