@@ -904,7 +904,7 @@ def case_compiled(rank: int, ws: int) -> dict:
     torch._dynamo.reset()
     calls = []
     real_pre = fw._compiled_pre
-    fw._compiled_pre = lambda gates: (calls.append(1), real_pre(gates))[1]
+    fw._compiled_pre = lambda gates, *a: (calls.append(1), real_pre(gates, *a))[1]
     ref, mod = twins(lambda: SmallCNN(bn=True))
     o_ref = OPTIMIZERS["adamw_wd"](ref.parameters())
     cddp = torch.compile(DDP(ref))

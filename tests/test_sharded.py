@@ -419,9 +419,10 @@ def case_batchnorm(rank: int, ws: int) -> dict:
 
 def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:
     """``torch.compile``: compiled DDP against the runtime with the compiled module passed to
-    it (its hooks go on the module it runs); grouped all-gathers. Inside the compiled
-    forward the module gates do nothing: the root's pre-hook runs eagerly before the graph
-    and applies every pending all-gather (``compiled_calls`` counts it). ``aot_eager``
+    it (its hooks go on the module it runs); grouped all-gathers, compiled DDP and the
+    runtime alternating step by step. The root's pre-hook runs eagerly before the graph
+    (``compiled_calls`` counts it); the split graph's gates finish the all-gathers their
+    pieces read (test_compiled_split.py reads the pieces). ``aot_eager
     (dynamo and AOT autograd, the graphs run op by op) by default: what the runtime meets
     of a compiled model is the same as under inductor, at a fraction of the compile time
     (test_compiled_inductor, marked slow, runs inductor)."""
@@ -430,7 +431,7 @@ def case_compiled(rank: int, ws: int, backend: str = "aot_eager") -> dict:
     torch._dynamo.reset()
     calls = []
     real_pre = fw._compiled_pre
-    fw._compiled_pre = lambda gates: (calls.append(1), real_pre(gates))[1]
+    fw._compiled_pre = lambda gates, *a: (calls.append(1), real_pre(gates, *a))[1]
     try:
         ref, mod = twins(SmallCNN)
         o_ref = OPTIMIZERS["adam"](ref.parameters())

@@ -247,7 +247,8 @@ def wrapped_now(model: torch.nn.Module, params: Mapping[str, torch.Tensor] | Non
     or (with ``params``, the tensors the optimizer was built with) its parameters replaced, as
     FSDP does when it wraps a model. Cheap: one attribute read unless ``params`` is given."""
     active = getattr(DistributedDataParallel, "_active_ddp_module", None)
-    if active is not None and any(m is model for m in active.modules()):
+    # (The runtime's marker for dynamo's DDP hook is no DDP module: .compiled.)
+    if isinstance(active, torch.nn.Module) and any(m is model for m in active.modules()):
         return (f"the model runs inside DistributedDataParallel (wrapped after the "
                 f"DistributedOptimizer was built): {_HINT}")
     if params is not None:

@@ -17,8 +17,12 @@
   Horovod-style optimizer); under :class:`usbyte_opt.DistributedDataParallel` the wrapper's
   forward runs it instead, and forwards of the bare module are not synced, as under DDP.
 * **torch.compile.** The root pre-hook runs eagerly before the compiled graph (a graph break
-  at its very start) and applies every pending update there. Updates do not overlap a
-  compiled forward.
+  at its very start). From there to the end of the forward, dynamo splits each graph it
+  compiles at the plan's blocks, with a gate before each piece (:mod:`.compiled`): a
+  training forward leaves the updates of the tensors a split graph gates pending for those
+  gates, and applies the others there. Before the first split graph exists (the forward
+  that compiles it), in eval or no-grad forwards, and for a model whose training forward
+  runs as several graphs (a graph break), every pending update runs there.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 import torch
 
 from .comm import Channel
+from .compiled import PlanSplit, check_forward
 from .semantics import BufferSync
 from .updates import Updates
 
@@ -48,13 +53,15 @@ class ForwardGates:
         grad_sync: whether the backward of the forward now running communicates (not
             ``no_sync()``, the last of ``backward_passes_per_step``): DDP's
             ``require_backward_grad_sync`` for the buffer rule.
+        pieces: each tensor's piece of a compiled graph (:func:`.compiled.plan_pieces`).
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  updates: Updates, chan: Channel,
                  buffer_sync: BufferSync | None, clear_flushed: Callable[[], None],
                  output_grad: Callable[[torch.Tensor], None] | None = None,
-                 grad_sync: Callable[[], bool] = lambda: True):
+                 grad_sync: Callable[[], bool] = lambda: True,
+                 pieces: list[int] | None = None):
         self.model, self.updates, self.chan = model, updates, chan
         self.buffer_sync = buffer_sync
         self.grad_sync = grad_sync
@@ -73,6 +80,21 @@ class ForwardGates:
             if ts:
                 self.owned[id(mod)] = (mod, ts)
         self.root_owned = self.owned.pop(id(model), (model, []))[1]
+        #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
+        self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
+                               self.compiled_gate)
+        #: Updates left to the split graph's gates by the forward in progress.
+        self._left = 0
+
+    def compiled_gate(self, ts: list[int]) -> None:
+        """A split graph's gate: the pending updates of ``ts`` run before the piece reads
+        them."""
+        upd = self.updates
+        if upd.n_pending:
+            pending = upd.pending
+            need = ts if pending is None else [t for t in ts if pending[t]]
+            if need:
+                upd.gate(need)
 
     def install(self) -> list[Any]:
         """Register the hooks; returns their handles."""
@@ -83,6 +105,7 @@ class ForwardGates:
                    self.model.register_forward_hook(_Hook(self._end_forward),
                                                     always_call=True),
                    _Removes(self)]
+        self.split.register()
         return handles
 
     @property
@@ -133,7 +156,8 @@ class ForwardGates:
         if torch.compiler.is_compiling():
             # Runs eagerly before the compiled graph. torch._dynamo is only touched here,
             # where compiling has imported it already.
-            return torch._dynamo.disable(_compiled_pre)(self)
+            return torch._dynamo.disable(_compiled_pre)(
+                self, module.training and torch.is_grad_enabled())
         self.depth += 1
         if self.depth > 1:
             return None  # inside the root's own forward: the outer call did all of this
@@ -180,17 +204,36 @@ class _Removes:
 
     def remove(self) -> None:
         self.gates.remove_probe_hooks()
+        self.gates.split.unregister()
 
 
-def _compiled_pre(gates: ForwardGates) -> None:
+def _compiled_pre(gates: ForwardGates, training: bool = True) -> None:
+    split = gates.split
+    split.enter()
     if gates.buffer_sync is not None:
         gates.buffer_sync.pre_forward()
     gates.clear_flushed()
-    if gates.updates.n_pending:
-        gates.updates.flush()
+    gates._left = 0
+    upd = gates.updates
+    if not upd.n_pending:
+        return
+    if not (training and split.gated):
+        upd.flush()
+        return
+    # The split graphs' gates run the updates of the tensors they read; the others run now.
+    # The tensors left pending are disarmed (dynamo's guards check their class).
+    covered, rest = split.gated_and_rest()
+    if rest:
+        upd.gate(rest)
+    if upd.guard is not None:
+        upd.guard.disarm(covered)
+    gates._left = upd.n_pending
 
 
 def _compiled_post(gates: ForwardGates, module: torch.nn.Module, output: Any = None) -> None:
+    left, gates._left = gates._left, 0
+    check_forward(gates.split, module.training and torch.is_grad_enabled(), left,
+                  gates.updates.n_pending)
     if gates.buffer_sync is not None:
         gates.buffer_sync.post_forward(gates.grad_sync())
     gates.hook_outputs(module, output)

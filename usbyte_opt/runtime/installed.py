@@ -22,6 +22,7 @@ from .backward import StepComm
 from .buffers import FlatGrads
 from .checks import check_hierarchy, whole_world
 from .comm import Channel
+from .compiled import plan_pieces
 from .forward import ForwardGates, _Hook
 from .guard import Guard
 from .semantics import BufferSync, declared, steps_per_parameter
@@ -192,7 +193,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
                        options.update_groups)
     gates = ForwardGates(model, grads.params, updates, chan, options.buffer_sync,
                          comm.clear_flushed, comm.output_grad,
-                         lambda: not comm.no_sync and comm.passes + 1 >= comm.k)
+                         lambda: not comm.no_sync and comm.passes + 1 >= comm.k,
+                         plan_pieces(grads.block_tensors, grads.tensor_blocks))
 
     def settle_param(ts: list[int]) -> None:
         """A tensor with a pending update was touched: run its update first."""

@@ -59,6 +59,7 @@ from .checks import (
     wrapped_now,
 )
 from .comm import Channel
+from .compiled import rearm
 from .default_plan import fallback_schedule
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
@@ -489,6 +490,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         st = self._state
         if st.trace is not None:
             st.trace.step()
+        # A torch DDP forward since the last step (another model of the run) left dynamo's
+        # DDP hook unset: the runtime's again, for the next compile (.compiled).
+        rearm()
         comm, stepper, mode = st.comm, st.stepper, st.mode
         with torch._C.DisableTorchFunctionSubclass():
             self._check_unchanged()

@@ -58,10 +58,12 @@ class Updates(Protocol):
       once nothing pending reads it (at once where nothing does);
     * :attr:`n_pending`: how many tensors are pending (0: the gates do nothing);
     * :attr:`pending`: per tensor, whether it is pending, or ``None`` when the
-      implementation does not track it per tensor (then every gate calls :meth:`gate`).
+      implementation does not track it per tensor (then every gate calls :meth:`gate`);
+    * :attr:`guard`: the :mod:`.guard` that disarms the tensors whose update ran, or ``None``.
     """
 
     n_pending: int
+    guard: Any
 
     @property
     def pending(self) -> Sequence[bool] | None: ...

@@ -1,0 +1,530 @@
+"""``torch.compile``: the compiled forward split at the plan's blocks.
+
+A compiled backward is one autograd node per graph: every gradient of a graph becomes ready
+when that node's backward ends, so without more, no block of a compiled model could leave
+before backward is over. Torch's DDP meets the same problem with its ``DDPOptimizer``
+(``torch._dynamo.config.optimize_ddp``, on by default): while a forward through DDP runs,
+dynamo splits each graph it compiles at the boundaries of DDP's buckets and compiles each
+piece separately, so that each piece's backward hands its gradients on. The runtime uses the
+same hook for its own plan:
+
+* **Pieces.** While a runtime is installed, dynamo sees a marker as the active DDP module
+  whenever no DDP forward runs (torch's DDP puts its own in place for its forward and the
+  marker back after), and the runtime's splitter takes ``DDPOptimizer``'s place for it. The
+  splitter finds the installed schedule by the graph's parameters and cuts the graph where
+  the plan's blocks end: walking the graph from its output, a new piece starts at the first
+  use (in forward order) of a tensor of a later block group (:func:`plan_pieces`), so a block
+  goes out when the piece holding its last tensor has run its backward. A block that cuts a
+  tensor waits for that tensor's piece. Each piece is compiled by the user's own backend
+  (inductor, ``aot_eager``, ...), exactly as ``DDPOptimizer`` compiles its pieces; a graph
+  that reads no planned tensor goes to the backend whole, as without DDP.
+* **Gates.** Before each piece the split graph calls :func:`_gate` with the parameters the
+  piece reads first: in overlap mode their pending updates run there (or, sharded, their
+  all-gathers finish), so the updates of one step overlap the next compiled forward as they
+  overlap an eager one. The root pre-hook (eager, before the compiled call) leaves the
+  updates of every tensor a split graph gates pending, and applies the others. Where a graph
+  of the model was compiled without the runtime's gates (by torch's DDP over the same module,
+  or a graph the splitter could not cut, which it says once), the pre-hook applies every
+  pending update before the forward, as it does for a model whose training forward runs as
+  several graphs (a graph break: eager code between them could read a parameter before a
+  later graph's gate); a training forward in which no gate ran while updates
+  were left to the gates raises (:func:`check_forward`; every rank runs the same graphs). Torch's DDP run
+  compiled first (the wrapper's first iteration) leaves its split in dynamo's cache: the
+  runtime drops the compiled code once when it takes over, and the next forward compiles
+  the plan's split.
+
+``split_available()`` says whether this torch has the hook; without it a compiled model
+trains correctly with every gradient ready at the end of its graph's backward (one line
+says so, once).
+
+Example (one process, no communication; the split graph's pieces)::
+
+    >>> import torch
+    >>> from usbyte_opt.runtime.compiled import split_available
+    >>> split_available()
+    True
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import operator
+import sys
+import weakref
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ..errors import UsbyteError
+
+__all__ = ["PlanSplit", "plan_pieces", "split_available"]
+
+
+def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]
+                ) -> list[int]:
+    """The piece of each runtime tensor: blocks in issue order, a piece closed after each
+    block whose tensors are all covered by it and the blocks before (a block cutting a tensor
+    shares the next block's piece). Piece 0 is the first whose gradients are ready.
+
+    Example::
+
+        >>> # 4 tensors; blocks {0,1}, {2 (first part)}, {2 (rest), 3}
+        >>> plan_pieces([[0, 1], [2], [2, 3]], [[0], [0], [1, 2], [2]])
+        [0, 0, 1, 1]
+    """
+    piece = [-1] * len(tensor_blocks)
+    cur, open_ts = 0, []
+    for k, ts in enumerate(block_tensors):
+        for t in ts:
+            if piece[t] < 0:
+                piece[t] = cur
+                open_ts.append(t)
+        if open_ts and all(max(tensor_blocks[t]) <= k for t in open_ts):
+            cur += 1
+            open_ts = []
+    return [p if p >= 0 else cur for p in piece]
+
+
+class _ModelState:
+    """What the splitter learnt about one model's compiled graphs."""
+
+    __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi")
+
+    def __init__(self) -> None:
+        #: Graphs compiled split with gates.
+        self.gated = 0
+        #: ids of the parameters some gated graph gates.
+        self.covered: set[int] = set()
+        #: A graph of this model compiled without the runtime's gates (torch's DDP over the
+        #: same module), or one the splitter could not gate: every update runs before the
+        #: forward from then on.
+        self.foreign = False
+        #: Gates run in the forward in progress, and the graphs they belong to.
+        self.gates_run = 0
+        self.graphs_run: set[int] = set()
+        #: A training forward ran as several split graphs, or a graph resumed after a graph
+        #: break: eager code before a graph could read a parameter whose update its gate
+        #: would run, so every update runs before the forward from then on.
+        self.multi = False
+
+
+_STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakKeyDictionary()
+#: id(parameter) -> (split, runtime index) of the schedule installed now.
+_OWNERS: dict[int, tuple[PlanSplit, int]] = {}
+#: The splits registered now.
+_LIVE: weakref.WeakSet[PlanSplit] = weakref.WeakSet()
+#: Modules whose graphs torch's DDP compiled (its DDPOptimizer's split, no gates).
+_COMPILED_BY_DDP: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+
+
+class _Marker:
+    """What dynamo sees as the active DDP module while a runtime is installed and no DDP
+    forward runs: its DDP hook then asks the runtime's splitter (:func:`_dispatch`), which
+    splits the graphs that read a registered split's tensors and hands every other graph to
+    the backend as it is (as without any DDP)."""
+
+    #: Read by dynamo's DDP hook (``DDPOptimizer(bucket_bytes_cap=...)``); the plan decides.
+    bucket_bytes_cap = 1 << 62
+
+    def __repr__(self) -> str:
+        return "<usbyte-opt: compiled graphs split at the plan's blocks>"
+
+
+_MARKER = _Marker()
+
+
+def arm() -> None:
+    """Dynamo's DDP hook asks the runtime from now on: the marker is the active DDP module
+    (no DDP forward runs: torch's DDP sets its own for its forward and puts the previous one
+    back), and ``DDPOptimizer`` is the runtime's dispatcher once dynamo's module is loaded
+    (now, or when it is imported)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if DDP._active_ddp_module is None:
+        DDP._active_ddp_module = _MARKER  # type: ignore[assignment]
+    if not _HOOKED:
+        _hook_when_loaded()
+
+
+def rearm() -> None:
+    """:func:`arm` again while a runtime is installed (each ``step()``): a torch DDP forward
+    of another model puts ``None`` back as the active DDP module when it ends."""
+    if _LIVE:
+        arm()
+
+
+def disarm() -> None:
+    """No runtime is installed any more: dynamo's DDP hook is torch's alone again."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if DDP._active_ddp_module is _MARKER:
+        DDP._active_ddp_module = None
+
+
+class PlanSplit:
+    """One installed schedule's split: the piece of each trainable tensor, and the gates'
+    way into its pending updates (:meth:`register`; the splitter finds it by the graph's
+    parameters).
+
+    Args:
+        model: the module trained.
+        params: the trainable tensors, by runtime index.
+        pieces: each tensor's piece (:func:`plan_pieces`).
+        gate: runs the pending updates of the runtime indices given (the forward gates').
+    """
+
+    def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter],
+                 pieces: Sequence[int], gate: Callable[[list[int]], None]):
+        self.model = model
+        self.params = list(params)
+        self.piece_of = {id(p): pieces[t] for t, p in enumerate(self.params)}
+        self.run_gate = gate
+        self.state = _STATES.setdefault(model, _ModelState())
+        self._split_cache: tuple[int, list[int], list[int]] | None = None
+
+    # -- installation ------------------------------------------------------------------------
+
+    def register(self) -> None:
+        """The gates of every split graph of the model reach this schedule's updates, and
+        dynamo's DDP hook is the runtime's from now on (:func:`arm`)."""
+        for t, p in enumerate(self.params):
+            _OWNERS[id(p)] = (self, t)
+        _LIVE.add(self)
+        arm()
+        if self.model in _COMPILED_BY_DDP:
+            # Torch's DDP ran this model compiled first (the wrapper's first iteration):
+            # dynamo's cache holds DDP's split, which it would reuse for the runtime. Compiled
+            # code is dropped once, so the next forward compiles the plan's split.
+            _COMPILED_BY_DDP.discard(self.model)
+            import torch._dynamo
+
+            torch._dynamo.reset_code_caches()
+            self.state.foreign = False
+
+    def unregister(self) -> None:
+        for p in self.params:
+            if _OWNERS.get(id(p), (None,))[0] is self:
+                del _OWNERS[id(p)]
+        _LIVE.discard(self)
+        if not _LIVE:
+            disarm()
+
+    def enter(self) -> None:
+        """A forward of the model starts (eagerly): its gates are counted from here."""
+        self.state.gates_run = 0
+        self.state.graphs_run.clear()
+        arm()
+
+    @property
+    def gated(self) -> bool:
+        """Whether the model's compiled graphs gate the updates they read (else every update
+        runs before the forward)."""
+        st = self.state
+        return st.gated > 0 and not st.foreign and not st.multi
+
+    def covered(self, ts: Sequence[int]) -> list[int]:
+        """Of the runtime indices ``ts``, those some gated graph gates."""
+        cov = self.state.covered
+        return [t for t in ts if id(self.params[t]) in cov]
+
+    def gated_and_rest(self) -> tuple[list[int], list[int]]:
+        """The runtime indices some gated graph gates, and the others (kept until a graph is
+        compiled again)."""
+        key = len(self.state.covered)
+        if self._split_cache is None or self._split_cache[0] != key:
+            cov = self.state.covered
+            ids = [id(p) in cov for p in self.params]
+            self._split_cache = (key, [t for t, c in enumerate(ids) if c],
+                                 [t for t, c in enumerate(ids) if not c])
+        return self._split_cache[1], self._split_cache[2]
+
+
+def _gate(graph: int, *params: torch.Tensor) -> None:
+    """Called by split graph ``graph`` before each piece, with the parameters the piece reads
+    first: their pending updates run now (nothing when none is pending)."""
+    by: dict[int, tuple[PlanSplit, list[int]]] = {}
+    for p in params:
+        owner = _OWNERS.get(id(p))
+        if owner is not None:
+            split, t = owner
+            by.setdefault(id(split), (split, []))[1].append(t)
+    for split, ts in by.values():
+        split.state.gates_run += 1
+        split.state.graphs_run.add(graph)
+        split.run_gate(ts)
+
+
+_GRAPH_IDS = iter(range(1 << 62))
+
+
+# -- the splitter ------------------------------------------------------------------------------
+
+class _Splitter:
+    """Takes ``DDPOptimizer``'s place while the marker is the active DDP module: splits a
+    graph that reads the tensors of a registered split, and hands any other to the backend."""
+
+    def __init__(self, backend_compile_fn: Callable[..., Any]):
+        self.backend = backend_compile_fn
+
+    def compile_fn(self, gm: torch.fx.GraphModule, example_inputs: list[Any], **kw: Any) -> Any:
+        graph = gm.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        inputs: dict[torch.fx.Node, torch.Tensor] = {}
+        votes: dict[int, tuple[PlanSplit, int]] = {}
+        for i, n in enumerate(placeholders):
+            ga = n.meta.get("grapharg")
+            ex = getattr(ga, "example", None) if ga is not None else None
+            if ex is None and i < len(example_inputs):
+                ex = example_inputs[i]
+            owner = _OWNERS.get(id(ex)) if isinstance(ex, torch.Tensor) else None
+            if owner is not None:
+                inputs[n] = ex  # type: ignore[assignment]
+                sp, c = votes.get(id(owner[0]), (owner[0], 0))
+                votes[id(sp)] = (sp, c + 1)
+        if not votes:
+            return self.backend(gm, example_inputs, **kw)
+        # (One model per graph in practice; two runtimes' models in one graph: the one with
+        # more tensors there splits it.)
+        split = max(votes.values(), key=lambda v: v[1])[0]
+        state, piece_of = split.state, split.piece_of
+        real = {n: p for n, p in inputs.items() if id(p) in piece_of}
+        body = [n for n in graph.nodes if n.op not in ("placeholder", "output")]
+        if _reads_plan_tensors_otherwise(gm, body, piece_of):
+            # A module call or an attribute read the gates cannot see: split nothing, and
+            # every update runs before the forward.
+            state.foreign = True
+            return self.backend(gm, example_inputs, **kw)
+        if not real:
+            return self.backend(gm, example_inputs, **kw)
+        first: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+        seen: set[torch.fx.Node] = set()
+        for n in body:
+            for a in n.all_input_nodes:
+                if a in real and a not in seen:
+                    seen.add(a)
+                    first.setdefault(n, []).append(a)
+        # From the output back: a new piece where a tensor of a later piece is first used,
+        # once the piece so far hands something on (else it would be dead; DDPOptimizer's
+        # rule too).
+        key_of: dict[torch.fx.Node, int] = {}
+        members: set[torch.fx.Node] = set()
+        level, key, hands_on = -1, 0, False
+        for n in reversed(body):
+            want = max((piece_of[id(real[a])] for a in first.get(n, ())), default=-1)
+            if want > level:
+                if level >= 0 and hands_on:
+                    key, members, hands_on = key + 1, set(), False
+                level = want
+            members.add(n)
+            hands_on = hands_on or any(u not in members for u in n.users)
+            key_of[n] = key
+        last = key
+        part = {n: last - k for n, k in key_of.items()}      # forward order
+        for n in body:
+            # An item of a tuple-valued node stays in that node's piece: a piece hands on
+            # tensors, not tuples (nn.MultiheadAttention's (output, weights), for one).
+            if n.op == "call_function" and n.target is operator.getitem:
+                src = n.args[0]
+                if isinstance(src, torch.fx.Node) and src in part:
+                    part[n] = part[src]
+        gates_of: dict[int, list[torch.fx.Node]] = {}
+        for n, args in first.items():
+            gates_of.setdefault(part[n], []).extend(args)
+        if _after_graph_break():
+            # Eager code ran before this graph in the same forward and could read a
+            # parameter before this graph's gate: the updates run before the forward.
+            state.multi = True
+        try:
+            split_gm = _split(gm, part, self.backend, example_inputs, kw)
+        except Exception as e:  # noqa: BLE001 - the graph as it is, every update before it
+            state.foreign = True
+            _say_once(f"usbyte-opt: torch.compile: a graph of {type(split.model).__name__} "
+                      f"could not be split at the plan's blocks ({type(e).__name__}: "
+                      f"{str(e).splitlines()[0] if str(e) else ''}); it runs whole, its "
+                      "gradients ready at the end of its backward")
+            return self.backend(gm, example_inputs, **kw)
+        graph_id = next(_GRAPH_IDS)
+        by_name = {n.name: n for n in split_gm.graph.nodes if n.op == "placeholder"}
+        g = split_gm.graph
+        for n in list(g.nodes):
+            if n.op == "call_module" and str(n.target).startswith(("compiled_submod_", "submod_")):
+                j = int(str(n.target).rsplit("_", 1)[1])
+                reads = tuple(by_name[a.name] for a in gates_of.get(j, ()) if a.name in by_name)
+                if reads:
+                    with g.inserting_before(n):
+                        g.call_function(_gate, (graph_id, *reads))
+        split_gm.recompile()
+        state.gated += 1
+        state.covered.update(id(t) for t in real.values())
+        split_gm._usbyte_pieces = last + 1  # type: ignore[assignment]
+        return split_gm
+
+
+def _after_graph_break() -> bool:
+    """Whether the graph being compiled resumes a frame after a graph break (dynamo names
+    such frames ``torch_dynamo_resume_in_...``): eager code ran before it."""
+    from torch._guards import TracingContext
+
+    tc = TracingContext.try_get()
+    codes = getattr(tc, "traced_code", None) or []
+    return bool(codes) and codes[0].co_name.startswith("torch_dynamo_resume_in")
+
+
+_SAID: set[str] = set()
+
+
+def _say_once(line: str) -> None:
+    """One line on stderr, once per process."""
+    if line not in _SAID:
+        _SAID.add(line)
+        print(line, file=sys.stderr, flush=True)
+
+
+def _reads_plan_tensors_otherwise(gm: torch.fx.GraphModule, body: list[torch.fx.Node],
+                                  piece_of: dict[int, int]) -> bool:
+    """Whether the graph reads a planned tensor other than as an input (a module call or an
+    attribute of the graph module)."""
+    for n in body:
+        if n.op == "get_attr":
+            v = getattr(gm, str(n.target), None)
+            if isinstance(v, torch.Tensor) and id(v) in piece_of:
+                return True
+        elif n.op == "call_module":
+            mod = gm.get_submodule(str(n.target))
+            if any(id(p) in piece_of for p in mod.parameters()):
+                return True
+    return False
+
+
+def _split(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int],
+           backend: Callable[..., Any], example_inputs: list[Any], kw: dict) -> Any:
+    """The graph cut into ``part``'s pieces, each compiled by ``backend`` (as DDPOptimizer
+    compiles its pieces)."""
+    from torch._dynamo.backends import distributed as tdd
+    from torch._dynamo.utils import detect_fake_mode
+    from torch.fx.passes.split_module import split_module
+
+    split_gm = split_module(gm, None, lambda n: part[n])  # type: ignore[arg-type]
+    tdd.propagate_dynamo_source(gm, split_gm)
+    tdd.propagate_metadata(gm, split_gm)
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        fake_mode = torch._subclasses.fake_tensor.FakeTensorMode()
+    compiler = tdd.SubmodCompiler(split_gm, backend, fake_mode, **kw)
+    with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
+        compiler.run(*example_inputs)
+    return split_gm
+
+
+# -- dynamo's hook ------------------------------------------------------------------------------
+
+_HOOKED: list[bool] = []
+_TARGET = "torch._dynamo.backends.distributed"
+
+
+def split_available() -> bool:
+    """Whether this torch lets the runtime split compiled graphs (dynamo's DDP hook and the
+    pieces' compiler are present)."""
+    try:
+        from torch._dynamo.backends import distributed as tdd
+        from torch.fx.passes.split_module import split_module  # noqa: F401
+    except ImportError:
+        return False
+    return all(hasattr(tdd, a) for a in ("DDPOptimizer", "SubmodCompiler", "propagate_metadata",
+                                         "propagate_dynamo_source"))
+
+
+def _hook_when_loaded() -> None:
+    """Patch dynamo's ``DDPOptimizer`` now if dynamo's module is loaded (``torch.compile``
+    loads it), else when it is imported: importing dynamo costs seconds, which a run that
+    compiles nothing does not pay."""
+    mod = sys.modules.get(_TARGET)
+    if mod is not None:
+        _patch(mod)
+    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
+        sys.meta_path.insert(0, _OnImport())
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Patches dynamo's DDP module right after it is imported."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        if fullname != _TARGET:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None:
+            return spec
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module: Any) -> None:
+            exec_module(module)
+            _patch(module)
+
+        spec.loader.exec_module = exec_and_patch  # type: ignore[method-assign]
+        return spec
+
+
+def _patch(tdd: Any) -> None:
+    """Put the runtime's dispatcher in ``DDPOptimizer``'s place (once): with the marker active
+    it returns the runtime's splitter; torch's DDP keeps ``DDPOptimizer`` itself."""
+    if _HOOKED:
+        return
+    if not split_available():
+        _HOOKED.append(False)
+        _say_once(f"usbyte-opt: torch.compile: this torch ({torch.__version__}) has no DDP hook "
+                  "in dynamo: compiled graphs run whole, their gradients ready at the end of "
+                  "each graph's backward")
+        return
+    original = tdd.DDPOptimizer
+
+    def dispatch(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
+                 first_bucket_cap: int | None = None) -> Any:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        active = DDP._get_active_ddp_module()
+        if active is _MARKER:
+            return _Splitter(backend_compile_fn)
+        module = getattr(active, "module", None)
+        module = getattr(module, "_orig_mod", module)
+        if isinstance(module, torch.nn.Module):
+            # Torch's DDP compiles the model's graphs its own way (and dynamo's cache would
+            # hand them to the runtime): noted, for the runtime to start afresh (register).
+            _COMPILED_BY_DDP.add(module)
+            st = _STATES.get(module)
+            if st is not None:
+                st.foreign = True
+        return original(bucket_bytes_cap, backend_compile_fn, first_bucket_cap)
+
+    dispatch._usbyte_original = original  # type: ignore[attr-defined]
+    tdd.DDPOptimizer = dispatch
+    _HOOKED.append(True)
+
+
+def check_forward(split: PlanSplit, training: bool, pending_before: int,
+                  pending_now: int) -> None:
+    """After a compiled forward (eagerly): a training forward that ran several split graphs,
+    or one after a graph break, makes every later forward run its updates first
+    (:attr:`_ModelState.multi`).
+    Raises where this forward had left updates to the gates and either no gate ran (a graph
+    without gates ran, on parameters not yet updated) or the forward broke into several
+    graphs (eager code between them may have read a parameter before its gate)."""
+    st = split.state
+    if training and len(st.graphs_run) > 1:
+        st.multi = True
+    if training and st.multi and pending_before:
+        # (Updates are left to the gates only while the model is not known to break.)
+        raise UsbyteError(
+                "torch.compile: the compiled forward ran as several graphs (a graph break) "
+                "after earlier forwards had run as one, while updates were left to its gates: "
+                "code between the graphs may have read parameters not yet updated; make the "
+                "graph break happen from the first iteration (or remove it), or train in "
+                "fence mode")
+    if pending_before and st.gates_run == 0 and pending_now == pending_before:
+        st.foreign = True
+        raise UsbyteError("torch.compile: the compiled forward ran a graph that usbyte-opt did "
+                          "not split (compiled outside the runtime's forward?), on parameters "
+                          "whose update was pending; compile the model before wrapping it, "
+                          "or wrap it and then compile")
