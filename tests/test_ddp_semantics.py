@@ -337,6 +337,82 @@ def no_broadcast_buffers(rank: int, ws: int) -> dict[str, Any]:
     return side_by_side(rank, ws, "bare_and_eval", broadcast_buffers=False)
 
 
+class Encoder(nn.Module):
+    """An embedding, two ``nn.TransformerEncoderLayer`` and a head: layers with an inference
+    fast path (``torch._transformer_encoder_layer_fwd``) that a forward hook on any of their
+    modules, or a ``__torch_function__`` tensor among their parameters, turns off; under CPU
+    autocast that fast path computes in fp32 (its autocast check asks about CUDA only) and the
+    other path in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 64)
+        self.enc = nn.TransformerEncoder(
+            nn.TransformerEncoderLayer(64, 2, 64, dropout=0.0, batch_first=True), 2,
+            enable_nested_tensor=False)
+        self.head = nn.Linear(64, 50)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(self.head(self.enc(self.emb(x))), -1).flatten(0, 1)
+
+
+def eval_fast_path(rank: int, ws: int, how: str) -> dict[str, Any]:
+    """Training under CPU bf16 autocast, and after each step an eval forward under
+    ``inference_mode`` and autocast, as Lightning's validation loop runs it: ``auto`` (the
+    tuner measures its iterations with module hooks: they must not be on in the eval forward)
+    through the model, or ``overlap`` (updates pending after ``step()``) through the encoder
+    alone, called as a submodule (its pending updates run before it chooses its path)."""
+    import tempfile
+
+    torch.manual_seed(0)
+    net = Encoder()
+    ref, mod = copy.deepcopy(net), copy.deepcopy(net)
+    ddp = DDP(ref)
+    o_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
+    o_usb = torch.optim.SGD(mod.parameters(), lr=0.1)
+    if how == "auto":
+        usb = usbyte_opt.DistributedDataParallel(mod, schedule="auto", optimizer=o_usb,
+                                                 auto_dir=tempfile.mkdtemp())
+    else:
+        usb = usbyte_opt.DistributedDataParallel(mod, schedule=overlap_schedule(mod, ws),
+                                                 optimizer=o_usb, verify=False)
+    ac: dict[str, Any] = dict(device_type="cpu", dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(99)
+    xv, hv = torch.randint(0, 50, (8, 35), generator=g), torch.randn(8, 35, 64, generator=g)
+    seen: list[list[torch.Tensor]] = [[], []]
+    for model, net_, opt, out in ((ddp, ref, o_ref, seen[0]), (usb, mod, o_usb, seen[1])):
+        gen = torch.Generator().manual_seed(1 + rank)
+        for _ in range(STEPS):
+            x = torch.randint(0, 50, (8, 35), generator=gen)
+            model.train()
+            with torch.autocast(**ac):
+                loss = F.nll_loss(model(x), x.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            model.eval()
+            with torch.inference_mode(), torch.autocast(**ac):
+                out.append((model(xv) if how == "auto" else net_.enc(hv)).clone())
+    usb.optimizer.synchronize()
+    res = compare(ref, mod)
+    res["seen_equal"] = state_equal(*seen)
+    res["optimizer_state_equal"] = state_equal(o_ref.state_dict(), o_usb.state_dict())
+    return res
+
+
+def encoder_layer_root(rank: int, ws: int) -> dict[str, Any]:
+    """The model is an ``nn.TransformerEncoderLayer`` itself: refused (hooks on it turn its
+    inference fast path off)."""
+    layer = nn.TransformerEncoderLayer(16, 2, 16, dropout=0.0, batch_first=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    usb = usbyte_opt.DistributedDataParallel(layer, schedule=overlap_schedule(layer, ws),
+                                             verify=False, optimizer=opt)
+    for _ in range(2):
+        usb(torch.randn(4, 3, 16)).sum().backward()
+        opt.step()
+    return {}
+
+
 SCENARIOS = {
     **{f"{loop}": (side_by_side, (loop,)) for loop in LOOPS},
     "bn_average_takeover": (side_by_side, ("bn_average", "sgd", overlap_schedule, True)),
@@ -350,6 +426,9 @@ SCENARIOS = {
        ("lamb", "tensor_step", "unknown", "sign_sgd", "declared_wrongly", "hooked_sgd")},
     "hook_after_wrapping": (hook_after_wrapping, ()),
     "optimizer_lamb_takeover": (side_by_side, ("plain", "lamb", overlap_schedule, True)),
+    "eval_fast_path_auto": (eval_fast_path, ("auto",)),
+    "eval_fast_path_submodule": (eval_fast_path, ("overlap",)),
+    "encoder_layer_root": (encoder_layer_root, ()),
 }
 
 
@@ -358,7 +437,8 @@ def outcome() -> Callable[[str], list[Any]]:
     return played(run_local(play, 2, args=(SCENARIOS,), timeout_s=300, pg_timeout_s=60))
 
 
-EQUAL_CASES = [n for n in SCENARIOS if n not in ("optimizer_declared_wrongly", "hook_after_wrapping")]
+EQUAL_CASES = [n for n in SCENARIOS if n not in ("optimizer_declared_wrongly", "hook_after_wrapping",
+                                                  "encoder_layer_root")]
 
 
 @pytest.mark.parametrize("name", EQUAL_CASES)
@@ -416,3 +496,10 @@ def test_per_parameter_classes() -> None:
     assert steps_per_parameter(MyAdam(p)) and not steps_per_parameter(Clipped(p))
     with pytest.raises(UsbyteError):
         usbyte_opt.per_parameter(int)
+
+
+def test_an_encoder_layer_as_the_model_is_refused_on_every_rank(
+        outcome: Callable[[str], list[Any]]) -> None:
+    for r in outcome("encoder_layer_root"):
+        assert not r.ok and r.error_type == "usbyte_opt.errors.UsbyteError", (r.rank, r.error)
+        assert "TransformerEncoderLayer" in r.error and "fast path" in r.error, r.error

@@ -9,9 +9,12 @@
   on CUDA; on CPU one per tensor whose blocks were still in flight). Forwards without grad,
   or in eval mode, apply every pending update first, in the root module's pre-hook
   (inference code paths such as ``nn.TransformerEncoderLayer``'s fast path check for
-  overridden tensors and would leave it). While the tuner measures an iteration
+  overridden tensors and would leave it); a module with such a fast path called on its own
+  outside a training forward runs its pending updates first (a global pre-hook, installed
+  only for models that contain one). While the tuner measures an iteration
   (``probe``), a pre-hook on each module that owns trainable tensors notes when the forward
-  first needs them.
+  first needs them; the hooks are on for each training forward only (a module hook takes
+  ``nn.TransformerEncoderLayer``'s eval forward off its fast path, which DDP's takes).
 * **Buffers** (BatchNorm statistics): DDP's rule, :class:`.semantics.BufferSync`, run by
   the root hooks when the model's own forward is the forward through DDP (the
   Horovod-style optimizer); under :class:`usbyte_opt.DistributedDataParallel` the wrapper's
@@ -32,6 +35,7 @@ from typing import Any
 
 import torch
 
+from ..errors import UsbyteError
 from .comm import Channel
 from .compiled import PlanSplit, check_forward
 from .semantics import BufferSync
@@ -80,6 +84,19 @@ class ForwardGates:
             if ts:
                 self.owned[id(mod)] = (mod, ts)
         self.root_owned = self.owned.pop(id(model), (model, []))[1]
+        if isinstance(model, torch.nn.TransformerEncoderLayer):
+            # Its inference fast path is off while any of its modules has a forward hook (the
+            # root's are on it for good); DDP's bare module keeps it.
+            raise UsbyteError("the model is an nn.TransformerEncoderLayer itself: usbyte-opt's "
+                              "forward hooks on it would turn off its inference fast path "
+                              "(torch._transformer_encoder_layer_fwd), which it takes under "
+                              "DDP; train a module that contains it")
+        #: Modules with an inference fast path that torch leaves when a tensor it passes has
+        #: ``__torch_function__`` (an armed one, :mod:`.guard`), and the trainable tensors of
+        #: each (its whole subtree: the check covers them all).
+        self.fast_path: dict[int, list[int]] = {
+            id(mod): [index[id(p)] for p in mod.parameters() if id(p) in index]
+            for mod in model.modules() if isinstance(mod, _FAST_PATH_MODULES)}
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
                                self.compiled_gate)
@@ -105,6 +122,11 @@ class ForwardGates:
                    self.model.register_forward_hook(_Hook(self._end_forward),
                                                     always_call=True),
                    _Removes(self)]
+        if self.fast_path:
+            # A global pre-hook: torch's fast-path checks read each module's own hook dicts,
+            # which a hook of the module would fill (and so leave the fast path itself).
+            handles.append(torch.nn.modules.module.register_module_forward_pre_hook(
+                _Hook(self.fast_path_hook)))
         self.split.register()
         return handles
 
@@ -112,17 +134,32 @@ class ForwardGates:
     def probe(self) -> Any:
         """The tuner's measurement of this iteration, or None. While one is set, each module
         that owns trainable tensors has a pre-hook noting when the forward first needs
-        them."""
+        them, during each training forward through the root (:meth:`add_probe_hooks`)."""
         return self._probe
 
     @probe.setter
     def probe(self, probe: Any) -> None:
+        # The modules' pre-hooks are put on by each training root forward and taken off at
+        # its end (:meth:`add_probe_hooks`), never left on between forwards.
         self._probe = probe
-        if probe is not None and not self._probe_handles:
+        if probe is None:
+            self.remove_probe_hooks()
+
+    def add_probe_hooks(self) -> None:
+        """The probe's pre-hook on each module that owns trainable tensors, for the training
+        forward now starting (removed at its end, :meth:`_end_forward`).
+
+        Only there: a module pre-hook changes what torch runs in other forwards.
+        ``nn.TransformerEncoderLayer.forward`` leaves its fast path
+        (``torch._transformer_encoder_layer_fwd``) when any of its modules has a forward
+        hook (torch/nn/modules/transformer.py, "forward pre-/hooks are attached to the
+        module"), and that fast path ignores CPU autocast (its check,
+        ``torch.is_autocast_enabled()``, asks about CUDA only): an eval forward under bf16
+        autocast computes in fp32 under DDP, in bf16 with the hooks on (Lightning's
+        validation loss differed from DDP's while the tuner measured)."""
+        if not self._probe_handles:
             self._probe_handles = [mod.register_forward_pre_hook(_Hook(self.module_hook(ts)))
                                    for mod, ts in self.owned.values()]
-        elif probe is None:
-            self.remove_probe_hooks()
 
     def remove_probe_hooks(self) -> None:
         for h in self._probe_handles:
@@ -134,6 +171,8 @@ class ForwardGates:
         back."""
         if self.depth > 0:
             self.depth -= 1
+            if self.depth == 0 and self._probe_handles:
+                self.remove_probe_hooks()
 
     def module_hook(self, ts: list[int]) -> Callable[..., None]:
         """The pre-hook of a module owning the tensors ``ts`` while a probe is set: notes the
@@ -152,6 +191,26 @@ class ForwardGates:
             return None
         return hook
 
+    def fast_path_hook(self, module: torch.nn.Module, args: Any) -> None:
+        """Before a module with an inference fast path (``nn.TransformerEncoderLayer``,
+        ``nn.MultiheadAttention``) runs outside a training forward: the pending updates of its
+        tensors, so that none is armed when its forward chooses the path. Under DDP its
+        tensors are plain, and an eval/no-grad forward takes the fast path; an armed tensor
+        (``torch.overrides.has_torch_function``) would send it down the slow path, which
+        computes otherwise (under CPU autocast: bf16 instead of fp32). Eval forwards through
+        the root have run every update already; this covers a submodule called on its own."""
+        upd = self.updates
+        if not upd.n_pending or torch.compiler.is_compiling():
+            return None
+        ts = self.fast_path.get(id(module))
+        if ts is None or (module.training and torch.is_grad_enabled()):
+            return None
+        pending = upd.pending
+        need = ts if pending is None else [t for t in ts if pending[t]]
+        if need:
+            upd.gate(need)
+        return None
+
     def root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             # Runs eagerly before the compiled graph. torch._dynamo is only touched here,
@@ -163,6 +222,7 @@ class ForwardGates:
             return None  # inside the root's own forward: the outer call did all of this
         training = module.training and torch.is_grad_enabled()
         if self._probe is not None and training:
+            self.add_probe_hooks()
             self._probe.forward_begin()
             self._probe.need(self.root_owned)
         if self.buffer_sync is not None:
@@ -192,6 +252,12 @@ class ForwardGates:
         for t in _output_tensors(output):
             if t.requires_grad:
                 t.register_hook(self.output_grad)
+
+
+#: Module classes whose forward has an inference fast path that any ``__torch_function__``
+#: tensor argument disables (torch/nn/modules/transformer.py, activation.py).
+_FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer,
+                      torch.nn.MultiheadAttention)
 
 
 class _Removes:
