@@ -31,6 +31,7 @@ def test_demo_prints_predicted_measured_and_what_the_error_means(tmp_path):
     assert won.startswith(("won: best ran", "won: nothing: best", "won: cannot tell: best")), won
     assert last in won and "measured without communication" in " ".join(won.split())  # wrapped at 80
     assert max(len(line) for line in p.stdout.splitlines()) <= 80, p.stdout
+    assert [line for line in p.stderr.splitlines() if len(line) > 100] == []   # progress, next
     assert list(tmp_path.iterdir()) == []  # without --output-dir nothing is written
 
 

@@ -48,6 +48,17 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(warning_text(message))}", markup=True, highlight=False)
 
 
+def warn_wrapped(message: str) -> None:
+    """:func:`warn`, wrapped to the terminal's width (at most 100 columns): a long note of a
+    run's report (``bench``'s and ``demo``'s), not an error line."""
+    import textwrap
+
+    width = max(40, min(err.width, 100))
+    lines = textwrap.wrap("warning: " + warning_text(message), width=width,
+                          subsequent_indent="  ", break_on_hyphens=False)
+    err.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+
+
 def warning_text(message: str) -> str:
     """``message`` without a ``Warning:`` of its own at its front (a note also written to a
     report, a Python warning's text), so that :func:`warn` prints one prefix, not two.

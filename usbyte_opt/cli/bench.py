@@ -57,11 +57,11 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
 
 
 def notes(result: dict[str, Any]) -> None:
-    """The run's notes, one warning line each (shared with ``demo``): a plot that could not be
-    drawn says how to get matplotlib (the ``plot`` extra), a machine whose speed changed
-    says so."""
+    """The run's notes, one warning each, wrapped within 100 columns (shared with ``demo``):
+    a plot that could not be drawn says how to get matplotlib (the ``plot`` extra), a machine
+    whose speed changed says so."""
     for n in result.get("notes") or ():
-        console.warn(n)
+        console.warn_wrapped(n)
 
 
 #: The ``--help`` panel of the options most runs leave alone (each in full in docs/bench.md).

@@ -94,8 +94,10 @@ def demo(
 
     render(result, "demo", wide=wide)
     notes(result)
-    console.info("next: `usbyte-opt bench lab-cnn --bandwidth 200mbit` (as root) trains on an "
-                 "emulated 200 Mbit/s network" + (f"; files in {out}" if keep else ""))
+    console.info("next: `usbyte-opt bench lab-cnn --bandwidth 200mbit` (as root): the same on "
+                 "an emulated link")
+    if keep:
+        console.info(f"files in {out}")
     rows, lines = explain(result)
     console.table("how far the prediction was off (measured − predicted, per iteration)",
                   EXPLAIN_COLUMNS, rows, justify_right_from=1,
