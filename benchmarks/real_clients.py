@@ -13,10 +13,12 @@ The trainers' code is never part of this repository: it is obtained at run time,
 commit, into a cache (``$USBYTE_RC_CACHE``, default ``~/.cache/usbyte-opt/real_clients``):
 from a local checkout or git directory (``--source NAME=PATH`` or ``$USBYTE_RC_SRC_<NAME>``),
 else by ``git clone`` of its public repository. Their Python dependencies that are not
-installed (Pillow) are installed into the cache with pip. torchvision, which has no build
+installed (Pillow; for Accelerate's example torchdata, tensorboardX and protobuf) are installed
+into the cache with pip. torchvision, which has no build
 beside a CPU torch, is satisfied by ``benchmarks/real_clients_shims/torchvision`` (imports
 only; what runs follows torchvision). ``benchmarks/real_clients_shims/observe`` records and
-saves the final state (observation only). Data are synthetic and made here; no weights.
+saves the final state (observation only). Data are synthetic and made here; no weights are
+downloaded (Accelerate's example loads random ones, made here, from a local Hugging Face cache).
 
     python benchmarks/real_clients.py                       # every trainer and configuration
     python benchmarks/real_clients.py --trainers nanogpt --configs plain,noclip --iterations 6
@@ -71,6 +73,13 @@ class Trainer:
     usbyte_env: dict[str, str] = dataclasses.field(default_factory=dict)
     #: Only these paths of the repository are taken (default: all of it).
     paths: list[str] = dataclasses.field(default_factory=list)
+    #: (source tree, run dir, iterations) -> environment entries of both runs made for this run.
+    run_env: Callable[[Path, Path, int], dict[str, str]] | None = None
+    #: (cache, PYTHONPATH so far) -> more PYTHONPATH entries: what else the trainer imports or
+    #: reads, obtained into the cache (raises Unobtainable).
+    deps: Callable[[Path, list[str]], list[str]] | None = None
+    #: Iterations of the ``auto`` run that plans the ``planned`` schedule.
+    plan_iterations: int = 16             # PLAN_ITERATIONS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,7 +241,8 @@ def _lightning_argv(tree: Path, run: Path, config: list[str], iterations: int) -
 
     # WikiText2 reads ./data/wikitext-2.txt (and downloads it only when missing). The example
     # splits off 2 x 2000 sequences of 35 tokens for validation and test; the rest is training:
-    # `iterations` batches of 20 per rank and epoch... kept to 2 (the example trains 20 epochs).
+    # 81 sequences, 3 batches of 20 per rank and epoch (the last of 1). The run stops after
+    # `iterations` optimizer steps (_lightning_env), not after the example's 20 epochs.
     rng = np.random.default_rng(0)
     words = [f"w{i}" for i in range(50)]
     n_tokens = (4000 + 2 * 2 * 20 + 1) * 35 + 35
@@ -240,6 +250,11 @@ def _lightning_argv(tree: Path, run: Path, config: list[str], iterations: int) -
     lines = [" ".join(words[t] for t in toks[i:i + 34]) for i in range(0, n_tokens, 35)]
     (cwd / "data" / "wikitext-2.txt").write_text("\n".join(lines) + "\n")
     return config, cwd
+
+
+def _lightning_env(tree: Path, run: Path, iterations: int) -> dict[str, str]:
+    # The Trainer's max_steps, which the example leaves unset, from Lightning's own environment.
+    return {"PL_TRAINER_MAX_STEPS": str(iterations)}
 
 
 def _lightning_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
@@ -278,9 +293,187 @@ LIGHTNING = Trainer(
          "PL_TRAINER_ENABLE_PROGRESS_BAR": "False"},
     usbyte_env={"PL_TRAINER_STRATEGY": "usbyte"},
     paths=["examples/pytorch/basics", "LICENSE"],
+    run_env=_lightning_env,
 )
 
-TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING)}
+# ---------------------------------------------------------------------------------------------
+# Accelerate: examples/complete_cv_example.py (the installed accelerate runs it)
+
+#: The example's hard-coded batch size per process and epochs.
+_ACC_BATCH, _ACC_EPOCHS = 64, 3
+
+
+def _accelerate_steps(iterations: int) -> int:
+    """Optimizer steps per epoch (each rank, batch 64): `iterations` over the 3 epochs."""
+    return max(1, math.ceil(iterations / _ACC_EPOCHS))
+
+
+def _pets_folder(root: Path, steps: int) -> Path:
+    """The example's data: `<label>_<n>.jpg` files (4 labels), 80% of them training, so that
+    each of 2 ranks gets `steps` full batches of 64 per epoch (the other 20% evaluate)."""
+    n_train = 2 * _ACC_BATCH * steps
+    total = n_train * 5 // 4
+    root = root.with_name(f"{root.name}-{total}")
+    if (root / ".done").exists():
+        return root
+    import numpy as np
+    from PIL import Image
+
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for i in range(total):
+        c = i % 4
+        a = rng.integers(0, 256, (48, 64, 3), dtype=np.uint8)
+        a[..., c % 3] //= 2
+        a[: 12 * (c + 1), :, (c + 1) % 3] = 255
+        Image.fromarray(a).save(root / f"{'abcd'[c]}_{i}.jpg", quality=90)
+    (root / ".done").write_text("")
+    return root
+
+
+def _from_earlier(config: list[str], run: Path) -> tuple[list[str], list[tuple[str, Path]]]:
+    """``from:CONFIG:PATH`` arguments: PATH in what this arm's run of CONFIG wrote (its out/),
+    in the same run directory tree; returns the arguments and the (CONFIG, path) needed."""
+    args, need = [], []
+    for c in config:
+        if c.startswith("from:"):
+            _, cfg, rel = c.split(":", 2)
+            path = run.parent.parent / cfg / run.name / "out" / rel
+            args.append(str(path))
+            need.append((cfg, path))
+        else:
+            args.append(c)
+    return args, need
+
+
+def _accelerate_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    data = _pets_folder(tree.parent / "accelerate-pets", _accelerate_steps(iterations))
+    args = ["--data_dir", str(data), "--cpu", "--output_dir", "out", "--project_dir", "out/logs"]
+    return args + _from_earlier(config, run)[0], tree
+
+
+def _accelerate_env(tree: Path, run: Path, iterations: int) -> dict[str, str]:
+    hub = tree.parent.parent / "hf-hub"                          # cache/work/<tree> -> cache/hf-hub
+    return {"HF_HOME": str(hub), "HF_HUB_CACHE": str(hub / "hub"), "HF_HUB_OFFLINE": "1",
+            "HF_HUB_DISABLE_TELEMETRY": "1"}
+
+
+#: Made in a subprocess that imports timm: the random weights the example's
+#: create_model("resnet50d", pretrained=True) loads, in a Hugging Face hub cache.
+_HUB_WEIGHTS = r"""
+import os, sys, torch, timm
+from safetensors.torch import save_file
+cache, commit = sys.argv[1], sys.argv[2]
+torch.manual_seed(0)
+m = timm.create_model("resnet50d", pretrained=False)
+repo = m.pretrained_cfg["hf_hub_id"]
+d = os.path.join(cache, "models--" + repo.replace("/", "--"))
+os.makedirs(os.path.join(d, "refs"), exist_ok=True)
+os.makedirs(os.path.join(d, "snapshots", commit), exist_ok=True)
+save_file({k: v.contiguous() for k, v in m.state_dict().items()},
+          os.path.join(d, "snapshots", commit, "model.safetensors"))
+with open(os.path.join(d, "refs", "main"), "w") as f:
+    f.write(commit)
+print(repo)
+"""
+
+#: What the example imports beyond accelerate, torch, numpy, timm and Pillow, for the
+#: configurations that use it (each installed alone, without its dependencies).
+_ACCELERATE_PIP = [("torchdata", "torchdata==0.11.0"),          # --use_stateful_dataloader
+                   ("tensorboardX", "tensorboardX==2.6.5"),     # --with_tracking (log_with="all")
+                   ("google/protobuf", "protobuf==6.33.5")]
+
+
+def _accelerate_deps(cache: Path, pypath: list[str]) -> list[str]:
+    """timm's source (the timm trainer's pinned commit), the hub cache with its random resnet50d
+    weights, and the packages above, in the cache."""
+    timm = source_tree(TIMM, cache)
+    hub = cache / "hf-hub" / "hub"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(timm), *pypath]), "OMP_NUM_THREADS": "1"}
+    if not (hub / ".done").exists():
+        r = subprocess.run([sys.executable, "-c", _HUB_WEIGHTS, str(hub), "0" * 40], env=env,
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise Unobtainable(f"accelerate: the resnet50d weights could not be made: {r.stderr.strip()[-300:]}")
+        (hub / ".done").write_text(r.stdout)
+    target = cache / "pydeps-accelerate"
+    for mod, spec in _ACCELERATE_PIP:
+        if not (target / mod).is_dir():
+            # Only some configurations import these (the example as published does not): one
+            # that cannot be installed fails those configurations' own DDP runs ("ddp-failed").
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                "--no-deps", "--target", str(target), spec], capture_output=True, text=True)
+            if r.returncode:
+                print(f"accelerate: {spec} could not be installed (the configurations that use it will fail): "
+                      f"{r.stderr.strip()[-200:]}", file=sys.stderr, flush=True)
+    if str(target) not in sys.path:
+        sys.path.append(str(target))            # tracked scalars are read with tensorboardX here
+    return [str(timm), str(target)]
+
+
+_ACC_LINE = re.compile(r"^epoch \d+: \S+$")
+
+
+def _accelerate_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _move_out(tree, run)
+    lines = [line.strip() for line in logs.get(0, "").splitlines() if _ACC_LINE.match(line.strip())]
+    out["accuracy per epoch (rank 0)"] = "\n".join(lines)
+    for d in sorted((run / "out").glob("*_*")):              # save_state's epoch_N / step_N folders
+        for f in sorted(d.iterdir()):
+            out[f"checkpoint {d.name}/{f.name}"] = f
+    for f in sorted((run / "out" / "logs").rglob("events.out.tfevents.*")):
+        out[f"tracked scalars {f.parent.relative_to(run / 'out' / 'logs')}"] = _tensorboard_scalars(f)
+    return out
+
+
+def _tensorboard_scalars(path: Path) -> str:
+    """The (tag, step, value) of every scalar in a TensorBoard event file (not the wall times)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    rows, data = [], path.read_bytes()
+    i = 0
+    while i + 12 <= len(data):
+        (n,) = struct.unpack("<Q", data[i:i + 8])
+        ev = event_pb2.Event.FromString(data[i + 12:i + 12 + n])
+        i += 12 + n + 4
+        for v in ev.summary.value:
+            if v.WhichOneof("value") == "simple_value":
+                rows.append(f"{v.tag} {ev.step} {v.simple_value!r}")
+    return "\n".join(rows)
+
+
+ACCELERATE = Trainer(
+    name="accelerate",
+    repo="huggingface/accelerate",
+    commit="16cb6eb80dd9aa8b4df1a63ef57863e455d53b83",
+    script="examples/complete_cv_example.py",
+    port=[],
+    patch=("examples/complete_cv_example.py", "= accelerator.prepare(\n",
+           '= __import__("usbyte_opt.integrations.accelerate", fromlist=["prepare"]).prepare(accelerator,\n'),
+    configs={
+        "plain": [],                                  # Adam on the classifier, OneCycleLR, frozen backbone
+        "ckpt-epoch": ["--checkpointing_steps", "epoch"],
+        "ckpt-step1": ["--checkpointing_steps", "1"],
+        "resume": ["--checkpointing_steps", "epoch", "--resume_from_checkpoint", "from:ckpt-epoch:epoch_0"],
+        "stateful": ["--use_stateful_dataloader", "--checkpointing_steps", "epoch"],
+        "tracking": ["--with_tracking"],
+        "bf16": ["--mixed_precision", "bf16"],
+    },
+    slow={"bf16"},
+    argv=_accelerate_argv,
+    outputs=_accelerate_outputs,
+    needs_pil=True,
+    paths=["examples", "LICENSE"],
+    run_env=_accelerate_env,
+    deps=_accelerate_deps,
+    plan_iterations=12,
+)
+
+TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING, ACCELERATE)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -383,6 +576,8 @@ def python_deps(t: Trainer, cache: Path) -> list[str]:
             paths.append(str(target))
             if str(target) not in sys.path:
                 sys.path.append(str(target))    # the synthetic images are written with it here too
+    if t.deps:
+        paths += t.deps(cache, paths)
     return paths
 
 
@@ -409,6 +604,10 @@ def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: i
              schedule: str | None, timeout: float = 900) -> Run:
     import torch
 
+    for cfg, path in _from_earlier(config, run)[1]:     # what an earlier run of this arm wrote
+        if not path.exists():
+            run_once(t, tree, run.parent.parent / cfg / run.name, t.configs[cfg], iterations, pypath, schedule,
+                     timeout)
     shutil.rmtree(run, ignore_errors=True)
     shutil.rmtree(tree / "out", ignore_errors=True)
     run.mkdir(parents=True)
@@ -416,6 +615,7 @@ def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: i
     args, cwd = t.argv(tree, run, [c for c in config if not c.startswith("env:")], iterations)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("USBYTE_", "TORCHELASTIC_", "PL_"))}
     env.update(t.env)
+    env.update(t.run_env(tree, run, iterations) if t.run_env else {})
     env.update(cfg_env)
     env.update(PYTHONPATH=os.pathsep.join(pypath + [str(USBYTE_ROOT)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                                                   else [])),
@@ -452,9 +652,15 @@ def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: i
 
 
 def _diffs(a: Any, b: Any, path: str, out: list[tuple[str, float]]) -> None:
+    import numpy as np
     import torch
 
     if isinstance(a, argparse.Namespace) and isinstance(b, argparse.Namespace):
+        a, b = vars(a), vars(b)
+    elif isinstance(a, np.ndarray) and isinstance(b, np.ndarray):      # numpy's RNG state
+        a, b = torch.from_numpy(a.copy()), torch.from_numpy(b.copy())
+    elif (type(a) is type(b) and hasattr(a, "__dict__") and not isinstance(a, (torch.Tensor, type))
+          and type(a).__eq__ is object.__eq__):                        # a pickled object (a sampler)
         a, b = vars(a), vars(b)
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
@@ -504,13 +710,15 @@ def _text_diff(a: str, b: str) -> tuple[str, float] | None:
 
 def compare(a: Run, b: Run) -> list[tuple[str, float]]:
     """What differs between two finished runs: (what, max abs diff)."""
-    import torch
 
     out: list[tuple[str, float]] = []
     for rank in (0, 1):
         sa, sb = a.state.get(rank), b.state.get(rank)
         if sa is None or sb is None:
             out.append((f"rank {rank}: final state not saved", math.inf))
+            continue
+        if not sa.get("models") or not sb.get("models"):
+            out.append((f"rank {rank}: no final model saved", math.inf))
             continue
         labels = {"models": "model", "optimizers": "optimizer", "ema": "ema", "scalers": "scaler"}
         for key, label in labels.items():
@@ -528,8 +736,18 @@ def compare(a: Run, b: Run) -> list[tuple[str, float]]:
             if d:
                 out.append((f"{k}: {d[0]}", d[1]))
         else:
-            _diffs(torch.load(va, weights_only=False), torch.load(vb, weights_only=False), k, out)
+            _diffs(_load(va), _load(vb), k, out)
     return out
+
+
+def _load(path: Path) -> Any:
+    import torch
+
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(path)
+    return torch.load(path, weights_only=False)
 
 
 _REFUSAL = re.compile(r"usbyte_opt\.errors\.\w+: (.*)|^(?:\[rank\d\]: )?(\w*UsbyteError\w*: .*)$|^usbyte-opt: (.*)$",
@@ -567,7 +785,7 @@ def _usbyte_lines(log: str) -> list[str]:
     return out[:8]
 
 
-_CKPT = re.compile(r"^(checkpoint \S+?\.(?:pth\.tar|pth|pt|ckpt))\.(.*)$")
+_CKPT = re.compile(r"^(checkpoint \S+?\.(?:pth\.tar|pth|pt|ckpt|safetensors|bin|pkl))\.(.*)$")
 
 
 def summarize(diffs: list[tuple[str, float]], limit: int = 8) -> str:
@@ -641,7 +859,8 @@ def run_config(t: Trainer, trees: dict[str, Path], pypath: list[str], config: st
     return row
 
 
-#: Iterations of the run that plans a schedule (``auto`` measures 2 + 5 + 4 before it plans).
+#: Iterations of the run that plans a schedule (``auto`` measures 2 + 5 + 4 before it plans),
+#: unless the trainer says otherwise (``Trainer.plan_iterations``).
 PLAN_ITERATIONS = 16
 
 
@@ -652,7 +871,7 @@ def planned_schedule(t: Trainer, trees: dict[str, Path], pypath: list[str], work
     keep = work / t.name / "schedule.json"
     if keep.exists():
         return keep
-    r = run_once(t, trees["usbyte"], run, t.configs[next(iter(t.configs))], PLAN_ITERATIONS, pypath, "auto")
+    r = run_once(t, trees["usbyte"], run, t.configs[next(iter(t.configs))], t.plan_iterations, pypath, "auto")
     f = run / "auto" / "schedule.json"
     if r.rc != 0 or not f.exists():
         raise RuntimeError(f"{t.name}: the auto run wrote no schedule (exit {r.rc}): "

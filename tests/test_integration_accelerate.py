@@ -5,7 +5,9 @@ own DDP, on two gloo ranks (``Accelerator(cpu=True)`` on the process group run_l
 a runtime schedule in overlap mode and a ddp-tuned schedule with several buckets give the
 same parameters and clip norms as Accelerate's DDP, bitwise; a resumed run equals the
 uninterrupted one; with fp16 and a GradScaler whose first steps overflow, the steps are reported
-skipped and the prepared LR scheduler leaves them out, as under DDP; and the example runs under
+skipped and the prepared LR scheduler leaves them out, as under DDP; everything prepared in one
+call, as ``accelerator.prepare(*objects)`` takes it (any order, the LR scheduler bound to the
+optimizer returned, as under DDP), on both paths and in one process; and the example runs under
 ``usbyte-opt launch``."""
 
 from __future__ import annotations
@@ -89,12 +91,16 @@ def fresh_accelerator(**kwargs):
 
 
 def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
-          resume: bool = False, fp16: bool = False, **accelerator_kwargs) -> dict:
+          resume: bool = False, fp16: bool = False, order: tuple[str, ...] = (),
+          **accelerator_kwargs) -> dict:
     """Accelerate's loop, ``STEPS`` optimizer steps of ``ACCUM`` micro-batches (a resumed run:
     the steps after ``SAVE_AT``). ``how``: "baseline" (accelerator.prepare: Accelerate's own
     DDP) or "usbyte" (usbyte_opt's prepare). ``fp16``: ``mixed_precision="fp16"`` as
     Accelerate runs it on a GPU (fp16 autocast, a GradScaler), on CPU, where it sets up
-    neither; the scale so large that the first steps overflow."""
+    neither; the scale so large that the first steps overflow. ``order``: the model,
+    optimizer, loader and LR scheduler prepared in one call, in this order (after another
+    optimizer, so that binding the scheduler to all of them would show); else the model and
+    the optimizer, then the loader and the scheduler with ``accelerator.prepare``."""
     from usbyte_opt.integrations.accelerate import prepare, runtime_optimizer, synchronize
 
     if fp16:
@@ -113,12 +119,20 @@ def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
                                           torch.randint(0, 5, (n,), generator=g))
     loader = torch.utils.data.DataLoader(data, batch_size=4)
     err = io.StringIO()
+    objs = {"model": model, "opt": opt, "loader": loader, "lr": lr}
     with contextlib.redirect_stderr(err):
-        if how == "baseline":
+        if order:
+            other = acc.prepare(torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.1))
+            args = [objs[k] for k in order]
+            got = (acc.prepare(*args) if how == "baseline"
+                   else prepare(acc, *args, schedule=schedule, verify=False))
+            model, opt, loader, lr = (got[order.index(k)] for k in ("model", "opt", "loader", "lr"))
+        elif how == "baseline":
             model, opt = acc.prepare(model, opt)
         else:
             model, opt = prepare(acc, model, opt, schedule=schedule, verify=False)
-    loader, lr = acc.prepare(loader, lr)
+    if not order:
+        loader, lr = acc.prepare(loader, lr)
     ckpt = os.path.join(tmp, f"ckpt-{os.path.basename(schedule or how)}")
     if resume:
         acc.load_state(ckpt)
@@ -145,7 +159,10 @@ def train(tmp: str, how: str, schedule: str | None, *, save: bool = False,
     out = {"params": [p.detach().clone() for p in net.parameters()],
            "buffers": [b.detach().clone() for b in net.buffers()],
            "norms": norms, "lrs": lrs, "skipped": skipped, "type": type(model).__name__,
-           "log": err.getvalue()}
+           "log": err.getvalue(), "types": [type(o).__name__ for o in (model, opt, loader, lr)],
+           "bound": [o is opt for o in lr.optimizers]}
+    if order:
+        out["bound_other"] = any(o is other for o in lr.optimizers)
     dopt = runtime_optimizer(opt)
     if dopt is not None:
         out["calls"] = dopt.optimizer_calls
@@ -179,13 +196,15 @@ def misuse(tmp: str, sched: dict[str, str]) -> list[str]:
                                                                      sync_each_batch=True)},
          lambda acc, m, o: (m, o), sched["runtime"]),
         ({}, lambda acc, m, o: (m, o), sched["runtime"], {"backward_passes_per_step": 2}),
+        ({}, lambda acc, m, o: (m, o, nn.Linear(2, 2)), sched["runtime"]),
+        ({}, lambda acc, m, o: (m, torch.utils.data.DataLoader(range(4))), sched["tuned"]),
     ]
     for kw, pre, s, *opts in cases:
         acc = fresh_accelerator(**kw)
         m = Net()
-        m, o = pre(acc, m, torch.optim.SGD(m.parameters(), lr=0.1))
+        objs = pre(acc, m, torch.optim.SGD(m.parameters(), lr=0.1))
         try:
-            prepare(acc, m, o, schedule=s, **(opts[0] if opts else {}))
+            prepare(acc, *objs, schedule=s, **(opts[0] if opts else {}))
             msgs.append("")
         except UsbyteError as e:
             msgs.append(str(e))
@@ -222,6 +241,18 @@ def cases(rank: int, ws: int, tmp: str) -> dict:
     out["fp16"] = {"diff": diff(run16, base16, rank), "norms": repr(run16["norms"]) == repr(base16["norms"]),
                    "lrs": run16["lrs"] == base16["lrs"], "skipped": run16["skipped"],
                    "base_skipped": base16["skipped"], "first_norm": run16["norms"][0]}
+    # everything in one call, as accelerator.prepare(*objects): Accelerate's order, then others
+    together = ("model", "opt", "loader", "lr")
+    base1 = train(tmp, "baseline", None, order=together)
+    out["together"] = {"base": {k: base1[k] for k in ("types", "bound", "bound_other")},
+                       "base_diff": diff(base1, base, rank)}
+    for name, order in (("runtime", together), ("tuned", together),
+                        ("runtime", ("lr", "loader", "opt", "model"))):
+        one = train(tmp, "usbyte", sched[name], order=order)
+        out["together"][f"{name} {' '.join(order)}"] = {
+            "diff": diff(one, base1, rank), "norms": one["norms"] == base1["norms"],
+            "lrs": one["lrs"] == base1["lrs"], "types": one["types"], "bound": one["bound"],
+            "bound_other": one["bound_other"]}
     out["planned"] = [b.end - b.start for b in load_schedule(sched["tuned"]).blocks]
     out["runtime_blocks"] = len(load_schedule(sched["runtime"]).blocks)
     return out
@@ -270,8 +301,56 @@ def test_prepare_trains_like_accelerates_ddp_on_both_paths_and_resumes(tmp_path:
         assert "DistributedDataParallelKwargs(bucket_cap_mb=5)" in m[1]
         assert "sync_each_batch=True" in m[2]
         assert "backward_passes_per_step" in m[3]
+        assert "exactly one model and one optimizer among its objects, got 2 module(s) and 1" in m[4]
+        assert "got 1 module(s) and 0 optimizer(s)" in m[5]
         assert all(x and "\n" not in x for x in m)
+        # one call with everything, in any order: as accelerator.prepare(*objects) under DDP
+        tog = v["together"]
+        assert tog["base"] == {"types": ["DistributedDataParallel", "AcceleratedOptimizer",
+                                         "DataLoaderShard", "AcceleratedScheduler"],
+                               "bound": [True], "bound_other": False}
+        assert tog["base_diff"] == 0.0
+        for key, case in tog.items():
+            if key.startswith(("runtime", "tuned")):
+                assert case["diff"] == 0.0 and case["norms"] and case["lrs"], key
+                assert case["bound"] == [True] and not case["bound_other"], key
+                assert case["types"][0] == ("Net" if key.startswith("runtime") else
+                                            "DistributedDataParallel"), key
+                assert case["types"][1:] == ["AcceleratedOptimizer", "DataLoaderShard",
+                                             "AcceleratedScheduler"], key
     assert rs[0].value["misuse"] == rs[1].value["misuse"]
+
+
+def test_prepare_in_one_process_is_accelerates_own_for_every_object():
+    """One process (no process group): nothing to all-reduce, prepare(accelerator, *objects) is
+    accelerator.prepare(*objects), in the order given; the two-argument form returns the pair."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    from usbyte_opt.integrations.accelerate import prepare
+
+    try:
+        acc = fresh_accelerator()
+        assert not acc.use_distributed
+        m = Net()
+        o = torch.optim.SGD(m.parameters(), lr=0.1)
+        lr = torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0)
+        loader = torch.utils.data.DataLoader(range(8), batch_size=2)
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err):
+            got = prepare(acc, lr, loader, m, o, schedule=None)
+        assert [type(x).__name__ for x in got] == ["AcceleratedScheduler", "DataLoaderShard", "Net",
+                                                   "AcceleratedOptimizer"]
+        assert got[0].optimizers == [got[3]] and got[3].optimizer is o
+        assert "one process, nothing to all-reduce" in err.getvalue()
+        m2 = Net()
+        with contextlib.redirect_stderr(io.StringIO()):
+            pair = prepare(acc, m2, torch.optim.SGD(m2.parameters(), lr=0.1))
+        assert isinstance(pair, tuple) and len(pair) == 2 and pair[0] is m2
+        with pytest.raises(UsbyteError, match="got 1 module"):
+            prepare(acc, Net(), loader)
+    finally:
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
 
 
 # --------------------------------------------------------------------------------------------

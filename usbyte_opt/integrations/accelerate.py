@@ -1,15 +1,18 @@
 """usbyte-opt in a Hugging Face Accelerate loop: :func:`prepare`.
 
-``prepare(accelerator, model, optimizer, schedule=S)`` takes the place of
-``accelerator.prepare(model, optimizer)``; the rest of the loop is Accelerate's own, as its
-docs show it (``pip install 'usbyte-opt[transformers]'`` brings accelerate)::
+``prepare(accelerator, *objects, schedule=S)`` takes the place of
+``accelerator.prepare(*objects)``: like it, it takes the model, the optimizer and any other
+objects of the run (data loaders, LR schedulers, ...) in any order and returns them prepared,
+in the order given; exactly one of them is a module and one an optimizer, which get the
+schedule's all-reduce. The rest of the loop is Accelerate's own, as its docs show it
+(``pip install 'usbyte-opt[transformers]'`` brings accelerate)::
 
     from accelerate import Accelerator
     from usbyte_opt.integrations.accelerate import prepare
 
     accelerator = Accelerator(gradient_accumulation_steps=2)
-    model, optimizer = prepare(accelerator, model, optimizer, schedule="schedule.json")
-    loader, scheduler = accelerator.prepare(loader, scheduler)
+    model, optimizer, loader, scheduler = prepare(accelerator, model, optimizer, loader, scheduler,
+                                                  schedule="schedule.json")
     for x, y in loader:
         with accelerator.accumulate(model):
             loss = loss_fn(model(x), y)
@@ -21,15 +24,17 @@ docs show it (``pip install 'usbyte-opt[transformers]'`` brings accelerate)::
             optimizer.zero_grad()
     accelerator.save_state("ckpt")          # and accelerator.load_state("ckpt") to resume
 
-Started with ``usbyte-opt launch --schedule S --nproc-per-node N train.py`` (which runs
-``torchrun`` with ``$USBYTE_SCHEDULE=S``), ``schedule`` may be left out.
+``prepare(accelerator, model, optimizer)`` alone returns ``(model, optimizer)``; the loader and
+scheduler may then go to ``accelerator.prepare`` separately. Started with ``usbyte-opt launch
+--schedule S --nproc-per-node N train.py`` (which runs ``torchrun`` with
+``$USBYTE_SCHEDULE=S``), ``schedule`` may be left out.
 
 **The schedule decides** (:func:`usbyte_opt.integrations.resolve`):
 
 * a schedule stock DDP can express (the ``ddp-tuned`` strategy's) runs **Accelerate's own
-  DistributedDataParallel with the planned buckets**: ``accelerator.prepare`` builds the DDP,
-  with the keyword arguments of the user's ``DistributedDataParallelKwargs`` handler (if any)
-  and :func:`usbyte_opt.ddp.planned_ddp_kwargs` (``find_unused_parameters`` and
+  DistributedDataParallel with the planned buckets**: ``accelerator.prepare(*objects)`` builds
+  the DDP, with the keyword arguments of the user's ``DistributedDataParallelKwargs`` handler
+  (if any) and :func:`usbyte_opt.ddp.planned_ddp_kwargs` (``find_unused_parameters`` and
   ``static_graph`` taken from that handler); DDP's buckets are checked once after its rebuild
   (:func:`usbyte_opt.ddp.watch_buckets`);
 * any other schedule runs **the usbyte-opt runtime** on the plain model, never inside DDP:
@@ -44,14 +49,17 @@ Started with ``usbyte-opt launch --schedule S --nproc-per-node N train.py`` (whi
   under DDP, so a prepared LR scheduler does not step), and
   ``accelerator.accumulate(model)`` / ``accelerator.no_sync(model)`` enter the runtime's
   :meth:`~usbyte_opt.runtime.DistributedOptimizer.no_sync` (Accelerate calls the ``no_sync``
-  of the model it is given; the model returned carries the runtime's).
+  of the model it is given; the model returned carries the runtime's). The other objects go
+  to ``accelerator.prepare`` as they would without usbyte-opt (those before the model and the
+  optimizer first, LR schedulers last), and an LR scheduler of the optimizer steps with the
+  ``AcceleratedOptimizer`` returned, as ``accelerator.prepare`` binds it under DDP.
 
 ``save_state`` / ``load_state`` round-trip the model and the optimizer state on both paths:
 on the runtime path, ``model.state_dict()`` and ``optimizer.state_dict()`` apply the pending
 updates first, and a save-state pre-hook finishes anything in flight. Before reading the
 parameters directly (a checksum, an export without ``state_dict``) call :func:`synchronize`.
 The run logs which path it uses, once, on rank 0. With one process there is nothing to
-all-reduce: :func:`prepare` is then ``accelerator.prepare(model, optimizer)``.
+all-reduce: :func:`prepare` is then ``accelerator.prepare(*objects)``.
 """
 
 from __future__ import annotations
@@ -77,14 +85,16 @@ _DATA_PARALLEL = ("MULTI_CPU", "MULTI_GPU", "MULTI_NPU", "MULTI_MLU", "MULTI_SDA
                   "MULTI_XPU", "MULTI_HPU", "MULTI_NEURON")
 
 
-def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-            schedule: Schedule | str | Any = None, **runtime_options: Any) -> tuple[Any, Any]:
-    """``accelerator.prepare(model, optimizer)`` with the schedule's all-reduce.
+def prepare(accelerator: Any, *objects: Any, schedule: Schedule | str | Any = None,
+            **runtime_options: Any) -> tuple[Any, ...]:
+    """``accelerator.prepare(*objects)`` with the schedule's all-reduce.
 
     Args:
         accelerator: the ``accelerate.Accelerator`` of the run.
-        model: the plain module (not prepared, not in DDP).
-        optimizer: the plain optimizer over ``model``'s parameters (not prepared).
+        *objects: what ``accelerator.prepare`` takes, in any order: exactly one module (the
+            plain model, not prepared, not in DDP) and one optimizer (the plain optimizer over
+            its parameters, not prepared), and any data loaders, LR schedulers or other
+            objects of the run.
         schedule: a :class:`~usbyte_opt.formats.Schedule`, its path, ``"auto"``, or ``None``
             (then ``$USBYTE_SCHEDULE``, as ``usbyte-opt launch`` sets it; unset: the runtime's
             DDP-like default plan).
@@ -94,20 +104,32 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
             refused).
 
     Returns:
-        ``(model, optimizer)`` to train with: on the DDP path Accelerate's DDP model and
-        ``AcceleratedOptimizer``; on the runtime path the plain model (on its device) and an
-        ``AcceleratedOptimizer`` around the ``DistributedOptimizer``.
+        The objects prepared, in the order given (``(model, optimizer)`` for those two): on
+        the DDP path all as ``accelerator.prepare`` returns them (Accelerate's DDP model and
+        ``AcceleratedOptimizer``); on the runtime path the plain model (on its device) and an
+        ``AcceleratedOptimizer`` around the ``DistributedOptimizer``, the others as
+        ``accelerator.prepare`` returns them, an LR scheduler of the optimizer bound to the
+        optimizer returned.
 
     Raises:
-        UsbyteError: an Accelerate setup the runtime cannot run in (DeepSpeed, FSDP,
-            Megatron-LM, XLA, tensor or context parallelism, ``sync_each_batch=True``), a
-            model or optimizer already prepared, a runtime option it does not take, or a
+        UsbyteError: not exactly one module and one optimizer among ``objects``; an
+            Accelerate setup the runtime cannot run in (DeepSpeed, FSDP, Megatron-LM, XLA,
+            tensor or context parallelism, ``sync_each_batch=True``), a model or optimizer
+            already prepared, a runtime option it does not take, or a
             ``DistributedDataParallelKwargs(bucket_cap_mb=...)`` on the DDP path.
         MismatchError: the model does not match the schedule.
         FormatError: the schedule file is missing or malformed.
     """
     from accelerate.optimizer import AcceleratedOptimizer
 
+    models = [o for o in objects if isinstance(o, torch.nn.Module)]
+    optimizers = [o for o in objects if isinstance(o, torch.optim.Optimizer)]
+    if len(models) != 1 or len(optimizers) != 1:
+        raise UsbyteError(f"Accelerate: prepare() takes exactly one model and one optimizer "
+                          f"among its objects, got {len(models)} module(s) and "
+                          f"{len(optimizers)} optimizer(s): prepare the others with "
+                          "accelerator.prepare")
+    model, optimizer = models[0], optimizers[0]
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise UsbyteError("Accelerate: the model is already wrapped in DistributedDataParallel "
                           "(prepared?): pass the plain model to usbyte_opt's prepare()")
@@ -124,10 +146,10 @@ def prepare(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Opt
         if accelerator.is_main_process:
             print(f"usbyte-opt ({TRAINER}): one process, nothing to all-reduce: Accelerate's own "
                   "prepare()", file=sys.stderr, flush=True)
-        return accelerator.prepare(model, optimizer)
+        return _as_tuple(accelerator.prepare(*objects), len(objects))
     if plan.path == "ddp":
-        return _prepare_ddp(accelerator, model, optimizer, plan)
-    return _prepare_runtime(accelerator, model, optimizer, plan, kwargs)
+        return _prepare_ddp(accelerator, objects, model, plan)
+    return _prepare_runtime(accelerator, objects, model, optimizer, plan, kwargs)
 
 
 def runtime_optimizer(optimizer: Any) -> Any:
@@ -212,10 +234,22 @@ def _planned_class() -> type:
     return PlannedDDPKwargs
 
 
-def _prepare_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                 plan: Route) -> tuple[Any, Any]:
+def _as_tuple(prepared: Any, n: int) -> tuple[Any, ...]:
+    """What ``accelerator.prepare`` returned for ``n`` objects, as a tuple (it returns one
+    object alone)."""
+    return tuple(prepared) if n > 1 else (prepared,)
+
+
+def _prepare_others(accelerator: Any, objects: list[Any]) -> list[Any]:
+    """``accelerator.prepare`` of objects other than the model and the optimizer."""
+    return list(_as_tuple(accelerator.prepare(*objects), len(objects))) if objects else []
+
+
+def _prepare_ddp(accelerator: Any, objects: tuple[Any, ...], model: torch.nn.Module,
+                 plan: Route) -> tuple[Any, ...]:
     """Accelerate's own DDP with the planned buckets: the planned handler stands in for the
-    user's for this one ``accelerator.prepare`` call (other models keep the user's)."""
+    user's for this one ``accelerator.prepare`` call, which prepares every object as without
+    usbyte-opt (other models prepared later keep the user's handler)."""
     from accelerate.utils import is_compiled_module
 
     from ..ddp import watch_buckets
@@ -228,35 +262,48 @@ def _prepare_ddp(accelerator: Any, model: torch.nn.Module, optimizer: torch.opti
     saved = accelerator.ddp_handler
     accelerator.ddp_handler = handler
     try:
-        model, optimizer = accelerator.prepare(model, optimizer)
+        out = _as_tuple(accelerator.prepare(*objects), len(objects))
     finally:
         accelerator.ddp_handler = saved
-    ddp = model._orig_mod if is_compiled_module(model) else model
+    prepared = next(p for o, p in zip(objects, out) if o is model)
+    ddp = prepared._orig_mod if is_compiled_module(prepared) else prepared
     if not isinstance(ddp, torch.nn.parallel.DistributedDataParallel):
         raise UsbyteError(f"Accelerate: accelerator.prepare built {type(ddp).__name__}, not "
                           "DistributedDataParallel: the planned buckets cannot apply")
     watch_buckets(ddp, plan.schedule)
     log_plan(plan, TRAINER, accelerator.process_index)
-    return model, optimizer
+    return out
 
 
-def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                     plan: Route, kwargs: dict[str, Any]) -> tuple[Any, Any]:
-    """The runtime on the plain model, inside Accelerate's optimizer wrapper."""
+def _prepare_runtime(accelerator: Any, objects: tuple[Any, ...], model: torch.nn.Module,
+                     optimizer: torch.optim.Optimizer, plan: Route,
+                     kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """The runtime on the plain model, inside Accelerate's optimizer wrapper; the other
+    objects prepared by Accelerate in its own order: those before the model and the optimizer
+    first, then the rest, its LR schedulers last (they bind to the optimizers prepared)."""
+    from torch.optim.lr_scheduler import LRScheduler
+
     from ..runtime import DistributedOptimizer
 
     if hasattr(type(model), "no_sync"):
         raise UsbyteError(f"Accelerate: {type(model).__name__} defines no_sync(): Accelerate "
                           "would call it for accumulation instead of the runtime's")
+    first = min(i for i, o in enumerate(objects) if o is model or o is optimizer)
+    before = [i for i in range(first) if not isinstance(objects[i], LRScheduler)]
+    after = [i for i in range(len(objects)) if i not in before
+             and objects[i] is not model and objects[i] is not optimizer]
+    out: list[Any] = list(objects)
+    for i, p in zip(before, _prepare_others(accelerator, [objects[i] for i in before])):
+        out[i] = p
     # Device placement, mixed precision (autocast forward) and torch.compile, as Accelerate
     # does them for training, but no DDP; the model is marked prepared (a later
     # accelerator.prepare(model) returns it unchanged) and saved by save_state.
-    model = accelerator.prepare_model(model, evaluation_mode=True)
+    prepared: Any = accelerator.prepare_model(model, evaluation_mode=True)
     log_plan(plan, TRAINER, accelerator.process_index)   # the run's start line, before the runtime's
-    dopt = DistributedOptimizer(optimizer, model, schedule=plan.runtime_schedule, **kwargs)
+    dopt = DistributedOptimizer(optimizer, prepared, schedule=plan.runtime_schedule, **kwargs)
     # accelerator.accumulate(model) / no_sync(model) call getattr(model, "no_sync") when
     # distributed: the runtime's, DDP's accumulation protocol.
-    model.no_sync = dopt.no_sync
+    prepared.no_sync = dopt.no_sync
     # save_state takes model.state_dict() and optimizer.state_dict(), which apply the pending
     # updates first (the runtime's hooks); these pre-hooks leave nothing in flight while the
     # files are written or read.
@@ -266,4 +313,14 @@ def _prepare_runtime(accelerator: Any, model: torch.nn.Module, optimizer: torch.
     # marks what it returns (so that passing it to accelerator.prepare again wraps nothing).
     opt = accelerator.prepare(dopt)
     report_skipped_steps(opt)   # step_was_skipped on an fp16 overflow, as under DDP
-    return model, opt
+    for i, o in enumerate(objects):
+        if o is model or o is optimizer:
+            out[i] = prepared if o is model else opt
+    for i, p in zip(after, _prepare_others(accelerator, [objects[i] for i in after])):
+        # Accelerate binds a scheduler to the prepared optimizer whose .optimizer is the
+        # scheduler's; here that is the DistributedOptimizer, so it would fall back to all the
+        # accelerator's optimizers: bound to the one returned, as under DDP.
+        if getattr(getattr(p, "scheduler", None), "optimizer", None) is optimizer:
+            p.optimizers = [opt]
+        out[i] = p
+    return tuple(out)

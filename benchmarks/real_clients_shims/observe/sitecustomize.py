@@ -6,7 +6,8 @@ records each optimizer that code outside usbyte-opt's runtime constructs, and at
 before ``torch.distributed.destroy_process_group``, else at interpreter exit) finds the data
 parallel wrapper(s), the EMA models and the gradient scalers, and saves their ``state_dict()``
 (for a wrapper, that of its ``module``: weights and buffers; in a Lightning run, the
-LightningModule's) as a user's script would.
+LightningModule's; in an Accelerate run, that of each model its ``Accelerator`` prepared,
+unwrapped) as a user's script would.
 """
 
 import atexit
@@ -75,6 +76,10 @@ if _DIR:
     def _dump():
         if _done:
             return
+        if not (_dist.is_available() and _dist.is_initialized()) and "RANK" not in os.environ:
+            # not a rank: the torchrun launcher (it imports this file too, and exits last), which
+            # would otherwise overwrite rank 0's dump with an empty one
+            return
         _done.append(True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -90,6 +95,14 @@ if _DIR:
         pl = sys.modules.get("lightning.pytorch")
         if pl is not None:       # a Lightning run: the LightningModule (under DDP, or on the runtime path)
             out["models"] = [_cpu(m.state_dict()) for m in _of(pl.LightningModule)]
+        acc = getattr(sys.modules.get("accelerate"), "Accelerator", None)
+        accelerators = _of(acc) if acc is not None else []
+        if accelerators:         # an Accelerate run: the models its Accelerator prepared (in DDP or not)
+            out["models"], out["wrapper"] = [], []
+            for a in accelerators:
+                for m in a._models:
+                    out["wrapper"].append(f"{type(m).__module__}.{type(m).__qualname__}")
+                    out["models"].append(_cpu(a.unwrap_model(m).state_dict()))
         for r in _optimizers:
             opt = r()
             if opt is not None:

@@ -2,7 +2,7 @@
 
 torchvision has no build beside this CPU torch, and a trainer that imports it would not start.
 This package satisfies those imports and nothing more: the pieces a run actually executes
-(resizing and cropping PIL images, to-tensor, normalisation, ``FrozenBatchNorm2d``) follow
+(resizing and cropping PIL images, a random resized crop, to-tensor, normalisation, ``FrozenBatchNorm2d``) follow
 torchvision's definitions; anything else raises when it is used, so a run can never
 silently train with a stand-in of something it did not implement.
 """
