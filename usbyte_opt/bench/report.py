@@ -216,6 +216,7 @@ def summarize(raw: dict[str, Any], network: dict[str, Any], out_dir: Path) -> di
         # the emulated link (--emulate): its spec, and the link in words (network.description)
         "emulated": raw.get("emulated"),
         "emulated_link": raw.get("emulated_link"),
+        "compile": raw.get("compile"),
         "host": _host_of(raw.get("profile")),
     }
 

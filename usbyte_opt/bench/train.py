@@ -177,6 +177,29 @@ def apply_fsdp2(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     return model
 
 
+def own_forward(model: torch.nn.Module) -> None:
+    """Give ``model`` a forward of its own code object (the same function, copied): dynamo
+    keeps its compiled graphs per code object, so the trainees of one model class, compiled
+    side by side in one process, would otherwise share the graphs of whichever compiled first
+    (torch DDP's split at its buckets, or the runtime's at its plan), which separate runs do
+    not.
+
+    Example::
+
+        >>> m = torch.nn.Linear(2, 2)
+        >>> own_forward(m)
+        >>> m.forward.__code__ is torch.nn.Linear.forward.__code__, m(torch.ones(1, 2)).shape
+        (False, torch.Size([1, 2]))
+    """
+    import types
+
+    f = type(model).forward
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                           f.__closure__)
+    g.__kwdefaults__, g.__qualname__ = f.__kwdefaults__, f.__qualname__
+    model.forward = types.MethodType(g, model)  # type: ignore[method-assign]
+
+
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` held on this rank: a DTensor's (FSDP2)
     counts its local shard only (``to_local()``).
@@ -236,7 +259,8 @@ class Trainee:
     def __init__(self, name: str, kind: str, spec: Any, batch_size: int | None,
                  device: torch.device, optimizer: str, schedule: Schedule | str | None = None,
                  rank: int = 0, verify: bool = False, trace: str | None = None,
-                 zero_stage: int = 1, emulate: tuple[Any, Any] | None = None):
+                 zero_stage: int = 1, emulate: tuple[Any, Any] | None = None,
+                 compile: str | None = None):
         self.name, self.kind = name, kind
         # Every trainee from the same weights, whether or not the factory seeds itself.
         torch.manual_seed(SEED)
@@ -253,18 +277,31 @@ class Trainee:
         params = [p for p in model.parameters() if p.requires_grad]
         self.model: torch.nn.Module
         self.opt: Any   # a torch optimizer, or the runtime's DistributedOptimizer
+        #: The torch DDP module (``ddp``, ``ddp-tuned``), compiled or not.
+        self.ddp: Any = None
+        if compile is not None:
+            if kind == "fsdp2":
+                raise UsbyteError(f"{name}: --compile trains torch DDP, the runtime and the "
+                                  "local run compiled; not fsdp2")
+            own_forward(model)
+
+        def compiled(m: torch.nn.Module) -> torch.nn.Module:
+            return cast(torch.nn.Module, torch.compile(m, backend=compile)) if compile else m
+
         if kind == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             ids = [device.index] if device.type == "cuda" else None
-            self.model = DDP(model, device_ids=ids)
+            self.ddp = DDP(model, device_ids=ids)
+            self.model = compiled(self.ddp)
             self.opt = make_optimizer(optimizer, params)
         elif kind == "ddp-tuned":
             from ..ddp import wrap
 
             ids = [device.index] if device.type == "cuda" else None
             assert isinstance(schedule, Schedule), "ddp-tuned trains a planned schedule"
-            self.model = wrap(model, schedule, device_ids=ids)
+            self.ddp = wrap(model, schedule, device_ids=ids)
+            self.model = compiled(self.ddp)
             self.opt = make_optimizer(optimizer, params)
         elif kind == "fsdp2":
             missing = fsdp2_missing()
@@ -276,12 +313,12 @@ class Trainee:
         elif kind == "runtime":
             from ..runtime import DistributedOptimizer
 
-            self.model = model
-            self.opt = DistributedOptimizer(make_optimizer(optimizer, params), model,
+            self.model = compiled(model)
+            self.opt = DistributedOptimizer(make_optimizer(optimizer, params), self.model,
                                             schedule=schedule, verify=verify, trace=trace,
                                             zero_stage=zero_stage)
         elif kind == "local":
-            self.model = model
+            self.model = compiled(model)
             self.opt = make_optimizer(optimizer, params)
         else:
             raise ValueError(f"kind: expected ddp, ddp-tuned, fsdp2, runtime or local, got {kind!r}")
@@ -303,8 +340,7 @@ class Trainee:
         from ..formats import Mode
 
         if kind in ("ddp", "ddp-tuned"):
-            cast(Any, self.model).register_comm_hook(EmulatedHookState(spec, link=link),
-                                                     emulated_allreduce_hook)
+            self.ddp.register_comm_hook(EmulatedHookState(spec, link=link), emulated_allreduce_hook)
         elif kind == "runtime" and isinstance(schedule, Schedule) and schedule.mode != Mode.SHARDED \
                 and not schedule.hierarchical:
             install_on_channel(self.opt._chan, spec, link)

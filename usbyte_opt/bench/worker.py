@@ -360,8 +360,25 @@ def _run(job: Job, dev: Any) -> dict[str, Any] | None:
     if link is not None:   # what the emulated link carried, every trainee's turns together
         raw["emulated_link"] = {"spec": str(spec), "collectives": link.count,
                                 "busy_s": link.submitted_s}
+    if job.profiling.compile:
+        raw["compile"] = compile_info(job.profiling.compile, trainees)
     write_json(Path(job.out_dir) / "raw.json", raw)
     return raw
+
+
+def compile_info(backend: str, trainees: list[Any]) -> dict[str, Any]:
+    """``--compile``: the backend, and how rank 0's runtime strategies' compiled graphs were
+    split (:mod:`usbyte_opt.runtime.compiled`): graphs split, their pieces, whether the
+    updates ran before the forward (a graph break) or a graph ran unsplit."""
+    from ..runtime.compiled import _STATES
+
+    split = {}
+    for t in trainees:
+        st = _STATES.get(t.plain) if t.kind == "runtime" else None
+        if st is not None:
+            split[t.name] = {"graphs": st.gated, "pieces": st.pieces, "gated": not (
+                st.foreign or st.multi), "graph_break": st.multi, "unsplit": st.foreign}
+    return {"backend": backend, "split": split}
 
 
 def _profile(job: Job, dev: Any, rank: int, world: int, say: Callable[[str], None]) -> tuple[Any, str]:
@@ -539,18 +556,19 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
     opt = job.profiling.optimizer
     trainees = []
     traces: dict[str, str] = {}
+    cc = job.profiling.compile   # --compile: every strategy compiled, as profiled
     for s in job.strategies:
         if s == REFERENCE:
-            trainees.append(Trainee(s, "local", job.model, batch, dev, opt, rank=rank))
+            trainees.append(Trainee(s, "local", job.model, batch, dev, opt, rank=rank, compile=cc))
         elif s == TORCH_DDP:
             trainees.append(Trainee(s, "ddp", job.model, batch, dev, opt, rank=rank,
-                                    emulate=emulate))
+                                    emulate=emulate, compile=cc))
         elif s == TORCH_FSDP2:
             trainees.append(Trainee(s, "fsdp2", job.model, batch, dev, opt, rank=rank,
-                                    emulate=emulate))
+                                    emulate=emulate, compile=cc))
         elif s == DDP_TUNED:
             trainees.append(Trainee(s, "ddp-tuned", job.model, batch, dev, opt,
-                                    planned.schedules[s], rank=rank, emulate=emulate))
+                                    planned.schedules[s], rank=rank, emulate=emulate, compile=cc))
         else:  # the runtime, in its schedule's mode (all-reduce or sharded)
             if job.trace:
                 tdir = tdir or Path(tempfile.mkdtemp(prefix="usbyte-traces-"))
@@ -558,7 +576,7 @@ def _train(job: Job, planned: Planned, dev: Any, batch: Any, rank: int,
             trainees.append(Trainee(s, "runtime", job.model, batch, dev, opt,
                                     planned.schedules.get(s, s), rank=rank, verify=job.verify,
                                     trace=traces.get(s), zero_stage=2 if zero2_base(s) else 1,
-                                    emulate=emulate))
+                                    emulate=emulate, compile=cc))
     say(f"training {len(trainees)} ways, {job.iterations} timed iterations each")
     from ..verdict import Budget
 

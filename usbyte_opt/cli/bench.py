@@ -41,6 +41,12 @@ def render(result: dict[str, Any], title: str, wide: bool = False) -> None:
     link = ("no communication (one rank)" if result.get("single_rank") else
             f"emulated {result['emulated']}" if result.get("emulated") else
             f"all-reduce alpha {c['alpha_ms']:.3f} ms, {c['algbw_gbs'] * 1e3:.1f} MB/s")
+    compiled = result.get("compile")
+    if compiled:
+        split = compiled.get("split") or {}
+        link += f"; compiled ({compiled['backend']}" + "".join(
+            f", {s}: {v['pieces']} pieces in {plural(v['graphs'], 'graph')}"
+            for s, v in split.items()) + ")"
     console.table(
         f"{title}: {result['name']} on {plural(result['world_size'], 'rank')}, {result['network']['description']}; "
         f"compute {result['forward_ms'] + result['backward_ms']:.1f} ms, {link}",
@@ -114,6 +120,11 @@ def bench(
     verify: Annotated[bool, typer.Option(
         "--verify/--no-verify", rich_help_panel=MORE,
         help="The runtime keeps DDP's buckets where faster.")] = False,
+    compile_backend: Annotated[Optional[str], typer.Option(
+        "--compile", metavar="BACKEND", rich_help_panel=MORE,
+        help="Profile and train every strategy compiled: torch.compile(..., backend=BACKEND) "
+             "(inductor, aot_eager); torch DDP with its own DDPOptimizer, the runtime split at "
+             "its plan's blocks.")] = None,
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
@@ -134,6 +145,10 @@ def bench(
                       out_dir=output_dir, rounds=rounds, max_rounds=max_rounds,
                       reference=reference, device=device,
                       timeout_s=timeout_s, verify=verify, emulate=emulate)
+    if compile_backend:
+        import dataclasses
+
+        cfg.profiling = dataclasses.replace(cfg.profiling, compile=compile_backend)
     try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
         from ..bench import check_emulate
 

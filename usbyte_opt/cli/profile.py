@@ -91,6 +91,12 @@ def profile(
                                              "CUDA, whether the iteration is launch-bound, so "
                                              "that the planner charges it (off: its "
                                              "defaults).")] = True,
+    compile_backend: Annotated[Optional[str], typer.Option(
+        "--compile", metavar="BACKEND",
+        help="Time the model as torch.compile(model, backend=BACKEND) trains it (inductor, "
+             "aot_eager, ...): its graphs split where each tensor is first used, as the "
+             "runtime splits them at the plan's blocks, so that the gradients' ready times "
+             "are the compiled backward's (need times: an eager pass's, scaled).")] = None,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.001, help="Process-group timeout (seconds).")] = 600.0,
     stable_s: Annotated[float, typer.Option(
@@ -130,7 +136,8 @@ def profile(
         comm_sizes=tuple(default_sizes(int(comm_min_kb * 1024), int(comm_max_mb * (1 << 20)),
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
-        shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s, host_probe=host_probe)
+        shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s, host_probe=host_probe,
+        compile=compile_backend)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
 
 

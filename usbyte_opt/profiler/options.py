@@ -73,6 +73,12 @@ class ProfileOptions:
     on CUDA whether the iteration is launch-bound (:mod:`usbyte_opt.profiler.host`; about a
     second): the profile's ``host`` section. Off: no section (the planner's defaults)."""
 
+    compile: str | None = None
+    """Time the model compiled with ``torch.compile(model, backend=compile)`` (``inductor``,
+    ``aot_eager``, ...), as the run will train it, its graphs split at every tensor's first use
+    as the runtime splits them at the plan's blocks (:mod:`usbyte_opt.runtime.compiled`), so
+    that ``ready_ms`` are the compiled backward's; ``None``: eager."""
+
     def sweep_sizes(self) -> list[int]:
         """The all-reduce sizes the sweep times, in bytes."""
         from ..collectives.sweep import default_sizes

@@ -34,7 +34,7 @@ from ..collectives.agree import agree
 from ..collectives.issuers import _SERIAL_IDS, backend_for, block_issuers, wants_serial
 from ..collectives.sweep import Sweep, analytic_comm, fit_collective, fit_comm, shard_sizes, sweep_collectives
 from ..device import resolve_device
-from ..errors import UsageError, UsbyteError
+from ..errors import UsageError, UsbyteError, first_line
 from ..formats import COMM_BACKENDS, DTYPE_SIZES, CollectiveCost, CommSpec, HostCost, Profile, TensorSpec
 from ..formats.probe_record import CpuProbeRecord
 from ..group import barrier
@@ -42,7 +42,7 @@ from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name,
 from ..planning.cost import fit_samples
 from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
-from .timing import ROUND, IterationTimer, Progress, Summary, Timings, summarize
+from .timing import ROUND, IterationTimer, Progress, Summary, Timings, fill_need, summarize
 from .topology import Place, Topology, place_from_env, topology
 
 
@@ -166,8 +166,66 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
     else:
         opt = make_optimizer(opts.optimizer, [p for p in net.parameters() if p.requires_grad])
         opt_name, opt_from = opts.optimizer, "--optimizer"
-    timer = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync if world > 1 else None, label=label)
+    split = None
+    if opts.compile:
+        timer, split, eager = _compiled_timer(net, inputs, loss_fn, opt, dev,
+                                              sync if world > 1 else None, label, opts.compile)
+    else:
+        timer = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync if world > 1 else None,
+                               label=label)
+    try:
+        prof = _profile_timed(opts, timer, split, eager if split is not None else None, net,
+                              inputs, loss_fn, opt, dev, group, world, backend, progress,
+                              host_link, model, batch_size, name, label, opt_name, opt_from)
+    finally:
+        if split is not None:
+            split.unregister()
+    return prof
+
+
+def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
+                    loss_fn: Callable[[Any], torch.Tensor], opt: torch.optim.Optimizer,
+                    dev: torch.device, sync: Callable[[], None] | None, label: str,
+                    backend: str) -> tuple[IterationTimer, Any, Any]:
+    """``--compile``: an eager pass (the gradients' order, the need times), then the model
+    compiled with ``backend``, its graphs split at every tensor's first use in that order
+    (:class:`usbyte_opt.runtime.compiled.PlanSplit`, gates that run nothing), for the timed
+    iterations."""
+    from ..runtime.compiled import PlanSplit, split_available
+
+    if not split_available():
+        raise UsbyteError(f"--compile: this torch ({torch.__version__}) has no DDP hook in "
+                          "dynamo to split the compiled graphs at")
+    eager = IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync, label=label).run(1, 2)
+    ready = summarize(eager).ready_ms
+    order = sorted(range(len(ready)), key=lambda i: ready[i])
+    pieces = [0] * len(ready)
+    for k, i in enumerate(order):
+        pieces[i] = k
+    params = [p for p in net.parameters() if p.requires_grad]
+    split = PlanSplit(net, params, pieces, lambda ts: None)
+    split.register()
+    try:
+        compiled = torch.compile(net, backend=backend)
+    except Exception as e:
+        split.unregister()
+        raise UsbyteError(f"--compile {backend}: torch.compile raised {type(e).__name__}: "
+                          f"{first_line(e, '')}") from e
+    return (IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync, label=label,
+                           compiled=compiled), split, eager)
+
+
+def _profile_timed(opts: ProfileOptions, timer: IterationTimer, split: Any, eager: Any,
+                   net: torch.nn.Module, inputs: Sequence[Any],
+                   loss_fn: Callable[[Any], torch.Tensor], opt: torch.optim.Optimizer,
+                   dev: torch.device, group: Any, world: int, backend: str,
+                   progress: Progress | None, host_link: Any, model: str | Factory,
+                   batch_size: int | None, name: str | None, label: str, opt_name: str,
+                   opt_from: str) -> Profile:
+    """:func:`profile_model` from the timed iterations on (``split``: compiled)."""
     timings = timer.run(opts.warmup, opts.repeats, progress, steady=True)
+    if eager is not None:
+        fill_need(timings, eager)
     agg = _aggregate(summarize(timings), world, group)
     if world > 1:
         measured = _measure_comm(opts, timings, agg, dev, group, backend, world, progress,
@@ -192,6 +250,10 @@ def profile_model(model: str | Factory, batch_size: int | None = None,
     named = getattr(net, MODEL_NAME_ATTR, None)
     prof = _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
                      timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
+    if split is not None:
+        prof = dataclasses.replace(prof, meta={**prof.meta, "compile": {
+            "backend": opts.compile, "graphs": split.state.gated, "pieces": split.state.pieces,
+            "need_ms": "an eager pass's, scaled to the compiled forward"}})
     if host is None:
         return prof
     return dataclasses.replace(prof, host=host, meta={**prof.meta, "host_probe": host_rec})

@@ -216,8 +216,14 @@ class IterationTimer:
 
     def __init__(self, model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, device: torch.device | str = "cpu",
-                 sync: Callable[[], None] | None = None, hooks: bool = True, label: str = "model"):
+                 sync: Callable[[], None] | None = None, hooks: bool = True, label: str = "model",
+                 compiled: Callable[..., Any] | None = None):
         self.model, self.inputs, self.loss_fn, self.optimizer = model, tuple(inputs), loss_fn, optimizer
+        #: What the iterations call: ``model``, or its compiled form (``compiled``: only the
+        #: gradients' hooks then, no module pre-hooks and no discovery pass inside the graph;
+        #: ``need_ms`` stay NaN for the caller to fill, :func:`fill_need`).
+        self.forward: Callable[..., Any] = compiled if compiled is not None else model
+        self.compiled = compiled is not None
         self.device = torch.device(device)
         self.clock = make_clock(self.device)
         self.sync = sync
@@ -249,7 +255,7 @@ class IterationTimer:
     def install(self) -> None:
         """Install the hooks (``run`` does it; ``remove`` undoes it)."""
         calls, clock, ready = self.calls, self.clock, self.ready
-        for k, (m, _) in enumerate(self.owners):
+        for k, (m, _) in enumerate(() if self.compiled else self.owners):
             def pre(_mod, _args, k=k):
                 calls.append((k, clock.stamp()))
             self._handles.append(m.register_forward_pre_hook(pre))
@@ -277,7 +283,7 @@ class IterationTimer:
         clock = self.clock
         clock.start_iteration()
         t0 = clock.stamp()
-        if discover:
+        if discover and not self.compiled:
             calls, anchor = self.calls, self.anchor
 
             def used(i: int) -> None:  # the first use of tensor i: after the last hook call
@@ -287,7 +293,7 @@ class IterationTimer:
             with FirstUse(self.index, used, metadata=True):
                 loss = check_loss(self.label, self.loss_fn(self.model(*self.inputs)))
         else:
-            loss = self.loss_fn(self.model(*self.inputs))
+            loss = self.loss_fn(self.forward(*self.inputs))
         t1 = clock.stamp()
         loss.backward()
         t2 = clock.stamp()
@@ -306,7 +312,7 @@ class IterationTimer:
         tm.step_ms.append(ms(t2, t3))
         tm.ready_ms.append([ms(t1, r) if r is not None else math.nan for r in self.ready])
         need = [math.nan] * len(self.params)
-        if self.hooks_on:
+        if self.hooks_on and not self.compiled:
             same = len(self.calls) == n_discovered
             if not same:
                 tm.fallback_passes += 1
@@ -337,7 +343,7 @@ class IterationTimer:
         stamps = []
         for _ in range(n + 1):
             stamps.append(clock.stamp())
-            loss = self.loss_fn(self.model(*self.inputs))
+            loss = self.loss_fn(self.forward(*self.inputs))
             loss.backward()
             if opt is not None:
                 opt.step()
@@ -376,8 +382,9 @@ class IterationTimer:
             got_grad = [p.grad is not None for p in self.params]
             tm = self.timings
             tm.no_grad = [n for n, g in zip(tm.names, got_grad) if not g]
-            tm.unused = [n for n, a in zip(tm.names, self.anchor) if a is None] if self.hooks_on else []
-            if self.hooks_on:
+            tm.unused = [n for n, a in zip(tm.names, self.anchor) if a is None] \
+                if self.hooks_on and not self.compiled else []
+            if self.hooks_on and not self.compiled:
                 # First use before any pre-hook of the tensor's own module(s) fired.
                 first_own: dict[int, int] = {}
                 for idx, (k, _) in enumerate(self.calls):
@@ -403,6 +410,18 @@ class IterationTimer:
         finally:
             self.remove()
         return self.timings
+
+
+def fill_need(compiled: Timings, eager: Timings) -> None:
+    """A compiled run's ``need_ms`` (module hooks cannot stamp inside a graph): the eager
+    run's medians, scaled by each compiled pass's forward over the eager median forward; its
+    ``unused`` and ``functional`` lists too."""
+    if not eager.need_ms or not eager.forward_ms:
+        return
+    cols = [median(c) for c in zip(*eager.need_ms)]
+    f_eager = median(eager.forward_ms) or 1.0
+    compiled.need_ms = [[c * f / f_eager for c in cols] for f in compiled.forward_ms]
+    compiled.unused, compiled.functional = list(eager.unused), list(eager.functional)
 
 
 @dataclass(slots=True)

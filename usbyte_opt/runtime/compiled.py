@@ -90,11 +90,12 @@ def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[
 class _ModelState:
     """What the splitter learnt about one model's compiled graphs."""
 
-    __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi")
+    __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi", "pieces")
 
     def __init__(self) -> None:
-        #: Graphs compiled split with gates.
+        #: Graphs compiled split with gates, and their pieces in all.
         self.gated = 0
+        self.pieces = 0
         #: ids of the parameters some gated graph gates.
         self.covered: set[int] = set()
         #: A graph of this model compiled without the runtime's gates (torch's DDP over the
@@ -357,6 +358,7 @@ class _Splitter:
                         g.call_function(_gate, (graph_id, *reads))
         split_gm.recompile()
         state.gated += 1
+        state.pieces += last + 1
         state.covered.update(id(t) for t in real.values())
         split_gm._usbyte_pieces = last + 1  # type: ignore[assignment]
         return split_gm

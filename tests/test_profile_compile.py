@@ -1,0 +1,55 @@
+"""``profile --compile``: the model timed as ``torch.compile`` trains it, its graphs split
+where each tensor is first used (as the runtime splits them at the plan's blocks), so the
+gradients' ready times spread over the compiled backward instead of all landing at its end."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from usbyte_opt.formats import load_profile, save_profile
+from usbyte_opt.profiler.options import ProfileOptions
+from usbyte_opt.profiler.run import profile_model
+
+
+def test_compiled_profile_has_the_split_backwards_ready_times(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        p = profile_model("mlp", 32, ProfileOptions(warmup=1, repeats=3, compile="aot_eager",
+                                                    host_probe=False))
+    meta = p.meta["compile"]
+    assert meta["backend"] == "aot_eager" and meta["graphs"] >= 1
+    assert meta["pieces"] >= 4, meta                  # 4 Linear layers: one piece each
+    names = [t.name for t in p.tensors]
+    assert names[0] == "0.weight" and not any("_orig_mod" in n for n in names), names
+    # The last layer's gradients are ready well before the first layer's (not all at the end).
+    by = {t.name: t for t in p.tensors}
+    first, last = by["0.weight"].ready_ms, by[names[-1]].ready_ms
+    assert last < first and first <= p.backward_ms, (first, last, p.backward_ms)
+    assert len({round(t.ready_ms / p.backward_ms, 2) for t in p.tensors}) >= 3
+    assert all(0 <= t.need_ms <= p.forward_ms for t in p.tensors)
+    save_profile(p, tmp_path / "c.json")               # a valid profile, read back
+    assert load_profile(tmp_path / "c.json").meta["compile"]["pieces"] == meta["pieces"]
+
+
+@pytest.mark.slow
+def test_bench_compile_trains_every_strategy_compiled_and_equal(tmp_path):
+    """``bench --compile``: torch DDP and best compiled (one rank, an emulated link), training
+    equal, best's graphs split at its plan (about a minute)."""
+    p = subprocess.run([sys.executable, "-m", "usbyte_opt", "bench", "lab-cnn", "-n", "1",
+                        "--emulate", "8x1gbit", "-s", "ddp,best", "--iterations", "3",
+                        "--rounds", "2", "--max-rounds", "2", "--compile", "aot_eager",
+                        "-o", str(tmp_path / "out"), "--json"],
+                       capture_output=True, text=True, timeout=900)
+    assert p.returncode == 0, p.stderr[-3000:]
+    r = json.loads(p.stdout)
+    assert r["correct"] and r["compile"]["backend"] == "aot_eager", r.get("compile")
+    # Split at the plan (as many pieces as its issue order lets gradients leave early: one
+    # where its first block holds the first layer's tensors, ready last), gates in place.
+    best = r["compile"]["split"]["best"]
+    assert best["graphs"] >= 1 and best["pieces"] >= 1 and best["gated"], best
+    assert not best["unsplit"] and not best["graph_break"], best
