@@ -14,8 +14,8 @@ same hook for its own plan:
   splitter finds the installed schedule by the graph's parameters and cuts the graph where
   the plan's blocks end: walking the graph from its output, a new piece starts at the first
   use (in forward order) of a tensor of a later block group (:func:`plan_pieces`), so a block
-  goes out when the piece holding its last tensor has run its backward. A block that cuts a
-  tensor waits for that tensor's piece. Each piece is compiled by the user's own backend
+  goes out when the piece holding its last tensor has run its backward. A tensor cut between
+  blocks belongs to the piece of its first block. Each piece is compiled by the user's own backend
   (inductor, ``aot_eager``, ...), exactly as ``DDPOptimizer`` compiles its pieces; a graph
   that reads no planned tensor goes to the backend whole, as without DDP.
 * **Gates.** Before each piece the split graph calls :func:`_gate` with the parameters the
@@ -64,27 +64,24 @@ __all__ = ["PlanSplit", "plan_pieces", "split_available"]
 
 def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]
                 ) -> list[int]:
-    """The piece of each runtime tensor: blocks in issue order, a piece closed after each
-    block whose tensors are all covered by it and the blocks before (a block cutting a tensor
-    shares the next block's piece). Piece 0 is the first whose gradients are ready.
+    """The piece of each runtime tensor: the rank, in issue order, of the first block that
+    holds it (a tensor cut between blocks is wanted when its first part goes out; blocks
+    issued later, in overlap mode the parts the next forward needs last, wait anyway). Piece
+    0 is the first wanted; the splitter cuts the backward where a tensor of a later piece is
+    first produced.
 
     Example::
 
         >>> # 4 tensors; blocks {0,1}, {2 (first part)}, {2 (rest), 3}
         >>> plan_pieces([[0, 1], [2], [2, 3]], [[0], [0], [1, 2], [2]])
-        [0, 0, 1, 1]
+        [0, 0, 1, 2]
+        >>> # the first block holds the head of tensor 0, the last block its tail
+        >>> plan_pieces([[0, 1], [2], [0]], [[0, 2], [0], [1]])
+        [0, 0, 1]
     """
-    piece = [-1] * len(tensor_blocks)
-    cur, open_ts = 0, []
-    for k, ts in enumerate(block_tensors):
-        for t in ts:
-            if piece[t] < 0:
-                piece[t] = cur
-                open_ts.append(t)
-        if open_ts and all(max(tensor_blocks[t]) <= k for t in open_ts):
-            cur += 1
-            open_ts = []
-    return [p if p >= 0 else cur for p in piece]
+    first = [min(bs) if bs else len(block_tensors) for bs in tensor_blocks]
+    rank = {k: i for i, k in enumerate(sorted(set(first)))}
+    return [rank[k] for k in first]
 
 
 class _ModelState:
