@@ -14,6 +14,7 @@ the same profile; only the caller decides who writes it (the CLI: rank 0).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import datetime as _dt
 import math
@@ -203,16 +204,30 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
     for k, i in enumerate(order):
         pieces[i] = k
     params = [p for p in net.parameters() if p.requires_grad]
+    # The steady-state iterations (the total the shares are scaled to) train a copy compiled
+    # whole: the runtime cuts the graph at its plan's blocks, a few pieces, not at every
+    # tensor (on two CPU cores inductor ran lab-cnn about 2x slower cut at each of 8 tensors).
+    # Its own forward code, so that dynamo compiles it apart (usbyte_opt.bench.train).
+    from ..bench.train import own_forward
+
+    try:
+        twin, twin_opt = copy.deepcopy((net, opt))
+        own_forward(twin)
+    except Exception:  # noqa: BLE001 - a model that cannot be copied: the split one's speed
+        twin = twin_opt = None
     split = PlanSplit(net, params, pieces, lambda ts: None)
     split.register()
     try:
         compiled = torch.compile(net, backend=backend)
+        whole = torch.compile(twin, backend=backend) if twin is not None else None
     except Exception as e:
         split.unregister()
         raise UsbyteError(f"--compile {backend}: torch.compile raised {type(e).__name__}: "
                           f"{first_line(e, '')}") from e
     return (IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync, label=label,
-                           compiled=compiled), split, eager)
+                           compiled=compiled,
+                           steady_with=(whole, twin_opt) if whole is not None else None),
+            split, eager)
 
 
 def _profile_timed(opts: ProfileOptions, timer: IterationTimer, split: Any, eager: Any,

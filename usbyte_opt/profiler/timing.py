@@ -217,13 +217,18 @@ class IterationTimer:
     def __init__(self, model: nn.Module, inputs: Sequence[Any], loss_fn: Callable[[Any], torch.Tensor],
                  optimizer: torch.optim.Optimizer | None, device: torch.device | str = "cpu",
                  sync: Callable[[], None] | None = None, hooks: bool = True, label: str = "model",
-                 compiled: Callable[..., Any] | None = None):
+                 compiled: Callable[..., Any] | None = None,
+                 steady_with: tuple[Callable[..., Any], torch.optim.Optimizer | None] | None = None):
         self.model, self.inputs, self.loss_fn, self.optimizer = model, tuple(inputs), loss_fn, optimizer
         #: What the iterations call: ``model``, or its compiled form (``compiled``: only the
         #: gradients' hooks then, no module pre-hooks and no discovery pass inside the graph;
         #: ``need_ms`` stay NaN for the caller to fill, :func:`fill_need`).
         self.forward: Callable[..., Any] = compiled if compiled is not None else model
         self.compiled = compiled is not None
+        #: What :meth:`steady` trains (default: ``forward`` and ``optimizer``): a compiled
+        #: copy of the model not split per tensor, whose speed the hooked iterations' shares
+        #: are scaled to (:func:`summarize`).
+        self.steady_with = steady_with
         self.device = torch.device(device)
         self.clock = make_clock(self.device)
         self.sync = sync
@@ -338,12 +343,13 @@ class IterationTimer:
         ranks line up once before the first (a collective call)."""
         if self.sync is not None:
             self.sync()
-        clock, opt = self.clock, self.optimizer
+        clock = self.clock
+        forward, opt = self.steady_with or (self.forward, self.optimizer)
         clock.start_iteration()
         stamps = []
         for _ in range(n + 1):
             stamps.append(clock.stamp())
-            loss = self.loss_fn(self.forward(*self.inputs))
+            loss = self.loss_fn(forward(*self.inputs))
             loss.backward()
             if opt is not None:
                 opt.step()

@@ -13,9 +13,10 @@ same hook for its own plan:
   marker back after), and the runtime's splitter takes ``DDPOptimizer``'s place for it. The
   splitter finds the installed schedule by the graph's parameters and cuts the graph where
   the plan's blocks end: walking the graph from its output, a new piece starts at the first
-  use (in forward order) of a tensor of a later block group (:func:`plan_pieces`), so a block
-  goes out when the piece holding its last tensor has run its backward. A tensor cut between
-  blocks belongs to the piece of its first block. Each piece is compiled by the user's own backend
+  use (in forward order) of a tensor held by other blocks than the tensors before it
+  (:func:`plan_pieces`: the first and the last block holding it), so a block goes out when
+  the piece holding its last tensor has run its backward, and the next forward's gates wait
+  between pieces for the blocks each reads. Each piece is compiled by the user's own backend
   (inductor, ``aot_eager``, ...), exactly as ``DDPOptimizer`` compiles its pieces; a graph
   that reads no planned tensor goes to the backend whole, as without DDP.
 * **Gates.** Before each piece the split graph calls :func:`_gate` with the parameters the
@@ -64,11 +65,14 @@ __all__ = ["PlanSplit", "plan_pieces", "split_available"]
 
 def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]
                 ) -> list[int]:
-    """The piece of each runtime tensor: the rank, in issue order, of the first block that
-    holds it (a tensor cut between blocks is wanted when its first part goes out; blocks
-    issued later, in overlap mode the parts the next forward needs last, wait anyway). Piece
-    0 is the first wanted; the splitter cuts the backward where a tensor of a later piece is
-    first produced.
+    """The piece of each runtime tensor: tensors go together when the same blocks, in issue
+    order, first and last hold them. The first block says when the backward must have
+    produced the tensor's gradient (a tensor cut between blocks is wanted when its first part
+    goes out), the last when the next forward may read it (its update waits for every part).
+    Numbered by (first, last) block: piece 0 is wanted first. The splitter starts a new piece
+    at the first use of a tensor of another piece, so the backward hands each piece's
+    gradients on and, in overlap mode, the forward's gates wait between pieces for the blocks
+    the next piece reads.
 
     Example::
 
@@ -77,11 +81,12 @@ def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[
         [0, 0, 1, 2]
         >>> # the first block holds the head of tensor 0, the last block its tail
         >>> plan_pieces([[0, 1], [2], [0]], [[0, 2], [0], [1]])
-        [0, 0, 1]
+        [1, 0, 2]
     """
-    first = [min(bs) if bs else len(block_tensors) for bs in tensor_blocks]
-    rank = {k: i for i, k in enumerate(sorted(set(first)))}
-    return [rank[k] for k in first]
+    n = len(block_tensors)
+    key = [(min(bs), max(bs)) if bs else (n, n) for bs in tensor_blocks]
+    rank = {k: i for i, k in enumerate(sorted(set(key)))}
+    return [rank[k] for k in key]
 
 
 class _ModelState:
@@ -303,15 +308,17 @@ class _Splitter:
                 if a in real and a not in seen:
                     seen.add(a)
                     first.setdefault(n, []).append(a)
-        # From the output back: a new piece where a tensor of a later piece is first used,
+        # From the output back: a new piece where a tensor of another piece is first used,
         # once the piece so far hands something on (else it would be dead; DDPOptimizer's
         # rule too).
         key_of: dict[torch.fx.Node, int] = {}
         members: set[torch.fx.Node] = set()
         level, key, hands_on = -1, 0, False
         for n in reversed(body):
-            want = max((piece_of[id(real[a])] for a in first.get(n, ())), default=-1)
-            if want > level:
+            # (A node reading tensors of several pieces first, a layer's weight and bias in
+            # two blocks, goes with the piece wanted first: its backward yields them together.)
+            want = min((piece_of[id(real[a])] for a in first.get(n, ())), default=-1)
+            if want >= 0 and want != level:
                 if level >= 0 and hands_on:
                     key, members, hands_on = key + 1, set(), False
                 level = want
