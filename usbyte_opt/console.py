@@ -49,11 +49,11 @@ def warn(message: str) -> None:
 
 
 def warn_wrapped(message: str) -> None:
-    """:func:`warn`, wrapped to the terminal's width (at most 100 columns): a long note of a
-    run's report (``bench``'s and ``demo``'s), not an error line."""
+    """:func:`warn`, wrapped within 100 columns: a long note of a run's report (``bench``'s
+    and ``demo``'s), not an error line; a note that fits stays one line."""
     import textwrap
 
-    width = max(40, min(err.width, 100))
+    width = 100
     lines = textwrap.wrap("warning: " + warning_text(message), width=width,
                           subsequent_indent="  ", break_on_hyphens=False)
     err.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)

@@ -122,7 +122,7 @@ def bench(
         help="The runtime keeps DDP's buckets where faster.")] = False,
     compile_backend: Annotated[Optional[str], typer.Option(
         "--compile", metavar="BACKEND", rich_help_panel=MORE,
-        help="Profile and train every strategy compiled: torch.compile(..., backend=BACKEND) "
+        help="Profile and train every strategy compiled by torch.compile with this backend "
              "(inductor, aot_eager); torch DDP with its own DDPOptimizer, the runtime split at "
              "its plan's blocks.")] = None,
     wide: common.Wide = False,

@@ -93,7 +93,7 @@ def profile(
                                              "defaults).")] = True,
     compile_backend: Annotated[Optional[str], typer.Option(
         "--compile", metavar="BACKEND",
-        help="Time the model as torch.compile(model, backend=BACKEND) trains it (inductor, "
+        help="Time the model as torch.compile with this backend trains it (inductor, "
              "aot_eager, ...): its graphs split where each tensor is first used, as the "
              "runtime splits them at the plan's blocks, so that the gradients' ready times "
              "are the compiled backward's (need times: an eager pass's, scaled).")] = None,
