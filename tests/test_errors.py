@@ -138,7 +138,12 @@ def test_launch_schedule_of_another_model_is_one_line_naming_the_tensor(work: Pa
                     "got [3, 8] (model)")
     assert line.count("rank ") == 1
     assert "Traceback" not in res.stdout
-    # --debug keeps the tracebacks
+
+
+@pytest.mark.slow
+def test_launch_with_debug_keeps_the_ranks_tracebacks(work: Path):
+    """(The default run checks --debug on a command of one process: test_cli.)"""
+    sched = schedule_for(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)), work / "s.json")
     res = launch(work, sched, MISMATCH, debug=True)
     assert res.returncode != 0 and "Traceback" in res.stderr and "MismatchError" in res.stderr
 

@@ -291,7 +291,10 @@ def test_two_ranks_record_the_host_cost_of_the_runtime_and_of_ddp(two_rank_profi
     assert "host cost" in r.stdout
 
 
+@pytest.mark.slow
 def test_no_cpu_probe_nor_shard_sweep_leaves_the_options_out(edge_dir):
+    """(A whole two-rank profile; the default run profiles with both, and without the host
+    probe in test_host_cost_profiler.)"""
     out = edge_dir / "profiles" / "noprobe.json"
     r = run_cli(["profile", "edgemodels:factory", "--nproc-per-node", "2", "--batch-size", "4",
                  "--warmup", "1", "--repeats", "2", "--comm-max-mb", "1", "--comm-points", "3",
