@@ -424,7 +424,10 @@ def _accelerate_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str
         for f in sorted(d.iterdir()):
             out[f"checkpoint {d.name}/{f.name}"] = f
     for f in sorted((run / "out" / "logs").rglob("events.out.tfevents.*")):
-        out[f"tracked scalars {f.parent.relative_to(run / 'out' / 'logs')}"] = _tensorboard_scalars(f)
+        # The tracker's run folder is named by the wall time it started at: compared by the
+        # rest of its path.
+        where = re.sub(r"\b\d{9,}\.\d+\b", "<time>", str(f.parent.relative_to(run / "out" / "logs")))
+        out[f"tracked scalars {where}"] = _tensorboard_scalars(f)
     return out
 
 

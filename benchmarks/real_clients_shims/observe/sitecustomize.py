@@ -8,6 +8,12 @@ parallel wrapper(s), the EMA models and the gradient scalers, and saves their ``
 (for a wrapper, that of its ``module``: weights and buffers; in a Lightning run, the
 LightningModule's; in an Accelerate run, that of each model its ``Accelerator`` prepared,
 unwrapped) as a user's script would.
+
+One thing it sets: Python's own ``random`` module, which seeds itself from the operating system
+at start-up, is seeded with 0 in every run (arm and rank alike). A trainer that never seeds it
+(Accelerate's examples seed numpy and torch only) would otherwise save a different
+``random.getstate()`` in every checkpoint of every run, its own DDP runs included; a trainer that
+seeds it itself (timm) overrides this.
 """
 
 import atexit
@@ -20,6 +26,10 @@ import weakref
 _DIR = os.environ.get("USBYTE_RC_DUMP")
 
 if _DIR:
+    import random
+
+    random.seed(0)
+
     import torch
     import torch.distributed as _dist
 
