@@ -45,6 +45,7 @@ def run(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.Complete
                           capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_the_readme_three_steps_work_as_written(tmp_path: Path):
     steps = readme_steps()
     assert [s[1] for s in steps] == ["profile", "optimize", "launch"], steps

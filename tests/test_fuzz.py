@@ -316,7 +316,7 @@ def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("fuzz")
 
 
-@settings(FUZZ, max_examples=200, derandomize=True)
+@settings(FUZZ, max_examples=100, derandomize=True)
 @given(data=st.data())
 def test_mutated_files_give_a_clean_error_or_a_valid_output(folder: Path, data: st.DataObject):
     run_case(folder, data.draw, SHAPES)

@@ -371,6 +371,7 @@ def start(module: str, *args: str) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
+@pytest.mark.slow
 def test_the_example_runs_under_usbyte_opt_launch_like_accelerates_ddp(tmp_path: Path):
     ex = example_module()
     model = ex.make_model("tiny")

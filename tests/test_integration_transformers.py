@@ -355,6 +355,7 @@ def test_misuse_is_one_line(results):
 # --------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_example_runs_under_usbyte_opt_launch(tmp_path: Path):
     sys.path.insert(0, str(ROOT / "examples"))
     try:

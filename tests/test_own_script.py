@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from usbyte_opt.env import SCHEDULE_ENV
@@ -54,6 +55,7 @@ def _run(tmp: Path, name: str, *args: str, schedule: Path | None = None) -> dict
     return torch.load(out, weights_only=False)
 
 
+@pytest.mark.slow
 def test_own_script_trains_like_ddp(tmp_path: Path):
     from usbyte_opt.planning.problem import Problem
     from usbyte_opt.runtime import profile_from_model
