@@ -177,29 +177,6 @@ def apply_fsdp2(model: torch.nn.Module, device: torch.device) -> torch.nn.Module
     return model
 
 
-def own_forward(model: torch.nn.Module) -> None:
-    """Give ``model`` a forward of its own code object (the same function, copied): dynamo
-    keeps its compiled graphs per code object, so the trainees of one model class, compiled
-    side by side in one process, would otherwise share the graphs of whichever compiled first
-    (torch DDP's split at its buckets, or the runtime's at its plan), which separate runs do
-    not.
-
-    Example::
-
-        >>> m = torch.nn.Linear(2, 2)
-        >>> own_forward(m)
-        >>> m.forward.__code__ is torch.nn.Linear.forward.__code__, m(torch.ones(1, 2)).shape
-        (False, torch.Size([1, 2]))
-    """
-    import types
-
-    f = type(model).forward
-    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
-                           f.__closure__)
-    g.__kwdefaults__, g.__qualname__ = f.__kwdefaults__, f.__qualname__
-    model.forward = types.MethodType(g, model)  # type: ignore[method-assign]
-
-
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in ``optimizer.state`` held on this rank: a DTensor's (FSDP2)
     counts its local shard only (``to_local()``).
@@ -283,6 +260,8 @@ class Trainee:
             if kind == "fsdp2":
                 raise UsbyteError(f"{name}: --compile trains torch DDP, the runtime and the "
                                   "local run compiled; not fsdp2")
+            from ..runtime.compiled import own_forward
+
             own_forward(model)
 
         def compiled(m: torch.nn.Module) -> torch.nn.Module:

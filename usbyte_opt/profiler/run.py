@@ -192,7 +192,7 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
     compiled with ``backend``, its graphs split at every tensor's first use in that order
     (:class:`usbyte_opt.runtime.compiled.PlanSplit`, gates that run nothing), for the timed
     iterations."""
-    from ..runtime.compiled import PlanSplit, split_available
+    from ..runtime.compiled import PlanSplit, own_forward, split_available
 
     if not split_available():
         raise UsbyteError(f"--compile: this torch ({torch.__version__}) has no DDP hook in "
@@ -207,8 +207,7 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
     # The steady-state iterations (the total the shares are scaled to) train a copy compiled
     # whole: the runtime cuts the graph at its plan's blocks, a few pieces, not at every
     # tensor (on two CPU cores inductor ran lab-cnn about 2x slower cut at each of 8 tensors).
-    # Its own forward code, so that dynamo compiles it apart (usbyte_opt.bench.train).
-    from ..bench.train import own_forward
+    # Its own forward code, so that dynamo compiles it apart.
 
     try:
         twin, twin_opt = copy.deepcopy((net, opt))

@@ -57,10 +57,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UsbyteError
 
-__all__ = ["PlanSplit", "plan_pieces", "split_available"]
+__all__ = ["PlanSplit", "own_forward", "plan_pieces", "split_available"]
 
 
 def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]
@@ -124,9 +125,9 @@ _COMPILED_BY_DDP: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 class _Marker:
     """What dynamo sees as the active DDP module while a runtime is installed and no DDP
-    forward runs: its DDP hook then asks the runtime's splitter (:func:`_dispatch`), which
-    splits the graphs that read a registered split's tensors and hands every other graph to
-    the backend as it is (as without any DDP)."""
+    forward runs: its DDP hook then asks the runtime's splitter (:func:`_patch`'s
+    dispatcher), which splits the graphs that read a registered split's tensors and hands
+    every other graph to the backend as it is (as without any DDP)."""
 
     #: Read by dynamo's DDP hook (``DDPOptimizer(bucket_bytes_cap=...)``); the plan decides.
     bucket_bytes_cap = 1 << 62
@@ -140,11 +141,9 @@ _MARKER = _Marker()
 
 def arm() -> None:
     """Dynamo's DDP hook asks the runtime from now on: the marker is the active DDP module
-    (no DDP forward runs: torch's DDP sets its own for its forward and puts the previous one
-    back), and ``DDPOptimizer`` is the runtime's dispatcher once dynamo's module is loaded
-    (now, or when it is imported)."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
+    (no DDP forward runs: torch's DDP sets its own for its forward and ``None`` after it, so
+    :func:`rearm` sets the marker again at each ``step()``), and ``DDPOptimizer`` is the
+    runtime's dispatcher once dynamo's module is loaded (now, or when it is imported)."""
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _MARKER  # type: ignore[assignment]
     if not _HOOKED:
@@ -160,8 +159,6 @@ def rearm() -> None:
 
 def disarm() -> None:
     """No runtime is installed any more: dynamo's DDP hook is torch's alone again."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     if DDP._active_ddp_module is _MARKER:
         DDP._active_ddp_module = None
 
@@ -226,11 +223,6 @@ class PlanSplit:
         runs before the forward)."""
         st = self.state
         return st.gated > 0 and not st.foreign and not st.multi
-
-    def covered(self, ts: Sequence[int]) -> list[int]:
-        """Of the runtime indices ``ts``, those some gated graph gates."""
-        cov = self.state.covered
-        return [t for t in ts if id(self.params[t]) in cov]
 
     def gated_and_rest(self) -> tuple[list[int], list[int]]:
         """The runtime indices some gated graph gates, and the others (kept until a graph is
@@ -364,7 +356,6 @@ class _Splitter:
         state.gated += 1
         state.pieces += last + 1
         state.covered.update(id(t) for t in real.values())
-        split_gm._usbyte_pieces = last + 1  # type: ignore[assignment]
         return split_gm
 
 
@@ -422,6 +413,29 @@ def _split(gm: torch.fx.GraphModule, part: dict[torch.fx.Node, int],
     with torch._dynamo.utils._disable_saved_tensors_hooks_during_tracing():
         compiler.run(*example_inputs)
     return split_gm
+
+
+def own_forward(model: torch.nn.Module) -> None:
+    """Give ``model`` a forward of its own code object (the same function, copied): dynamo
+    keeps its compiled graphs per code object, so models of one class compiled side by side
+    in one process (``bench --compile``'s trainees, the profile's twin) would otherwise share
+    the graphs of whichever compiled first (torch DDP's split at its buckets, or the
+    runtime's at its plan), which separate runs do not.
+
+    Example::
+
+        >>> m = torch.nn.Linear(2, 2)
+        >>> own_forward(m)
+        >>> m.forward.__code__ is torch.nn.Linear.forward.__code__, m(torch.ones(1, 2)).shape
+        (False, torch.Size([1, 2]))
+    """
+    import types
+
+    f = type(model).forward
+    g = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__, f.__defaults__,
+                           f.__closure__)
+    g.__kwdefaults__, g.__qualname__ = f.__kwdefaults__, f.__qualname__
+    model.forward = types.MethodType(g, model)  # type: ignore[method-assign]
 
 
 # -- dynamo's hook ------------------------------------------------------------------------------
@@ -488,8 +502,6 @@ def _patch(tdd: Any) -> None:
 
     def dispatch(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
                  first_bucket_cap: int | None = None) -> Any:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         active = DDP._get_active_ddp_module()
         if active is _MARKER:
             return _Splitter(backend_compile_fn)

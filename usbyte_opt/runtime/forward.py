@@ -99,13 +99,13 @@ class ForwardGates:
             for mod in model.modules() if isinstance(mod, _FAST_PATH_MODULES)}
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
-                               self.compiled_gate)
+                               self.run_pending)
         #: Updates left to the split graph's gates by the forward in progress.
         self._left = 0
 
-    def compiled_gate(self, ts: list[int]) -> None:
-        """A split graph's gate: the pending updates of ``ts`` run before the piece reads
-        them."""
+    def run_pending(self, ts: list[int]) -> None:
+        """The pending updates of ``ts`` run now (a split graph's gate before the piece that
+        reads them, :meth:`fast_path_hook`)."""
         upd = self.updates
         if upd.n_pending:
             pending = upd.pending
@@ -199,16 +199,11 @@ class ForwardGates:
         (``torch.overrides.has_torch_function``) would send it down the slow path, which
         computes otherwise (under CPU autocast: bf16 instead of fp32). Eval forwards through
         the root have run every update already; this covers a submodule called on its own."""
-        upd = self.updates
-        if not upd.n_pending or torch.compiler.is_compiling():
+        if not self.updates.n_pending or torch.compiler.is_compiling():
             return None
         ts = self.fast_path.get(id(module))
-        if ts is None or (module.training and torch.is_grad_enabled()):
-            return None
-        pending = upd.pending
-        need = ts if pending is None else [t for t in ts if pending[t]]
-        if need:
-            upd.gate(need)
+        if ts is not None and not (module.training and torch.is_grad_enabled()):
+            self.run_pending(ts)
         return None
 
     def root_pre_hook(self, module: torch.nn.Module, args: Any) -> None:
