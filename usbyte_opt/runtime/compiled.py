@@ -146,7 +146,7 @@ def arm() -> None:
     runtime's dispatcher once dynamo's module is loaded (now, or when it is imported)."""
     if DDP._active_ddp_module is None:
         DDP._active_ddp_module = _MARKER  # type: ignore[assignment]
-    if not _HOOKED:
+    if not _HOOKED and not _WAITING:
         _hook_when_loaded()
 
 
@@ -441,6 +441,8 @@ def own_forward(model: torch.nn.Module) -> None:
 # -- dynamo's hook ------------------------------------------------------------------------------
 
 _HOOKED: list[bool] = []
+#: The import hook waits for dynamo's module (nothing to look at again at each step).
+_WAITING: list[bool] = []
 _TARGET = "torch._dynamo.backends.distributed"
 
 
@@ -463,8 +465,10 @@ def _hook_when_loaded() -> None:
     mod = sys.modules.get(_TARGET)
     if mod is not None:
         _patch(mod)
-    elif not any(isinstance(f, _OnImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _OnImport())
+    else:
+        if not any(isinstance(f, _OnImport) for f in sys.meta_path):
+            sys.meta_path.insert(0, _OnImport())
+        _WAITING.append(True)
 
 
 class _OnImport(importlib.abc.MetaPathFinder):
