@@ -1,8 +1,10 @@
 """Compiled training against eager: does the plan keep its gain under ``torch.compile``?
 
 For each model (``lab-cnn``, ``lab-transformer``) it runs ``usbyte-opt bench`` twice on the
-same emulated link (one rank, ``--emulate 8x1gbit``: every collective occupies one serial
-channel as on a ring of 8 ranks at 1 Gbit/s), strategies ``ddp`` and ``best``:
+same link, strategies ``ddp`` and ``best``: by default an emulated link (one rank,
+``--emulate 8x1gbit``: every collective occupies one serial channel as on a ring of 8 ranks at
+1 Gbit/s); with ``--lab RATE`` (root) the lab, two real ranks over a shaped veth link
+(``bench -n 2 --bandwidth RATE``):
 
 * **eager**: as ``bench`` runs by default;
 * **compiled**: ``bench --compile BACKEND``: the profile timed compiled (graphs split at every
@@ -17,6 +19,10 @@ of the eager ratio's gain, its prediction within 10%, training equal.
 
     python benchmarks/compiled.py                       # 2 runs, inductor; writes compiled.md/.json
     python benchmarks/compiled.py --backend aot_eager --runs 1 --models lab-cnn
+    sudo python benchmarks/compiled.py --lab 200mbit    # the lab half (root); keeps the other
+
+Each link's rows are kept apart in ``compiled.json`` (a run replaces only its own link's) and
+get a table of their own in ``compiled.md``.
 """
 
 from __future__ import annotations
@@ -37,11 +43,17 @@ OUT_MD, OUT_JSON = HERE / "compiled.md", HERE / "compiled.json"
 MODELS = ("lab-cnn", "lab-transformer")
 
 
-def bench(model: str, compile_backend: str | None, emulate: str, iterations: int,
+def link_args(link: str) -> list[str]:
+    """The bench's arguments for a link: ``emulate 8x1gbit`` (one rank) or ``lab 200mbit``."""
+    kind, spec = link.split(" ", 1)
+    return ["-n", "1", "--emulate", spec] if kind == "emulate" else ["-n", "2", "--bandwidth", spec]
+
+
+def bench(model: str, compile_backend: str | None, link: str, iterations: int,
           timeout_s: float) -> dict[str, Any]:
     """One ``usbyte-opt bench`` (``--json``): the figures of ``ddp`` and ``best``."""
     out = tempfile.mkdtemp(prefix="usbyte-compiled-")
-    argv = [sys.executable, "-m", "usbyte_opt", "bench", model, "-n", "1", "--emulate", emulate,
+    argv = [sys.executable, "-m", "usbyte_opt", "bench", model, *link_args(link),
             "-s", "ddp,best", "--iterations", str(iterations), "-o", out, "--json"]
     if compile_backend:
         argv += ["--compile", compile_backend]
@@ -53,7 +65,7 @@ def bench(model: str, compile_backend: str | None, emulate: str, iterations: int
     runs = {x["strategy"]: x for x in r["runs"]}
     best, ddp = runs["best"], runs["ddp"]
     vs = best.get("vs_ddp") or {}
-    return {"model": model, "compile": compile_backend, "wall_s": round(time.perf_counter() - t0, 1),
+    return {"model": model, "compile": compile_backend, "link": link, "wall_s": round(time.perf_counter() - t0, 1),
             "ddp_ms": ddp["measured_ms"], "best_ms": best["measured_ms"],
             "speedup": best["speedup_vs_ddp"], "lo": vs.get("lo"), "hi": vs.get("hi"),
             "predicted_speedup": best["predicted_speedup_vs_ddp"], "error": best["error"],
@@ -71,8 +83,8 @@ def rng(xs: list[float], fmt: str = "{:.2f}") -> str:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | run | best vs DDP (x) | predicted (x) | best's error | best vs bound | "
-             "training | split (best) |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | run | best vs DDP (x) | bound vs DDP (x) | predicted (x) | best's error | "
+             "best vs bound | training | split (best) |", "|---|---|---|---|---|---|---|---|---|"]
     for model in dict.fromkeys(r["model"] for r in rows):
         for comp in dict.fromkeys(r["compile"] for r in rows if r["model"] == model):
             rs = [r for r in rows if r["model"] == model and r["compile"] == comp]
@@ -82,6 +94,7 @@ def table(rows: list[dict[str, Any]]) -> str:
                 "" if b["gated"] else " (updates before the forward)")
             lines.append(
                 f"| {model} | {comp or 'eager'} | {rng([r['speedup'] for r in rs])} | "
+                f"{rng([r['ddp_ms'] / r['bound_ms'] for r in rs])} | "
                 f"{rng([r['predicted_speedup'] for r in rs])} | "
                 f"{rng([100 * r['error'] for r in rs], '{:+.0f}%')} | "
                 f"{rng([r['vs_bound'] for r in rs])} | "
@@ -104,30 +117,60 @@ def gains(rows: list[dict[str, Any]]) -> list[str]:
         out.append(f"{model}: compiled gain / eager gain per run: "
                    + (", ".join(f"{s:.2f}" for s in known) if known else
                       "not defined (eager best within 2% of DDP: nothing to keep)"))
+        # The gain each run could have had at most: DDP's time over the bound.
+        def reached(r: dict[str, Any]) -> str:
+            room = r["ddp_ms"] / r["bound_ms"] - 1
+            return f"{(r['ddp_ms'] / r['best_ms'] - 1) / room:.2f}" if room > 0.02 else "-"
+        out.append(f"{model}: best's gain / the most any schedule could win (DDP's time over the "
+                   f"bound), per run: eager {', '.join(map(reached, e))}; compiled "
+                   f"{', '.join(map(reached, c))}")
     return out
+
+
+def _link_of(row: dict[str, Any], meta: dict[str, Any]) -> str:
+    """A row's link (rows written before links were recorded: the file's emulated one)."""
+    return row.get("link") or f"emulate {meta.get('emulate', '8x1gbit')}"
+
+
+def section(link: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The Markdown of one link's rows: how they ran, the command, the table, the gains."""
+    kind, spec = link.split(" ", 1)
+    where = (f"one rank on an emulated link (`--emulate {spec}`)" if kind == "emulate" else
+             f"two ranks in the lab, a veth link shaped to {spec} (`bench -n 2 --bandwidth {spec}`, root)")
+    cmd = (f"python benchmarks/compiled.py --backend {meta['backend']} --runs {meta['runs']}"
+           + (f" --emulate {spec}" if kind == "emulate" and spec != "8x1gbit" else "")
+           + (f" --lab {spec}" if kind == "lab" else ""))
+    return (f"## {'Emulated link' if kind == 'emulate' else 'The lab'}: {spec}\n\n"
+            f"{meta['runs']} run(s) on {meta['date']}, torch {meta['torch']}, {meta['cpus']} CPU cores "
+            f"(load average at the end {meta['load_avg'][0]:.1f}), {where}, `--compile "
+            f"{meta['backend']}` for the compiled rows, {meta['iterations']} timed iterations per "
+            f"strategy at least. Ranges over runs.\n\n    {'sudo ' if kind == 'lab' else ''}{cmd}\n\n"
+            + table(rows) + "\n\n" + "\n".join(f"- {g}" for g in gains(rows)) + "\n")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--backend", default="inductor", help="torch.compile backend")
-    ap.add_argument("--emulate", default="8x1gbit")
+    ap.add_argument("--emulate", default="8x1gbit", help="the emulated link (one rank)")
+    ap.add_argument("--lab", default=None, metavar="RATE",
+                    help="instead: two ranks in the lab at this rate (200mbit; root)")
     ap.add_argument("--iterations", type=int, default=8)
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--timeout-s", type=float, default=1800.0)
     ap.add_argument("--no-write", action="store_true", help="print only")
     a = ap.parse_args()
+    link = f"lab {a.lab}" if a.lab else f"emulate {a.emulate}"
     rows = []
     for run in range(a.runs):
         for model in a.models.split(","):
             for comp in (None, a.backend):
-                r = bench(model, comp, a.emulate, a.iterations, a.timeout_s)
+                r = bench(model, comp, link, a.iterations, a.timeout_s)
                 r["run"] = run + 1
                 rows.append(r)
                 print(f"run {run + 1} {model} {comp or 'eager'}: best {r['speedup']:.3f}x DDP "
                       f"(predicted {r['predicted_speedup']:.3f}x), {r['wall_s']} s", flush=True)
-    md = table(rows)
-    print(md)
+    print(table(rows))
     for line in gains(rows):
         print(line)
     if a.no_write:
@@ -136,15 +179,19 @@ def main() -> None:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "backend": a.backend,
             "emulate": a.emulate, "iterations": a.iterations, "runs": a.runs,
             "date": time.strftime("%Y-%m-%d %H:%M")}
-    OUT_JSON.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
-    OUT_MD.write_text(
-        "# Compiled training against eager (`benchmarks/compiled.py`)\n\n"
-        f"{a.runs} run(s) on {meta['date']}, torch {meta['torch']}, {meta['cpus']} CPU cores "
-        f"(load average at the end {meta['load_avg'][0]:.1f}), one rank on an emulated link "
-        f"(`--emulate {a.emulate}`), `--compile {a.backend}` for the compiled rows, "
-        f"{a.iterations} timed iterations per strategy at least. Ranges over runs.\n\n"
-        f"    python benchmarks/compiled.py --backend {a.backend} --runs {a.runs}\n\n"
-        + md + "\n\n" + "\n".join(f"- {g}" for g in gains(rows)) + "\n")
+    # Keep the other links' rows and how they ran.
+    old = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {"rows": []}
+    links = old.get("links") or ({f"emulate {old['meta'].get('emulate', '8x1gbit')}": old["meta"]}
+                                 if old.get("meta") else {})
+    kept = [dict(r, link=_link_of(r, old.get("meta", {}))) for r in old.get("rows", [])]
+    kept = [r for r in kept if r["link"] != link]
+    links[link] = meta
+    doc = {"links": links, "rows": kept + rows}
+    OUT_JSON.write_text(json.dumps(doc, indent=1) + "\n")
+    parts = [section(k, m, [r for r in doc["rows"] if r["link"] == k])
+             for k, m in sorted(links.items(), key=lambda km: km[0].startswith("lab"))]
+    OUT_MD.write_text("# Compiled training against eager (`benchmarks/compiled.py`)\n\n"
+                      + "\n".join(parts))
 
 
 if __name__ == "__main__":

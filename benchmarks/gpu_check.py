@@ -1,4 +1,4 @@
-"""The prepared GPU check of the runtime's CUDA path: one command, one GPU, at most 6 minutes.
+"""The prepared GPU check of the runtime's CUDA path: one command, one GPU, at most 7 minutes.
 
 On the GPU machine, from the repository root, with the wheels of
 ``python benchmarks/gpu_bundle.py --python-version 3.12 --dest .whl`` carried along (no
@@ -80,7 +80,13 @@ streams of its own, carries them between 2 ranks on the same GPU. The parts, by 
    (:data:`HOST_ITERATIONS` timed iterations in :data:`HOST_ROUNDS` rounds, no added rounds):
    profile -> optimize -> train of a small transformer (tied embedding), DDP side by side,
    CUDA-event timing, deterministic kernels. At world size 1 it measures no communication.
-7. ``host_ratio``: the same bench on ``bert-large`` (batch 8), ``gpt2`` (batch 4 x 1024) and
+7. ``compiled``: ``bench MODEL --device cuda -n 1 --emulate 16x25gbit --compile inductor -s
+   ddp,best`` on ``gpt2`` (batch 4) and ``resnet50`` (batch 64): the profile timed compiled,
+   torch DDP compiled with its DDPOptimizer beside ``best`` on the runtime, whose graphs are
+   split at its plan's blocks; best's speed over DDP's, its prediction, its distance to the
+   bound and the pieces it ran. Catches a split, a gate or a compiled backward that breaks
+   on CUDA, and tells whether the compiled gain measured on the CPU holds there.
+8. ``host_ratio``: the same bench on ``bert-large`` (batch 8), ``gpt2`` (batch 4 x 1024) and
    ``resnet50`` (batch 64), the transformer's taken from ``flow``: the runtime's measured time
    over DDP's, per model, against the goal of at least :data:`HOST_GOAL` of DDP's speed
    (runtime_ms <= DDP_ms / 0.98), reported as met or not but a measurement: it fails no part
@@ -91,7 +97,7 @@ streams of its own, carries them between 2 ranks on the same GPU. The parts, by 
 ``--smoke`` runs the same parts on the CPU where they can (``imports``; ``tests``, which skip;
 ``probes``' parent-reads-child case without the sleep; ``two_ranks``, ``sharded``, ``flow`` and
 ``host_ratio`` on gloo with small models and few iterations, the planted difference
-included): it checks this script, and ``tests/test_gpu_rehearsal.py`` runs it from a clean
+included; ``compiled`` on lab-cnn with ``aot_eager``): it checks this script, and ``tests/test_gpu_rehearsal.py`` runs it from a clean
 copy with only the image's packages and the bundle, so that a GPU session is not spent on the
 script's own bugs. It says nothing of the CUDA path.
 """
@@ -116,7 +122,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 
 #: The whole check's deadline (seconds), from the start of the import check.
-DEADLINE_S = 360.0
+DEADLINE_S = 420.0
 
 #: (name, time limit in seconds, runs under --smoke), in order of value. The limits add up to
 #: more than the deadline: each part gets its limit or what is left, whichever is less.
@@ -128,6 +134,7 @@ PARTS: list[tuple[str, float, bool]] = [
     ("two_ranks", 60.0, True),
     ("sharded", 45.0, True),
     ("flow", 90.0, True),
+    ("compiled", 150.0, True),
     ("host_ratio", 220.0, True),
 ]
 
@@ -158,6 +165,15 @@ HOST_MIN_S = 25.0
 #: The goal of ``host_ratio``: the runtime at least this fraction of DDP's speed
 #: (runtime_ms <= DDP_ms / HOST_GOAL). A measurement: it fails no part.
 HOST_GOAL = 0.98
+
+#: ``compiled``: (model, per-rank batch size, time limit in seconds) on CUDA, each trained
+#: compiled by inductor on the emulated link :data:`COMPILED_LINK`; under ``--smoke`` a tiny
+#: model on the CPU, compiled by ``aot_eager`` (inductor's C++ build takes minutes there).
+COMPILED_MODELS: list[tuple[str, int, float]] = [("gpt2", 4, 75.0), ("resnet50", 64, 70.0)]
+COMPILED_MODELS_SMOKE: list[tuple[str, int, float]] = [("lab-cnn", 2, 150.0)]
+COMPILED_LINK = "16x25gbit"
+#: Timed iterations and rounds of each ``compiled`` bench (compiling takes most of its time).
+COMPILED_ITERATIONS, COMPILED_ROUNDS = 6, 1
 
 #: When the running part must be done (``time.monotonic()``; set in the part's process).
 _PART_DEADLINE = float("inf")
@@ -915,19 +931,21 @@ def part_sharded(out_dir: str, smoke: bool) -> dict[str, Any]:
 
 
 def _bench(model: str, batch: int | None, smoke: bool, bench_dir: str, log: Path,
-           limit_s: float) -> dict[str, Any]:
+           limit_s: float, extra: tuple[str, ...] = (), k_rounds: tuple[int, int] | None = None
+           ) -> dict[str, Any]:
     """``python3 -m usbyte_opt bench MODEL --device cuda -n 1 -s ddp,best`` (CPU under
     ``--smoke``), deterministic (:func:`_child_env`), killed with its ranks past ``limit_s``
     (:func:`_kill_tree`; it stays in the part's process group, which a part killed past its own
     limit takes along); its measured and predicted times, the runtime's time over DDP's,
-    whether it matches DDP."""
+    whether it matches DDP. ``extra``: more arguments of the bench (``compiled``: the link and
+    the backend); ``k_rounds``: its timed iterations and rounds, if not the host check's."""
     t0 = time.perf_counter()
     device = "cpu" if smoke else "cuda"
-    k, rounds = (2, 1) if smoke else (HOST_ITERATIONS, HOST_ROUNDS)
+    k, rounds = (2, 1) if smoke else k_rounds or (HOST_ITERATIONS, HOST_ROUNDS)
     cmd = [*_python(), "-m", "usbyte_opt", "bench", model, "--device", device, "-n", "1",
            "-k", str(k), "-s", "ddp,best", "--rounds", str(rounds), "--max-rounds", str(rounds),
            "--no-reference", "--json", "-o", bench_dir,
-           "--timeout-s", str(max(10, int(limit_s) - 3))]
+           "--timeout-s", str(max(10, int(limit_s) - 3)), *extra]
     if batch is not None:
         cmd[cmd.index("-n"):cmd.index("-n")] = ["-b", str(batch)]
     out: dict[str, Any] = {"command": "python3 " + " ".join(cmd[cmd.index("-m"):])}
@@ -960,6 +978,12 @@ def _bench(model: str, batch: int | None, smoke: bool, bench_dir: str, log: Path
         ddp_ms, best_ms = runs["ddp"]["measured_ms"], runs["best"]["measured_ms"]
         out["runtime_over_ddp"] = best_ms / ddp_ms
         out["meets_goal"] = best_ms <= ddp_ms / HOST_GOAL
+        best = runs["best"]
+        out["predicted_speedup"] = best.get("predicted_speedup_vs_ddp")
+        out["vs_lower_bound"] = best.get("vs_lower_bound")
+        out["lower_bound_ms"] = data.get("lower_bound_ms")
+        if data.get("compile"):
+            out["compile"] = data["compile"]
         if runs["best"].get("vs_ddp"):
             out["vs_ddp"] = {k: runs["best"]["vs_ddp"].get(k) for k in ("ratio", "lo", "hi", "verdict")}
         out["ok"] = bool(out["matches_ddp"])
@@ -1039,9 +1063,41 @@ def part_host_ratio(out_dir: str, smoke: bool) -> dict[str, Any]:
     return res
 
 
+def part_compiled(out_dir: str, smoke: bool) -> dict[str, Any]:
+    """Compiled training on CUDA (issue: the plan under ``torch.compile``): each model of
+    :data:`COMPILED_MODELS` benched with ``--compile inductor`` on the emulated link
+    :data:`COMPILED_LINK` at world size 1, torch DDP compiled with its own DDPOptimizer
+    beside the runtime's ``best`` split at its plan's blocks: best's speed over DDP's, its
+    prediction and distance to the bound, how the graphs were split, and whether it trained
+    as DDP did (within the bench's tolerance: inductor fuses the split pieces differently).
+    A measurement: the part fails only on a run that failed or did not match DDP. Under
+    ``--smoke``: lab-cnn on the CPU, ``aot_eager``."""
+    models = COMPILED_MODELS_SMOKE if smoke else COMPILED_MODELS
+    backend = "aot_eager" if smoke else "inductor"
+    res: dict[str, Any] = {"backend": backend, "link": COMPILED_LINK, "models": {}}
+    result = Path(out_dir, "parts", "compiled.json")
+    for model, batch, limit in models:
+        key = f"{model} (batch {batch})"
+        left = _PART_DEADLINE - time.monotonic() - 3
+        if left < HOST_MIN_S:
+            r = {"skipped": f"skipped: no time left ({max(0.0, left):.0f} s before the part's limit)"}
+        else:
+            r = _bench(model, batch, smoke, os.path.join(out_dir, "compiled", model),
+                       Path(out_dir, "logs", f"compiled_{model}.log"), min(limit, left),
+                       extra=("--emulate", COMPILED_LINK, "--compile", backend),
+                       k_rounds=(COMPILED_ITERATIONS, COMPILED_ROUNDS))
+        res["models"][key] = r
+        ran = [v for v in res["models"].values() if "skipped" not in v]
+        res["ok"] = all(v.get("ok") for v in ran)
+        tmp = result.with_suffix(".tmp")   # a part killed past its limit keeps what ran
+        tmp.write_text(json.dumps(res, indent=1, default=str))
+        tmp.replace(result)
+    return res
+
+
 PART_FUNCS = {"imports": part_imports, "tests": part_tests, "sync_debug": part_sync_debug,
               "probes": part_probes, "two_ranks": part_two_ranks, "sharded": part_sharded,
-              "flow": part_flow, "host_ratio": part_host_ratio}
+              "flow": part_flow, "compiled": part_compiled, "host_ratio": part_host_ratio}
 
 
 # ------------------------------------------------------------------------------------------
@@ -1077,6 +1133,26 @@ def _host_line(model: str, v: dict[str, Any]) -> str:
     return (f"- {model}{src}: DDP {ms.get('ddp')} ms, runtime (best) {ms.get('best')} ms: runtime/DDP "
             f"{ratio:.3f}, {1 / ratio:.3f}x DDP's speed{interval}; goal >= {HOST_GOAL}x: {goal} "
             f"(a measurement); matches DDP: {v.get('matches_ddp')} (max diff "
+            f"{_fmt(v.get('max_param_diff'))}, tolerance {_fmt(v.get('param_tolerance'))})")
+
+
+def _compiled_line(model: str, v: dict[str, Any]) -> str:
+    """One model of ``compiled``."""
+    if "skipped" in v:
+        return f"- {model}: {v['skipped']}"
+    if "runtime_over_ddp" not in v:
+        return f"- {model}: FAILED: {v.get('error') or v.get('parse_error') or 'no result'}"
+    ms = v.get("measured_ms", {})
+    ci = v.get("vs_ddp") or {}
+    interval = (f" (95% interval {ci['lo']:.3f}-{ci['hi']:.3f})"
+                if isinstance(ci.get("lo"), float) and isinstance(ci.get("hi"), float) else "")
+    split = ((v.get("compile") or {}).get("split") or {}).get("best") or {}
+    pieces = (f"{split.get('pieces')} pieces in {split.get('graphs')} graph(s)"
+              + (", UNSPLIT" if split.get("unsplit") else "")) if split else "split not reported"
+    pred, bound = v.get("predicted_speedup"), v.get("vs_lower_bound")
+    return (f"- {model}: compiled DDP {ms.get('ddp')} ms, compiled best {ms.get('best')} ms: "
+            f"{1 / v['runtime_over_ddp']:.3f}x DDP{interval}, predicted {_fmt(pred)}x; best at "
+            f"{_fmt(bound)}x the bound; {pieces}; matches DDP: {v.get('matches_ddp')} (max diff "
             f"{_fmt(v.get('max_param_diff'))}, tolerance {_fmt(v.get('param_tolerance'))})")
 
 
@@ -1173,6 +1249,16 @@ def report(res: dict[str, Any]) -> str:
                              f"{_fmt(r.get('param_tolerance'))}; the bench trains DDP once: no control)")
             if not r.get("ok") and r.get("stderr"):
                 lines.append(f"- stderr: {r['stderr'][-500:]}")
+        elif name == "compiled":
+            lines.append(f"- `--compile {r.get('backend')}` on the emulated link {r.get('link')} at world "
+                         "size 1: torch DDP compiled (its DDPOptimizer) against best on the runtime (graphs "
+                         "split at the plan's blocks); a measurement, it fails no part")
+            for model, v in r.get("models", {}).items():
+                lines.append(_compiled_line(model, v))
+                if v.get("command"):
+                    lines.append(f"  - {v['command']}")
+                if not v.get("ok") and v.get("stderr"):
+                    lines.append(f"  - stderr: {v['stderr'][-300:]}")
         elif name == "host_ratio":
             lines.append(f"- the runtime's time over DDP's at world size 1, deterministic kernels; goal: "
                          f"runtime_ms <= DDP_ms / {HOST_GOAL} (a measurement, it fails no part)")

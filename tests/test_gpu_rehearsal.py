@@ -112,7 +112,7 @@ def _bundle(dest: Path) -> None:
                 (dest / top).symlink_to(root / top)
 
 
-@pytest.mark.slow   # about 50 s: run before a GPU is lent (docs/gpu.md), with -m slow
+@pytest.mark.slow   # about 80 s: run before a GPU is lent (docs/gpu.md), with -m slow
 def test_gpu_check_smoke_runs_from_a_clean_copy_with_only_the_image_and_the_bundle(tmp_path):
     repo, bundle, out = tmp_path / "repo", tmp_path / "site", tmp_path / "out"
     repo.mkdir()
@@ -136,20 +136,24 @@ def test_gpu_check_smoke_runs_from_a_clean_copy_with_only_the_image_and_the_bund
     report = (out / "ok" / "gpu_check.md").read_text() if (out / "ok" / "gpu_check.md").exists() else ""
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
     for part in ("imports: ok", "tests: ok", "sync_debug: skipped", "probes: ok",
-                 "two_ranks: ok", "sharded: ok", "flow: ok", "host_ratio: ok"):
+                 "two_ranks: ok", "sharded: ok", "flow: ok", "compiled: ok", "host_ratio: ok"):
         assert f"## {part}" in report, report
     assert "max |runtime - DDP| = 0, control max |DDP - DDP| = 0: ok" in report
     assert "matches DDP: True" in report and "(race visible)" in report
     # The planted difference is seen, on both ranks.
     assert report.count("max |planted - DDP| = ") == 2 and "NOT SEEN" not in report, report
     assert "lab-cnn (batch 2): DDP " in report and "(a measurement)" in report, report
+    # The compiled part split best's graph and trained as compiled DDP did.
+    assert "- lab-cnn (batch 2): compiled DDP " in report and "matches DDP: True" in report, report
+    assert "`--compile aot_eager` on the emulated link 16x25gbit" in report, report
     # Nothing under --out but the report, its JSON and the archive of everything else.
     files = sorted(p.name for p in (out / "ok").rglob("*"))
     assert files == ["gpu_check.json", "gpu_check.md", "gpu_check_evidence.tar.gz"], files
     with tarfile.open(out / "ok" / "gpu_check_evidence.tar.gz") as tar:
         names = set(tar.getnames())
     assert {"gpu_check/logs/flow.log", "gpu_check/parts/two_ranks.json", "gpu_check/bench/result.json",
-            "gpu_check/host_ratio/lab-cnn/result.json", "gpu_check/gpu_check.md"} <= names, names
+            "gpu_check/host_ratio/lab-cnn/result.json", "gpu_check/compiled/lab-cnn/result.json",
+            "gpu_check/gpu_check.md"} <= names, names
     # The project came from the copy, pydantic from the bundle.
     assert f"usbyte_opt.runtime: this tree from {repo}" in report, report
     assert f"pydantic: {md.version('pydantic') if not os.environ.get('USBYTE_GPU_WHEELS') else ''}" in report
