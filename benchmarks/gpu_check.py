@@ -97,9 +97,9 @@ streams of its own, carries them between 2 ranks on the same GPU. The parts, by 
 ``--smoke`` runs the same parts on the CPU where they can (``imports``; ``tests``, which skip;
 ``probes``' parent-reads-child case without the sleep; ``two_ranks``, ``sharded``, ``flow`` and
 ``host_ratio`` on gloo with small models and few iterations, the planted difference
-included; ``compiled`` on lab-cnn with ``aot_eager``): it checks this script, and ``tests/test_gpu_rehearsal.py`` runs it from a clean
-copy with only the image's packages and the bundle, so that a GPU session is not spent on the
-script's own bugs. It says nothing of the CUDA path.
+included; ``compiled`` on lab-cnn with ``aot_eager``): it checks this script, and
+``tests/test_gpu_rehearsal.py`` runs it from a clean copy with only the image's packages and
+the bundle, so that a GPU session is not spent on the script's own bugs. It says nothing of the CUDA path.
 """
 
 from __future__ import annotations

@@ -16,6 +16,8 @@ compares every parameter and buffer bitwise, and reads what the split did:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -204,6 +206,9 @@ def case_all(rank: int, ws: int) -> dict:
         "cut-tensors": (Deep, sched_two_phase, "opt", "plain"),
         "tied-lm": (TinyGPT, lambda m, w: grouped(m, w, 3), "opt", "plain"),
         "eager-read": (DeepEager, lambda m, w: grouped(m, w, 4), "opt", "plain"),
+        # The planner kept one cut of the plan's four (a schedule's cut_pieces): 2 pieces.
+        "cut-pieces": (Deep, lambda m, w: dataclasses.replace(grouped(m, w, 4), cut_pieces=(2,)),
+                       "opt", "plain"),
     }
     for name, (make, sched_of, how, loop) in cases.items():
         try:
@@ -241,7 +246,7 @@ def results() -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["opt-overlap", "wrap-compiled", "compile-wrap", "fence-accum",
                                   "sharded", "graph-break", "cut-tensors", "tied-lm",
-                                  "eager-read"])
+                                  "eager-read", "cut-pieces"])
 def test_compiled_runtime_trains_as_compiled_ddp(results: list[dict], case: str) -> None:
     for rank, res in enumerate(results):
         r = res[case]
@@ -276,6 +281,16 @@ def test_no_recompiles_after_the_first_iterations(results: list[dict]) -> None:
 
 
 @pytest.mark.slow
+def test_a_schedule_s_cut_pieces_merge_the_others(results: list[dict]) -> None:
+    """cut_pieces (2,) of the plan's 5 pieces: the graph is cut once, the gradients come in 2
+    groups, training is equal (above)."""
+    for res in results:
+        r = res["cut-pieces"]
+        assert r["blocks"] == 5 and r["pieces"] == 2 and r["clock_groups"] == 2, r
+        assert r["gated"] >= 1 and not r["foreign"], r
+
+
+@pytest.mark.slow
 def test_graph_break_tied_lm_and_cut_tensors_still_split(results: list[dict]) -> None:
     r = results[0]["graph-break"]
     assert r["gated"] >= 2 and r["pieces"] >= 3, r      # both graphs, each split
@@ -291,3 +306,26 @@ def test_graph_break_tied_lm_and_cut_tensors_still_split(results: list[dict]) ->
     # belongs to its first block's piece, so the pieces follow the layers (8 Linear, the
     # norm's tensors with one of them); training is still equal (above).
     assert cut["pieces"] >= 8 and cut["gated"] >= 1, cut
+
+
+def case_bad_cut(rank: int, ws: int) -> str:
+    from usbyte_opt.runtime import DistributedOptimizer
+
+    model = Deep()
+    sched = dataclasses.replace(grouped(model, ws, 4), cut_pieces=(2, 99))
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), model, schedule=sched,
+                             verify=False)
+    except Exception as e:   # noqa: BLE001 - the message is the result
+        return f"{type(e).__name__}: {e}"
+    return "accepted"
+
+
+def test_a_cut_piece_the_plan_does_not_have_is_refused_on_every_rank() -> None:
+    """cut_pieces naming a piece past the plan's (5 blocks of whole tensors: 5 pieces): one
+    line naming the field, on both ranks, before anything trains (eager: no compile)."""
+    res = run_local(case_bad_cut, 2, timeout_s=120, pg_timeout_s=60)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        assert r.value.startswith("FormatError") and "cut_pieces[1]" in r.value, r.value
+        assert "below 5" in r.value, r.value

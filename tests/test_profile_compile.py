@@ -32,8 +32,16 @@ def test_compiled_profile_has_the_split_backwards_ready_times(tmp_path):
     assert last < first and first <= p.backward_ms, (first, last, p.backward_ms)
     assert len({round(t.ready_ms / p.backward_ms, 2) for t in p.tensors}) >= 3
     assert all(0 <= t.need_ms <= p.forward_ms for t in p.tensors)
+    # Each cut between layers timed on its own (a copy compiled with that one cut beside one
+    # compiled whole): what the planner charges a plan's pieces.
+    assert meta["cut_candidates"] == 3 and sorted(meta["cuts"]) == ["2.weight", "4.weight", "6.weight"]
+    assert all(c >= 0 for c in meta["cuts"].values()) and meta["cut_default_ms"] >= 0
     save_profile(p, tmp_path / "c.json")               # a valid profile, read back
-    assert load_profile(tmp_path / "c.json").meta["compile"]["pieces"] == meta["pieces"]
+    back = load_profile(tmp_path / "c.json")
+    assert back.meta["compile"]["pieces"] == meta["pieces"]
+    from usbyte_opt.planning.problem import Problem
+
+    assert Problem.from_profile(back).compiled
 
 
 @pytest.mark.slow

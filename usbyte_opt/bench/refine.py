@@ -106,8 +106,16 @@ def scaled(profile: Profile, factor: float) -> Profile:
         return profile
     tensors = tuple(dataclasses.replace(t, ready_ms=t.ready_ms * factor, need_ms=t.need_ms * factor,
                                         update_ms=t.update_ms * factor) for t in profile.tensors)
+    meta = profile.meta
+    comp = meta.get("compile")
+    if isinstance(comp, dict) and isinstance(comp.get("cuts"), dict):
+        # A compiled profile's cut costs are compute too.
+        comp = dict(comp, cuts={k: v * factor for k, v in comp["cuts"].items()})
+        if isinstance(comp.get("cut_default_ms"), (int, float)):
+            comp["cut_default_ms"] *= factor
+        meta = {**meta, "compile": comp}
     return dataclasses.replace(profile, forward_ms=profile.forward_ms * factor,
-                               backward_ms=profile.backward_ms * factor, tensors=tensors)
+                               backward_ms=profile.backward_ms * factor, tensors=tensors, meta=meta)
 
 
 def loaded_comm(comm: CommSpec, samples: Sequence[tuple[int, float]],

@@ -203,6 +203,7 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
     (:func:`usbyte_opt.bench.bench_profile`)."""
     import dataclasses
 
+    from ..planning.compiled import as_compiled
     from ..planning.problem import Problem, runner_of
     from ..planning.simulate import simulate_blocks
     from . import bench_profile
@@ -232,12 +233,15 @@ def refine(profile: Any, planned: Planned, loaded: LoadedComm | None = None,
         elif pred.mode == Mode.FENCE:  # the whole step already runs on the training thread
             sched = planned.schedules[s]
             on = rp if sched.hierarchical else flat
-            pred.refined_ms = simulate_blocks(on, on.layout(sched.buffers), sched.blocks,
-                                              Mode.FENCE, runner_of(s)).iteration_ms
+            lay = on.layout(sched.buffers)
+            pred.refined_ms = simulate_blocks(as_compiled(on, lay, sched.blocks, sched.cut_pieces),
+                                              lay, sched.blocks, Mode.FENCE, runner_of(s)).iteration_ms
         else:
             sched = planned.schedules[s]
             on = rp if sched.hierarchical else flat
-            pred.refined_ms = refined_overlap(on, on.layout(sched.buffers), sched.blocks)
+            lay = on.layout(sched.buffers)
+            pred.refined_ms = refined_overlap(as_compiled(on, lay, sched.blocks, sched.cut_pieces),
+                                              lay, sched.blocks)
 
 
 def pin_cores(local_rank: int, local_world: int) -> list[int] | None:

@@ -125,6 +125,10 @@ def bench(
         help="Profile and train every strategy compiled by torch.compile with this backend "
              "(inductor, aot_eager); torch DDP with its own DDPOptimizer, the runtime split at "
              "its plan's blocks.")] = None,
+    cut_probes: Annotated[int, typer.Option(
+        "--cut-probes", min=0, rich_help_panel=MORE,
+        help="With --compile: places to cut the graph at that the profile times one by one "
+             "(as usbyte-opt profile --cut-probes; 0: cuts taken as free).")] = 12,
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
@@ -148,7 +152,8 @@ def bench(
     if compile_backend:
         import dataclasses
 
-        cfg.profiling = dataclasses.replace(cfg.profiling, compile=compile_backend)
+        cfg.profiling = dataclasses.replace(cfg.profiling, compile=compile_backend,
+                                            cut_probes=cut_probes)
     try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
         from ..bench import check_emulate
 

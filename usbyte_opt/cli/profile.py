@@ -97,6 +97,11 @@ def profile(
              "aot_eager, ...): its graphs split where each tensor is first used, as the "
              "runtime splits them at the plan's blocks, so that the gradients' ready times "
              "are the compiled backward's (need times: an eager pass's, scaled).")] = None,
+    cut_probes: Annotated[int, typer.Option(
+        "--cut-probes", min=0,
+        help="With --compile: how many places to cut the graph at are timed one by one (a "
+             "copy compiled with that one cut beside one compiled whole), so that the planner "
+             "cuts only where the overlap pays for the cut (0: cuts taken as free).")] = 12,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.001, help="Process-group timeout (seconds).")] = 600.0,
     stable_s: Annotated[float, typer.Option(
@@ -137,7 +142,7 @@ def profile(
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
         shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s, host_probe=host_probe,
-        compile=compile_backend)
+        compile=compile_backend, cut_probes=cut_probes)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
 
 

@@ -388,6 +388,11 @@ class Schedule:
     """What runs it (optional field ``runner``, default ``"runtime"``): the usbyte-opt runtime,
     or torch DDP's reducer with the planned buckets (:class:`Runner`); a file naming ``"ddp"``
     also holds :meth:`bucket_cap_mb_list` as ``bucket_cap_mb_list``."""
+    cut_pieces: tuple[int, ...] | None = None
+    """Compiled training only (optional field ``cut_pieces``): the plan's pieces (tensors
+    grouped by the first and last block holding them, numbered in issue order:
+    :func:`usbyte_opt.planning.compiled.plan_pieces`) before which the runtime cuts a compiled
+    graph; the others join the piece before them. ``None``: a cut before every piece."""
     path: str | None = field(default=None, compare=False, repr=False)
     """The file it was read from (:func:`~usbyte_opt.formats.load_schedule`), for messages;
     not part of the file."""
@@ -398,6 +403,8 @@ class Schedule:
         if self.gathers is not None:
             object.__setattr__(self, "gathers", tuple(tuple(int(k) for k in g)
                                                       for g in self.gathers))
+        if self.cut_pieces is not None:
+            object.__setattr__(self, "cut_pieces", tuple(int(k) for k in self.cut_pieces))
 
     def gather_groups(self) -> tuple[tuple[int, ...], ...]:
         """The all-gathers of sharded mode, in issue order: :attr:`gathers`, or by default one
@@ -734,6 +741,8 @@ def schedule_json(schedule: Schedule) -> dict[str, Any]:
         out["shapes"] = {n: list(s) for n, s in schedule.shapes.items()}
     if schedule.gathers is not None:
         out["gathers"] = [list(g) for g in schedule.gathers]
+    if schedule.cut_pieces is not None:
+        out["cut_pieces"] = list(schedule.cut_pieces)
     if schedule.runner is not Runner.RUNTIME:   # left out for the runtime: such a file is as before
         out["runner"] = str(schedule.runner)
         try:

@@ -341,6 +341,11 @@ class ScheduleFile(TypedDict):
                                         "issue order, each a list of block indices gathered "
                                         "together; every block in exactly one (default: one "
                                         "per block, in reverse block order)")]]
+    cut_pieces: NotRequired[Annotated[list[Annotated[int, Rule(ge=1)]], Rule(
+        description="compiled training: the plan's pieces (tensors grouped by the first and last "
+                    "block holding them, numbered in issue order) before which a compiled graph "
+                    "is cut, ascending; the others join the piece before them (default: every "
+                    "piece)")]]
     comm: NotRequired[Annotated[dict[str, Any], Rule(description="the cost model planned for")]]
     info: NotRequired[Annotated[dict[str, Any], Rule(description="the strategy's knobs")]]
 
@@ -899,6 +904,18 @@ def _check_schedule(d: dict[str, Any], source: str) -> list[int]:
             raise FormatError(source, f"{p}.end", f"an offset <= the buffer's numel ({numels[bi]})", e)
     if "gathers" in d:
         _check_gathers(d["gathers"], len(d["blocks"]), d.get("mode", str(Mode.OVERLAP)), source)
+    cuts = d.get("cut_pieces")
+    if cuts is not None:
+        if d.get("mode") == str(Mode.SHARDED):
+            raise FormatError(source, "cut_pieces", "no cut_pieces in sharded mode (its compiled "
+                              "graphs are cut at every piece)")
+        for i in range(1, len(cuts)):
+            if cuts[i] <= cuts[i - 1]:
+                raise FormatError(source, f"cut_pieces[{i}]", f"ascending piece numbers (> "
+                                  f"{cuts[i - 1]})", cuts[i])
+        if cuts and cuts[-1] >= len(d["blocks"]) * len(d["blocks"]):
+            raise FormatError(source, f"cut_pieces[{len(cuts) - 1}]", "a piece number below the "
+                              "number of (first, last) block pairs", cuts[-1])
     return numels
 
 
@@ -1009,7 +1026,7 @@ def parse_profile(data: Any, source: str = "<profile>") -> Profile:
 #: Schedule fields that become :class:`Schedule` attributes; any other is kept in ``extra``.
 _SCHEDULE_KEYS = {"format", "version", "strategy", "profile", "model", "fingerprint", "world_size",
                   "nodes", "mode", "buffers", "blocks", "predicted", "shapes", "gathers",
-                  "runner", "bucket_cap_mb_list"}
+                  "runner", "bucket_cap_mb_list", "cut_pieces"}
 
 
 def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
@@ -1025,7 +1042,8 @@ def parse_schedule(data: Any, source: str = "<schedule>") -> Schedule:
                      {k: v for k, v in d.items() if k not in _SCHEDULE_KEYS}, d["mode"],
                      None if shapes is None else {n: tuple(s) for n, s in shapes.items()},
                      None if "gathers" not in d else tuple(tuple(g) for g in d["gathers"]),
-                     d.get("model"), d["nodes"], d["runner"])
+                     d.get("model"), d["nodes"], d["runner"],
+                     None if "cut_pieces" not in d else tuple(d["cut_pieces"]))
     if numels:
         check_coverage(sched, numels, source)
     check_runner(sched, d.get("bucket_cap_mb_list"), source)

@@ -37,6 +37,7 @@ from typing import Any
 from ..errors import FormatError, UsbyteError
 from ..formats import Block, Mode, Profile, Runner, Schedule, ddp_buckets
 from .bounds import lower_bound
+from .compiled import choose_cuts, compiled_time
 from .cost import HierCost, retarget
 from .fastsim import scorer_for
 from .problem import Problem, UpdateRule
@@ -66,6 +67,10 @@ class StrategyResult:
     state_bytes: int = 0
     """Optimizer-state bytes on the rank holding the most (:func:`usbyte_opt.planning.sharded.state_bytes`):
     every gradient's worth unsharded, about ``1 / world_size`` of it sharded."""
+    cut_pieces: tuple[int, ...] | None = None
+    """A compiled profile's plan run by the runtime: the pieces it cuts before
+    (:func:`usbyte_opt.planning.compiled.choose_cuts`), which :attr:`iteration_ms` charges;
+    ``None`` otherwise."""
     hier: bool = False
     """Planned under the hierarchical model (:class:`~usbyte_opt.planning.cost.HierCost`):
     each of its blocks all-reduced hierarchically where that is cheaper; ``False``: every
@@ -161,6 +166,11 @@ class Report:
         sched = self.problem.schedule(name, r.plan.layout, r.plan.blocks, predicted, extra,
                                       mode=r.mode, profile_digest=profile_digest,
                                       gathers=r.plan.gathers, hier=hier)
+        if r.cut_pieces is not None:
+            # The pieces of the schedule's own blocks (alignment may have moved a cut).
+            keep = r.cut_pieces if tuple(sched.blocks) == tuple(r.plan.blocks) else choose_cuts(
+                self.problem, self.problem.layout(sched.buffers), sched.blocks, r.mode)[0]
+            sched = dataclasses.replace(sched, cut_pieces=keep)
         if r.plan.runner is Runner.DDP:
             # torch DDP runs it with the planned buckets where it can express them (one dtype:
             # DDP's own buckets of several dtypes are left to the runtime's file)
@@ -513,6 +523,14 @@ def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -
     else:
         T = fe if plan.mode == Mode.FENCE else ov
         state = state_bytes(problem, plan.layout, None, slots)
-    return StrategyResult(name, plan, plan.mode, T, ov, fe, solve, state)
+    cuts = None
+    if problem.compiled and plan.mode != Mode.SHARDED:
+        # Compiled: the cuts the plan's pieces need cost compute (planning.compiled); torch
+        # DDP's DDPOptimizer cuts at every bucket, the runtime where the cut pays.
+        if plan.runner is Runner.DDP:
+            T = compiled_time(problem, plan.layout, plan.blocks, plan.mode, plan.runner)
+        else:
+            cuts, T = choose_cuts(problem, plan.layout, plan.blocks, plan.mode, plan.runner)
+    return StrategyResult(name, plan, plan.mode, T, ov, fe, solve, state, cut_pieces=cuts)
 
 

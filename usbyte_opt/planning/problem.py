@@ -206,6 +206,9 @@ class Problem:
     """Whether the host runs ahead of the device (CUDA, not launch-bound: the profile's
     ``host.launch_bound`` false), so that the host's cost counts only where it exceeds the
     compute it runs ahead of (:meth:`host_releases`)."""
+    compiled: bool = False
+    """Whether the profile is of a compiled model with measured cut costs (``meta.compile.cuts``):
+    predictions then charge the cuts a plan's pieces need (:mod:`usbyte_opt.planning.compiled`)."""
     _ready_order: list[int] | None = None
     _need_order: list[int] | None = None
     cache: dict[Any, Any] = field(default_factory=dict, repr=False)
@@ -247,6 +250,8 @@ class Problem:
             update_rule=UpdateRule.of(profile) if update_rule is None else UpdateRule(update_rule),
             host=host,
             host_hidden=h is not None and not h.launch_bound,
+            compiled=isinstance(profile.meta.get("compile"), Mapping)
+            and isinstance(profile.meta["compile"].get("cuts"), Mapping),
         )
 
     def with_cost(self, cost: CostModel) -> Problem:

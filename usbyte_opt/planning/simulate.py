@@ -252,6 +252,11 @@ def simulate(profile: Profile | Problem, schedule: Schedule, mode: Mode | str | 
     mode = Mode(mode or schedule.mode)
     if mode == Mode.SHARDED:
         return simulate_sharded(problem, layout, schedule.blocks, schedule.gather_groups())
+    if problem.compiled:
+        # A compiled profile: the cuts the schedule's pieces need (torch DDP's at every bucket).
+        from .compiled import as_compiled
+
+        problem = as_compiled(problem, layout, schedule.blocks, schedule.cut_pieces)
     return simulate_blocks(problem, layout, schedule.blocks, mode,
                            _runner(schedule) if runner is None else runner)
 

@@ -78,6 +78,12 @@ class ProfileOptions:
     ``aot_eager``, ...), as the run will train it, its graphs split at every tensor's first use
     as the runtime splits them at the plan's blocks (:mod:`usbyte_opt.runtime.compiled`), so
     that ``ready_ms`` are the compiled backward's; ``None``: eager."""
+    cut_probes: int = 12
+    """With :attr:`compile`: how many candidate cuts to time one by one (each a copy of the
+    model compiled with that one cut, beside a copy compiled whole), the cuts the planner
+    weighs (:mod:`usbyte_opt.planning.compiled`): ``meta.compile.cuts``. Where a model has
+    more candidates (cuts between modules, in forward order), evenly spaced ones; the others
+    cost their median. 0: none measured (the planner then takes cuts as free)."""
 
     def sweep_sizes(self) -> list[int]:
         """The all-reduce sizes the sweep times, in bytes."""

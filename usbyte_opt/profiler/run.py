@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name,
 from ..planning.cost import fit_samples
 from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
-from .timing import ROUND, IterationTimer, Progress, Summary, Timings, fill_need, summarize
+from .timing import ROUND, IterationTimer, Progress, Summary, Timings, fill_need, make_clock, summarize
 from .topology import Place, Topology, place_from_env, topology
 
 
@@ -265,12 +266,93 @@ def _profile_timed(opts: ProfileOptions, timer: IterationTimer, split: Any, eage
     prof = _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
                      timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
     if split is not None:
-        prof = dataclasses.replace(prof, meta={**prof.meta, "compile": {
+        comp: dict[str, Any] = {
             "backend": opts.compile, "graphs": split.state.gated, "pieces": split.state.pieces,
-            "need_ms": "an eager pass's, scaled to the compiled forward"}})
+            "need_ms": "an eager pass's, scaled to the compiled forward"}
+        if opts.cut_probes > 0 and timer.steady_with is not None:
+            if progress is not None:
+                progress("cut costs", 0, 1)
+            comp.update(_cut_costs(net, opt, inputs, loss_fn, dev, opts, eager, timer.steady_with,
+                                   group if world > 1 else None))
+        prof = dataclasses.replace(prof, meta={**prof.meta, "compile": comp})
     if host is None:
         return prof
     return dataclasses.replace(prof, host=host, meta={**prof.meta, "host_probe": host_rec})
+
+
+#: Cut costs (``--compile``): iterations timed per turn, turns (each: the copy cut once, then
+#: the copy compiled whole) and untimed iterations after compiling.
+CUT_TURN, CUT_TURNS, CUT_WARMUP = 3, 4, 2
+
+
+def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequence[Any],
+               loss_fn: Callable[[Any], torch.Tensor], dev: torch.device, opts: ProfileOptions,
+               eager: Any, whole: tuple[Any, Any], group: Any) -> dict[str, Any]:
+    """What one cut costs a compiled iteration, at each candidate place: a copy of the model
+    compiled with that single cut (its graph split before the first use of a tensor, as the
+    runtime splits at a plan's blocks) timed in turns beside the copy compiled whole; the
+    median difference, 0 at least. Candidates: in the eager pass's order of first use, each
+    tensor whose module differs from the one before (a module's weight and bias are never
+    apart), evenly spaced ones when there are more than ``opts.cut_probes``. The maximum over
+    ranks (every rank compiles and times the same). Returns the ``meta.compile`` entries
+    ``cuts`` (ms by the name of the tensor the cut comes before), ``cut_default_ms`` (their
+    median: the cost the planner gives a cut not measured) and ``cut_candidates``."""
+    from ..runtime.compiled import PlanSplit, own_forward
+
+    names = [n for n, p in net.named_parameters() if p.requires_grad]
+    need = summarize(eager).need_ms
+    order = sorted(range(len(names)), key=lambda i: (need[i], i))
+    module = [names[i].rpartition(".")[0] for i in order]
+    cands = [k for k in range(1, len(order)) if module[k] != module[k - 1]]
+    if len(cands) > opts.cut_probes:
+        step = len(cands) / opts.cut_probes
+        cands = [cands[min(len(cands) - 1, int(j * step + step / 2))] for j in range(opts.cut_probes)]
+    whole_fwd, whole_opt = whole
+    clock = make_clock(dev)
+
+    def timed(forward: Any, o: Any, n: int) -> list[float]:
+        out = []
+        for _ in range(n):
+            clock.start_iteration()
+            a = clock.stamp()
+            loss_fn(forward(*inputs)).backward()
+            o.step()
+            o.zero_grad(set_to_none=True)
+            b = clock.stamp()
+            clock.finish()
+            out.append(clock.ms(a, b))
+        return out
+
+    costs: list[float] = []
+    for k in cands:
+        twin, twin_opt = copy.deepcopy((net, opt))
+        own_forward(twin)
+        params = [p for p in twin.parameters() if p.requires_grad]
+        before = set(order[:k])
+        # Piece 1 (wanted last) holds the tensors used before the cut, piece 0 the rest.
+        split = PlanSplit(twin, params, [1 if i in before else 0 for i in range(len(params))],
+                          lambda ts: None)
+        split.register()
+        try:
+            fwd = torch.compile(twin, backend=opts.compile)
+            timed(fwd, twin_opt, CUT_WARMUP)
+            cut_ms, whole_ms = [], []
+            for _ in range(CUT_TURNS):
+                cut_ms += timed(fwd, twin_opt, CUT_TURN)
+                whole_ms += timed(whole_fwd, whole_opt, CUT_TURN)
+            costs.append(max(0.0, median(cut_ms) - median(whole_ms)))
+        finally:
+            split.unregister()
+            del fwd, twin, twin_opt, split
+    if group is not None and costs:
+        t = torch.tensor(costs, dtype=torch.float64, device=dev)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+        costs = t.tolist()
+    cuts = {names[order[k]]: round(c, 6) for k, c in zip(cands, costs)}
+    return {"cuts": cuts, "cut_default_ms": round(median(costs), 6) if costs else 0.0,
+            "cut_candidates": sum(1 for k in range(1, len(order)) if module[k] != module[k - 1]),
+            "cut_method": f"one cut per compiled copy, {CUT_TURNS} turns of {CUT_TURN} iterations "
+                          "beside a copy compiled whole; median difference, max over ranks"}
 
 
 def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,

@@ -16,7 +16,10 @@ same hook for its own plan:
   use (in forward order) of a tensor held by other blocks than the tensors before it
   (:func:`plan_pieces`: the first and the last block holding it), so a block goes out when
   the piece holding its last tensor has run its backward, and the next forward's gates wait
-  between pieces for the blocks each reads. Each piece is compiled by the user's own backend
+  between pieces for the blocks each reads. A schedule planned on a compiled profile says
+  where a cut pays (``cut_pieces``: a cut costs compute, and the planner keeps only the cuts
+  worth their cost, :mod:`usbyte_opt.planning.compiled`); the other pieces join the piece
+  before them (:func:`merged_pieces`). Each piece is compiled by the user's own backend
   (inductor, ``aot_eager``, ...), exactly as ``DDPOptimizer`` compiles its pieces; a graph
   that reads no planned tensor goes to the backend whole, as without DDP.
 * **Gates.** Before each piece the split graph calls :func:`_gate` with the parameters the
@@ -60,34 +63,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from ..errors import UsbyteError
+from ..planning.compiled import merged_pieces, plan_pieces
 
-__all__ = ["PlanSplit", "own_forward", "plan_pieces", "split_available"]
-
-
-def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]
-                ) -> list[int]:
-    """The piece of each runtime tensor: tensors go together when the same blocks, in issue
-    order, first and last hold them. The first block says when the backward must have
-    produced the tensor's gradient (a tensor cut between blocks is wanted when its first part
-    goes out), the last when the next forward may read it (its update waits for every part).
-    Numbered by (first, last) block: piece 0 is wanted first. The splitter starts a new piece
-    at the first use of a tensor of another piece, so the backward hands each piece's
-    gradients on and, in overlap mode, the forward's gates wait between pieces for the blocks
-    the next piece reads.
-
-    Example::
-
-        >>> # 4 tensors; blocks {0,1}, {2 (first part)}, {2 (rest), 3}
-        >>> plan_pieces([[0, 1], [2], [2, 3]], [[0], [0], [1, 2], [2]])
-        [0, 0, 1, 2]
-        >>> # the first block holds the head of tensor 0, the last block its tail
-        >>> plan_pieces([[0, 1], [2], [0]], [[0, 2], [0], [1]])
-        [1, 0, 2]
-    """
-    n = len(block_tensors)
-    key = [(min(bs), max(bs)) if bs else (n, n) for bs in tensor_blocks]
-    rank = {k: i for i, k in enumerate(sorted(set(key)))}
-    return [rank[k] for k in key]
+__all__ = ["PlanSplit", "merged_pieces", "own_forward", "plan_pieces", "split_available"]
 
 
 class _ModelState:

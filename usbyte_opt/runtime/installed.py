@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..errors import FormatError
 from ..formats import Mode, Schedule
 from .backward import StepComm
 from .buffers import FlatGrads
 from .checks import check_hierarchy, whole_world
 from .comm import Channel
-from .compiled import plan_pieces
+from .compiled import merged_pieces, plan_pieces
 from .forward import ForwardGates, _Hook
 from .guard import Guard
 from .semantics import BufferSync, declared, steps_per_parameter
@@ -172,6 +173,12 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
                             previous.stepper.calls if previous is not None else 0,
                             per_parameter=per_param, declared=per_param and declared(optimizer))
     in_opt = [gi >= 0 for gi in stepper.group_of]
+    pieces = plan_pieces(grads.block_tensors, grads.tensor_blocks)
+    if schedule.cut_pieces and schedule.cut_pieces[-1] > max(pieces):
+        # Every rank has the same schedule: every rank raises here alike.
+        raise FormatError(source, f"cut_pieces[{len(schedule.cut_pieces) - 1}]",
+                          f"a piece number below {max(pieces) + 1} (the plan's blocks make "
+                          f"{max(pieces) + 1} pieces)", schedule.cut_pieces[-1])
     trace = _recorder(options.trace_path, schedule, grads, chan, previous)
 
     # The step's callbacks into the updates and the gates, which are built below.
@@ -194,7 +201,7 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     gates = ForwardGates(model, grads.params, updates, chan, options.buffer_sync,
                          comm.clear_flushed, comm.output_grad,
                          lambda: not comm.no_sync and comm.passes + 1 >= comm.k,
-                         plan_pieces(grads.block_tensors, grads.tensor_blocks))
+                         merged_pieces(pieces, schedule.cut_pieces))
 
     def settle_param(ts: list[int]) -> None:
         """A tensor with a pending update was touched: run its update first."""
