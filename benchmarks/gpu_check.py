@@ -172,8 +172,10 @@ HOST_GOAL = 0.98
 COMPILED_MODELS: list[tuple[str, int, float]] = [("gpt2", 4, 75.0), ("resnet50", 64, 70.0)]
 COMPILED_MODELS_SMOKE: list[tuple[str, int, float]] = [("lab-cnn", 2, 150.0)]
 COMPILED_LINK = "16x25gbit"
-#: Timed iterations and rounds of each ``compiled`` bench (compiling takes most of its time).
+#: Timed iterations and rounds of each ``compiled`` bench (compiling takes most of its time),
+#: and the places its profile times a cut at (each one more compile of the model).
 COMPILED_ITERATIONS, COMPILED_ROUNDS = 6, 1
+COMPILED_CUT_PROBES = 3
 
 #: When the running part must be done (``time.monotonic()``; set in the part's process).
 _PART_DEADLINE = float("inf")
@@ -1040,24 +1042,38 @@ def part_host_ratio(out_dir: str, smoke: bool) -> dict[str, Any]:
     left; the transformer's is the ``flow`` part's run. The goal (:data:`HOST_GOAL`) is a
     measurement: the part fails only on a run that failed or did not match DDP."""
     models = HOST_MODELS_SMOKE if smoke else HOST_MODELS
-    res: dict[str, Any] = {"goal": HOST_GOAL, "models": {}}
-    result = Path(out_dir, "parts", "host_ratio.json")
     flow_file = Path(out_dir, "parts", "flow.json")
     flow = json.loads(flow_file.read_text()) if flow_file.exists() else {}
+
+    from_flow = bool(flow.get("ok")) and "runtime_over_ddp" in flow
+
+    def run(i: int, model: str, batch: int, limit: float) -> dict[str, Any]:
+        if i == 0 and from_flow:
+            return dict(flow, source="the flow part's run")
+        return _bench(model, batch, smoke, os.path.join(out_dir, "host_ratio", model),
+                      Path(out_dir, "logs", f"host_ratio_{model}.log"), limit)
+
+    return _per_model({"goal": HOST_GOAL, "models": {}}, Path(out_dir, "parts", "host_ratio.json"),
+                      models, run, first_free=from_flow)
+
+
+def _per_model(res: dict[str, Any], result: Path, models: list[tuple[str, int, float]],
+               run: Any, first_free: bool = False) -> dict[str, Any]:
+    """Each model in turn (``run(i, model, batch, limit)``, within its limit or what is left
+    of the part's), skipped, saying so, when less than :data:`HOST_MIN_S` seconds are left
+    (``first_free``: the first model costs nothing: it is read from another part); the
+    result so far written after each model, so that a part killed past its limit keeps what
+    ran."""
     for i, (model, batch, limit) in enumerate(models):
-        key = f"{model} (batch {batch})"
         left = _PART_DEADLINE - time.monotonic() - 3
-        if i == 0 and flow.get("ok") and "runtime_over_ddp" in flow:
-            r = dict(flow, source="the flow part's run")
-        elif left < HOST_MIN_S:
+        if left < HOST_MIN_S and not (first_free and i == 0):
             r = {"skipped": f"skipped: no time left ({max(0.0, left):.0f} s before the part's limit)"}
         else:
-            r = _bench(model, batch, smoke, os.path.join(out_dir, "host_ratio", model),
-                       Path(out_dir, "logs", f"host_ratio_{model}.log"), min(limit, left))
-        res["models"][key] = r
+            r = run(i, model, batch, min(limit, left))
+        res["models"][f"{model} (batch {batch})"] = r
         ran = [v for v in res["models"].values() if "skipped" not in v]
         res["ok"] = all(v.get("ok") for v in ran)
-        tmp = result.with_suffix(".tmp")   # a part killed past its limit keeps what ran
+        tmp = result.with_suffix(".tmp")
         tmp.write_text(json.dumps(res, indent=1, default=str))
         tmp.replace(result)
     return res
@@ -1074,25 +1090,16 @@ def part_compiled(out_dir: str, smoke: bool) -> dict[str, Any]:
     ``--smoke``: lab-cnn on the CPU, ``aot_eager``."""
     models = COMPILED_MODELS_SMOKE if smoke else COMPILED_MODELS
     backend = "aot_eager" if smoke else "inductor"
-    res: dict[str, Any] = {"backend": backend, "link": COMPILED_LINK, "models": {}}
-    result = Path(out_dir, "parts", "compiled.json")
-    for model, batch, limit in models:
-        key = f"{model} (batch {batch})"
-        left = _PART_DEADLINE - time.monotonic() - 3
-        if left < HOST_MIN_S:
-            r = {"skipped": f"skipped: no time left ({max(0.0, left):.0f} s before the part's limit)"}
-        else:
-            r = _bench(model, batch, smoke, os.path.join(out_dir, "compiled", model),
-                       Path(out_dir, "logs", f"compiled_{model}.log"), min(limit, left),
-                       extra=("--emulate", COMPILED_LINK, "--compile", backend),
-                       k_rounds=(COMPILED_ITERATIONS, COMPILED_ROUNDS))
-        res["models"][key] = r
-        ran = [v for v in res["models"].values() if "skipped" not in v]
-        res["ok"] = all(v.get("ok") for v in ran)
-        tmp = result.with_suffix(".tmp")   # a part killed past its limit keeps what ran
-        tmp.write_text(json.dumps(res, indent=1, default=str))
-        tmp.replace(result)
-    return res
+
+    def run(i: int, model: str, batch: int, limit: float) -> dict[str, Any]:
+        return _bench(model, batch, smoke, os.path.join(out_dir, "compiled", model),
+                      Path(out_dir, "logs", f"compiled_{model}.log"), limit,
+                      extra=("--emulate", COMPILED_LINK, "--compile", backend,
+                             "--cut-probes", str(COMPILED_CUT_PROBES)),
+                      k_rounds=(COMPILED_ITERATIONS, COMPILED_ROUNDS))
+
+    return _per_model({"backend": backend, "link": COMPILED_LINK, "models": {}},
+                      Path(out_dir, "parts", "compiled.json"), models, run)
 
 
 PART_FUNCS = {"imports": part_imports, "tests": part_tests, "sync_debug": part_sync_debug,
@@ -1117,17 +1124,30 @@ def _cmp(diff: Any, control: Any, what: str, ref: str) -> str:
     return f"max |{what} - {ref}| = {diff:.3g}, control max |{ref} - {ref}| = {control:.3g}: {state}"
 
 
-def _host_line(model: str, v: dict[str, Any]) -> str:
-    """One model of ``host_ratio``."""
+def _not_run(model: str, v: dict[str, Any]) -> str | None:
+    """A bench's line when it has no figures (skipped, failed); ``None`` when it has."""
     if "skipped" in v:
         return f"- {model}: {v['skipped']}"
     if "runtime_over_ddp" not in v:
         return f"- {model}: FAILED: {v.get('error') or v.get('parse_error') or 'no result'}"
+    return None
+
+
+def _interval(v: dict[str, Any], fmt: str) -> str:
+    """The paired 95% interval of a bench's speed over DDP's, as ``fmt`` gives it, or ""."""
+    ci = v.get("vs_ddp") or {}
+    return (fmt.format(ci["lo"], ci["hi"])
+            if isinstance(ci.get("lo"), float) and isinstance(ci.get("hi"), float) else "")
+
+
+def _host_line(model: str, v: dict[str, Any]) -> str:
+    """One model of ``host_ratio``."""
+    head = _not_run(model, v)
+    if head is not None:
+        return head
     ms = v.get("measured_ms", {})
     ratio = v["runtime_over_ddp"]
-    ci = v.get("vs_ddp") or {}
-    interval = (f", 95% interval of DDP's speed {ci['lo']:.3f}-{ci['hi']:.3f}x"
-                if isinstance(ci.get("lo"), float) and isinstance(ci.get("hi"), float) else "")
+    interval = _interval(v, ", 95% interval of DDP's speed {:.3f}-{:.3f}x")
     goal = "met" if v.get("meets_goal") else "NOT met"
     src = f" ({v['source']})" if v.get("source") else ""
     return (f"- {model}{src}: DDP {ms.get('ddp')} ms, runtime (best) {ms.get('best')} ms: runtime/DDP "
@@ -1138,14 +1158,11 @@ def _host_line(model: str, v: dict[str, Any]) -> str:
 
 def _compiled_line(model: str, v: dict[str, Any]) -> str:
     """One model of ``compiled``."""
-    if "skipped" in v:
-        return f"- {model}: {v['skipped']}"
-    if "runtime_over_ddp" not in v:
-        return f"- {model}: FAILED: {v.get('error') or v.get('parse_error') or 'no result'}"
+    head = _not_run(model, v)
+    if head is not None:
+        return head
     ms = v.get("measured_ms", {})
-    ci = v.get("vs_ddp") or {}
-    interval = (f" (95% interval {ci['lo']:.3f}-{ci['hi']:.3f})"
-                if isinstance(ci.get("lo"), float) and isinstance(ci.get("hi"), float) else "")
+    interval = _interval(v, " (95% interval {:.3f}-{:.3f})")
     split = ((v.get("compile") or {}).get("split") or {}).get("best") or {}
     pieces = (f"{split.get('pieces')} pieces in {split.get('graphs')} graph(s)"
               + (", UNSPLIT" if split.get("unsplit") else "")) if split else "split not reported"
