@@ -179,3 +179,18 @@ def test_sharded_schedules_take_no_cut_pieces(tmp_path) -> None:
     path.write_text(json.dumps(d))
     with pytest.raises(FormatError, match="cut_pieces"):
         load_schedule(path)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_best_is_never_predicted_slower_than_another_strategy_with_cuts(seed) -> None:
+    """Every strategy's prediction charges its cuts; best weighs the others' plans with theirs
+    (random cut costs over the cnn-like profile)."""
+    import random
+
+    rng = random.Random(seed)
+    names = ["conv0.bias", "conv1.weight", "conv2.weight", "fc.weight", "out.weight"]
+    prof = cnn_like({n: rng.uniform(0.0, 8.0) for n in names}, default=rng.uniform(0.0, 4.0))
+    rep = compare(prof)
+    best = rep.results["best"].iteration_ms
+    others = {n: r.iteration_ms for n, r in rep.results.items() if n != "best"}
+    assert best <= min(others.values()) * (1 + 1e-9), (best, others)

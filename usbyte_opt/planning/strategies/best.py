@@ -1057,9 +1057,8 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
     for c in _distinct(finals):
         pool.add_ddp(c.origin, c.layout, c.blocks)
     finals += pool.ddp
-    cuts: dict[int, tuple[int, ...]] = {}
     if problem.compiled:
-        finals, cuts = _compiled_finals(problem, candidates, finals)
+        finals = _compiled_finals(problem, candidates, finals)
     # The fastest; overlap mode on a tie (within rounding: the two closed forms add the same
     # terms in another order), then the runtime.
     T_min = min(c.T for c in finals)
@@ -1067,8 +1066,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
                                c.runner != Runner.RUNTIME, c.T))
     win = finals[0]
     lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
-    extra = {"cut_pieces": ",".join(map(str, cuts[id(win)]))} if id(win) in cuts else {}
-    return Plan(win.layout, win.blocks, win.mode, {**extra,
+    return Plan(win.layout, win.blocks, win.mode, {
         "strategy": "best",
         "runner": str(win.runner),
         "origin": win.origin,
@@ -1087,34 +1085,33 @@ COMPILED_RESCORE = 12
 
 
 def _compiled_finals(problem: Problem, candidates: Sequence[Candidate], finals: list[Candidate]
-                     ) -> tuple[list[Candidate], dict[int, tuple[int, ...]]]:
+                     ) -> list[Candidate]:
     """The candidates as they run compiled: the fastest :data:`COMPILED_RESCORE` searched and
-    unsearched runtime plans, each at the cuts :func:`~usbyte_opt.planning.compiled.choose_cuts`
-    keeps, and torch DDP's, cut at every bucket as DDPOptimizer cuts; with the cuts each
-    runtime candidate keeps (by ``id``)."""
+    unsearched runtime plans and the other strategies' (the seeds), each at the cuts that
+    :func:`~usbyte_opt.planning.compiled.choose_cuts` keeps (the planner's result of the
+    winner finds the same cuts again), and torch DDP's, cut at every bucket as DDPOptimizer
+    cuts."""
     from ..compiled import choose_cuts, compiled_time
 
     runtime = sorted((c for c in finals if c.runner is Runner.RUNTIME), key=lambda c: c.T)
     pre = sorted(candidates, key=lambda c: c.T)
-    chosen = _distinct(runtime)[:COMPILED_RESCORE] + _distinct(pre)[:COMPILED_RESCORE]
+    # The other strategies' plans (the seeds) always: each is predicted with its cuts too.
+    seeds = [c for c in _distinct(pre) if c.origin.startswith("seed:")]
+    chosen = _distinct(runtime)[:COMPILED_RESCORE] + _distinct(pre)[:COMPILED_RESCORE] + seeds
+    modes = sorted({x.mode for x in finals if x.runner is Runner.RUNTIME}, key=str)
     out: list[Candidate] = []
-    cuts: dict[int, tuple[int, ...]] = {}
     seen: set[tuple[int, int, str]] = set()
     for c in chosen:
-        for mode in sorted({x.mode for x in finals if x.runner is Runner.RUNTIME}, key=str):
+        for mode in modes:
             key = (id(c.layout), id(c.blocks), str(mode))
-            if key in seen:
-                continue
-            seen.add(key)
-            keep, T = choose_cuts(problem, c.layout, c.blocks, mode, Runner.RUNTIME)
-            d = dataclasses.replace(c, T=T, mode=mode)
-            cuts[id(d)] = keep
-            out.append(d)
+            if key not in seen:
+                seen.add(key)
+                _, T = choose_cuts(problem, c.layout, c.blocks, mode, Runner.RUNTIME)
+                out.append(dataclasses.replace(c, T=T, mode=mode))
     pb = flat(problem)
-    for c in (c for c in finals if c.runner is Runner.DDP):
-        out.append(dataclasses.replace(c, T=compiled_time(pb, c.layout, c.blocks, Mode.FENCE,
-                                                          Runner.DDP)))
-    return out, cuts
+    out += [dataclasses.replace(c, T=compiled_time(pb, c.layout, c.blocks, Mode.FENCE, Runner.DDP))
+            for c in finals if c.runner is Runner.DDP]
+    return out
 
 
 def _distinct(cands: Sequence[Candidate]) -> list[Candidate]:
