@@ -61,3 +61,19 @@ def test_bench_compile_trains_every_strategy_compiled_and_equal(tmp_path):
     best = r["compile"]["split"]["best"]
     assert best["graphs"] >= 1 and best["pieces"] >= 1 and best["gated"], best
     assert not best["unsplit"] and not best["graph_break"], best
+    # The profile timed the cuts; best's schedule says where its graph is cut.
+    prof = json.loads((tmp_path / "out" / "profile.json").read_text())
+    assert prof["meta"]["compile"]["cuts"], prof["meta"]["compile"]
+    sched = json.loads((tmp_path / "out" / "schedules" / "best.json").read_text())
+    if sched.get("runner", "runtime") == "runtime":
+        # The planner's model of the split (pieces in forward order) is the runtime's split.
+        from usbyte_opt.formats import load_schedule
+        from usbyte_opt.planning.compiled import block_membership, merged_pieces, plan_pieces, segments
+        from usbyte_opt.planning.problem import Problem
+
+        pb = Problem.from_profile(load_profile(tmp_path / "out" / "profile.json"))
+        s = load_schedule(tmp_path / "out" / "schedules" / "best.json")
+        assert s.cut_pieces is not None, sched
+        groups = merged_pieces(plan_pieces(*block_membership(pb.layout(s.buffers), s.blocks)),
+                               s.cut_pieces)
+        assert max(segments(pb, groups)) + 1 == best["pieces"], (s.cut_pieces, best)
