@@ -21,8 +21,8 @@ of the eager ratio's gain, its prediction within 10%, training equal.
     python benchmarks/compiled.py --backend aot_eager --runs 1 --models lab-cnn
     sudo python benchmarks/compiled.py --lab 200mbit    # the lab half (root); keeps the other
 
-Each link's rows are kept apart in ``compiled.json`` (a run replaces only its own link's) and
-get a table of their own in ``compiled.md``.
+Each set of rows (a link and a backend) is kept apart in ``compiled.json`` (a run replaces
+only its own set's) and gets a table of its own in ``compiled.md``.
 """
 
 from __future__ import annotations
@@ -127,23 +127,30 @@ def gains(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def _link_of(row: dict[str, Any], meta: dict[str, Any]) -> str:
-    """A row's link (rows written before links were recorded: the file's emulated one)."""
-    return row.get("link") or f"emulate {meta.get('emulate', '8x1gbit')}"
+def _set_of(row: dict[str, Any], meta: dict[str, Any]) -> str:
+    """A row's set, ``"LINK, BACKEND"`` (rows written before sets were recorded: the file's
+    emulated link and backend)."""
+    if row.get("set"):
+        return row["set"]
+    return f"{row.get('link') or 'emulate ' + meta.get('emulate', '8x1gbit')}, {meta.get('backend', 'inductor')}"
 
 
-def section(link: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
-    """The Markdown of one link's rows: how they ran, the command, the table, the gains."""
+def section(key: str, meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The Markdown of one set of rows (a link and a backend): how they ran, the command, the
+    table, the gains."""
+    link, backend = key.split(", ", 1)
     kind, spec = link.split(" ", 1)
     where = (f"one rank on an emulated link (`--emulate {spec}`)" if kind == "emulate" else
              f"two ranks in the lab, a veth link shaped to {spec} (`bench -n 2 --bandwidth {spec}`, root)")
-    cmd = (f"python benchmarks/compiled.py --backend {meta['backend']} --runs {meta['runs']}"
+    cmd = (f"python benchmarks/compiled.py --backend {backend} --runs {meta['runs']}"
+           + (f" --models {meta['models']}" if meta.get("models") and meta["models"] != ",".join(MODELS)
+              else "")
            + (f" --emulate {spec}" if kind == "emulate" and spec != "8x1gbit" else "")
            + (f" --lab {spec}" if kind == "lab" else ""))
-    return (f"## {'Emulated link' if kind == 'emulate' else 'The lab'}: {spec}\n\n"
+    return (f"## {'Emulated link' if kind == 'emulate' else 'The lab'}: {spec}, {backend}\n\n"
             f"{meta['runs']} run(s) on {meta['date']}, torch {meta['torch']}, {meta['cpus']} CPU cores "
             f"(load average at the end {meta['load_avg'][0]:.1f}), {where}, `--compile "
-            f"{meta['backend']}` for the compiled rows, {meta['iterations']} timed iterations per "
+            f"{backend}` for the compiled rows, {meta['iterations']} timed iterations per "
             f"strategy at least. Ranges over runs.\n\n    {'sudo ' if kind == 'lab' else ''}{cmd}\n\n"
             + table(rows) + "\n\n" + "\n".join(f"- {g}" for g in gains(rows)) + "\n")
 
@@ -179,17 +186,23 @@ def main() -> None:
             "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "backend": a.backend,
             "emulate": a.emulate, "iterations": a.iterations, "runs": a.runs,
             "date": time.strftime("%Y-%m-%d %H:%M")}
-    # Keep the other links' rows and how they ran.
+    # Keep the other sets' rows (another link, another backend) and how they ran.
+    key = f"{link}, {a.backend}"
+    meta["models"] = a.models
+    for r in rows:
+        r["set"] = key
     old = json.loads(OUT_JSON.read_text()) if OUT_JSON.exists() else {"rows": []}
-    links = old.get("links") or ({f"emulate {old['meta'].get('emulate', '8x1gbit')}": old["meta"]}
-                                 if old.get("meta") else {})
-    kept = [dict(r, link=_link_of(r, old.get("meta", {}))) for r in old.get("rows", [])]
-    kept = [r for r in kept if r["link"] != link]
-    links[link] = meta
-    doc = {"links": links, "rows": kept + rows}
+    old_meta = old.get("meta", {})
+    sets = {(k if ", " in k else f"{k}, {m.get('backend', 'inductor')}"): m
+            for k, m in (old.get("sets") or old.get("links") or (
+                {f"emulate {old_meta.get('emulate', '8x1gbit')}": old_meta} if old_meta else {})).items()}
+    kept = [dict(r, set=_set_of(r, old_meta)) for r in old.get("rows", [])]
+    kept = [r for r in kept if r["set"] != key]
+    sets[key] = meta
+    doc = {"sets": sets, "rows": kept + rows}
     OUT_JSON.write_text(json.dumps(doc, indent=1) + "\n")
-    parts = [section(k, m, [r for r in doc["rows"] if r["link"] == k])
-             for k, m in sorted(links.items(), key=lambda km: km[0].startswith("lab"))]
+    parts = [section(k, m, [r for r in doc["rows"] if r["set"] == k])
+             for k, m in sorted(sets.items(), key=lambda km: (km[0].startswith("lab"), km[0]))]
     OUT_MD.write_text("# Compiled training against eager (`benchmarks/compiled.py`)\n\n"
                       + "\n".join(parts))
 
