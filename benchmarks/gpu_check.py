@@ -173,9 +173,10 @@ COMPILED_MODELS: list[tuple[str, int, float]] = [("gpt2", 4, 75.0), ("resnet50",
 COMPILED_MODELS_SMOKE: list[tuple[str, int, float]] = [("lab-cnn", 2, 150.0)]
 COMPILED_LINK = "16x25gbit"
 #: Timed iterations and rounds of each ``compiled`` bench (compiling takes most of its time),
-#: and the places its profile times a cut at (each one more compile of the model).
+#: and the places its profile times a cut at (each one more compile of the model), within a
+#: time cap (seconds).
 COMPILED_ITERATIONS, COMPILED_ROUNDS = 6, 1
-COMPILED_CUT_PROBES = 3
+COMPILED_CUT_PROBES, COMPILED_CUT_PROBE_S = 3, 15.0
 
 #: When the running part must be done (``time.monotonic()``; set in the part's process).
 _PART_DEADLINE = float("inf")
@@ -1095,7 +1096,8 @@ def part_compiled(out_dir: str, smoke: bool) -> dict[str, Any]:
         return _bench(model, batch, smoke, os.path.join(out_dir, "compiled", model),
                       Path(out_dir, "logs", f"compiled_{model}.log"), limit,
                       extra=("--emulate", COMPILED_LINK, "--compile", backend,
-                             "--cut-probes", str(COMPILED_CUT_PROBES)),
+                             "--cut-probes", str(COMPILED_CUT_PROBES),
+                             "--cut-probe-s", str(COMPILED_CUT_PROBE_S)),
                       k_rounds=(COMPILED_ITERATIONS, COMPILED_ROUNDS))
 
     return _per_model({"backend": backend, "link": COMPILED_LINK, "models": {}},

@@ -129,6 +129,10 @@ def bench(
         "--cut-probes", min=0, rich_help_panel=MORE,
         help="With --compile: places to cut the graph at that the profile times one by one "
              "(as usbyte-opt profile --cut-probes; 0: cuts taken as free).")] = 12,
+    cut_probe_s: Annotated[float, typer.Option(
+        "--cut-probe-s", min=0.0, rich_help_panel=MORE,
+        help="With --compile: time cap (seconds) of those probes (as usbyte-opt profile "
+             "--cut-probe-s).")] = 120.0,
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
@@ -153,7 +157,7 @@ def bench(
         import dataclasses
 
         cfg.profiling = dataclasses.replace(cfg.profiling, compile=compile_backend,
-                                            cut_probes=cut_probes)
+                                            cut_probes=cut_probes, cut_probe_s=cut_probe_s)
     try:  # the option values, checked before any work: a bad one is a usage error (exit code 2)
         from ..bench import check_emulate
 

@@ -102,6 +102,10 @@ def profile(
         help="With --compile: how many places to cut the graph at are timed one by one (a "
              "copy compiled with that one cut beside one compiled whole), so that the planner "
              "cuts only where the overlap pays for the cut (0: cuts taken as free).")] = 12,
+    cut_probe_s: Annotated[float, typer.Option(
+        "--cut-probe-s", min=0.0,
+        help="With --compile: time cap (seconds) of those probes; the places not timed within "
+             "it cost the median of the others.")] = 120.0,
     timeout_s: Annotated[float, typer.Option(
         "--timeout-s", min=0.001, help="Process-group timeout (seconds).")] = 600.0,
     stable_s: Annotated[float, typer.Option(
@@ -142,7 +146,7 @@ def profile(
                                        comm_points)),
         comm_points=comm_points, comm_repeats=comm_repeats, alpha_ms=alpha_ms, algbw_gbs=algbw_gbs,
         shard_sweep=shard_sweep, cpu_probe=cpu_probe, stable_s=stable_s, host_probe=host_probe,
-        compile=compile_backend, cut_probes=cut_probes)
+        compile=compile_backend, cut_probes=cut_probes, cut_probe_s=cut_probe_s)
     _profile_here(model, batch_size, opts, name, device.value if device else None, path, timeout_s)
 
 

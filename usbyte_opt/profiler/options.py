@@ -84,6 +84,9 @@ class ProfileOptions:
     weighs (:mod:`usbyte_opt.planning.compiled`): ``meta.compile.cuts``. Where a model has
     more candidates (cuts between modules, in forward order), evenly spaced ones; the others
     cost their median. 0: none measured (the planner then takes cuts as free)."""
+    cut_probe_s: float = 120.0
+    """Time cap (seconds) of those probes: none starts after it (the first always runs); the
+    places not timed cost the median of those that were, and a warning says how many ran."""
 
     def sweep_sizes(self) -> list[int]:
         """The all-reduce sizes the sweep times, in bytes."""

@@ -296,7 +296,8 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
     apart), evenly spaced ones when there are more than ``opts.cut_probes``. The maximum over
     ranks (every rank compiles and times the same). Returns the ``meta.compile`` entries
     ``cuts`` (ms by the name of the tensor the cut comes before), ``cut_default_ms`` (their
-    median: the cost the planner gives a cut not measured) and ``cut_candidates``."""
+    median: the cost the planner gives a cut not measured) and ``cut_candidates``. No probe
+    starts once ``opts.cut_probe_s`` seconds have gone (after the first), all ranks alike."""
     from ..runtime.compiled import PlanSplit, own_forward
 
     names = [n for n, p in net.named_parameters() if p.requires_grad]
@@ -324,7 +325,10 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
         return out
 
     costs: list[float] = []
+    t_start = time.perf_counter()
     for k in cands:
+        if costs and not _go_on(time.perf_counter() - t_start < opts.cut_probe_s, dev, group):
+            break     # the time cap: every rank stops after the same probe
         twin, twin_opt = copy.deepcopy((net, opt))
         own_forward(twin)
         params = [p for p in twin.parameters() if p.requires_grad]
@@ -349,10 +353,24 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
         costs = t.tolist()
     cuts = {names[order[k]]: round(c, 6) for k, c in zip(cands, costs)}
+    if len(costs) < len(cands):
+        warnings.warn(f"--compile: {len(costs)} of {len(cands)} cut places timed within the "
+                      f"{opts.cut_probe_s:g} s cap (--cut-probe-s); the others cost their median",
+                      ProfileWarning, stacklevel=2)
     return {"cuts": cuts, "cut_default_ms": round(median(costs), 6) if costs else 0.0,
             "cut_candidates": sum(1 for k in range(1, len(order)) if module[k] != module[k - 1]),
             "cut_method": f"one cut per compiled copy, {CUT_TURNS} turns of {CUT_TURN} iterations "
                           "beside a copy compiled whole; median difference, max over ranks"}
+
+
+def _go_on(mine: bool, dev: torch.device, group: Any) -> bool:
+    """Whether every rank goes on (one collective with several ranks): a rank's own clock
+    never decides alone what every rank must do alike."""
+    if group is None:
+        return mine
+    t = torch.tensor([1 if mine else 0], dtype=torch.int32, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+    return bool(t.item())
 
 
 def _host(opts: ProfileOptions, dev: torch.device, group: Any, world: int,
