@@ -127,12 +127,10 @@ def bench(
              "its plan's blocks.")] = None,
     cut_probes: Annotated[int, typer.Option(
         "--cut-probes", min=0, rich_help_panel=MORE,
-        help="With --compile: places to cut the graph at that the profile times one by one "
-             "(as usbyte-opt profile --cut-probes; 0: cuts taken as free).")] = 12,
+        help="With --compile: cut places timed (0: cuts free).")] = 12,
     cut_probe_s: Annotated[float, typer.Option(
         "--cut-probe-s", min=0.0, rich_help_panel=MORE,
-        help="With --compile: time cap (seconds) of those probes (as usbyte-opt profile "
-             "--cut-probe-s).")] = 120.0,
+        help="With --compile: their time cap (s).")] = 120.0,
     wide: common.Wide = False,
     as_json: common.Json = False,
 ) -> None:
