@@ -58,7 +58,7 @@ from .problem import Layout, Problem
 
 #: Largest number of pieces whose cuts :func:`choose_cuts` searches one by one; beyond it the
 #: search runs on groups of neighbouring pieces (each greedy step costs a simulation per cut).
-SEARCH_MAX_PIECES = 48
+SEARCH_MAX_PIECES = 16
 
 
 def plan_pieces(block_tensors: Sequence[Sequence[int]], tensor_blocks: Sequence[Sequence[int]]

@@ -1081,7 +1081,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
 
 #: Compiled profiles (:mod:`usbyte_opt.planning.compiled`): how many of the fastest searched
 #: candidates, and of the fastest before the search, are weighed again with their cuts' costs.
-COMPILED_RESCORE = 12
+COMPILED_RESCORE = 6
 
 
 def _compiled_finals(problem: Problem, candidates: Sequence[Candidate], finals: list[Candidate]
