@@ -139,11 +139,15 @@ def segments(problem: Problem, groups: Sequence[int]) -> list[int]:
     lowest-numbered piece (one graph node reads them together), and a new piece starts at
     every change (a piece met twice with another between runs as two). Numbered in forward
     order; the forward order is the profile's need times."""
-    module = [n.rpartition(".")[0] for n in problem.names]
+    walk = problem.cache.get("compiled-walk")
+    if walk is None:   # each tensor's module, and the forward order: once per problem
+        walk = problem.cache["compiled-walk"] = (
+            [n.rpartition(".")[0] for n in problem.names],
+            sorted(range(problem.n), key=lambda t: (problem.need[t], t)))
+    module, order = walk
     low: dict[str, int] = {}
     for t, g in enumerate(groups):
         low[module[t]] = min(low.get(module[t], g), g)
-    order = sorted(range(problem.n), key=lambda t: (problem.need[t], t))
     seg = [0] * problem.n
     cur, prev = -1, None
     for t in order:
@@ -219,6 +223,8 @@ def choose_cuts(problem: Problem, layout: Layout, blocks: Sequence[Block],
     with those cuts: greedy, from every cut made (dropping the cut whose removal gains most,
     while one gains) and from none (adding the one that gains most), the better of the two.
     A problem without cut costs: every piece, at the plain prediction."""
+    from .simulate import simulate_blocks
+
     pieces = plan_pieces(*block_membership(layout, blocks))
     n_pieces = max(pieces, default=0) + 1
     every = tuple(range(1, n_pieces))
@@ -231,15 +237,14 @@ def choose_cuts(problem: Problem, layout: Layout, blocks: Sequence[Block],
         cand = tuple(sorted({max(1, round(i * step)) for i in range(1, SEARCH_MAX_PIECES)}))
     else:
         cand = every
-
-    def time_of(keep: frozenset[int]) -> float:
-        return compiled_time(problem, layout, blocks, mode, runner, sorted(keep))
-
     memo: dict[frozenset[int], float] = {}
 
     def t(keep: frozenset[int]) -> float:
+        """The compiled iteration cut before ``keep`` (the plan's pieces and the cut costs
+        found once above, not again per evaluation)."""
         if keep not in memo:
-            memo[keep] = time_of(keep)
+            pb = cut_problem(problem, merged_pieces(pieces, sorted(keep)), costs)
+            memo[keep] = simulate_blocks(pb, layout, blocks, Mode(mode), runner).iteration_ms
         return memo[keep]
 
     def descend(keep: frozenset[int]) -> frozenset[int]:

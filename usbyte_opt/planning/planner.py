@@ -529,6 +529,9 @@ def _result(name: str, plan: Plan, problem: Problem, slots: int, solve: float) -
         # DDP's DDPOptimizer cuts at every bucket, the runtime where the cut pays.
         if plan.runner is Runner.DDP:
             T = compiled_time(problem, plan.layout, plan.blocks, plan.mode, plan.runner)
+        elif plan.cut_pieces is not None:   # chosen by the strategy already (best)
+            cuts = plan.cut_pieces
+            T = compiled_time(problem, plan.layout, plan.blocks, plan.mode, plan.runner, cuts)
         else:
             cuts, T = choose_cuts(problem, plan.layout, plan.blocks, plan.mode, plan.runner)
     return StrategyResult(name, plan, plan.mode, T, ov, fe, solve, state, cut_pieces=cuts)

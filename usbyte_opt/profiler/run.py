@@ -305,6 +305,7 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
     order = sorted(range(len(names)), key=lambda i: (need[i], i))
     module = [names[i].rpartition(".")[0] for i in order]
     cands = [k for k in range(1, len(order)) if module[k] != module[k - 1]]
+    places = len(cands)
     if len(cands) > opts.cut_probes:
         step = len(cands) / opts.cut_probes
         cands = [cands[min(len(cands) - 1, int(j * step + step / 2))] for j in range(opts.cut_probes)]
@@ -358,7 +359,7 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
                       f"{opts.cut_probe_s:g} s cap (--cut-probe-s); the others cost their median",
                       ProfileWarning, stacklevel=2)
     return {"cuts": cuts, "cut_default_ms": round(median(costs), 6) if costs else 0.0,
-            "cut_candidates": sum(1 for k in range(1, len(order)) if module[k] != module[k - 1]),
+            "cut_candidates": places,
             "cut_method": f"one cut per compiled copy, {CUT_TURNS} turns of {CUT_TURN} iterations "
                           "beside a copy compiled whole; median difference, max over ranks"}
 

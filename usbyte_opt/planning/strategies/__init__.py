@@ -45,6 +45,10 @@ class Plan:
     runner: Runner = Runner.RUNTIME
     """What runs the schedule, and so what host cost the scorer charges it: the runtime, or
     torch DDP (the ``ddp`` and ``ddp-tuned`` strategies)."""
+    cut_pieces: tuple[int, ...] | None = None
+    """A compiled profile: the pieces a strategy that weighed the cuts chose to cut before
+    (``best``: :func:`usbyte_opt.planning.compiled.choose_cuts`); ``None``: the planner
+    chooses them when it scores the plan."""
 
     def __post_init__(self) -> None:
         self.mode = Mode(self.mode)

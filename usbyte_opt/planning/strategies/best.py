@@ -952,6 +952,8 @@ class Candidate:
     runner: Runner = Runner.RUNTIME
     """What runs it: the runtime, or torch DDP with these blocks as its buckets (fence mode,
     flat rings, DDP's host cost)."""
+    cut_pieces: tuple[int, ...] | None = None
+    """Compiled profiles: the pieces :attr:`T` cuts before (the runtime's plans)."""
 
 
 def planning_view(problem: Problem) -> Problem:
@@ -1066,7 +1068,7 @@ def plan(problem: Problem, seeds: Sequence[Plan] | None = None, time_budget_s: f
                                c.runner != Runner.RUNTIME, c.T))
     win = finals[0]
     lb = lower_bound(problem) if lower_bound_ms is None else lower_bound_ms
-    return Plan(win.layout, win.blocks, win.mode, {
+    return Plan(win.layout, win.blocks, win.mode, cut_pieces=win.cut_pieces, info={
         "strategy": "best",
         "runner": str(win.runner),
         "origin": win.origin,
@@ -1088,9 +1090,8 @@ def _compiled_finals(problem: Problem, candidates: Sequence[Candidate], finals: 
                      ) -> list[Candidate]:
     """The candidates as they run compiled: the fastest :data:`COMPILED_RESCORE` searched and
     unsearched runtime plans and the other strategies' (the seeds), each at the cuts that
-    :func:`~usbyte_opt.planning.compiled.choose_cuts` keeps (the planner's result of the
-    winner finds the same cuts again), and torch DDP's, cut at every bucket as DDPOptimizer
-    cuts."""
+    :func:`~usbyte_opt.planning.compiled.choose_cuts` keeps, and torch DDP's, cut at every
+    bucket as DDPOptimizer cuts."""
     from ..compiled import choose_cuts, compiled_time
 
     runtime = sorted((c for c in finals if c.runner is Runner.RUNTIME), key=lambda c: c.T)
@@ -1106,8 +1107,8 @@ def _compiled_finals(problem: Problem, candidates: Sequence[Candidate], finals: 
             key = (id(c.layout), id(c.blocks), str(mode))
             if key not in seen:
                 seen.add(key)
-                _, T = choose_cuts(problem, c.layout, c.blocks, mode, Runner.RUNTIME)
-                out.append(dataclasses.replace(c, T=T, mode=mode))
+                keep, T = choose_cuts(problem, c.layout, c.blocks, mode, Runner.RUNTIME)
+                out.append(dataclasses.replace(c, T=T, mode=mode, cut_pieces=keep))
     pb = flat(problem)
     out += [dataclasses.replace(c, T=compiled_time(pb, c.layout, c.blocks, Mode.FENCE, Runner.DDP))
             for c in finals if c.runner is Runner.DDP]
