@@ -246,6 +246,10 @@ class Tunable(Protocol):
     def tensors(self) -> list[tuple[str, torch.Tensor]]:
         """The trainable tensors, name and parameter, by runtime index."""
 
+    @property
+    def compiled(self) -> bool:
+        """Whether the model's forward runs as split compiled graphs (``torch.compile``)."""
+
     def set_probe(self, probe: IterationStamps | None) -> None:
         """Have the hooks stamp into ``probe`` from now on (``None``: stop)."""
 
@@ -474,8 +478,13 @@ class Tuner:
         n = len(named)
         clean, over = self.measured["clean"], self.measured["overlap"]
         if not clean:
+            if opt.compiled:
+                raise UsbyteError("the model runs compiled (torch.compile), and a compiled "
+                                  "graph's parts cannot be timed from inside the run: plan it "
+                                  "with `usbyte-opt profile --compile` (under torchrun), "
+                                  "`usbyte-opt optimize`, and pass the schedule")
             raise UsbyteError("no complete iteration was measured (a forward outside the "
-                              "model's own forward, or a compiled model)")
+                              "model's own forward)")
         F = _median([r["F"] for r in clean])
         B = _median([r["B"] for r in clean])
         step = _median([r["step"] for r in clean])

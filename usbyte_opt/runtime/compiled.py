@@ -71,7 +71,8 @@ __all__ = ["PlanSplit", "merged_pieces", "own_forward", "plan_pieces", "split_av
 class _ModelState:
     """What the splitter learnt about one model's compiled graphs."""
 
-    __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi", "pieces")
+    __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi", "pieces",
+                 "key", "resplits")
 
     def __init__(self) -> None:
         #: Graphs compiled split with gates, and their pieces in all.
@@ -90,6 +91,17 @@ class _ModelState:
         #: break: eager code before a graph could read a parameter whose update its gate
         #: would run, so every update runs before the forward from then on.
         self.multi = False
+        #: The pieces the gated graphs were split into (:attr:`PlanSplit.key`), and how many
+        #: times the compiled code was dropped for another plan's pieces.
+        self.key: tuple[int, ...] | None = None
+        self.resplits = 0
+
+    def forget_graphs(self) -> None:
+        """The compiled code was dropped: no graph is compiled any more."""
+        self.gated = self.pieces = 0
+        self.covered = set()
+        self.foreign = False
+        self.key = None
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakKeyDictionary()
@@ -115,6 +127,16 @@ class _Marker:
 
 
 _MARKER = _Marker()
+
+
+def watch() -> None:
+    """Note from now on when torch's DDP compiles a model (patching dynamo's ``DDPOptimizer``,
+    now or when dynamo is imported), without taking dynamo's DDP hook for the runtime: the
+    wrapper calls this when it starts on torch's DDP and hands over to the runtime at the
+    optimizer's first step, so that the runtime then drops torch DDP's split once
+    (:meth:`PlanSplit.register`) and compiles the plan's."""
+    if not _HOOKED and not _WAITING:
+        _hook_when_loaded()
 
 
 def arm() -> None:
@@ -161,6 +183,8 @@ class PlanSplit:
         self.run_gate = gate
         self.state = _STATES.setdefault(model, _ModelState())
         self._split_cache: tuple[int, list[int], list[int]] | None = None
+        #: The plan's pieces, by the model's tensors (the compiled split's identity).
+        self.key = tuple(pieces)
 
     # -- installation ------------------------------------------------------------------------
 
@@ -171,15 +195,20 @@ class PlanSplit:
             _OWNERS[id(p)] = (self, t)
         _LIVE.add(self)
         arm()
-        if self.model in _COMPILED_BY_DDP:
-            # Torch's DDP ran this model compiled first (the wrapper's first iteration):
-            # dynamo's cache holds DDP's split, which it would reuse for the runtime. Compiled
-            # code is dropped once, so the next forward compiles the plan's split.
+        st = self.state
+        by_ddp = self.model in _COMPILED_BY_DDP
+        if by_ddp or (st.key is not None and st.key != self.key):
+            # Torch's DDP ran this model compiled first (the wrapper's first iteration), or
+            # the graphs were split for another plan's pieces (``auto``'s switch from DDP's
+            # buckets to its plan, a replan): dynamo's cache would hand that split to this
+            # plan. Compiled code is dropped, so the next forward compiles this plan's split
+            # (one compilation more, as torch's DDP's first iteration costs one).
             _COMPILED_BY_DDP.discard(self.model)
             import torch._dynamo
 
             torch._dynamo.reset_code_caches()
-            self.state.foreign = False
+            st.forget_graphs()
+            st.resplits += 1
 
     def unregister(self) -> None:
         for p in self.params:
@@ -333,6 +362,7 @@ class _Splitter:
         split_gm.recompile()
         state.gated += 1
         state.pieces += last + 1
+        state.key = split.key
         state.covered.update(id(t) for t in real.values())
         return split_gm
 

@@ -129,6 +129,11 @@ class DDPRunner:
             return self.plan
         return self.fallback
 
+    @property
+    def compiled(self) -> bool:
+        """(Only ``auto`` asks; torch DDP's runner never plans.)"""
+        return False
+
     def switch(self, schedule: Schedule, source: str, measure: bool = False) -> None:
         self.active = self.planned if schedule is self.plan else self.default
 

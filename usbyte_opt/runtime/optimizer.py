@@ -950,6 +950,10 @@ class _Tuned:
         g = self._opt._state.grads
         return list(zip(g.names, g.params))
 
+    @property
+    def compiled(self) -> bool:
+        return self._opt._state.gates.split.state.gated > 0
+
     def set_probe(self, probe: IterationStamps | None) -> None:
         st = self._opt._state
         st.comm.probe = st.gates.probe = probe

@@ -57,6 +57,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import voice
 from ..errors import UsbyteError, plural
 from ..formats import Runner, Schedule
+from . import compiled
 from .checks import broadcast_from_rank0, check_model, check_world_size, require_initialized, resolve_schedule
 from .ddp_runner import DEFAULT_BUCKETS, DDPRunner
 from .default_plan import model_tensors
@@ -177,6 +178,9 @@ class DistributedDataParallel(torch.nn.Module):
             if self._planned:
                 self._watching = True
                 _watch(self)
+                # A compiled model: torch DDP's split of its graphs is noted, for the runtime
+                # to compile the plan's at the takeover.
+                compiled.watch()
             return
         # DDP's starting point, at construction as DDP: rank 0's parameters and buffers
         # (buffers unless broadcast_buffers=False; forward_sync_buffers=False keeps it).
