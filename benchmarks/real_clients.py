@@ -603,9 +603,24 @@ class Run:
     dir: Path
 
 
+#: Seconds one run (one arm of one configuration) may take before it is killed (``--timeout``).
+RUN_TIMEOUT_S = 900.0
+#: Exit status recorded for a run killed at its time limit.
+TIMED_OUT = -9
+
+
+def _failure(r: Run) -> str:
+    """Why a run failed: its time limit, or the last error line of its logs."""
+    if r.rc == TIMED_OUT:
+        return f"killed at its time limit, {r.seconds:.0f} s (--timeout)"
+    return _last_error(r.logs.get(0, "") + r.logs.get(1, ""))
+
+
 def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: int, pypath: list[str],
-             schedule: str | None, timeout: float = 900) -> Run:
+             schedule: str | None, timeout: float | None = None) -> Run:
     import torch
+
+    timeout = RUN_TIMEOUT_S if timeout is None else timeout
 
     for cfg, path in _from_earlier(config, run)[1]:     # what an earlier run of this arm wrote
         if not path.exists():
@@ -637,7 +652,7 @@ def run_once(t: Trainer, tree: Path, run: Path, config: list[str], iterations: i
         p = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
         rc = p.returncode
     except subprocess.TimeoutExpired:
-        rc = -9
+        rc = TIMED_OUT
     secs = time.perf_counter() - t0
     logs: dict[int, str] = {}
     for rank in (0, 1):
@@ -830,7 +845,7 @@ def run_config(t: Trainer, trees: dict[str, Path], pypath: list[str], config: st
     row: dict[str, Any] = {"trainer": t.name, "config": config, "args": args, "iterations": iterations,
                            "schedule": schedule, "seconds": {"ddp": round(ddp.seconds, 1)}, "_ddp": ddp}
     if ddp.rc != 0:
-        row.update(control="n/a", result=f"not run: its own DDP run failed ({_last_error(ddp.logs.get(0, ''))})",
+        row.update(control="n/a", result=f"not run: its own DDP run failed ({_failure(ddp)})",
                    status="ddp-failed")
         return row
     if control:
@@ -850,8 +865,7 @@ def run_config(t: Trainer, trees: dict[str, Path], pypath: list[str], config: st
         elif msg:
             row.update(result=f"FAILED: refused on rank(s) {ranks} only ({msg})", status="failed")
         else:
-            err = _last_error(us.logs.get(0, "") + us.logs.get(1, ""))
-            row.update(result=f"FAILED without a refusal (exit {us.rc}): {err}", status="failed")
+            row.update(result=f"FAILED without a refusal (exit {us.rc}): {_failure(us)}", status="failed")
         return row
     diffs = compare(ddp, us)
     row["diffs"] = [[w, m if math.isfinite(m) else "inf"] for w, m in diffs[:200]]
@@ -899,11 +913,15 @@ def markdown_table(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RUN_TIMEOUT_S
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--trainers", default=",".join(TRAINERS))
     ap.add_argument("--configs", default="", help="comma-separated (default: all but the slow ones)")
     ap.add_argument("--all", action="store_true", help="the slow configurations too")
     ap.add_argument("--iterations", type=int, default=8)
+    ap.add_argument("--timeout", type=float, default=RUN_TIMEOUT_S,
+                    help="seconds one run (one arm of one configuration) may take (default 900; "
+                         "accelerate's bf16 needs about 3000 on 2 CPU cores)")
     ap.add_argument("--schedules", default="auto,planned",
                     help="USBYTE_SCHEDULE of the usbyte runs: auto (planned inside the run: a run this short "
                          "trains on the runtime's DDP-like fallback), planned (a schedule.json an auto run of "
@@ -920,6 +938,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tag", default="bench", help="names the working copies (two runs at once need two tags)")
     ap.add_argument("--table", action="store_true", help="print the --json file's matrix as Markdown and exit")
     a = ap.parse_args(argv)
+    RUN_TIMEOUT_S = a.timeout
     if a.table:
         print(markdown_table(json.loads(a.json.read_text())))
         return 0
