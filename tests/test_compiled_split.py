@@ -366,15 +366,23 @@ def case_auto(rank: int, ws: int) -> dict:
         (net(x) - y).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
-    return net.report()
+    from usbyte_opt.runtime.compiled import _COMPILED_BY_DDP, _STATES
+
+    st = _STATES[mod]
+    return {**net.report(), "key": st.key, "resplits": st.resplits, "on_ddp": net._opt.on_ddp,
+            "ddp_compiled": mod in _COMPILED_BY_DDP}
 
 
 @pytest.mark.slow
 def test_auto_says_a_compiled_model_is_planned_from_a_compiled_profile() -> None:
     """``schedule="auto"`` cannot time a compiled graph's parts from inside the run: every rank
-    goes on with torch DDP and says how to plan it instead."""
+    goes on with torch DDP and says how to plan it instead; the runtime's split is dropped,
+    and torch's DDP compiles its own again (as without a plan)."""
     res = run_local(case_auto, 2, timeout_s=300, pg_timeout_s=120)
     for r in res:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
         assert r.value["chosen"] == "fallback", r.value
         assert "profile --compile" in r.value["auto_error"], r.value
+        # Dropped at the takeover (torch DDP's first iteration) and at the hand-back.
+        assert r.value["resplits"] == 2 and r.value["ddp_compiled"], {k: r.value[k] for k in ("resplits", "key", "on_ddp", "ddp_compiled")}
+        assert r.value["key"] is None, r.value

@@ -250,6 +250,10 @@ class Tunable(Protocol):
     def compiled(self) -> bool:
         """Whether the model's forward runs as split compiled graphs (``torch.compile``)."""
 
+    def settled(self) -> None:
+        """The tuner settled: what runs now runs for good (torch's DDP gets back what it
+        would have had without a plan, :meth:`usbyte_opt.runtime.compiled.PlanSplit.hand_back`)."""
+
     def set_probe(self, probe: IterationStamps | None) -> None:
         """Have the hooks stamp into ``probe`` from now on (``None``: stop)."""
 
@@ -333,6 +337,10 @@ class Tuner:
         self.drift_work: tuple[Any, torch.Tensor] | None = None
         self.info: dict[str, Any] = {"auto": auto, "verify": verify, "chosen": None,
                                      "measured_ms": {}, "predicted_ms": None}
+        #: The running schedule was installed to be measured (``auto``: DDP's buckets on the
+        #: runtime); settling on the fallback then switches to the fallback proper (torch's
+        #: DDP where it is the fallback).
+        self._measuring = auto
         if self.ws < 2:
             self.info["note"] = "world size 1: nothing to plan or verify"
             self.phase = "settled"
@@ -424,8 +432,9 @@ class Tuner:
     def _run(self, which: str, measure: bool = False) -> None:
         sched, source = (self.fallback, "<DDP's buckets>") if which == "fallback" else self.plan
         self.on = which
-        if self.opt.schedule is not sched or measure:
+        if self.opt.schedule is not sched or measure or self._measuring:
             self.opt.switch(sched, source, measure)
+        self._measuring = measure
 
     # -- auto --------------------------------------------------------------------------------
 
@@ -626,6 +635,7 @@ class Tuner:
 
     def _settle_on(self, which: str, note: str = "") -> None:
         self._run(which)
+        self.opt.settled()
         self.phase = "settled"
         self.opt.hold_communication(False)
         self.opt.set_probe(None)

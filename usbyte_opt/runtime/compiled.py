@@ -210,6 +210,20 @@ class PlanSplit:
             st.forget_graphs()
             st.resplits += 1
 
+    def hand_back(self) -> None:
+        """Torch's DDP runs the model for good from now on (verification or ``auto`` chose
+        it): graphs split at this plan's pieces are dropped, so that torch's DDP compiles its
+        own split (``DDPOptimizer``'s, at its buckets) at the next forward, as in a run that
+        never had a plan. (Dynamo keeps one split per graph: without this, DDP would go on
+        running the plan's.)"""
+        st = self.state
+        if st.key is not None:
+            import torch._dynamo
+
+            torch._dynamo.reset_code_caches()
+            st.forget_graphs()
+            st.resplits += 1
+
     def unregister(self) -> None:
         for p in self.params:
             if _OWNERS.get(id(p), (None,))[0] is self:

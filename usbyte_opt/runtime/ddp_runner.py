@@ -134,6 +134,9 @@ class DDPRunner:
         """(Only ``auto`` asks; torch DDP's runner never plans.)"""
         return False
 
+    def settled(self) -> None:
+        """(Torch's DDP runs either way: nothing to hand back.)"""
+
     def switch(self, schedule: Schedule, source: str, measure: bool = False) -> None:
         self.active = self.planned if schedule is self.plan else self.default
 

@@ -954,6 +954,10 @@ class _Tuned:
     def compiled(self) -> bool:
         return self._opt._state.gates.split.state.gated > 0
 
+    def settled(self) -> None:
+        if self._opt._on_ddp:
+            self._opt._state.gates.split.hand_back()
+
     def set_probe(self, probe: IterationStamps | None) -> None:
         st = self._opt._state
         st.comm.probe = st.gates.probe = probe
