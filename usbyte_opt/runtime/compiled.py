@@ -96,8 +96,13 @@ class _ModelState:
         self.key: tuple[int, ...] | None = None
         self.resplits = 0
 
-    def forget_graphs(self) -> None:
-        """The compiled code was dropped: no graph is compiled any more."""
+    def drop_graphs(self) -> None:
+        """Drop dynamo's compiled code (every model's: dynamo keeps it per code object), so
+        that the next forward compiles the graphs again, split for the plan registered then."""
+        import torch._dynamo
+
+        torch._dynamo.reset_code_caches()
+        self.resplits += 1
         self.gated = self.pieces = 0
         self.covered = set()
         self.foreign = False
@@ -188,27 +193,37 @@ class PlanSplit:
 
     # -- installation ------------------------------------------------------------------------
 
-    def register(self) -> None:
+    def register(self, resplit: bool = True) -> None:
         """The gates of every split graph of the model reach this schedule's updates, and
-        dynamo's DDP hook is the runtime's from now on (:func:`arm`)."""
+        dynamo's DDP hook is the runtime's from now on (:func:`arm`).
+
+        Graphs split for another plan's pieces are compiled again for this one's when
+        ``resplit``: a runtime's first schedule, not the tuner's switches between the plan
+        and DDP's buckets while it verifies (a compile per window would cost more than any
+        plan wins; the windows share the split compiled first, and the schedule the tuner
+        settles on gets its own then, :meth:`settle`). Graphs torch's DDP compiled (its
+        first iteration under the wrapper) are always compiled again."""
         for t, p in enumerate(self.params):
             _OWNERS[id(p)] = (self, t)
         _LIVE.add(self)
         arm()
         st = self.state
         by_ddp = self.model in _COMPILED_BY_DDP
-        if by_ddp or (st.key is not None and st.key != self.key):
+        if by_ddp or (resplit and st.key is not None and st.key != self.key):
             # Torch's DDP ran this model compiled first (the wrapper's first iteration), or
             # the graphs were split for another plan's pieces (``auto``'s switch from DDP's
             # buckets to its plan, a replan): dynamo's cache would hand that split to this
             # plan. Compiled code is dropped, so the next forward compiles this plan's split
             # (one compilation more, as torch's DDP's first iteration costs one).
             _COMPILED_BY_DDP.discard(self.model)
-            import torch._dynamo
+            st.drop_graphs()
 
-            torch._dynamo.reset_code_caches()
-            st.forget_graphs()
-            st.resplits += 1
+    def settle(self) -> None:
+        """The tuner settled on this schedule for good: graphs split for another schedule's
+        pieces (the one verification began with) are compiled again for this one's."""
+        st = self.state
+        if st.key is not None and st.key != self.key:
+            st.drop_graphs()
 
     def hand_back(self) -> None:
         """Torch's DDP runs the model for good from now on (verification or ``auto`` chose
@@ -218,11 +233,7 @@ class PlanSplit:
         running the plan's.)"""
         st = self.state
         if st.key is not None:
-            import torch._dynamo
-
-            torch._dynamo.reset_code_caches()
-            st.forget_graphs()
-            st.resplits += 1
+            st.drop_graphs()
 
     def unregister(self) -> None:
         for p in self.params:

@@ -113,8 +113,9 @@ class ForwardGates:
             if need:
                 upd.gate(need)
 
-    def install(self) -> list[Any]:
-        """Register the hooks; returns their handles."""
+    def install(self, resplit: bool = True) -> list[Any]:
+        """Register the hooks; returns their handles (``resplit``:
+        :meth:`~usbyte_opt.runtime.compiled.PlanSplit.register`)."""
         handles = [self.model.register_forward_pre_hook(_Hook(self.root_pre_hook),
                                                         prepend=True),
                    self.model.register_forward_hook(_Hook(self.root_post_hook)),
@@ -127,7 +128,7 @@ class ForwardGates:
             # which a hook of the module would fill (and so leave the fast path itself).
             handles.append(torch.nn.modules.module.register_module_forward_pre_hook(
                 _Hook(self.fast_path_hook)))
-        self.split.register()
+        self.split.register(resplit)
         return handles
 
     @property

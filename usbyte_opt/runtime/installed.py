@@ -213,7 +213,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     if sharded is not None:
         comm.keep_grad_guard = True
         guard.refuse_grads = sharded.refuse_grad_access
-    handles = _hooks(model, grads, comm, gates, zero_stage == 2, wrapper_check, settle)
+    handles = _hooks(model, grads, comm, gates, zero_stage == 2, wrapper_check, settle,
+                     resplit=previous is None)
     if trace is not None:
         trace.install(model)   # after the gates: its forward start runs before theirs
     return Installed(schedule, source, grads, stepper, in_opt,
@@ -272,15 +273,16 @@ def _updates(schedule: Schedule, grads: FlatGrads, stepper: SubsetStepper, comm:
 
 
 def _hooks(model: torch.nn.Module, grads: FlatGrads, comm: StepComm, gates: ForwardGates,
-           zero2: bool, wrapper_check: Callable[..., None], settle: Callable[..., None]
-           ) -> list[Any]:
+           zero2: bool, wrapper_check: Callable[..., None], settle: Callable[..., None],
+           resplit: bool = True) -> list[Any]:
     """The schedule's hooks: each gradient's, the forward gates, the model's wrapper check
-    and its state-dict pre-hooks."""
+    and its state-dict pre-hooks. ``resplit``: a compiled model's graphs are split again for
+    this schedule's pieces (not on a switch of the tuner's: see :meth:`PlanSplit.register`)."""
     handles: list[Any] = [p.register_post_accumulate_grad_hook(comm.hook(t))
                           for t, p in enumerate(grads.params)]
     if zero2:  # p.grad's placeholder cannot be accumulated into: late gradients refused first
         handles += [p.register_hook(comm.pre_hook(t)) for t, p in enumerate(grads.params)]
-    handles += gates.install()
+    handles += gates.install(resplit)
     handles.append(model.register_forward_pre_hook(_Hook(wrapper_check)))
     # model.state_dict() / load_state_dict() see (and then replace) updated values. Local
     # only: a checkpoint may be written by rank 0 alone.

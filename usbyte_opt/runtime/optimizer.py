@@ -955,8 +955,11 @@ class _Tuned:
         return self._opt._state.gates.split.state.gated > 0
 
     def settled(self) -> None:
+        split = self._opt._state.gates.split
         if self._opt._on_ddp:
-            self._opt._state.gates.split.hand_back()
+            split.hand_back()
+        else:
+            split.settle()
 
     def set_probe(self, probe: IterationStamps | None) -> None:
         st = self._opt._state
