@@ -386,3 +386,46 @@ def test_auto_says_a_compiled_model_is_planned_from_a_compiled_profile() -> None
         # Dropped at the takeover (torch DDP's first iteration) and at the hand-back.
         assert r.value["resplits"] == 2 and r.value["ddp_compiled"], {k: r.value[k] for k in ("resplits", "key", "on_ddp", "ddp_compiled")}
         assert r.value["key"] is None, r.value
+
+
+def case_verify(rank: int, ws: int) -> dict:
+    from torch._dynamo.utils import counters
+
+    from usbyte_opt.runtime import DistributedOptimizer
+    from usbyte_opt.runtime.compiled import _STATES
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    mod = Deep()
+    net = torch.compile(mod, backend="aot_eager")
+    opt = DistributedOptimizer(torch.optim.SGD(mod.parameters(), lr=0.01), net,
+                               schedule=grouped(mod, ws, 4), verify=True)
+    compiles = []
+    for step in range(90):
+        x, y = _batch(mod, rank, step)
+        (net(x) - y).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        compiles.append(int(counters["stats"]["unique_graphs"]))
+    st = _STATES[mod]
+    rep = opt.report()
+    return {"compiles": compiles, "resplits": st.resplits, "chosen": rep["chosen"],
+            "settled_at": rep.get("settled_at_step"),
+            "split_for_settled": st.key == opt._state.gates.split.key}
+
+
+@pytest.mark.slow
+def test_verification_keeps_one_split_and_the_settled_schedule_gets_its_own() -> None:
+    """``verify=True`` on a compiled model: the plan's and DDP's buckets' turns share the
+    split compiled first (no compile per turn); the schedule verification settles on runs
+    split at its own pieces (one compile more where that is DDP's buckets)."""
+    res = run_local(case_verify, 2, timeout_s=300, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        v = r.value
+        assert v["settled_at"] is not None and v["settled_at"] < 89, v
+        before = v["compiles"][v["settled_at"] - 1]
+        assert before == 1, v                                 # one split for every turn
+        assert v["resplits"] == (1 if v["chosen"] == "fallback" else 0), v
+        assert v["compiles"][-1] == before + v["resplits"], v
+        assert v["split_for_settled"], v
