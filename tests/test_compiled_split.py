@@ -264,8 +264,8 @@ def results() -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case", ["opt-overlap", "wrap-compiled", "compile-wrap",
-                                  "late-compile-wrap", "fence-accum", "sharded", "graph-break", "cut-tensors", "tied-lm",
-                                  "eager-read", "cut-pieces"])
+                                  "late-compile-wrap", "fence-accum", "sharded", "graph-break",
+                                  "cut-tensors", "tied-lm", "eager-read", "cut-pieces"])
 def test_compiled_runtime_trains_as_compiled_ddp(results: list[dict], case: str) -> None:
     for rank, res in enumerate(results):
         r = res[case]
@@ -384,7 +384,8 @@ def test_auto_says_a_compiled_model_is_planned_from_a_compiled_profile() -> None
         assert r.value["chosen"] == "fallback", r.value
         assert "profile --compile" in r.value["auto_error"], r.value
         # Dropped at the takeover (torch DDP's first iteration) and at the hand-back.
-        assert r.value["resplits"] == 2 and r.value["ddp_compiled"], {k: r.value[k] for k in ("resplits", "key", "on_ddp", "ddp_compiled")}
+        seen = {k: r.value[k] for k in ("resplits", "key", "on_ddp", "ddp_compiled")}
+        assert r.value["resplits"] == 2 and r.value["ddp_compiled"], seen
         assert r.value["key"] is None, r.value
 
 
