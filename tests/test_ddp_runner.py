@@ -109,8 +109,11 @@ def test_ddp_runner_trains_as_ddp_on_torch_ddp_and_times_the_plan(outcome) -> No
         assert v["equal"] and v["optimizer_equal"] and not v["runtime"], v
         assert v["warnings"] == [], v["warnings"]   # DDP rebuilt exactly the planned buckets
         assert v["report"]["runner"] == "ddp" and v["report"]["schedule"]["buckets"] == 3
-        # 30 steps: both sides ran in turns, every step counted on one of them
-        assert v["ran"]["plan"] + v["ran"]["fallback"] == 30 and min(v["ran"].values()) >= 6
+        # 30 steps: both sides ran in turns, every step counted on one of them until a
+        # verdict (at 24 at the earliest: the timing stops once it is settled)
+        counted = v["report"].get("settled_at_step") or 30
+        assert counted >= 24, v["report"]
+        assert v["ran"]["plan"] + v["ran"]["fallback"] == counted and min(v["ran"].values()) >= 6
         assert "on the plan" in v["report"]["summary"], v["report"]["summary"]
 
 

@@ -490,7 +490,7 @@ class Tuner:
             if opt.compiled:
                 raise UsbyteError("the model runs compiled (torch.compile), and a compiled "
                                   "graph's parts cannot be timed from inside the run: plan it "
-                                  "with `usbyte-opt profile --compile` (under torchrun), "
+                                  "with `usbyte-opt profile MODEL --compile BACKEND` (under torchrun), "
                                   "`usbyte-opt optimize`, and pass the schedule")
             raise UsbyteError("no complete iteration was measured (a forward outside the "
                               "model's own forward)")
