@@ -430,3 +430,14 @@ def test_verification_keeps_one_split_and_the_settled_schedule_gets_its_own() ->
         assert v["resplits"] == (1 if v["chosen"] == "fallback" else 0), v
         assert v["compiles"][-1] == before + v["resplits"], v
         assert v["split_for_settled"], v
+
+
+def test_backends_that_may_round_apart_are_named() -> None:
+    """The one line said under a backend that fuses (inductor) names it; aot_eager's pieces
+    compute what the whole graph computes, so nothing is said there."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    from usbyte_opt.runtime.compiled import BITWISE_BACKENDS, _backend_name
+
+    assert _backend_name(lookup_backend("inductor")) == "inductor"
+    assert _backend_name(lookup_backend("aot_eager")) in BITWISE_BACKENDS

@@ -374,6 +374,12 @@ class _Splitter:
                       f"{str(e).splitlines()[0] if str(e) else ''}); it runs whole, its "
                       "gradients ready at the end of its backward")
             return self.backend(gm, example_inputs, **kw)
+        name = _backend_name(self.backend)
+        if name not in BITWISE_BACKENDS and last > 0:
+            _say_once(f"usbyte-opt: torch.compile ({name}): the plan's pieces are compiled "
+                      "apart, so a fused kernel can round differently from compiled torch "
+                      "DDP's pieces at its buckets (as another bucket size would); training "
+                      "is bitwise with compiled DDP under aot_eager")
         graph_id = next(_GRAPH_IDS)
         by_name = {n.name: n for n in split_gm.graph.nodes if n.op == "placeholder"}
         g = split_gm.graph
@@ -390,6 +396,20 @@ class _Splitter:
         state.key = split.key
         state.covered.update(id(t) for t in real.values())
         return split_gm
+
+
+#: Backends under which the pieces compute exactly what the whole graph and DDPOptimizer's
+#: pieces compute (no fusion across a cut to lose or gain).
+BITWISE_BACKENDS = ("aot_eager", "eager")
+
+
+def _backend_name(backend: Any) -> str:
+    """The user's backend by name (``inductor``, ``aot_eager``, ...)."""
+    for attr in ("compiler_name", "__name__"):
+        v = getattr(backend, attr, None)
+        if isinstance(v, str):
+            return v
+    return type(backend).__name__
 
 
 def _after_graph_break() -> bool:
