@@ -252,7 +252,7 @@ class Tunable(Protocol):
 
     def settled(self) -> None:
         """The tuner settled: what runs now runs for good (torch's DDP gets back what it
-        would have had without a plan, :meth:`usbyte_opt.runtime.compiled.PlanSplit.hand_back`)."""
+        would have had without a plan, :meth:`usbyte_opt.runtime.compiled.PlanSplit.settle`)."""
 
     def set_probe(self, probe: IterationStamps | None) -> None:
         """Have the hooks stamp into ``probe`` from now on (``None``: stop)."""

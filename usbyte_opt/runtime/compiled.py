@@ -207,33 +207,29 @@ class PlanSplit:
             _OWNERS[id(p)] = (self, t)
         _LIVE.add(self)
         arm()
-        st = self.state
-        by_ddp = self.model in _COMPILED_BY_DDP
-        if by_ddp or (resplit and st.key is not None and st.key != self.key):
+        if self.model in _COMPILED_BY_DDP or (resplit and self._stale()):
             # Torch's DDP ran this model compiled first (the wrapper's first iteration), or
             # the graphs were split for another plan's pieces (``auto``'s switch from DDP's
             # buckets to its plan, a replan): dynamo's cache would hand that split to this
             # plan. Compiled code is dropped, so the next forward compiles this plan's split
             # (one compilation more, as torch's DDP's first iteration costs one).
             _COMPILED_BY_DDP.discard(self.model)
-            st.drop_graphs()
+            self.state.drop_graphs()
 
-    def settle(self) -> None:
-        """The tuner settled on this schedule for good: graphs split for another schedule's
-        pieces (the one verification began with) are compiled again for this one's."""
-        st = self.state
-        if st.key is not None and st.key != self.key:
-            st.drop_graphs()
+    def settle(self, torch_ddp: bool) -> None:
+        """The tuner settled for good. On this schedule (``torch_ddp`` false): graphs split
+        for another schedule's pieces (the one verification began with) are compiled again
+        for this one's. On torch's DDP (verification's verdict, or ``auto`` failing): graphs
+        split at a plan's pieces are dropped, so that torch's DDP compiles its own split
+        (``DDPOptimizer``'s, at its buckets) at the next forward, as in a run that never had
+        a plan (dynamo keeps one split per graph: without this, DDP would go on running the
+        plan's)."""
+        if (torch_ddp and self.state.key is not None) or self._stale():
+            self.state.drop_graphs()
 
-    def hand_back(self) -> None:
-        """Torch's DDP runs the model for good from now on (verification or ``auto`` chose
-        it): graphs split at this plan's pieces are dropped, so that torch's DDP compiles its
-        own split (``DDPOptimizer``'s, at its buckets) at the next forward, as in a run that
-        never had a plan. (Dynamo keeps one split per graph: without this, DDP would go on
-        running the plan's.)"""
-        st = self.state
-        if st.key is not None:
-            st.drop_graphs()
+    def _stale(self) -> bool:
+        """Whether the model's graphs were split for another plan's pieces."""
+        return self.state.key is not None and self.state.key != self.key
 
     def unregister(self) -> None:
         for p in self.params:

@@ -955,11 +955,7 @@ class _Tuned:
         return self._opt._state.gates.split.state.gated > 0
 
     def settled(self) -> None:
-        split = self._opt._state.gates.split
-        if self._opt._on_ddp:
-            split.hand_back()
-        else:
-            split.settle()
+        self._opt._state.gates.split.settle(torch_ddp=self._opt._on_ddp)
 
     def set_probe(self, probe: IterationStamps | None) -> None:
         st = self._opt._state
