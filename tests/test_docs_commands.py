@@ -116,12 +116,15 @@ FRAGMENTS: dict[str, str] = {
     "usbyte-opt launch --schedule auto": "an option of launch, quoted without its script",
 }
 
-#: The trainer examples' three steps (README and docs/integrations.md) and the README's
-#: ``launch --schedule auto``: run with ``-m slow``.
+#: The trainer examples' three steps (README and docs/integrations.md), the README's
+#: ``launch --schedule auto`` and the two-rank CPU profile of ``cnn``: run with ``-m slow``.
 SLOW_MARK = re.compile(r"(lightning|hf|accelerate)_train\b|profiles/(pl|hf|acc)\.json"
                        # planning in the run (about 45 s): tests/test_launch.py runs launch
                        # --schedule auto in the default suite
-                       r"|launch --schedule auto")
+                       r"|launch --schedule auto"
+                       # a full profile on two ranks (about 25 s): tests/test_profiler.py
+                       # profiles on two ranks through the CLI in the default suite
+                       r"|profile cnn --nproc-per-node 2")
 
 _SUBCOMMANDS = {"profile", "optimize", "simulate", "launch", "bench", "demo", "schema"}
 

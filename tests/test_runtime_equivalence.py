@@ -840,16 +840,46 @@ def run_cases(rank: int, ws: int, names: list[str]) -> dict[str, dict]:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def results() -> list[dict[str, dict]]:
-    res = run_local(run_cases, 2, args=(list(CASES),), timeout_s=240, pg_timeout_s=60)
+#: Run with ``-m slow`` only: the rest of the optimizer-by-schedule matrix (the default run
+#: has every schedule with SGD and momentum, and each other optimizer on one schedule that
+#: cuts tensors), and the loop shapes zeroing through the wrapped optimizer or the model
+#: beyond one of each (the default run has every shape zeroing through the optimizer held).
+SLOW_CASES = frozenset(
+    [f"{o}-{s}" for o in ("adam", "adamw_wd") for s in SCHEDULES
+     if (o, s) not in (("adam", "crosscut"), ("adamw_wd", "two_phase"))]
+    + [n for n in LOOPS if n.startswith(("loop-inner-", "loop-model-"))
+       and n not in ("loop-inner-none-before_backward-k3", "loop-model-zeros-after_step-k1")])
+
+
+def _run(names: list[str]) -> list[dict[str, dict]]:
+    res = run_local(run_cases, 2, args=(names,), timeout_s=240, pg_timeout_s=60)
     for r in res:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
     return [r.value for r in res]
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.fixture(scope="module")
+def results() -> list[dict[str, dict]]:
+    return _run([c for c in CASES if c not in SLOW_CASES])
+
+
+@pytest.fixture(scope="module")
+def slow_results() -> list[dict[str, dict]]:
+    return _run(sorted(SLOW_CASES))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c not in SLOW_CASES])
 def test_matches_ddp(results: list[dict[str, dict]], case: str) -> None:
+    _check(results, case)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", sorted(SLOW_CASES))
+def test_matches_ddp_slow(slow_results: list[dict[str, dict]], case: str) -> None:
+    _check(slow_results, case)
+
+
+def _check(results: list[dict[str, dict]], case: str) -> None:
     for rank, per_rank in enumerate(results):
         got = per_rank[case]
         if "skip" in got:
