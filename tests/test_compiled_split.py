@@ -17,6 +17,7 @@ compares every parameter and buffer bitwise, and reads what the split did:
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -122,16 +123,18 @@ def _batch(model: nn.Module, rank: int, step: int) -> tuple[torch.Tensor, torch.
     g = torch.Generator().manual_seed(1000 * rank + step)
     if isinstance(model, TinyGPT):
         return torch.randint(0, 40, (16, 8), generator=g), torch.randn(16, 8, 40, generator=g)
-    return torch.randn(16, 64, generator=g), torch.randn(16, 64, generator=g)
+    d = model.a[0].in_features
+    return torch.randn(16, d, generator=g), torch.randn(16, d, generator=g)
 
 
-def _train(rank: int, ws: int, make, sched_of, how: str, backend: str = "aot_eager",
-           loop: str = "plain") -> dict:
+def _train(rank: int, ws: int, make, sched_of, how: str, backend: Any = "aot_eager",
+           loop: str = "plain", **runtime: Any) -> dict:
     """Compiled DDP against the compiled runtime; ``how``: ``opt`` (DistributedOptimizer
     given the compiled module), ``wrap-compiled`` (the wrapper around a compiled module),
     ``compile-wrap`` (``torch.compile`` of the wrapper); ``late-...``: the wrapper given no
     optimizer (DDP's one line), so torch's DDP runs the first iteration compiled (its own
-    split) and the runtime takes over at the optimizer's first step."""
+    split) and the runtime takes over at the optimizer's first step. ``runtime``: more
+    keywords for the runtime."""
     import torch._dynamo
     from torch._dynamo.utils import counters
 
@@ -146,15 +149,15 @@ def _train(rank: int, ws: int, make, sched_of, how: str, backend: str = "aot_eag
     cddp = torch.compile(DDP(ref), backend=backend)
     if how == "opt":
         net = torch.compile(mod, backend=backend)
-        o_usb = DistributedOptimizer(o_usb, net, schedule=sched, verify=False)
+        o_usb = DistributedOptimizer(o_usb, net, schedule=sched, verify=False, **runtime)
     elif how.endswith("wrap-compiled"):
         given = {} if how.startswith("late-") else {"optimizer": o_usb}
         net = usbyte_opt.DistributedDataParallel(torch.compile(mod, backend=backend),
-                                                 schedule=sched, verify=False, **given)
+                                                 schedule=sched, verify=False, **given, **runtime)
     else:
         given = {} if how.startswith("late-") else {"optimizer": o_usb}
         net = torch.compile(usbyte_opt.DistributedDataParallel(mod, schedule=sched,
-                                                               verify=False, **given),
+                                                               verify=False, **given, **runtime),
                             backend=backend)
     compiles: list[int] = []
     info: dict = {}
@@ -202,6 +205,7 @@ def _train(rank: int, ws: int, make, sched_of, how: str, backend: str = "aot_eag
     return {"diff": max_diff(ref, mod, buffers=True), "compiles": compiles, **info,
             "gated": st.gated if st else 0, "foreign": st.foreign if st else None,
             "resplits": st.resplits if st else 0,
+            "at_ddp_buckets": st.at_ddp_buckets if st else 0,
             "multi": st.multi if st else None,
             "mode": str(rt.mode), "blocks": len(sched.blocks)}
 
@@ -430,6 +434,64 @@ def test_verification_keeps_one_split_and_the_settled_schedule_gets_its_own() ->
         assert v["resplits"] == (1 if v["chosen"] == "fallback" else 0), v
         assert v["compiles"][-1] == before + v["resplits"], v
         assert v["split_for_settled"], v
+
+
+def fusing(gm: torch.fx.GraphModule, example_inputs: list) -> Any:
+    """A backend that is not one of the bitwise ones by name (as inductor), computing as
+    aot_eager does: the runtime treats it as one that may round the plan's pieces apart."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend("aot_eager")(gm, example_inputs)
+
+
+def _said() -> list[str]:
+    from usbyte_opt.runtime.compiled import _SAID
+
+    return sorted(_SAID)
+
+
+def case_fusing(rank: int, ws: int, accept: bool) -> dict:
+    """DDP's one line around a model compiled with :func:`fusing` (2 MB of weights: compiled
+    DDP's pieces are its 1 MB first bucket and the rest), on a plan of 5 blocks."""
+    v = _train(rank, ws, lambda: Deep(d=256), lambda m, w: grouped(m, w, 4),
+               "late-wrap-compiled", backend=fusing, loop="clip",
+               **({"accept_compiled_rounding": True} if accept else {}))
+    return {**v, "said": _said()}
+
+
+def test_a_backend_that_may_round_apart_compiles_at_ddp_s_buckets() -> None:
+    """Under a backend that may round the plan's pieces apart from compiled DDP's, the
+    runtime keeps compiled torch DDP's own split (DDPOptimizer's, at DDP's buckets): training
+    is bitwise with compiled DDP, gradients still come in DDP's pieces (blocks leave as each
+    ends), no gate runs (updates before the forward), torch DDP's graphs of the first
+    iteration serve on (no compile at the takeover), and every rank says so once."""
+    res = run_local(case_fusing, 2, args=(False,), timeout_s=300, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        v = r.value
+        assert v["diff"] == 0.0, v
+        assert v["at_ddp_buckets"] >= 1 and v["gated"] == 0 and v["foreign"], v
+        assert v["pieces"] == 2 and v["clock_groups"] == 2 and v["blocks"] == 5, v
+        assert v["resplits"] == 0, v
+        c = v["compiles"]
+        assert c[1] == c[0] and c[2:] == [c[2]] * (len(c) - 2), c   # (step 1's eval: one)
+        line = [s for s in v["said"] if "compiled at DDP's buckets" in s]
+        assert len(line) == 1 and "(fusing)" in line[0], v["said"]
+        assert "accept_compiled_rounding=True" in line[0], line
+
+
+@pytest.mark.slow
+def test_accepting_the_rounding_compiles_the_plan_s_pieces() -> None:
+    """``accept_compiled_rounding=True``: the same backend gets the plan's pieces (one
+    compilation more at the takeover), gates and the one line that says so."""
+    res = run_local(case_fusing, 2, args=(True,), timeout_s=300, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+        v = r.value
+        assert v["diff"] == 0.0, v    # (fusing computes as aot_eager)
+        assert v["at_ddp_buckets"] == 0 and v["gated"] >= 1 and not v["foreign"], v
+        assert v["pieces"] >= v["blocks"] - 1 and v["resplits"] == 1, v
+        assert any("accept_compiled_rounding" in s and "(fusing)" in s for s in v["said"]), v
 
 
 def test_backends_that_may_round_apart_are_named() -> None:

@@ -16,6 +16,9 @@ Every module that reads or sets one of them imports its name from here.
 - :data:`SUMMARY_FILE_ENV`: where rank 0 of a run that plans or verifies writes its one-line
   summary (what it kept, against DDP's buckets); ``usbyte-opt launch`` sets it and prints
   the line when the run ends.
+- :data:`COMPILED_ROUNDING_ENV`: ``1``: a compiled model trains on the plan's pieces under a
+  backend that may round them apart from compiled DDP's (inductor), instead of the refusal
+  (the runtime's ``accept_compiled_rounding``).
 
 The ranks' place in the world uses torchrun's own names (``RANK``, ``LOCAL_RANK``,
 ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``, ``MASTER_PORT``);
@@ -36,6 +39,7 @@ DEBUG_ENV = "USBYTE_DEBUG"
 ERROR_FILE_ENV = "TORCHELASTIC_ERROR_FILE"
 LAUNCHED_ENV = "USBYTE_LAUNCHED"
 SUMMARY_FILE_ENV = "USBYTE_SUMMARY_FILE"
+COMPILED_ROUNDING_ENV = "USBYTE_ACCEPT_COMPILED_ROUNDING"
 
-__all__ = ["AUTO", "AUTO_DIR_ENV", "DEBUG_ENV", "ERROR_FILE_ENV", "LAUNCHED_ENV", "SCHEDULE_ENV",
-           "SUMMARY_FILE_ENV", "TRACE_ENV"]
+__all__ = ["AUTO", "AUTO_DIR_ENV", "COMPILED_ROUNDING_ENV", "DEBUG_ENV", "ERROR_FILE_ENV",
+           "LAUNCHED_ENV", "SCHEDULE_ENV", "SUMMARY_FILE_ENV", "TRACE_ENV"]

@@ -293,9 +293,12 @@ class Trainee:
             from ..runtime import DistributedOptimizer
 
             self.model = compiled(model)
+            # (Compiled: the plan's pieces under any backend, as planned; the report says how
+            # far training ended from DDP's.)
             self.opt = DistributedOptimizer(make_optimizer(optimizer, params), self.model,
                                             schedule=schedule, verify=verify, trace=trace,
-                                            zero_stage=zero_stage)
+                                            zero_stage=zero_stage,
+                                            accept_compiled_rounding=compile is not None)
         elif kind == "local":
             self.model = compiled(model)
             self.opt = make_optimizer(optimizer, params)

@@ -215,7 +215,7 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
         own_forward(twin)
     except Exception:  # noqa: BLE001 - a model that cannot be copied: the split one's speed
         twin = twin_opt = None
-    split = PlanSplit(net, params, pieces, lambda ts: None)
+    split = PlanSplit(net, params, pieces, lambda ts: None, accept_rounding=True)
     split.register()
     try:
         compiled = torch.compile(net, backend=backend)
@@ -242,14 +242,17 @@ def _profile_timed(opts: ProfileOptions, timer: IterationTimer, split: Any, eage
     if eager is not None:
         fill_need(timings, eager)
     agg = _aggregate(summarize(timings), world, group)
+    # What the probes train: the model as the timed iterations ran it (compiled: the split
+    # compiled graphs, whose kernels all-reduce in flight slows otherwise than eager ones).
+    trained = (timer.forward, inputs, loss_fn, opt)
     if world > 1:
         measured = _measure_comm(opts, timings, agg, dev, group, backend, world, progress,
-                                 lambda: (net, inputs, loss_fn, opt))
+                                 lambda: trained)
     else:
         measured = _analytic(opts)
     timings.steady_ms += timer.steady(ROUND)
-    host, host_rec = _host(opts, dev, group, world, progress,
-                           lambda: (net, inputs, loss_fn, opt), measured.notes, host_link)
+    host, host_rec = _host(opts, dev, group, world, progress, lambda: trained, measured.notes,
+                           host_link)
     # Steady-state iterations spread over the profile's phases (after the timed ones, the
     # all-reduce sweep and the host probe), so that a spell of load elsewhere during one
     # phase does not set the compute alone; every rank's medians again.
@@ -336,7 +339,7 @@ def _cut_costs(net: torch.nn.Module, opt: torch.optim.Optimizer, inputs: Sequenc
         before = set(order[:k])
         # Piece 1 (wanted last) holds the tensors used before the cut, piece 0 the rest.
         split = PlanSplit(twin, params, [1 if i in before else 0 for i in range(len(params))],
-                          lambda ts: None)
+                          lambda ts: None, accept_rounding=True)
         split.register()
         try:
             fwd = torch.compile(twin, backend=opts.compile)

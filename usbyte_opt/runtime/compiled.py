@@ -62,6 +62,7 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from ..env import COMPILED_ROUNDING_ENV
 from ..errors import UsbyteError
 from ..planning.compiled import merged_pieces, plan_pieces
 
@@ -72,7 +73,7 @@ class _ModelState:
     """What the splitter learnt about one model's compiled graphs."""
 
     __slots__ = ("gated", "covered", "foreign", "gates_run", "graphs_run", "multi", "pieces",
-                 "key", "resplits")
+                 "key", "resplits", "at_ddp_buckets")
 
     def __init__(self) -> None:
         #: Graphs compiled split with gates, and their pieces in all.
@@ -95,6 +96,9 @@ class _ModelState:
         #: times the compiled code was dropped for another plan's pieces.
         self.key: tuple[int, ...] | None = None
         self.resplits = 0
+        #: Graphs compiled at DDP's buckets instead of the plan's pieces (a backend that may
+        #: round the plan's pieces apart, :data:`BITWISE_BACKENDS`), no gates.
+        self.at_ddp_buckets = 0
 
     def drop_graphs(self) -> None:
         """Drop dynamo's compiled code (every model's: dynamo keeps it per code object), so
@@ -107,6 +111,7 @@ class _ModelState:
         self.covered = set()
         self.foreign = False
         self.key = None
+        self.at_ddp_buckets = 0
 
 
 _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakKeyDictionary()
@@ -114,8 +119,15 @@ _STATES: weakref.WeakKeyDictionary[torch.nn.Module, _ModelState] = weakref.WeakK
 _OWNERS: dict[int, tuple[PlanSplit, int]] = {}
 #: The splits registered now.
 _LIVE: weakref.WeakSet[PlanSplit] = weakref.WeakSet()
-#: Modules whose graphs torch's DDP compiled (its DDPOptimizer's split, no gates).
-_COMPILED_BY_DDP: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+#: Modules whose graphs torch's DDP compiled (its DDPOptimizer's split, no gates), with the
+#: backend's name.
+_COMPILED_BY_DDP: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+#: The model's DDP bucket size in bytes (the wrapper's ``bucket_cap_mb``), where a graph is
+#: compiled at DDP's buckets (:func:`ddp_buckets`); DDP's default elsewhere.
+_DDP_BUCKET_BYTES: weakref.WeakKeyDictionary[torch.nn.Module, int] = weakref.WeakKeyDictionary()
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+#: Dynamo's own ``DDPOptimizer`` class, once patched.
+_ORIGINAL: list[Any] = []
 
 
 class _Marker:
@@ -178,11 +190,17 @@ class PlanSplit:
         params: the trainable tensors, by runtime index.
         pieces: each tensor's piece (:func:`plan_pieces`).
         gate: runs the pending updates of the runtime indices given (the forward gates').
+        accept_rounding: compile the plan's pieces under any backend; else, under a backend
+            that may round them apart from compiled DDP's (:data:`BITWISE_BACKENDS`), the
+            graphs are compiled at DDP's buckets (exactly as compiled torch DDP's), without
+            gates.
     """
 
     def __init__(self, model: torch.nn.Module, params: Sequence[torch.nn.Parameter],
-                 pieces: Sequence[int], gate: Callable[[list[int]], None]):
+                 pieces: Sequence[int], gate: Callable[[list[int]], None],
+                 accept_rounding: bool = False):
         self.model = model
+        self.accept_rounding = accept_rounding
         self.params = list(params)
         self.piece_of = {id(p): pieces[t] for t, p in enumerate(self.params)}
         self.run_gate = gate
@@ -207,13 +225,22 @@ class PlanSplit:
             _OWNERS[id(p)] = (self, t)
         _LIVE.add(self)
         arm()
-        if self.model in _COMPILED_BY_DDP or (resplit and self._stale()):
+        by_ddp = _COMPILED_BY_DDP.get(self.model)
+        if by_ddp is not None and not self.accept_rounding and by_ddp not in BITWISE_BACKENDS:
+            # Torch's DDP compiled the model under a backend that may round the plan's pieces
+            # apart: its graphs, at DDP's buckets, are what the runtime would compile (no
+            # compilation more).
+            del _COMPILED_BY_DDP[self.model]
+            self.state.foreign = True
+            self.state.at_ddp_buckets += 1
+            _say_once(_at_ddp_buckets_line(by_ddp))
+        elif by_ddp is not None or (resplit and self._stale()):
             # Torch's DDP ran this model compiled first (the wrapper's first iteration), or
             # the graphs were split for another plan's pieces (``auto``'s switch from DDP's
             # buckets to its plan, a replan): dynamo's cache would hand that split to this
             # plan. Compiled code is dropped, so the next forward compiles this plan's split
             # (one compilation more, as torch's DDP's first iteration costs one).
-            _COMPILED_BY_DDP.discard(self.model)
+            _COMPILED_BY_DDP.pop(self.model, None)
             self.state.drop_graphs()
 
     def settle(self, torch_ddp: bool) -> None:
@@ -371,11 +398,15 @@ class _Splitter:
                       "gradients ready at the end of its backward")
             return self.backend(gm, example_inputs, **kw)
         name = _backend_name(self.backend)
-        if name not in BITWISE_BACKENDS and last > 0:
-            _say_once(f"usbyte-opt: torch.compile ({name}): the plan's pieces are compiled "
-                      "apart, so a fused kernel can round differently from compiled torch "
-                      "DDP's pieces at its buckets (as another bucket size would); training "
-                      "is bitwise with compiled DDP under aot_eager")
+        if name not in BITWISE_BACKENDS and not split.accept_rounding:
+            # The plan's pieces could round apart from compiled DDP's: the graph is compiled
+            # exactly as compiled torch DDP compiles it (DDPOptimizer at DDP's buckets), so
+            # blocks leave as DDP's pieces end, and updates run before the forward.
+            state.foreign = True
+            state.at_ddp_buckets += 1
+            _say_once(_at_ddp_buckets_line(name))
+            cap = _DDP_BUCKET_BYTES.get(split.model, DEFAULT_BUCKET_BYTES)
+            return _ORIGINAL[0](cap, self.backend).compile_fn(gm, example_inputs, **kw)
         graph_id = next(_GRAPH_IDS)
         by_name = {n.name: n for n in split_gm.graph.nodes if n.op == "placeholder"}
         g = split_gm.graph
@@ -387,6 +418,11 @@ class _Splitter:
                     with g.inserting_before(n):
                         g.call_function(_gate, (graph_id, *reads))
         split_gm.recompile()
+        if name not in BITWISE_BACKENDS and last > 0:
+            _say_once(f"usbyte-opt: torch.compile ({name}): the plan's pieces are compiled "
+                      "apart (accept_compiled_rounding), so a fused kernel can round "
+                      "differently from compiled torch DDP's pieces at its buckets, as another "
+                      "bucket size would")
         state.gated += 1
         state.pieces += last + 1
         state.key = split.key
@@ -397,6 +433,25 @@ class _Splitter:
 #: Backends under which the pieces compute exactly what the whole graph and DDPOptimizer's
 #: pieces compute (no fusion across a cut to lose or gain).
 BITWISE_BACKENDS = ("aot_eager", "eager")
+
+
+def _at_ddp_buckets_line(backend: str) -> str:
+    return (f"usbyte-opt: torch.compile ({backend}): compiled at DDP's buckets as compiled "
+            f"torch DDP is, not at the plan's pieces, which {backend} could round apart from "
+            "DDP's; blocks leave as DDP's pieces end, updates run before the forward "
+            f"(accept_compiled_rounding=True or {COMPILED_ROUNDING_ENV}=1: the plan's pieces; "
+            "under aot_eager they are bitwise)")
+
+
+def ddp_buckets(model: torch.nn.Module, bucket_cap_mb: float | None) -> None:
+    """The DDP bucket size ``model`` would have under torch's DDP (the wrapper's
+    ``bucket_cap_mb``; ``None``: DDP's default): the size its graphs are compiled at where
+    the plan's pieces could round apart (:class:`PlanSplit`'s ``accept_rounding``)."""
+    orig = getattr(model, "_orig_mod", model)
+    if bucket_cap_mb is None:
+        _DDP_BUCKET_BYTES.pop(orig, None)
+    else:
+        _DDP_BUCKET_BYTES[orig] = int(bucket_cap_mb * 1024 * 1024)
 
 
 def _backend_name(backend: Any) -> str:
@@ -552,6 +607,7 @@ def _patch(tdd: Any) -> None:
                   "each graph's backward")
         return
     original = tdd.DDPOptimizer
+    _ORIGINAL.append(original)
 
     def dispatch(bucket_bytes_cap: int, backend_compile_fn: Callable[..., Any],
                  first_bucket_cap: int | None = None) -> Any:
@@ -563,7 +619,7 @@ def _patch(tdd: Any) -> None:
         if isinstance(module, torch.nn.Module):
             # Torch's DDP compiles the model's graphs its own way (and dynamo's cache would
             # hand them to the runtime): noted, for the runtime to start afresh (register).
-            _COMPILED_BY_DDP.add(module)
+            _COMPILED_BY_DDP[module] = _backend_name(backend_compile_fn)
             st = _STATES.get(module)
             if st is not None:
                 st.foreign = True

@@ -58,6 +58,8 @@ class ForwardGates:
             ``no_sync()``, the last of ``backward_passes_per_step``): DDP's
             ``require_backward_grad_sync`` for the buffer rule.
         pieces: each tensor's piece of a compiled graph (:func:`.compiled.plan_pieces`).
+        accept_rounding: compile the plan's pieces under any backend
+            (:class:`.compiled.PlanSplit`).
     """
 
     def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter],
@@ -65,7 +67,7 @@ class ForwardGates:
                  buffer_sync: BufferSync | None, clear_flushed: Callable[[], None],
                  output_grad: Callable[[torch.Tensor], None] | None = None,
                  grad_sync: Callable[[], bool] = lambda: True,
-                 pieces: list[int] | None = None):
+                 pieces: list[int] | None = None, accept_rounding: bool = False):
         self.model, self.updates, self.chan = model, updates, chan
         self.buffer_sync = buffer_sync
         self.grad_sync = grad_sync
@@ -99,7 +101,7 @@ class ForwardGates:
             for mod in model.modules() if isinstance(mod, _FAST_PATH_MODULES)}
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
-                               self.run_pending)
+                               self.run_pending, accept_rounding)
         #: Updates left to the split graph's gates by the forward in progress.
         self._left = 0
 

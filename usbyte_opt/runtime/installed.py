@@ -48,6 +48,8 @@ class Options:
         trace_path: the Chrome trace to record (:mod:`.trace`), or None.
         align_bytes: where each tensor of the flat buffers starts (:class:`~.buffers.FlatGrads`).
         zero_stage: 2: sharded mode keeps no flat gradient buffer (ZeRO-2, :mod:`.sharded`).
+        accept_compiled_rounding: a compiled model's graphs are split at the plan's pieces
+            under any backend (:class:`.compiled.PlanSplit`).
     """
 
     passes: int
@@ -58,6 +60,7 @@ class Options:
     trace_path: str | None
     align_bytes: int = 0
     zero_stage: int = 1
+    accept_compiled_rounding: bool = False
 
 
 @dataclass(eq=False)
@@ -201,7 +204,8 @@ def install(schedule: Schedule, source: str, model: torch.nn.Module, options: Op
     gates = ForwardGates(model, grads.params, updates, chan, options.buffer_sync,
                          comm.clear_flushed, comm.output_grad,
                          lambda: not comm.no_sync and comm.passes + 1 >= comm.k,
-                         merged_pieces(pieces, schedule.cut_pieces))
+                         merged_pieces(pieces, schedule.cut_pieces),
+                         options.accept_compiled_rounding)
 
     def settle_param(ts: list[int]) -> None:
         """A tensor with a pending update was touched: run its update first."""

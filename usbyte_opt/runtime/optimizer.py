@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .. import voice
-from ..env import TRACE_ENV
+from ..env import COMPILED_ROUNDING_ENV, TRACE_ENV
 from ..errors import UsbyteError, plural
 from ..formats import Mode, Schedule
 from . import amp
@@ -83,6 +83,18 @@ def _check_arguments(backward_passes_per_step: int, update_groups: int, zero_sta
         raise UsbyteError(f"update_groups: expected an integer >= 1, got {update_groups!r}")
     if zero_stage not in (1, 2) or isinstance(zero_stage, bool):
         raise UsbyteError(f"zero_stage: expected 1 or 2, got {zero_stage!r}")
+
+
+def _accept_rounding(given: bool | None) -> bool:
+    """``accept_compiled_rounding`` as given, else ``$USBYTE_ACCEPT_COMPILED_ROUNDING``."""
+    if given is not None:
+        return bool(given)
+    v = os.environ.get(COMPILED_ROUNDING_ENV, "").strip().lower()
+    if v in ("", "0", "false", "no"):
+        return False
+    if v in ("1", "true", "yes"):
+        return True
+    raise UsbyteError(f"${COMPILED_ROUNDING_ENV}: expected 1 or 0, got {v!r}")
 
 
 def _frozen_parameters(model: torch.nn.Module, params: Any) -> list[tuple[str, torch.nn.Parameter]]:
@@ -166,6 +178,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             the run) or ``2`` (ZeRO-2: each block's gradient memory goes once it is
             reduce-scattered, see *Gradient access in sharded mode*); ``2`` with any other
             schedule is refused. ``opt.report()["memory"]`` gives the bytes held.
+        accept_compiled_rounding: a ``torch.compile``'d model under a backend that fuses
+            kernels (inductor): ``True`` compiles its graphs split at the plan's pieces, so
+            blocks leave where the plan says, though a fused kernel may then round apart from
+            compiled torch DDP's in the last bits (as another ``bucket_cap_mb`` would);
+            ``False`` compiles them exactly as compiled torch DDP does, at DDP's buckets, and
+            says so once (training stays bitwise with DDP; blocks leave as DDP's pieces end).
+            Default ``$USBYTE_ACCEPT_COMPILED_ROUNDING`` (``1``), else ``False``. Under
+            ``aot_eager`` the plan's pieces are bitwise with DDP's either way.
 
     Raises:
         MismatchError: the model does not match the schedule (names the first tensor).
@@ -203,7 +223,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  verify: bool = True, auto_dir: str | os.PathLike | None = None,
                  check_every: int = 200, replan_on_drift: bool = False,
                  wait_in_backward: bool = False, trace: str | os.PathLike | None = None,
-                 align_bytes: int | None = None, zero_stage: int = 1):
+                 align_bytes: int | None = None, zero_stage: int = 1,
+                 accept_compiled_rounding: bool | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
         orig = getattr(model, "_orig_mod", None)
         compiled = type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module)
@@ -239,7 +260,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                 else None,
                                 self._trace_path,
                                 (16 if device.type == "cuda" else 0) if align_bytes is None
-                                else int(align_bytes), zero_stage)
+                                else int(align_bytes), zero_stage,
+                                _accept_rounding(accept_compiled_rounding))
         self._last_include: Callable[[int], bool] = lambda t: False
         self._steps = 0
         #: Parameters frozen at wrapping (a gradient later means one was unfrozen).
@@ -952,7 +974,8 @@ class _Tuned:
 
     @property
     def compiled(self) -> bool:
-        return self._opt._state.gates.split.state.gated > 0
+        st = self._opt._state.gates.split.state
+        return st.gated > 0 or st.at_ddp_buckets > 0
 
     def settled(self) -> None:
         self._opt._state.gates.split.settle(torch_ddp=self._opt._on_ddp)

@@ -165,6 +165,9 @@ class DistributedDataParallel(torch.nn.Module):
         rank = dist.get_rank(process_group)
         if self._planned:
             check_ddp_arguments(self._ddp_kwargs)
+            # A compiled model whose plan's pieces could round apart is compiled at these
+            # buckets, as compiled torch DDP (:mod:`.compiled`).
+            compiled.ddp_buckets(module, bucket_cap_mb)
         plan = None if req.auto or not req.given else _read_plan(req.schedule, module, process_group)
         if plan is not None and plan[0].runner is Runner.DDP:
             self._start_runner(plan[0], plan[1], runtime)
