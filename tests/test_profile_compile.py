@@ -33,6 +33,10 @@ def test_compiled_profile_has_the_split_backwards_ready_times(tmp_path):
     assert last < first and first <= p.backward_ms, (first, last, p.backward_ms)
     assert len({round(t.ready_ms / p.backward_ms, 2) for t in p.tensors}) >= 3
     assert all(0 <= t.need_ms <= p.forward_ms for t in p.tensors)
+    # Need times from the split forward's gates (each layer's piece reached in turn).
+    assert meta["need_ms"].startswith("8 of 8 tensors: the split forward's gate"), meta
+    needs = [by[n].need_ms for n in names]
+    assert needs == sorted(needs) and needs[0] < needs[-1], needs
     # A cut between layers timed on its own (a copy compiled with that one cut beside one
     # compiled whole): what the planner charges a plan's pieces. Three places, the time cap
     # let one run, and says so; the others cost its median.

@@ -44,7 +44,17 @@ from ..models import MODEL_NAME_ATTR, Factory, build_with_optimizer, model_name,
 from ..planning.cost import fit_samples
 from .optimizers import OPTIMIZERS, make_optimizer, optimizer_name
 from .options import STABLE_S, ProfileOptions
-from .timing import ROUND, IterationTimer, Progress, Summary, Timings, fill_need, make_clock, summarize
+from .timing import (
+    ROUND,
+    GateStamps,
+    IterationTimer,
+    Progress,
+    Summary,
+    Timings,
+    fill_need,
+    make_clock,
+    summarize,
+)
 from .topology import Place, Topology, place_from_env, topology
 
 
@@ -189,9 +199,10 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
                     loss_fn: Callable[[Any], torch.Tensor], opt: torch.optim.Optimizer,
                     dev: torch.device, sync: Callable[[], None] | None, label: str,
                     backend: str) -> tuple[IterationTimer, Any, Any]:
-    """``--compile``: an eager pass (the gradients' order, the need times), then the model
-    compiled with ``backend``, its graphs split at every tensor's first use in that order
-    (:class:`usbyte_opt.runtime.compiled.PlanSplit`, gates that run nothing), for the timed
+    """``--compile``: an eager pass (the gradients' order; the need times of tensors no gate
+    reads), then the model compiled with ``backend``, its graphs split at every tensor's
+    first use in that order (:class:`usbyte_opt.runtime.compiled.PlanSplit`, gates that run
+    nothing but are stamped: the need times, :class:`.timing.GateStamps`), for the timed
     iterations."""
     from ..runtime.compiled import PlanSplit, own_forward, split_available
 
@@ -215,7 +226,8 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
         own_forward(twin)
     except Exception:  # noqa: BLE001 - a model that cannot be copied: the split one's speed
         twin = twin_opt = None
-    split = PlanSplit(net, params, pieces, lambda ts: None, accept_rounding=True)
+    gates = GateStamps()
+    split = PlanSplit(net, params, pieces, gates, accept_rounding=True)
     split.register()
     try:
         compiled = torch.compile(net, backend=backend)
@@ -226,7 +238,8 @@ def _compiled_timer(net: torch.nn.Module, inputs: Sequence[Any],
                           f"{first_line(e, '')}") from e
     return (IterationTimer(net, inputs, loss_fn, opt, dev, sync=sync, label=label,
                            compiled=compiled,
-                           steady_with=(whole, twin_opt) if whole is not None else None),
+                           steady_with=(whole, twin_opt) if whole is not None else None,
+                           gates=gates),
             split, eager)
 
 
@@ -269,9 +282,12 @@ def _profile_timed(opts: ProfileOptions, timer: IterationTimer, split: Any, eage
     prof = _assemble(name or model_name(model), named if isinstance(named, str) else label, opts,
                      timings, agg, measured, dev, backend, world, batch, (opt_name, opt_from))
     if split is not None:
+        gated = sum(id(p) in split.state.covered for p in split.params)
         comp: dict[str, Any] = {
             "backend": opts.compile, "graphs": split.state.gated, "pieces": split.state.pieces,
-            "need_ms": "an eager pass's, scaled to the compiled forward"}
+            "need_ms": f"{gated} of {len(split.params)} tensors: the split forward's gate "
+                       "before the piece that reads the tensor first; the others an eager "
+                       "pass's, scaled to the compiled forward"}
         if opts.cut_probes > 0 and timer.steady_with is not None:
             if progress is not None:
                 progress("cut costs", 0, 1)

@@ -20,7 +20,13 @@ Method (docs/design.md §2.1, §6):
   ``out_proj.weight``. A tensor used before any hook has fired gets 0 (start of forward).
   Should a timed pass make a different number of hook calls than the discovery pass
   (data-dependent control flow), that pass falls back to the first pre-hook of the
-  tensor's owner.
+  tensor's owner. A compiled model (``profile --compile``) runs no module hook inside its
+  graphs: there each tensor's need time is the stamp of the split graph's gate before the
+  piece that reads it first (:class:`GateStamps`, where the runtime runs its pending update),
+  which a compiled forward reaches at another share of the forward than the eager module's
+  hook (measured on lab-cnn under inductor: the classifier's first weight at 75–78% of the
+  forward, its eager hook at 97%); a tensor no gate reads keeps the eager pass's time
+  (:func:`fill_need`).
 - Parameters that get no gradient (unused, or only in a branch the loss does not reach) get
   ``ready_ms = backward_ms``: the runtime zero-fills them at the end of backward so that every
   rank issues the same collectives. Parameters never touched in forward get
@@ -189,6 +195,31 @@ def apportion_update(step_ms: float, numels: Sequence[int], has_grad: Sequence[b
 # --------------------------------------------------------------------------------------------
 
 
+class GateStamps:
+    """The gates of a split compiled forward, stamped: the callback of the profile's
+    :class:`usbyte_opt.runtime.compiled.PlanSplit` (called before each piece with the
+    indices of the tensors the piece reads first), read by the :class:`IterationTimer`
+    given it, which sets :attr:`clock` and clears :attr:`calls` at each iteration.
+
+    Example::
+
+        >>> g = GateStamps()
+        >>> g([0, 1])                    # no clock yet: nothing is stamped
+        >>> g.clock = make_clock(torch.device("cpu")); g([2]); [ts for _, ts in g.calls]
+        [[2]]
+    """
+
+    __slots__ = ("clock", "calls")
+
+    def __init__(self) -> None:
+        self.clock: Any = None
+        self.calls: list[tuple[Any, list[int]]] = []
+
+    def __call__(self, ts: list[int]) -> None:
+        if self.clock is not None:
+            self.calls.append((self.clock.stamp(), list(ts)))
+
+
 class IterationTimer:
     """Times training iterations of ``model`` with per-tensor hooks.
 
@@ -218,11 +249,13 @@ class IterationTimer:
                  optimizer: torch.optim.Optimizer | None, device: torch.device | str = "cpu",
                  sync: Callable[[], None] | None = None, hooks: bool = True, label: str = "model",
                  compiled: Callable[..., Any] | None = None,
-                 steady_with: tuple[Callable[..., Any], torch.optim.Optimizer | None] | None = None):
+                 steady_with: tuple[Callable[..., Any], torch.optim.Optimizer | None] | None = None,
+                 gates: GateStamps | None = None):
         self.model, self.inputs, self.loss_fn, self.optimizer = model, tuple(inputs), loss_fn, optimizer
         #: What the iterations call: ``model``, or its compiled form (``compiled``: only the
         #: gradients' hooks then, no module pre-hooks and no discovery pass inside the graph;
-        #: ``need_ms`` stay NaN for the caller to fill, :func:`fill_need`).
+        #: ``need_ms`` from ``gates``, the split graph's gates stamped, the others NaN for the
+        #: caller to fill, :func:`fill_need`).
         self.forward: Callable[..., Any] = compiled if compiled is not None else model
         self.compiled = compiled is not None
         #: What :meth:`steady` trains (default: ``forward`` and ``optimizer``): a compiled
@@ -234,6 +267,9 @@ class IterationTimer:
         self.sync = sync
         self.hooks_on = hooks
         self.label = label
+        self.gates = gates
+        if gates is not None:
+            gates.clock = self.clock
         named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.index = {id(p): i for i, p in enumerate(self.params)}
@@ -284,6 +320,8 @@ class IterationTimer:
         if self.sync is not None:
             self.sync()
         self.calls.clear()
+        if self.gates is not None:
+            self.gates.calls.clear()
         self.ready[:] = [None] * len(self.params)
         clock = self.clock
         clock.start_iteration()
@@ -333,6 +371,11 @@ class IterationTimer:
                     sts = [first_call[k] for k in self.owner_of[i] if k in first_call]
                     if sts:
                         need[i] = min(ms(t0, s) for s in sts)
+        elif self.compiled and self.gates is not None:
+            for st, ts in self.gates.calls:
+                for i in ts:
+                    if 0 <= i < len(need) and math.isnan(need[i]):
+                        need[i] = ms(t0, st)
         tm.need_ms.append(need)
 
     def steady(self, n: int) -> list[float]:
@@ -419,14 +462,28 @@ class IterationTimer:
 
 
 def fill_need(compiled: Timings, eager: Timings) -> None:
-    """A compiled run's ``need_ms`` (module hooks cannot stamp inside a graph): the eager
-    run's medians, scaled by each compiled pass's forward over the eager median forward; its
-    ``unused`` and ``functional`` lists too."""
+    """A compiled run's ``need_ms`` where no gate of its split graphs stamped one (module
+    hooks cannot stamp inside a graph): the eager run's medians, scaled by each compiled
+    pass's forward over the eager median forward; its ``unused`` and ``functional`` lists
+    too.
+
+    Example::
+
+        >>> nan = math.nan
+        >>> e = Timings(["a", "b"], [(1,), (1,)], ["float32"] * 2, [1, 1], forward_ms=[10.0],
+        ...             need_ms=[[1.0, 9.0]])
+        >>> c = Timings(["a", "b"], [(1,), (1,)], ["float32"] * 2, [1, 1], forward_ms=[5.0],
+        ...             need_ms=[[0.2, nan]])
+        >>> fill_need(c, e); c.need_ms         # a's gate stamped 0.2; b from eager, halved
+        [[0.2, 4.5]]
+    """
     if not eager.need_ms or not eager.forward_ms:
         return
     cols = [median(c) for c in zip(*eager.need_ms)]
     f_eager = median(eager.forward_ms) or 1.0
-    compiled.need_ms = [[c * f / f_eager for c in cols] for f in compiled.forward_ms]
+    own = compiled.need_ms or [[math.nan] * len(cols) for _ in compiled.forward_ms]
+    compiled.need_ms = [[c * f / f_eager if math.isnan(m) else m for c, m in zip(cols, row)]
+                        for f, row in zip(compiled.forward_ms, own)]
     compiled.unused, compiled.functional = list(eager.unused), list(eager.functional)
 
 

@@ -355,25 +355,22 @@ class _Splitter:
                 if a in real and a not in seen:
                     seen.add(a)
                     first.setdefault(n, []).append(a)
-        # From the output back: a new piece where a tensor of another piece is first used,
-        # once the piece so far hands something on (else it would be dead; DDPOptimizer's
-        # rule too).
-        key_of: dict[torch.fx.Node, int] = {}
-        members: set[torch.fx.Node] = set()
-        level, key, hands_on = -1, 0, False
-        for n in reversed(body):
+        # In forward order: a new piece starts at the first use of a tensor of another piece
+        # (its gate just before that use), and holds every node up to the next such use, so
+        # what follows a layer's first use (its activation, a pooling) stays with it: fused
+        # there, and its output handed on where it is smallest.
+        part: dict[torch.fx.Node, int] = {}
+        level, cur = -1, 0
+        for n in body:
             # (A node reading tensors of several pieces first, a layer's weight and bias in
             # two blocks, goes with the piece wanted first: its backward yields them together.)
             want = min((piece_of[id(real[a])] for a in first.get(n, ())), default=-1)
             if want >= 0 and want != level:
-                if level >= 0 and hands_on:
-                    key, members, hands_on = key + 1, set(), False
+                if level >= 0:
+                    cur += 1
                 level = want
-            members.add(n)
-            hands_on = hands_on or any(u not in members for u in n.users)
-            key_of[n] = key
-        last = key
-        part = {n: last - k for n, k in key_of.items()}      # forward order
+            part[n] = cur
+        part, last = _live_pieces(body, part)
         for n in body:
             # An item of a tuple-valued node stays in that node's piece: a piece hands on
             # tensors, not tuples (nn.MultiheadAttention's (output, weights), for one).
@@ -481,6 +478,28 @@ def _say_once(line: str) -> None:
     if line not in _SAID:
         _SAID.add(line)
         print(line, file=sys.stderr, flush=True)
+
+
+def _live_pieces(body: list[torch.fx.Node], part: dict[torch.fx.Node, int]
+                 ) -> tuple[dict[torch.fx.Node, int], int]:
+    """``part`` with every piece that hands nothing on (no node of it read by another piece
+    or the graph's output: it would be dead, DDPOptimizer's rule too) joined to the piece
+    before it (the first to the one after), numbered again from 0; and the last number."""
+    while True:
+        ids = sorted(set(part.values()))
+        hands_on = {k: False for k in ids}
+        for n in body:
+            if any(part.get(u, -1) != part[n] for u in n.users):
+                hands_on[part[n]] = True
+        dead = [k for k in ids if not hands_on[k]]
+        if not dead or len(ids) == 1:
+            break
+        k = dead[0]
+        i = ids.index(k)
+        into = ids[i - 1] if i > 0 else ids[i + 1]
+        part = {n: into if p == k else p for n, p in part.items()}
+    renum = {k: j for j, k in enumerate(sorted(set(part.values())))}
+    return {n: renum[p] for n, p in part.items()}, len(renum) - 1
 
 
 def _reads_plan_tensors_otherwise(gm: torch.fx.GraphModule, body: list[torch.fx.Node],
