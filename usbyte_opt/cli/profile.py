@@ -96,7 +96,7 @@ def profile(
         help="Time the model as torch.compile with this backend trains it (inductor, "
              "aot_eager, ...): its graphs split where each tensor is first used, as the "
              "runtime splits them at the plan's blocks, so that the gradients' ready times "
-             "are the compiled backward's (need times: an eager pass's, scaled).")] = None,
+             "are the compiled backward's and the need times its forward's gates.")] = None,
     cut_probes: Annotated[int, typer.Option(
         "--cut-probes", min=0,
         help="With --compile: how many places to cut the graph at are timed one by one (a "

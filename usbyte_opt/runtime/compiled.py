@@ -12,9 +12,12 @@ same hook for its own plan:
   whenever no DDP forward runs (torch's DDP puts its own in place for its forward and the
   marker back after), and the runtime's splitter takes ``DDPOptimizer``'s place for it. The
   splitter finds the installed schedule by the graph's parameters and cuts the graph where
-  the plan's blocks end: walking the graph from its output, a new piece starts at the first
-  use (in forward order) of a tensor held by other blocks than the tensors before it
-  (:func:`plan_pieces`: the first and the last block holding it), so a block goes out when
+  the plan's blocks end: in forward order, a new piece starts at the first use of a tensor
+  held by other blocks than the tensors before it (:func:`plan_pieces`: the first and the
+  last block holding it) and keeps the nodes after that use up to the next such one (a
+  layer's activation and pooling stay with the layer: fused there, and what crosses the cut
+  is the smaller tensor after them; cut before them instead, a lab-cnn cut cost 16–26 ms of
+  an iteration of about 80 ms under inductor on two CPU cores), so a block goes out when
   the piece holding its last tensor has run its backward, and the next forward's gates wait
   between pieces for the blocks each reads. A schedule planned on a compiled profile says
   where a cut pays (``cut_pieces``: a cut costs compute, and the planner keeps only the cuts
