@@ -239,15 +239,26 @@ def case_one(rank: int, ws: int) -> dict:
     return _train(rank, ws, Deep, lambda m, w: grouped(m, w, 4), "late-wrap-compiled", loop="clip")
 
 
-def test_one_compiled_model_trains_as_compiled_ddp_piece_by_piece() -> None:
+def case_default(rank: int, ws: int) -> dict:
+    """The default suite's two compiled cases in one run (starting ranks costs seconds)."""
+    return {"one": case_one(rank, ws), "fusing": case_fusing(rank, ws, False)}
+
+
+@pytest.fixture(scope="module")
+def default_cases() -> list[dict]:
+    res = run_local(case_default, 2, timeout_s=400, pg_timeout_s=120)
+    for r in res:
+        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
+    return [r.value for r in res]
+
+
+def test_one_compiled_model_trains_as_compiled_ddp_piece_by_piece(default_cases) -> None:
     """The default suite's case (the others are slow: each compiles twice): DDP's one line
     changed around a compiled model (torch's DDP runs the first iteration with its own split,
     which the runtime drops once when it takes over), overlap mode, clipping, an eval forward
     between steps."""
-    res = run_local(case_one, 2, timeout_s=300, pg_timeout_s=120)
-    for r in res:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
-        v = r.value
+    for per_rank in default_cases:
+        v = per_rank["one"]
         assert v["diff"] == 0.0, v
         assert v["pieces"] >= v["blocks"] - 1 and v["clock_groups"] >= v["blocks"] - 1, v
         assert v["first_ready_at"] <= 2 < v["clock_end"], v
@@ -459,16 +470,14 @@ def case_fusing(rank: int, ws: int, accept: bool) -> dict:
     return {**v, "said": _said()}
 
 
-def test_a_backend_that_may_round_apart_compiles_at_ddp_s_buckets() -> None:
+def test_a_backend_that_may_round_apart_compiles_at_ddp_s_buckets(default_cases) -> None:
     """Under a backend that may round the plan's pieces apart from compiled DDP's, the
     runtime keeps compiled torch DDP's own split (DDPOptimizer's, at DDP's buckets): training
     is bitwise with compiled DDP, gradients still come in DDP's pieces (blocks leave as each
     ends), no gate runs (updates before the forward), torch DDP's graphs of the first
     iteration serve on (no compile at the takeover), and every rank says so once."""
-    res = run_local(case_fusing, 2, args=(False,), timeout_s=300, pg_timeout_s=120)
-    for r in res:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
-        v = r.value
+    for per_rank in default_cases:
+        v = per_rank["fusing"]
         assert v["diff"] == 0.0, v
         assert v["at_ddp_buckets"] >= 1 and v["gated"] == 0 and v["foreign"], v
         assert v["pieces"] == 2 and v["clock_groups"] == 2 and v["blocks"] == 5, v

@@ -956,7 +956,10 @@ def case_compiled(rank: int, ws: int) -> dict:
     return {"diff": max(max_diff(ref, mod), out if rank == 0 else 0.0), "compiled_calls": len(calls)}
 
 
+@pytest.mark.slow
 def test_torch_compile_matches_ddp() -> None:
+    """(Slow: tests/test_compiled_split.py trains compiled models against compiled DDP in the
+    default run.)"""
     res = run_local(case_compiled, 2, timeout_s=400, pg_timeout_s=120)
     for r in res:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
