@@ -388,7 +388,10 @@ def test_bad_options_are_refused_in_one_line(tmp_path):
     assert "usbyte" in pl.strategies.StrategyRegistry.available_strategies()
 
 
+@pytest.mark.slow
 def test_example_under_usbyte_opt_launch_writes_its_report(runs, tmp_path):
+    """(Slow, as the other trainers' examples under launch: the default run trains Lightning
+    on both paths in-process.)"""
     sys.path.insert(0, str(ROOT / "examples"))
     import lightning_train
 

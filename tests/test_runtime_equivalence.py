@@ -37,7 +37,7 @@ from usbyte_opt.runtime.default_plan import (
     split_blocks,
 )
 
-STEPS = 20
+STEPS = 12
 TOL = 1e-5
 
 # --------------------------------------------------------------------------------------------
