@@ -39,6 +39,13 @@ same hook for its own plan:
   compiled first (the wrapper's first iteration) leaves its split in dynamo's cache: the
   runtime drops the compiled code once when it takes over, and the next forward compiles
   the plan's split.
+* **Backends that fuse.** Pieces compiled apart compute exactly what the whole graph
+  computes under ``aot_eager`` and ``eager`` (:data:`BITWISE_BACKENDS`); under inductor a
+  kernel fused across a cut could round apart from compiled torch DDP's. There, unless the
+  runtime is given ``accept_compiled_rounding=True``, each graph is compiled exactly as
+  compiled torch DDP compiles it (dynamo's own ``DDPOptimizer`` at DDP's buckets,
+  :func:`ddp_buckets`), without gates, and every rank says so once; torch DDP's graphs of
+  the wrapper's first iteration are those and serve on.
 
 ``split_available()`` says whether this torch has the hook; without it a compiled model
 trains correctly with every gradient ready at the end of its graph's backward (one line
