@@ -38,6 +38,7 @@ About 1–3 s on a 2-core CPU.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import statistics
 import time
@@ -257,7 +258,14 @@ def host_cost(dev: torch.device, group: Any = None, *, layers: int = LAYERS, rou
                 per[k].append(statistics.median(iteration(net, opt) for _ in range(per_round)))
         for k in ("runtime-1", "runtime-n"):
             arms[k][1].close()
+        # Torch DDP's reducers hold the group: they go while the group still has its other
+        # owners. Freed after it is destroyed, a reducer would drop the group's last
+        # reference with the GIL held, and the group's worker threads, still freeing a
+        # finished all-reduce whose saved state holds a Python object, need the GIL to end:
+        # its destructor, joining them, would wait for ever (seen once in the test suite).
         arms.clear()
+        net = opt = wrapped = None
+        gc.collect()
     costs = fit(per, n)
     return HostProbe(n, {k: [round(v, 3) for v in xs] for k, xs in per.items()}, **costs,
                      ddp_buckets_measured=ddp_n, seconds=time.perf_counter() - t0,
