@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import os
 import pickle
 import shutil
@@ -612,6 +613,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, port: int, backen
         try:
             res.value = fn(rank, world_size, *args)
         finally:
+            # (torch DDP's reducers left in cycles go first: one freed after the group is
+            # destroyed drops its last reference with the GIL held, which can deadlock with
+            # the group's worker threads, :func:`usbyte_opt.profiler.host.host_cost`.)
+            gc.collect()
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - the group may be broken after a failure

@@ -30,6 +30,7 @@ is recorded in the rank's torch elastic error file, which the launcher reads, an
 from __future__ import annotations
 
 import dataclasses
+import gc
 import math
 import os
 import sys
@@ -302,6 +303,7 @@ def run_rank(job: Job) -> dict[str, Any] | None:
         return _run(job, dev)
     finally:
         if owns and dist.is_initialized():
+            gc.collect()   # torch DDP's reducers before the group (launcher.run_local)
             try:
                 dist.destroy_process_group()
             except Exception:  # noqa: BLE001 - a broken group after a failure
