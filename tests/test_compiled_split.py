@@ -244,12 +244,17 @@ def case_default(rank: int, ws: int) -> dict:
     return {"one": case_one(rank, ws), "fusing": case_fusing(rank, ws, False)}
 
 
-@pytest.fixture(scope="module")
-def default_cases() -> list[dict]:
-    res = run_local(case_default, 2, timeout_s=400, pg_timeout_s=120)
+def _values(fn, timeout_s: int, pg_timeout_s: int) -> list[dict]:
+    """``fn`` on two ranks: each rank's value, every rank having succeeded."""
+    res = run_local(fn, 2, timeout_s=timeout_s, pg_timeout_s=pg_timeout_s)
     for r in res:
         assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
     return [r.value for r in res]
+
+
+@pytest.fixture(scope="module")
+def default_cases() -> list[dict]:
+    return _values(case_default, 400, 120)
 
 
 def test_one_compiled_model_trains_as_compiled_ddp_piece_by_piece(default_cases) -> None:
@@ -271,10 +276,7 @@ def test_one_compiled_model_trains_as_compiled_ddp_piece_by_piece(default_cases)
 
 @pytest.fixture(scope="module")
 def results() -> list[dict]:
-    res = run_local(case_all, 2, timeout_s=600, pg_timeout_s=180)
-    for r in res:
-        assert r.ok, f"rank {r.rank}: {r.error_type}: {r.error}\n{r.trace}"
-    return [r.value for r in res]
+    return _values(case_all, 600, 180)
 
 
 @pytest.mark.slow
