@@ -371,7 +371,7 @@ class IterationTimer:
                     sts = [first_call[k] for k in self.owner_of[i] if k in first_call]
                     if sts:
                         need[i] = min(ms(t0, s) for s in sts)
-        elif self.compiled and self.gates is not None:
+        elif self.gates is not None:
             for st, ts in self.gates.calls:
                 for i in ts:
                     if 0 <= i < len(need) and math.isnan(need[i]):

@@ -110,6 +110,14 @@ class _ModelState:
         #: round the plan's pieces apart, :data:`BITWISE_BACKENDS`), no gates.
         self.at_ddp_buckets = 0
 
+    def at_ddp_buckets_for(self, backend: str) -> None:
+        """A graph runs compiled at DDP's buckets (under ``backend``, which could round the
+        plan's pieces apart): no gates, so every update runs before the forward; every rank
+        says so once."""
+        self.foreign = True
+        self.at_ddp_buckets += 1
+        _say_once(_at_ddp_buckets_line(backend))
+
     def drop_graphs(self) -> None:
         """Drop dynamo's compiled code (every model's: dynamo keeps it per code object), so
         that the next forward compiles the graphs again, split for the plan registered then."""
@@ -241,9 +249,7 @@ class PlanSplit:
             # apart: its graphs, at DDP's buckets, are what the runtime would compile (no
             # compilation more).
             del _COMPILED_BY_DDP[self.model]
-            self.state.foreign = True
-            self.state.at_ddp_buckets += 1
-            _say_once(_at_ddp_buckets_line(by_ddp))
+            self.state.at_ddp_buckets_for(by_ddp)
         elif by_ddp is not None or (resplit and self._stale()):
             # Torch's DDP ran this model compiled first (the wrapper's first iteration), or
             # the graphs were split for another plan's pieces (``auto``'s switch from DDP's
@@ -358,6 +364,14 @@ class _Splitter:
             return self.backend(gm, example_inputs, **kw)
         if not real:
             return self.backend(gm, example_inputs, **kw)
+        name = _backend_name(self.backend)
+        if name not in BITWISE_BACKENDS and not split.accept_rounding:
+            # The plan's pieces could round apart from compiled DDP's: the graph is compiled
+            # exactly as compiled torch DDP compiles it (DDPOptimizer at DDP's buckets), so
+            # blocks leave as DDP's pieces end, and updates run before the forward.
+            state.at_ddp_buckets_for(name)
+            cap = _DDP_BUCKET_BYTES.get(split.model, DEFAULT_BUCKET_BYTES)
+            return _ORIGINAL[0](cap, self.backend).compile_fn(gm, example_inputs, **kw)
         first: dict[torch.fx.Node, list[torch.fx.Node]] = {}
         seen: set[torch.fx.Node] = set()
         for n in body:
@@ -404,16 +418,6 @@ class _Splitter:
                       f"{str(e).splitlines()[0] if str(e) else ''}); it runs whole, its "
                       "gradients ready at the end of its backward")
             return self.backend(gm, example_inputs, **kw)
-        name = _backend_name(self.backend)
-        if name not in BITWISE_BACKENDS and not split.accept_rounding:
-            # The plan's pieces could round apart from compiled DDP's: the graph is compiled
-            # exactly as compiled torch DDP compiles it (DDPOptimizer at DDP's buckets), so
-            # blocks leave as DDP's pieces end, and updates run before the forward.
-            state.foreign = True
-            state.at_ddp_buckets += 1
-            _say_once(_at_ddp_buckets_line(name))
-            cap = _DDP_BUCKET_BYTES.get(split.model, DEFAULT_BUCKET_BYTES)
-            return _ORIGINAL[0](cap, self.backend).compile_fn(gm, example_inputs, **kw)
         graph_id = next(_GRAPH_IDS)
         by_name = {n.name: n for n in split_gm.graph.nodes if n.op == "placeholder"}
         g = split_gm.graph
