@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import glob
+import importlib.util
 import json
 import math
 import os
@@ -476,7 +477,114 @@ ACCELERATE = Trainer(
     plan_iterations=12,
 )
 
-TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING, ACCELERATE)}
+# ---------------------------------------------------------------------------------------------
+# pytorch/examples: distributed/minGPT-ddp, the DDP tutorial's GPT trainer (hydra, torchrun)
+
+_MINGPT = "distributed/minGPT-ddp/mingpt"
+#: The characters per sample, the text's first characters taken (the vocabulary, and so the
+#: model's shapes, are the same for every number of iterations), the epochs (each validated
+#: and saved).
+_MG_BLOCK, _MG_TEXT, _MG_EPOCHS = 32, 2048, 2
+#: The published configuration's text (tinyshakespeare, in the repository), 1115394 characters.
+_MG_CHARS = 1115394
+
+
+def _mingpt_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    # The published model, data and loop, made small: 2 layers of width 64 on the text's first
+    # characters, each rank's batch such that it takes ceil(iterations / epochs) steps per epoch
+    # (90% of the samples train, DistributedSampler over 2 ranks).
+    steps = max(1, math.ceil(iterations / _MG_EPOCHS))
+    train = int((_MG_TEXT - _MG_BLOCK) * 0.9)
+    batch = math.ceil(train / (2 * steps))
+    (tree / "out").mkdir(parents=True, exist_ok=True)
+    snap = tree / "out" / "gpt_snapshot.pt"
+    args, need = _from_earlier(config, run)
+    epochs = _MG_EPOCHS
+    for _, path in need:                     # resume: that run's snapshot, where this run saves
+        if path.exists():                    # (else its run failed: this one starts afresh)
+            shutil.copy(path, snap)
+        args.remove(str(path))
+        epochs += _MG_EPOCHS
+    return ["data_config.path=data/input.txt", f"data_config.truncate={_MG_TEXT / _MG_CHARS!r}",
+            f"data_config.block_size={_MG_BLOCK}", "gpt_config.n_layer=2", "gpt_config.n_head=2",
+            "gpt_config.n_embd=64", f"trainer_config.batch_size={batch}", "trainer_config.data_loader_workers=0",
+            f"trainer_config.max_epochs={epochs}", "trainer_config.save_every=1",
+            f"trainer_config.snapshot_path={snap}", *args], tree / _MINGPT
+
+
+_MG_LINE = re.compile(r"^\[RANK0\] Epoch \d+ \| Iter \d+ \| (Train|Eval) Loss \S+$")
+
+
+def _mingpt_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _move_out(tree, run)
+    out["logged losses (rank 0)"] = "\n".join(line.strip() for line in logs.get(0, "").splitlines()
+                                              if _MG_LINE.match(line.strip()))
+    snap = run / "out" / "gpt_snapshot.pt"
+    if snap.exists():
+        out["checkpoint gpt_snapshot.pt"] = snap
+    return out
+
+
+#: What the example imports beyond torch, fsspec and boto3: hydra and its configuration library.
+_MINGPT_PIP = [("hydra", "hydra-core==1.3.2"), ("omegaconf", "omegaconf==2.3.0"),
+               ("antlr4", "antlr4-python3-runtime==4.9.3")]
+
+
+def _mingpt_deps(cache: Path, pypath: list[str]) -> list[str]:
+    target = cache / "pydeps-mingpt"
+    for mod, spec in _MINGPT_PIP:
+        if not (target / mod).is_dir():
+            r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                "--no-deps", "--target", str(target), spec], capture_output=True, text=True)
+            if r.returncode:
+                raise Unobtainable(f"mingpt: {spec} could not be installed: {r.stderr.strip()[-200:]}")
+    for mod in ("boto3", "fsspec"):
+        if importlib.util.find_spec(mod) is None:
+            raise Unobtainable(f"mingpt: the example imports {mod}, which is not installed (pip install {mod})")
+    return [str(target)]
+
+
+MINGPT = Trainer(
+    name="mingpt",
+    repo="pytorch/examples",
+    commit="77f55b912142e11fcfdf5b530231fb9c52f181e8",
+    script=f"{_MINGPT}/main.py",
+    # torch.accelerator has no current accelerator on a CPU-only machine: the device, the
+    # backend (gloo) and DDP's device_ids follow torch's CPU ones; the example's check for two
+    # GPUs applies where there is an accelerator.
+    port=[(f"{_MINGPT}/trainer.py", 'self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}")',
+           'self.device: torch.device = torch.device(f"{self.acc}:{self.local_rank}") if self.acc is not None '
+           'else torch.device("cpu")'),
+          (f"{_MINGPT}/trainer.py", "self.model = model.to(self.local_rank)", "self.model = model.to(self.device)"),
+          (f"{_MINGPT}/trainer.py", "source = source.to(self.local_rank)", "source = source.to(self.device)"),
+          (f"{_MINGPT}/trainer.py", "targets = targets.to(self.local_rank)", "targets = targets.to(self.device)"),
+          (f"{_MINGPT}/trainer.py", "self.model = DDP(self.model, device_ids=[self.local_rank])",
+           "self.model = DDP(self.model, device_ids=None if self.device.type == 'cpu' else [self.local_rank])"),
+          (f"{_MINGPT}/main.py", '    device: torch.device = torch.device(f"{acc}:{rank}")',
+           '    device: torch.device = torch.device(f"{acc}:{rank}") if acc is not None else torch.device("cpu")'),
+          (f"{_MINGPT}/main.py", "    torch.accelerator.set_device_index(rank)",
+           "    torch.accelerator.set_device_index(rank) if acc is not None else None"),
+          (f"{_MINGPT}/main.py", "    if not verify_min_gpu_count(min_gpus=_min_gpu_count):",
+           "    if torch.accelerator.is_available() and not verify_min_gpu_count(min_gpus=_min_gpu_count):")],
+    patch=(f"{_MINGPT}/trainer.py", "from torch.nn.parallel import DistributedDataParallel as DDP",
+           "from usbyte_opt import DistributedDataParallel as DDP"),
+    configs={
+        "plain": [],                                   # fp16 autocast and GradScaler, clipping, AdamW
+        "fp32": ["trainer_config.use_amp=False"],
+        "resume": ["from:plain:gpt_snapshot.pt"],      # 2 more epochs from plain's last snapshot
+    },
+    slow=set(),
+    argv=_mingpt_argv,
+    outputs=_mingpt_outputs,
+    # The example never seeds torch: every run, its own DDP runs included, starts from other
+    # weights and draws other dropout masks, unless the observer seeds it.
+    env={"USBYTE_RC_SEED_TORCH": "1"},
+    paths=["distributed/minGPT-ddp", "LICENSE"],
+    deps=_mingpt_deps,
+)
+
+TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING, ACCELERATE, MINGPT)}
 
 
 # ---------------------------------------------------------------------------------------------

@@ -228,6 +228,24 @@ def test_optimize_warns_once_when_the_written_plan_is_slower_than_any_row(tmp_pa
     assert "run by torch DDP's reducer" in " ".join((out.out + out.err).split())
 
 
+def test_best_held_to_overlap_mode_says_so_not_a_planner_fault(tmp_path, capsys):
+    """``--mode overlap`` where torch DDP's fence wins: best is slower than ddp by the user's
+    choice of mode, and the warning says that (it used to call it a planner fault)."""
+    from usbyte_opt.cli.main import main
+
+    save_profile(MANY_SMALL, tmp_path / "p.json")
+    try:
+        main(["optimize", str(tmp_path / "p.json"), "-o", str(tmp_path / "s.json"), "--mode", "overlap"])
+    except SystemExit as e:
+        assert e.code in (None, 0)
+    out = capsys.readouterr()
+    warns = [ln for ln in " ".join((out.out + out.err).split()).split("warning: ")[1:]]
+    assert len(warns) == 1 and warns[0].startswith("best is predicted slower than ddp")
+    assert "--mode overlap plans best in overlap mode only" in warns[0]
+    assert "planner fault" not in warns[0]
+    assert load_schedule(tmp_path / "s.json").mode == "overlap"
+
+
 def test_old_style_doc_copy_is_not_mutated():
     doc = _doc()
     before = copy.deepcopy(doc)

@@ -153,7 +153,7 @@ def _optimize(profile: Path, output: Path | None, strategy: str, world_size: int
     if as_json:
         console.emit_json(_document(report, written, prof, original.name))
     else:
-        _print(report, written, prof, original.name, wide)
+        _print(report, written, prof, original.name, wide, mode)
 
 
 def _optimize_sharded(profile: Path, output: Path | None, strategy: str, world_size: int | None,
@@ -310,10 +310,11 @@ def _speedup(report: Any, ms: float) -> float | None:
     return ddp.iteration_ms / ms if ddp is not None and ms > 0 else None
 
 
-def slower_than_a_row(report: Any, strategy: str) -> str | None:
+def slower_than_a_row(report: Any, strategy: str, mode: str | None = None) -> str | None:
     """The warning line ``optimize`` prints when ``strategy``'s plan is predicted slower than
     another row of the table (``None`` when it is not): which row, both times, both speedups
-    over DDP, and which ``--strategy`` writes the faster plan."""
+    over DDP, and which ``--strategy`` writes the faster plan. ``mode``: the ``--mode`` that
+    held best to one mode (a faster row in the other mode is then the price of that choice)."""
     res = report.results
     chosen = res[strategy].iteration_ms
     faster = [(r.iteration_ms, n) for n, r in res.items()
@@ -323,7 +324,10 @@ def slower_than_a_row(report: Any, strategy: str) -> str | None:
     ms, fastest = min(faster)
     ddp = res["ddp"].iteration_ms
     several = fastest == "ddp" and len(res["ddp"].plan.layout.buffers) > 1
-    why = ("torch DDP's own buckets of several dtypes are not a bucket list a schedule can give "
+    held = strategy == "best" and mode is not None and res[fastest].mode != mode
+    why = (f"--mode {mode} plans best in {mode} mode only, and {fastest} runs in "
+           f"{res[fastest].mode} mode: leave --mode out for the faster plan" if held else
+           "torch DDP's own buckets of several dtypes are not a bucket list a schedule can give "
            "it: keep torch DDP" if strategy == "best" and several else
            "best weighs every row's blocks on both runners, so this is a planner fault: please "
            "report it" if strategy == "best" else "best is never slower than any row"
@@ -333,7 +337,8 @@ def slower_than_a_row(report: Any, strategy: str) -> str | None:
             f"(--strategy {fastest if strategy == 'best' else 'best'})")
 
 
-def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
+def _print(report: Any, w: Written, prof: Any, name: str, wide: bool,
+           mode: str | None = None) -> None:
     """The comparison table and what was written, for a terminal."""
     res = report.results
     wfbp = res["wfbp"].iteration_ms
@@ -384,7 +389,7 @@ def _print(report: Any, w: Written, prof: Any, name: str, wide: bool) -> None:
                           "against the schedule (docs/runtime.md)")
     for skipped, why in report.skipped.items():
         console.warn(f"{skipped}: no plan: {why}")
-    line = slower_than_a_row(report, w.strategy)
+    line = slower_than_a_row(report, w.strategy, mode)
     if line is not None:
         console.warn(line)
     console.info(f"wrote {w.path}" + (f" and {w.trace}" if w.trace else ""))

@@ -13,7 +13,9 @@ One thing it sets: Python's own ``random`` module, which seeds itself from the o
 at start-up, is seeded with 0 in every run (arm and rank alike). A trainer that never seeds it
 (Accelerate's examples seed numpy and torch only) would otherwise save a different
 ``random.getstate()`` in every checkpoint of every run, its own DDP runs included; a trainer that
-seeds it itself (timm) overrides this.
+seeds it itself (timm) overrides this. With ``USBYTE_RC_SEED_TORCH`` set (a trainer that never
+seeds torch either, whose every run, its own DDP runs included, would otherwise start from other
+weights and draw other dropout masks), torch's generator is seeded with 0 in the same way.
 """
 
 import atexit
@@ -31,6 +33,9 @@ if _DIR:
     random.seed(0)
 
     import torch
+
+    if os.environ.get("USBYTE_RC_SEED_TORCH"):
+        torch.manual_seed(0)    # a trainer that never seeds torch (see the module's docstring)
     import torch.distributed as _dist
 
     _optimizers = []
