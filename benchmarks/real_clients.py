@@ -881,10 +881,13 @@ _REFUSAL = re.compile(r"usbyte_opt\.errors\.\w+: (.*)|^(?:\[rank\d\]: )?(\w*Usby
 
 
 def refusal(run: Run) -> tuple[str, list[int]]:
-    """A failed usbyte run's message and the ranks that printed one."""
+    """A failed usbyte run's message and the ranks that printed one: its last error, else its
+    last ``usbyte-opt:`` line (a run that raised may say more after the error)."""
     msgs = {}
     for rank, log in run.logs.items():
-        ms = [next(g for g in m.groups() if g) for m in _REFUSAL.finditer(log)]
+        found = list(_REFUSAL.finditer(log))
+        errors = [m.group(1) or m.group(2) for m in found if m.group(1) or m.group(2)]
+        ms = errors or [m.group(3) for m in found]
         if ms:
             msgs[rank] = ms[-1].strip()
     msg = next(iter(msgs.values()), "")
