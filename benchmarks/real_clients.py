@@ -584,7 +584,74 @@ MINGPT = Trainer(
     deps=_mingpt_deps,
 )
 
-TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING, ACCELERATE, MINGPT)}
+# ---------------------------------------------------------------------------------------------
+# pytorch/examples: distributed/ddp-tutorial-series/multigpu_torchrun.py, the DDP tutorial's
+# own script (a linear model on random data, snapshots, torchrun's restarts)
+
+_TUTORIAL = "distributed/ddp-tutorial-series"
+#: The dataset's size as published (MyTrainDataset(2048)), and the epochs of a run.
+_TUT_SAMPLES, _TUT_EPOCHS = 2048, 2
+
+
+def _tutorial_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
+    # Run from out/, where the script writes (and looks for) its snapshot.pt; the batch per
+    # rank such that each rank takes ceil(iterations / epochs) steps per epoch.
+    steps = max(1, math.ceil(iterations / _TUT_EPOCHS))
+    out = tree / "out"
+    out.mkdir(parents=True, exist_ok=True)
+    args, need = _from_earlier(config, run)
+    epochs = _TUT_EPOCHS
+    for _, path in need:                     # resume: that run's snapshot, where this run looks
+        if path.exists():
+            shutil.copy(path, out / "snapshot.pt")
+        args.remove(str(path))
+        epochs += _TUT_EPOCHS
+    return [str(epochs), "1", "--batch_size", str(math.ceil(_TUT_SAMPLES / 2 / steps)), *args], out
+
+
+def _tutorial_outputs(tree: Path, run: Path, logs: dict[int, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    _move_out(tree, run)
+    snap = run / "out" / "snapshot.pt"
+    if snap.exists():
+        out["checkpoint snapshot.pt"] = snap
+    return out
+
+
+TUTORIAL = Trainer(
+    name="ddp-tutorial",
+    repo="pytorch/examples",
+    commit="77f55b912142e11fcfdf5b530231fb9c52f181e8",
+    script=f"{_TUTORIAL}/multigpu_torchrun.py",
+    # The script hard-codes CUDA and NCCL: the CPU and gloo here.
+    port=[(f"{_TUTORIAL}/multigpu_torchrun.py",
+           '    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))\n    init_process_group(backend="nccl")\n',
+           '    init_process_group(backend="gloo")\n'),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", '        self.gpu_id = int(os.environ["LOCAL_RANK"])\n',
+           '        self.gpu_id = int(os.environ["LOCAL_RANK"])\n        self.device = torch.device("cpu")\n'),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", "self.model = model.to(self.gpu_id)",
+           "self.model = model.to(self.device)"),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", "self.model = DDP(self.model, device_ids=[self.gpu_id])",
+           "self.model = DDP(self.model, device_ids=None)"),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", 'loc = f"cuda:{self.gpu_id}"', 'loc = self.device'),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", "source = source.to(self.gpu_id)", "source = source.to(self.device)"),
+          (f"{_TUTORIAL}/multigpu_torchrun.py", "targets = targets.to(self.gpu_id)",
+           "targets = targets.to(self.device)")],
+    patch=(f"{_TUTORIAL}/multigpu_torchrun.py", "from torch.nn.parallel import DistributedDataParallel as DDP",
+           "from usbyte_opt import DistributedDataParallel as DDP"),
+    configs={
+        "plain": [],                                     # SGD, a snapshot every epoch (rank 0)
+        "resume": ["from:plain:snapshot.pt"],            # 2 more epochs from plain's snapshot
+    },
+    slow=set(),
+    argv=_tutorial_argv,
+    outputs=_tutorial_outputs,
+    # Its data (MyTrainDataset: torch.rand) and its model are never seeded.
+    env={"USBYTE_RC_SEED_TORCH": "1"},
+    paths=[_TUTORIAL, "LICENSE"],
+)
+
+TRAINERS = {t.name: t for t in (TIMM, NANOGPT, LIGHTNING, ACCELERATE, MINGPT, TUTORIAL)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -611,7 +678,8 @@ def source_tree(t: Trainer, cache: Path, source: str | None = None, clone_timeou
     dest = cache / "src" / f"{t.name}-{t.commit[:12]}"
     if (dest / ".complete").exists():
         return dest
-    source = source or os.environ.get(f"USBYTE_RC_SRC_{t.name.upper()}")
+    env_name = t.name.upper().replace("-", "_")
+    source = source or os.environ.get(f"USBYTE_RC_SRC_{env_name}")
     tmp = dest.with_name(dest.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -641,7 +709,7 @@ def source_tree(t: Trainer, cache: Path, source: str | None = None, clone_timeou
     if not (tmp / t.script).exists():
         shutil.rmtree(tmp, ignore_errors=True)
         raise Unobtainable(f"{t.name}: {t.repo}@{t.commit[:12]} not obtainable ({why or 'no source'}); "
-                           f"give a checkout with --source {t.name}=PATH or $USBYTE_RC_SRC_{t.name.upper()}")
+                           f"give a checkout with --source {t.name}=PATH or $USBYTE_RC_SRC_{env_name}")
     (tmp / ".complete").write_text(t.commit)
     shutil.rmtree(dest, ignore_errors=True)
     tmp.rename(dest)
