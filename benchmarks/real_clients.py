@@ -87,7 +87,9 @@ class Trainer:
 # timm (pytorch-image-models): train.py, its ImageNet trainer
 
 def _timm_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
-    data = _image_folder(run.parent.parent / "data-images", per_class=iterations)
+    # One folder per size in the cache (cache/work/<tree> -> cache), not per run directory: the
+    # saved args name it, and a DDP run made for one schedule is compared with the others'.
+    data = _image_folder(tree.parent.parent / "timm-images", per_class=iterations)
     # 2 ranks x batch 4 over 4 classes x `iterations` images: iterations // 2 steps in each of 2 epochs.
     args = [str(data), "--model", "test_efficientnet", "--num-classes", "4", "--input-size", "3", "32", "32",
             "--crop-pct", "1.0", "-b", "4", "--epochs", "2", "--warmup-epochs", "0", "--sched", "cosine",
@@ -128,8 +130,11 @@ TIMM = Trainer(
         "distbn-none": ["--opt", "sgd", "--dist-bn", ""],
         "distbn-broadcast": ["--opt", "sgd", "--dist-bn", "broadcast"],
         "no-ddp-bb": ["--opt", "sgd", "--no-ddp-bb"],
+        # Compiled before DDP wraps it (timm's task.compile), validation on the compiled module.
+        "compile": ["--opt", "sgd", "--torchcompile", "inductor"],
+        "compile-aot": ["--opt", "sgd", "--torchcompile", "aot_eager"],
     },
-    slow=set(),
+    slow={"compile", "compile-aot"},
     argv=_timm_argv,
     outputs=_timm_outputs,
     needs_pil=True,

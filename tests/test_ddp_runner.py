@@ -90,10 +90,32 @@ def unverified(rank: int, ws: int) -> dict[str, Any]:
     return side_by_side(rank, ws, 6, verify=False)
 
 
+def compiled_inside(rank: int, ws: int) -> dict[str, Any]:
+    """DDP around a module compiled first (timm's order), the schedule planned for the plain
+    module: its tensors are the plain module's (no ``_orig_mod.`` prefix), so it is run, on
+    torch DDP, bitwise the same as DDP around the same compiled module."""
+    net = make_net()
+    sched = ddp_schedule(net)
+    ref, mod = (torch.compile(copy.deepcopy(net), backend="aot_eager") for _ in range(2))
+    ddp = DDP(ref)
+    usb = usbyte_opt.DistributedDataParallel(mod, schedule=sched, verify=False)
+    o_ref, o_usb = (torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9) for m in (ref, mod))
+    for step in range(4):
+        x, y = batch(rank, step)
+        for model, opt in ((ddp, o_ref), (usb, o_usb)):
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return {"equal": all(torch.equal(a, b) for a, b in
+                         zip(ref.state_dict().values(), mod.state_dict().values())),
+            "runner": usb.report()["runner"], "runtime": usb.optimizer is not None}
+
+
 SCENARIOS = {
     "verified": (side_by_side, (30,)),
     "unverified": (unverified, ()),
     "refused_option": (refused_option, ()),
+    "compiled_inside": (compiled_inside, ()),
 }
 
 
@@ -121,6 +143,12 @@ def test_ddp_runner_without_verification_is_planned_ddp_alone(outcome) -> None:
     for r in outcome("unverified"):
         assert r.ok, f"{r.error_type}: {r.error}\n{r.trace}"
         assert r.value["equal"] and not r.value["default_built"] and r.value["ran"] is None
+
+
+def test_a_plan_for_the_plain_module_runs_ddp_around_its_compiled_form(outcome) -> None:
+    for r in outcome("compiled_inside"):
+        assert r.ok, f"{r.error_type}: {r.error}\n{r.trace}"
+        assert r.value == {"equal": True, "runner": "ddp", "runtime": False}, r.value
 
 
 def test_a_runtime_option_is_refused_for_a_ddp_runner_schedule(outcome) -> None:

@@ -228,7 +228,9 @@ def check_buckets(ddp_model: Any, schedule: Schedule) -> None:
                             "iteration's forward): call check_buckets after the second iteration")
     now = _current_buckets(ddp_model)
     got = [s for s, _ in now]
-    names = {id(p): n for n, p in ddp_model.module.named_parameters()}
+    from .runtime.default_plan import trainable_parameters
+
+    names = {id(p): n for n, p in trainable_parameters(ddp_model.module)}
     if got == want:
         planned = planned_buckets(schedule)
         for k, ((_, ids), plan) in enumerate(zip(now, planned)):

@@ -41,9 +41,28 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wraps (its ``_orig_mod``), else ``model``: the
+    module whose tensors a schedule names (a profile of the plain model, a run of the compiled
+    one, and the other way round, name the same tensors).
+
+    Example::
+
+        >>> import torch
+        >>> m = torch.nn.Linear(2, 2)
+        >>> uncompiled(torch.compile(m)) is m, uncompiled(m) is m
+        (True, True)
+    """
+    orig = getattr(model, "_orig_mod", None)
+    if type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module):
+        return orig
+    return model
+
+
 def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
-    """``(name, parameter)`` of every trainable tensor, in registration order, tied ones once."""
-    return [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    """``(name, parameter)`` of every trainable tensor, in registration order, tied ones once
+    (of the module a compiled ``model`` runs: names without ``torch.compile``'s ``_orig_mod.``)."""
+    return [(n, p) for n, p in uncompiled(model).named_parameters() if p.requires_grad]
 
 
 def model_tensors(model: torch.nn.Module) -> list[tuple[str, tuple[int, ...], str]]:

@@ -60,7 +60,7 @@ from .checks import (
 )
 from .comm import Channel
 from .compiled import rearm
-from .default_plan import fallback_schedule
+from .default_plan import fallback_schedule, uncompiled
 from .exit_hook import OPEN, release_at_exit
 from .installed import Installed, Options, install
 from .semantics import BufferSync
@@ -226,11 +226,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                  align_bytes: int | None = None, zero_stage: int = 1,
                  accept_compiled_rounding: bool | None = None):
         # No super().__init__(): param_groups, state and defaults stay the wrapped optimizer's.
-        orig = getattr(model, "_orig_mod", None)
-        compiled = type(model).__name__ == "OptimizedModule" and isinstance(orig, torch.nn.Module)
-        if compiled:
-            assert isinstance(orig, torch.nn.Module)
-            model = orig  # torch.compile(model): the hooks go on the module it runs
+        model = uncompiled(model)  # torch.compile(model): the hooks go on the module it runs
         self._opt = optimizer
         self._model = model
         self._trace_path = str(trace) if trace is not None else os.environ.get(TRACE_ENV) or None
