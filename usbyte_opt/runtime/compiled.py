@@ -75,6 +75,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from ..env import COMPILED_ROUNDING_ENV
 from ..errors import UsbyteError
 from ..planning.compiled import merged_pieces, plan_pieces
+from .default_plan import uncompiled
 
 __all__ = ["PlanSplit", "merged_pieces", "own_forward", "plan_pieces", "split_available"]
 
@@ -458,7 +459,7 @@ def ddp_buckets(model: torch.nn.Module, bucket_cap_mb: float | None) -> None:
     """The DDP bucket size ``model`` would have under torch's DDP (the wrapper's
     ``bucket_cap_mb``; ``None``: DDP's default): the size its graphs are compiled at where
     the plan's pieces could round apart (:class:`PlanSplit`'s ``accept_rounding``)."""
-    orig = getattr(model, "_orig_mod", model)
+    orig = uncompiled(model)
     if bucket_cap_mb is None:
         _DDP_BUCKET_BYTES.pop(orig, None)
     else:
@@ -648,8 +649,8 @@ def _patch(tdd: Any) -> None:
         if active is _MARKER:
             return _Splitter(backend_compile_fn)
         module = getattr(active, "module", None)
-        module = getattr(module, "_orig_mod", module)
         if isinstance(module, torch.nn.Module):
+            module = uncompiled(module)
             # Torch's DDP compiles the model's graphs its own way (and dynamo's cache would
             # hand them to the runtime): noted, for the runtime to start afresh (register).
             _COMPILED_BY_DDP[module] = _backend_name(backend_compile_fn)
