@@ -253,16 +253,46 @@ def check_buckets(ddp_model: Any, schedule: Schedule) -> None:
     raise MismatchError(f"DDP's buckets are {got} bytes, the schedule planned {want}: {why}")
 
 
-def watch_buckets(ddp_model: Any, schedule: Schedule) -> None:
+def compiled_as_default(ddp_model: Any, bucket_cap_mb: float | None = None) -> None:
+    """Have dynamo compile a model under ``ddp_model`` (planned buckets) exactly as under DDP
+    with its default buckets (``bucket_cap_mb``, else DDP's 25 MiB).
+
+    Dynamo splits a graph compiled inside a DDP forward at the DDP module's
+    ``bucket_bytes_cap`` (its ``DDPOptimizer``, with a first piece of 1 MiB), so that each
+    piece's backward hands its gradients over. A bucket list sets that attribute to its
+    largest bucket, which (a) cuts the compiled graphs elsewhere than the user's own compiled
+    DDP does, and under a backend that fuses (inductor) the training could then round apart
+    from DDP's, and (b) below 1 MiB stops the first compiled forward with dynamo's
+    ``AssertionError`` ("First bucket should be smaller/equal to other buckets"). Only the
+    attribute changes: DDP's reducer took its planned buckets at construction.
+
+    Example (no process group needed for the attribute)::
+
+        >>> class Planned:                     # stands for a DDP module built with a list
+        ...     bucket_bytes_cap = 40_000
+        >>> d = Planned()
+        >>> compiled_as_default(d); d.bucket_bytes_cap == 25 * 2**20
+        True
+    """
+    from .planning.ddp import BUCKET_CAP_BYTES
+
+    ddp_model.bucket_bytes_cap = (int(bucket_cap_mb * _MB) if bucket_cap_mb is not None
+                                  else BUCKET_CAP_BYTES)
+
+
+def watch_buckets(ddp_model: Any, schedule: Schedule, bucket_cap_mb: float | None = None) -> None:
     """Check DDP's buckets against the schedule once they are final (after the forward in
     which DDP rebuilds them), once, on every rank alike: a mismatch is a
     :class:`~usbyte_opt.runtime.UsbyteWarning` (training is still DDP's, only not as
-    planned)."""
+    planned). Every place that builds DDP with a schedule's buckets calls it, so it also sets
+    what a compiled model under that DDP is compiled as (:func:`compiled_as_default`, with
+    the user's ``bucket_cap_mb``)."""
     import warnings
     import weakref
 
     from .runtime.checks import UsbyteWarning
 
+    compiled_as_default(ddp_model, bucket_cap_mb)
     ref = weakref.ref(ddp_model)
     handle: list[Any] = []
 
@@ -281,5 +311,5 @@ def watch_buckets(ddp_model: Any, schedule: Schedule) -> None:
     handle.append(ddp_model.register_forward_hook(after_forward))
 
 
-__all__ = ["bucket_caps_mb", "check_buckets", "expressible", "planned_buckets", "planned_ddp_kwargs",
-           "rebuilt_bucket_sizes", "supports_bucket_list", "watch_buckets", "wrap"]
+__all__ = ["bucket_caps_mb", "check_buckets", "compiled_as_default", "expressible", "planned_buckets",
+           "planned_ddp_kwargs", "rebuilt_bucket_sizes", "supports_bucket_list", "watch_buckets", "wrap"]

@@ -48,18 +48,21 @@ class DDPRunner:
             them, :func:`usbyte_opt.ddp.planned_ddp_kwargs`).
         group: the data-parallel group.
         verify: time the planned buckets against DDP's default ones.
+        bucket_cap_mb: the user's (DDP's default buckets; a model compiled under the planned
+            DDP is compiled as under those, :func:`usbyte_opt.ddp.compiled_as_default`).
     """
 
     def __init__(self, module: torch.nn.Module, schedule: Schedule, source: str,
                  build: Any, find_unused_parameters: bool, static_graph: bool,
-                 group: dist.ProcessGroup | None, verify: bool):
+                 group: dist.ProcessGroup | None, verify: bool,
+                 bucket_cap_mb: float | None = None):
         from ..ddp import planned_ddp_kwargs, watch_buckets
 
         self.plan, self.source = schedule, source
         self.planned = build(planned_ddp_kwargs(schedule, module, source=source,
                                                 find_unused_parameters=find_unused_parameters,
                                                 static_graph=static_graph))
-        watch_buckets(self.planned, schedule)
+        watch_buckets(self.planned, schedule, bucket_cap_mb)
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
         self.group = group
         params = [p for p in module.parameters() if p.requires_grad]

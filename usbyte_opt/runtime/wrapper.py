@@ -201,7 +201,8 @@ class DistributedDataParallel(torch.nn.Module):
                               f"option {sorted(runtime)[0]!r} does not apply; drop it")
         runner = self._runner = DDPRunner(
             self.module, schedule, source, self._torch_ddp, self.find_unused_parameters,
-            self.static_graph, self.process_group, verify=bool(verify))
+            self.static_graph, self.process_group, verify=bool(verify),
+            bucket_cap_mb=self.bucket_cap_mb)
         self.__dict__["_ddp"] = runner.active
         if runner.verifying:
             self._watching = True
