@@ -949,18 +949,16 @@ def _load(path: Path) -> Any:
     return torch.load(path, weights_only=False)
 
 
-_REFUSAL = re.compile(r"usbyte_opt\.errors\.\w+: (.*)|^(?:\[rank\d\]: )?(\w*UsbyteError\w*: .*)$|^usbyte-opt: (.*)$",
-                      re.M)
+_REFUSAL = re.compile(r"usbyte_opt\.errors\.\w+: (.*)|^(?:\[rank\d\]: )?(\w*UsbyteError\w*: .*)$", re.M)
 
 
 def refusal(run: Run) -> tuple[str, list[int]]:
-    """A failed usbyte run's message and the ranks that printed one: its last error, else its
-    last ``usbyte-opt:`` line (a run that raised may say more after the error)."""
+    """A failed usbyte run's refusal (its last usbyte-opt error) and the ranks that raised one.
+    Its ``usbyte-opt:`` lines say what it ran, not why it stopped: a run that stopped on
+    another error (a crash in torch) is no refusal."""
     msgs = {}
     for rank, log in run.logs.items():
-        found = list(_REFUSAL.finditer(log))
-        errors = [m.group(1) or m.group(2) for m in found if m.group(1) or m.group(2)]
-        ms = errors or [m.group(3) for m in found]
+        ms = [m.group(1) or m.group(2) for m in _REFUSAL.finditer(log)]
         if ms:
             msgs[rank] = ms[-1].strip()
     msg = next(iter(msgs.values()), "")
