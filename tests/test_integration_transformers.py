@@ -262,6 +262,19 @@ def trainers(rank: int, ws: int, tmp: str) -> dict:
         except UsbyteError as e:
             errors.append(str(e))
     out["errors"] = errors
+
+    # 7. torch_compile (aot_eager) on the runtime path: Accelerate hands the compiled module to
+    #    no_sync() on the micro-batches that must not sync (it was refused: "got a gradient in
+    #    backward pass 2 of a step").
+    compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
+    refc = Trainer(model=copy.deepcopy(base), train_dataset=data,
+                   args=arguments(os.path.join(tmp, "refc"), **compiled))
+    refc.train()
+    runc = UsbyteTrainer(model=copy.deepcopy(base), train_dataset=data, schedule=rpath,
+                         args=arguments(os.path.join(tmp, "runc"), **compiled), runtime_options={"verify": False})
+    runc.train()
+    out["compiled"] = {"ref": type(refc.model_wrapped).__name__, "run": type(runc.model_wrapped).__name__,
+                       "diff": diff(params(runc.model), params(refc.model))}
     out["lines"] = lines.lines
     return out
 
@@ -332,9 +345,14 @@ def test_fp16_overflow_steps_leave_the_lr_scheduler_alone_as_under_the_trainers_
         assert v["fp16"]["diff"] == 0.0, v["fp16"]["diff"]
 
 
+def test_torch_compile_on_the_runtime_path_trains_bitwise_like_the_trainers_compiled_ddp(results):
+    for r in results:
+        assert r["compiled"] == {"ref": "OptimizedModule", "run": "OptimizedModule", "diff": 0.0}, r["compiled"]
+
+
 def test_the_run_says_which_path_once_on_rank_0(results):
     lines0 = results[0]["lines"]
-    assert sum("the usbyte-opt runtime, " in ln and "overlap mode" in ln for ln in lines0) == 3
+    assert sum("the usbyte-opt runtime, " in ln and "overlap mode" in ln for ln in lines0) == 4   # +compiled
     assert sum("stock DistributedDataParallel with the schedule's" in ln for ln in lines0) == 1
     assert results[1]["lines"] == []
 

@@ -55,6 +55,7 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from ..errors import UsbyteError
+from ..runtime.default_plan import uncompiled
 from ._common import Route, log_plan, report_skipped_steps, resolve, runtime_kwargs
 
 #: The name the integration gives itself in its log line and errors.
@@ -201,7 +202,8 @@ class UsbyteTrainer(Trainer):
             # The Trainer asks for DDP's no_sync() on the micro-batches that must not sync.
             trainer = ref()
             opt = None if trainer is None else trainer.usbyte_optimizer
-            if opt is not None and acc.unwrap_model(model) is trainer.model:
+            # (torch_compile: Accelerate unwraps to the compiled module; the model is inside)
+            if opt is not None and uncompiled(acc.unwrap_model(model)) is uncompiled(trainer.model):
                 return opt.no_sync()
             return no_sync(model)
 
