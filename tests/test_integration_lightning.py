@@ -243,6 +243,17 @@ def train_all(rank: int, ws: int, paths: dict[str, str], out: str) -> dict:
     res["ref_16"] = fit(DDP(), d, "ref16", accum=1, precision="16-mixed")
     res["run_16"] = fit(UsbyteStrategy(schedule=paths["overlap"], verify=False), d, "run16", accum=1,
                         precision="16-mixed")
+    # a compiled LightningModule on the runtime path: refused on every rank (with AdamW it
+    # trained apart from Lightning's DDP); refused before anything is compiled
+    trainer = pl.Trainer(strategy=UsbyteStrategy(schedule=paths["overlap"], verify=False),
+                         accelerator="cpu", devices=2, num_nodes=1, max_epochs=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False, default_root_dir=d)
+    try:
+        trainer.fit(torch.compile(Net(), backend="eager"), loaders(trainer.world_size, 1)[0])
+        res["compiled"] = "trained"
+    except UsbyteError as e:
+        res["compiled"] = str(e)
     # the example's baseline, for the launched run below
     sys.path.insert(0, str(ROOT / "examples"))
     import lightning_train
@@ -276,6 +287,11 @@ def test_runtime_in_overlap_mode_trains_like_lightnings_ddp(runs):
         assert max_diff(ref["buffers"], run["buffers"]) == 0.0
         assert ref["val"] == run["val"] and len(run["val"]) == 2 * EPOCHS  # updates applied first
     assert max_diff(runs[0]["run3"]["params"], runs[1]["run3"]["params"]) == 0.0
+
+
+def test_a_compiled_lightning_module_is_refused_on_the_runtime_path_on_every_rank(runs):
+    for v in runs:
+        assert "a compiled LightningModule" in v["compiled"] and "ddp-tuned" in v["compiled"], v["compiled"]
 
 
 def test_checkpoint_holds_the_updated_weights_and_resume_equals_the_uninterrupted_run(runs):

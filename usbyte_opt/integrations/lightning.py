@@ -288,6 +288,14 @@ class UsbyteStrategy(DDPStrategy):
             return
         from ..runtime import DistributedOptimizer
 
+        if getattr(self.lightning_module, "_compiler_ctx", None) is not None:
+            # Lightning compiles the module's forward and *_step methods one by one
+            # (lightning.pytorch.utilities.compile.from_compiled); there, training on the
+            # runtime path ran apart from Lightning's DDP (with AdamW), so it is refused.
+            raise UsbyteError(f"{TRAINER}: a compiled LightningModule (trainer.fit(torch.compile("
+                              "module))) is not run exactly as Lightning's DDP runs it on the "
+                              "usbyte-opt runtime path; fit the module uncompiled, or use a "
+                              "ddp-tuned schedule (Lightning's DDP)")
         if len(self.optimizers) != 1:
             raise UsbyteError(f"{TRAINER}: configure_optimizers returned {len(self.optimizers)} "
                               "optimizers: the usbyte-opt runtime path takes one optimizer per "
