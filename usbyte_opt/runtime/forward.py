@@ -99,6 +99,13 @@ class ForwardGates:
         self.fast_path: dict[int, list[int]] = {
             id(mod): [index[id(p)] for p in mod.parameters() if id(p) in index]
             for mod in model.modules() if isinstance(mod, _FAST_PATH_MODULES)}
+        #: Submodules compiled on their own (``model.block = torch.compile(block)``): the
+        #: updates of a training forward all run before it. Inside such a graph the armed
+        #: tensors' first uses are not where the eager gates see them, and AdamW trained
+        #: apart from DDP in the last bits there (SGD did not); updates before the forward
+        #: are DDP's values exactly.
+        self.compiled_inside = any(type(m).__name__ == "OptimizedModule"
+                                   for m in model.modules() if m is not model)
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
                                self.run_pending, accept_rounding)
@@ -226,7 +233,7 @@ class ForwardGates:
         if self.buffer_sync is not None:
             self.buffer_sync.pre_forward()
         self.clear_flushed()
-        if self.updates.n_pending and not training:
+        if self.updates.n_pending and (not training or self.compiled_inside):
             self.updates.flush()
         return None
 
