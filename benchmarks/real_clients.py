@@ -353,6 +353,18 @@ def _from_earlier(config: list[str], run: Path) -> tuple[list[str], list[tuple[s
     return args, need
 
 
+def _resumed(config: list[str], run: Path, snapshot: Path) -> tuple[list[str], int]:
+    """A resuming configuration (``from:CONFIG:FILE``): that earlier run's file copied to
+    ``snapshot``, where this run loads and saves it (a failed earlier run left none: this one
+    starts afresh). Returns the other arguments and how many earlier runs it continues."""
+    args, need = _from_earlier(config, run)
+    for _, path in need:
+        if path.exists():
+            shutil.copy(path, snapshot)
+        args.remove(str(path))
+    return args, len(need)
+
+
 def _accelerate_argv(tree: Path, run: Path, config: list[str], iterations: int) -> tuple[list[str], Path]:
     data = _pets_folder(tree.parent / "accelerate-pets", _accelerate_steps(iterations))
     args = ["--data_dir", str(data), "--cpu", "--output_dir", "out", "--project_dir", "out/logs"]
@@ -503,13 +515,8 @@ def _mingpt_argv(tree: Path, run: Path, config: list[str], iterations: int) -> t
     batch = math.ceil(train / (2 * steps))
     (tree / "out").mkdir(parents=True, exist_ok=True)
     snap = tree / "out" / "gpt_snapshot.pt"
-    args, need = _from_earlier(config, run)
-    epochs = _MG_EPOCHS
-    for _, path in need:                     # resume: that run's snapshot, where this run saves
-        if path.exists():                    # (else its run failed: this one starts afresh)
-            shutil.copy(path, snap)
-        args.remove(str(path))
-        epochs += _MG_EPOCHS
+    args, earlier = _resumed(config, run, snap)
+    epochs = _MG_EPOCHS * (1 + earlier)
     return ["data_config.path=data/input.txt", f"data_config.truncate={_MG_TEXT / _MG_CHARS!r}",
             f"data_config.block_size={_MG_BLOCK}", "gpt_config.n_layer=2", "gpt_config.n_head=2",
             "gpt_config.n_embd=64", f"trainer_config.batch_size={batch}", "trainer_config.data_loader_workers=0",
@@ -604,13 +611,8 @@ def _tutorial_argv(tree: Path, run: Path, config: list[str], iterations: int) ->
     steps = max(1, math.ceil(iterations / _TUT_EPOCHS))
     out = tree / "out"
     out.mkdir(parents=True, exist_ok=True)
-    args, need = _from_earlier(config, run)
-    epochs = _TUT_EPOCHS
-    for _, path in need:                     # resume: that run's snapshot, where this run looks
-        if path.exists():
-            shutil.copy(path, out / "snapshot.pt")
-        args.remove(str(path))
-        epochs += _TUT_EPOCHS
+    args, earlier = _resumed(config, run, out / "snapshot.pt")
+    epochs = _TUT_EPOCHS * (1 + earlier)
     return [str(epochs), "1", "--batch_size", str(math.ceil(_TUT_SAMPLES / 2 / steps)), *args], out
 
 
