@@ -90,6 +90,7 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from ..errors import UsbyteError
 from ..formats import Schedule
+from ..runtime.forward import COMPILED_INSIDE_ATTR
 from ._common import Route, log_plan, resolve, runtime_kwargs
 
 TRAINER = "Lightning"
@@ -290,12 +291,9 @@ class UsbyteStrategy(DDPStrategy):
 
         if getattr(self.lightning_module, "_compiler_ctx", None) is not None:
             # Lightning compiles the module's forward and *_step methods one by one
-            # (lightning.pytorch.utilities.compile.from_compiled); there, training on the
-            # runtime path ran apart from Lightning's DDP (with AdamW), so it is refused.
-            raise UsbyteError(f"{TRAINER}: a compiled LightningModule (trainer.fit(torch.compile("
-                              "module))) is not run exactly as Lightning's DDP runs it on the "
-                              "usbyte-opt runtime path; fit the module uncompiled, or use a "
-                              "ddp-tuned schedule (Lightning's DDP)")
+            # (lightning.pytorch.utilities.compile.from_compiled): the root's forward runs a
+            # compiled training_step, where the updates run before it (runtime.forward).
+            setattr(self._root, COMPILED_INSIDE_ATTR, True)
         if len(self.optimizers) != 1:
             raise UsbyteError(f"{TRAINER}: configure_optimizers returned {len(self.optimizers)} "
                               "optimizers: the usbyte-opt runtime path takes one optimizer per "

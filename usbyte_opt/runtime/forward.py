@@ -104,8 +104,7 @@ class ForwardGates:
         #: tensors' first uses are not where the eager gates see them, and AdamW trained
         #: apart from DDP in the last bits there (SGD did not); updates before the forward
         #: are DDP's values exactly.
-        self.compiled_inside = any(type(m).__name__ == "OptimizedModule"
-                                   for m in model.modules() if m is not model)
+        self.compiled_inside = compiled_inside(model)
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
                                self.run_pending, accept_rounding)
@@ -263,6 +262,35 @@ class ForwardGates:
 #: tensor argument disables (torch/nn/modules/transformer.py, activation.py).
 _FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLayer,
                       torch.nn.MultiheadAttention)
+
+
+#: Set (true) on a model whose forward runs code compiled apart from it that
+#: :func:`compiled_inside` cannot see (the Lightning integration's root, whose forward calls
+#: a LightningModule's compiled ``training_step``).
+COMPILED_INSIDE_ATTR = "_usbyte_compiled_inside"
+
+
+def compiled_inside(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s forward runs code that ``torch.compile`` compiled apart from the
+    model (the runtime does not split it; its armed parameters' updates would be traced into
+    that graph): a submodule compiled on its own, a module's method replaced by its compiled
+    form (Lightning compiles a LightningModule's ``forward`` and ``*_step`` methods so), or a
+    model marked with :data:`COMPILED_INSIDE_ATTR`.
+
+    Example::
+
+        >>> import torch
+        >>> compiled_inside(torch.nn.Sequential(torch.nn.Linear(2, 2)))
+        False
+    """
+    if getattr(model, COMPILED_INSIDE_ATTR, False):
+        return True
+    for m in model.modules():
+        if m is not model and type(m).__name__ == "OptimizedModule":
+            return True
+        if any(hasattr(v, "_torchdynamo_orig_callable") for v in vars(m).values() if callable(v)):
+            return True
+    return False
 
 
 class _Removes:
