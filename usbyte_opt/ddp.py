@@ -183,6 +183,8 @@ def wrap(model: torch.nn.Module, schedule: Schedule | str, *, check: bool = True
     ddp_model = DistributedDataParallel(model, **kwargs, **ddp_kwargs)
     if check:
         watch_buckets(ddp_model, schedule)
+    else:
+        compiled_as_default(ddp_model)   # (watch_buckets does it too)
     return ddp_model
 
 

@@ -90,7 +90,6 @@ except ImportError as e:  # pragma: no cover - the extra is not installed
 
 from ..errors import UsbyteError
 from ..formats import Schedule
-from ..runtime.forward import COMPILED_INSIDE_ATTR
 from ._common import Route, log_plan, resolve, runtime_kwargs
 
 TRAINER = "Lightning"
@@ -120,6 +119,14 @@ class _Root(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._lightning_module.training_step(*args, **kwargs)
+
+    @property
+    def _usbyte_compiled_inside(self) -> bool:
+        """``runtime.forward.COMPILED_INSIDE_ATTR``: the forward runs a compiled
+        ``training_step`` when Lightning compiled the LightningModule (it compiles its
+        ``forward`` and ``*_step`` methods one by one, ``from_compiled``); every update of a
+        step then runs before it."""
+        return getattr(self._lightning_module, "_compiler_ctx", None) is not None
 
 
 def _takes_found_inf(optimizer: Any) -> bool:
@@ -289,11 +296,6 @@ class UsbyteStrategy(DDPStrategy):
             return
         from ..runtime import DistributedOptimizer
 
-        if getattr(self.lightning_module, "_compiler_ctx", None) is not None:
-            # Lightning compiles the module's forward and *_step methods one by one
-            # (lightning.pytorch.utilities.compile.from_compiled): the root's forward runs a
-            # compiled training_step, where the updates run before it (runtime.forward).
-            setattr(self._root, COMPILED_INSIDE_ATTR, True)
         if len(self.optimizers) != 1:
             raise UsbyteError(f"{TRAINER}: configure_optimizers returned {len(self.optimizers)} "
                               "optimizers: the usbyte-opt runtime path takes one optimizer per "

@@ -99,11 +99,8 @@ class ForwardGates:
         self.fast_path: dict[int, list[int]] = {
             id(mod): [index[id(p)] for p in mod.parameters() if id(p) in index]
             for mod in model.modules() if isinstance(mod, _FAST_PATH_MODULES)}
-        #: Submodules compiled on their own (``model.block = torch.compile(block)``): the
-        #: updates of a training forward all run before it. Inside such a graph the armed
-        #: tensors' first uses are not where the eager gates see them, and AdamW trained
-        #: apart from DDP in the last bits there (SGD did not); updates before the forward
-        #: are DDP's values exactly.
+        #: Code compiled apart from the model runs in its forward: every update of a
+        #: training forward runs before it (:func:`compiled_inside`).
         self.compiled_inside = compiled_inside(model)
         #: torch.compile: the plan's pieces, and the gates' way in (:mod:`.compiled`).
         self.split = PlanSplit(model, params, pieces if pieces is not None else [0] * len(params),
@@ -264,9 +261,9 @@ _FAST_PATH_MODULES = (torch.nn.TransformerEncoder, torch.nn.TransformerEncoderLa
                       torch.nn.MultiheadAttention)
 
 
-#: Set (true) on a model whose forward runs code compiled apart from it that
-#: :func:`compiled_inside` cannot see (the Lightning integration's root, whose forward calls
-#: a LightningModule's compiled ``training_step``).
+#: True (an attribute or property) on a model whose forward runs code compiled apart from it
+#: that :func:`compiled_inside` cannot see (the Lightning integration's root, whose forward
+#: calls a LightningModule's compiled ``training_step``).
 COMPILED_INSIDE_ATTR = "_usbyte_compiled_inside"
 
 
