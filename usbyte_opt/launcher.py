@@ -37,6 +37,7 @@ import functools
 import gc
 import os
 import pickle
+import random
 import shutil
 import signal
 import socket
@@ -63,7 +64,23 @@ PROGRESS_PREFIX = "@@ "
 
 
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 right now, below the kernel's ephemeral range where it
+    can: a port from that range, free when checked, could be taken by any outgoing connection
+    (another run's gloo pairs) before the rank that rendezvouses on it has started (seen once
+    in the test suite: ``EADDRINUSE``)."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    rng = random.Random()
+    for _ in range(64 if low > 20_000 else 0):
+        port = rng.randrange(20_000, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind((LOOPBACK, port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((LOOPBACK, 0))
         return s.getsockname()[1]
